@@ -1,0 +1,3 @@
+from torchneox.cli import main
+
+raise SystemExit(main())

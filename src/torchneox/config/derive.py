@@ -1,0 +1,593 @@
+"""Every value torchneox computes from a config, each with the one-line reason for it.
+
+``derive`` is the only place these rules live; ``config explain`` prints its result and the
+trainer, the estimator and the launcher read it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torchneox.config import sizes
+from torchneox.config.errors import ConfigError
+from torchneox.config.fields import Status
+from torchneox.config.load import LoadedConfig
+from torchneox.config.schema import KEYS, NeoXConfig
+from torchneox.config.validate import (
+    ZERO_KEYS,
+    ZERO_OFFLOAD_KEYS,
+    layer_attention_types,
+    split_fractions,
+)
+
+GPT2_VOCAB = 50257
+CHAR_VOCAB = 512
+MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+
+
+@dataclass
+class Derived:
+    """Derived values in a fixed order, with a reason for each, and notes for the user."""
+
+    values: dict[str, Any] = field(default_factory=dict)
+    reasons: dict[str, str] = field(default_factory=dict)
+    no_effect: dict[str, str] = field(default_factory=dict)
+    """Key (or dotted sub-key) the config sets that changes nothing here -> why."""
+    notes: list[str] = field(default_factory=list)
+
+    def put(self, name: str, value: Any, reason: str) -> Any:
+        self.values[name] = value
+        self.reasons[name] = reason
+        return value
+
+    def __getitem__(self, name: str) -> Any:
+        return self.values[name]
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.values.get(name, default)
+
+
+def derive(
+    loaded: LoadedConfig,
+    world_size: int | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Derived:
+    """All derived values of ``loaded``. Raises ConfigError for contradictions."""
+    env = os.environ if env is None else env
+    cfg, out = loaded.config, Derived()
+    _layout(loaded, out, world_size, env)
+    _batch(loaded, out)
+    _precision(cfg, out)
+    _optimizer(loaded, out)
+    _schedule(cfg, out)
+    _model(loaded, out)
+    _data(cfg, out)
+    _no_effect(loaded, out)
+    return out
+
+
+# ------------------------------------------------------------------------------ layout
+
+
+def _world_size(
+    loaded: LoadedConfig, out: Derived, given: int | None, env: Mapping[str, str]
+) -> int:
+    cfg = loaded.config
+    stages = max(cfg.parallel.pipe_parallel_size, 1)
+    minimum = stages * cfg.parallel.model_parallel_size
+    if given is not None:
+        if given < 1:
+            raise ConfigError(f"--world-size must be >= 1, got {given}")
+        return out.put("world_size", given, f"{given}, from --world-size")
+    if env.get("WORLD_SIZE"):
+        n = int(env["WORLD_SIZE"])
+        return out.put("world_size", n, f"{n}, from the launcher (WORLD_SIZE)")
+    for name in ("world_size", "global_num_gpus"):
+        value = cfg.get(name)
+        if value:
+            return out.put("world_size", value, f"{value}, from {name} in {loaded.source(name)}")
+    launcher = cfg.launcher
+    if launcher.num_gpus and launcher.num_nodes and launcher.num_nodes > 0:
+        n = launcher.num_gpus * launcher.num_nodes
+        return out.put(
+            "world_size", n, f"{n} = num_gpus {launcher.num_gpus} x num_nodes {launcher.num_nodes}"
+        )
+    return out.put(
+        "world_size",
+        minimum,
+        f"{minimum}: not given (--world-size or a launcher), so the smallest world the layout "
+        f"needs, pipeline stages {stages} x model_parallel_size {cfg.parallel.model_parallel_size}",
+    )
+
+
+def _layout(loaded: LoadedConfig, out: Derived, given: int | None, env: Mapping[str, str]) -> None:
+    cfg = loaded.config
+    p = cfg.parallel
+    world = _world_size(loaded, out, given, env)
+    pp, mp = p.pipe_parallel_size, p.model_parallel_size
+    stages = max(pp, 1)
+    if world % (stages * mp):
+        raise ConfigError(
+            f"world size {world} is not divisible by pipeline stages {stages} x "
+            f"model_parallel_size {mp} = {stages * mp}; data-parallel ranks must fill the layout",
+            source=loaded.source("model_parallel_size" if mp > 1 else "pipe_parallel_size"),
+            key="model_parallel_size" if mp > 1 else "pipe_parallel_size",
+        )
+    dp = world // (stages * mp)
+    out.put(
+        "pipe_parallel_size",
+        pp,
+        f"{pp}, as given" if loaded.given("pipe_parallel_size") else "0, the default",
+    )
+    out.put("pipeline_stages", stages, f"{stages} = max(pipe_parallel_size, 1)")
+    runs = pp >= 2
+    if runs:
+        why = (
+            f"pipe_parallel_size {pp} >= 2: the model is split into {pp} stages run by the "
+            f"'{p.pipeline_schedule}' schedule (torch.distributed.pipelining)"
+        )
+    elif pp == 1:
+        why = (
+            "pipe_parallel_size 1 means one stage, so the model runs as a plain module with no "
+            "pipeline schedule. GPT-NeoX sends 1 through DeepSpeed's PipelineEngine although its own "
+            "comment says 0 and 1 both avoid it; here 0 and 1 run the same way and write the same "
+            "checkpoints"
+        )
+    else:
+        why = "pipe_parallel_size 0: one stage, run as a plain module with no pipeline schedule"
+    out.put("pipeline_schedule_runs", runs, why)
+    out.put(
+        "pipeline_schedule",
+        p.pipeline_schedule if runs else None,
+        f"'{p.pipeline_schedule}'" + (" (default)" if not loaded.given("pipeline_schedule") else "")
+        if runs
+        else "none: a single stage needs no schedule",
+    )
+    out.put(
+        "model_parallel_size",
+        mp,
+        f"{mp} tensor-parallel ranks split every layer" if mp > 1 else "1: layers are not split",
+    )
+    out.put(
+        "data_parallel_size",
+        dp,
+        f"{dp} = world size {world} / (pipeline stages {stages} x model_parallel_size {mp})",
+    )
+    zero = (cfg.optimizer.zero_optimization or {}).get("stage", 0)
+    zero_what = {
+        0: "gradients all-reduced, every rank keeps full optimizer state (DDP)",
+        1: "optimizer state sharded over data-parallel ranks (FSDP2, parameters kept gathered)",
+        2: "gradients and optimizer state sharded (FSDP2, parameters kept gathered)",
+        3: "parameters, gradients and optimizer state sharded, parameters regathered per layer (FSDP2)",
+    }[zero]
+    out.put("zero_stage", zero, f"{zero}, from zero_optimization.stage: {zero_what}")
+    backend = "nccl on GPU, gloo on CPU"
+    if loaded.given("distributed_backend"):
+        backend = f"{p.distributed_backend} on GPU (as given), gloo on CPU"
+    out.put("distributed_backend", backend, "chosen from the device the run finds")
+
+
+# ------------------------------------------------------------------------------- batch
+
+
+def _batch(loaded: LoadedConfig, out: Derived) -> None:
+    t = loaded.config.training
+    dp = out["data_parallel_size"]
+    tbs = t.train_batch_size if loaded.given("train_batch_size") else None
+    mb = t.train_micro_batch_size_per_gpu
+    if mb is None and t.batch_size is not None:
+        mb = t.batch_size
+    gas = t.gradient_accumulation_steps if loaded.given("gradient_accumulation_steps") else None
+    names = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    if tbs is None and mb is None:
+        for name in names:
+            out.put(name, None, "unknown: give train_micro_batch_size_per_gpu or train_batch_size")
+        return
+
+    def error(message: str) -> ConfigError:
+        return ConfigError(
+            message, source=loaded.source("train_batch_size"), key="train_batch_size"
+        )
+
+    if tbs is not None and mb is not None and gas is not None:
+        if tbs != mb * gas * dp:
+            raise error(
+                f"{tbs} != train_micro_batch_size_per_gpu {mb} x gradient_accumulation_steps {gas} "
+                f"x data-parallel size {dp} = {mb * gas * dp}; fix one, or leave one out to derive it"
+            )
+        how = ("given", "given", "given")
+    elif tbs is not None and mb is not None:
+        if tbs % (mb * dp):
+            raise error(
+                f"{tbs} is not divisible by train_micro_batch_size_per_gpu {mb} x data-parallel "
+                f"size {dp} = {mb * dp}, so gradient_accumulation_steps would not be whole"
+            )
+        gas = tbs // (mb * dp)
+        how = ("given", "given", f"{gas} = {tbs} / ({mb} x data-parallel {dp})")
+    elif tbs is not None:
+        gas = gas or 1
+        if tbs % (gas * dp):
+            raise error(
+                f"{tbs} is not divisible by gradient_accumulation_steps {gas} x data-parallel "
+                f"size {dp} = {gas * dp}, so the micro-batch would not be whole"
+            )
+        mb = tbs // (gas * dp)
+        gas_how = "given" if loaded.given("gradient_accumulation_steps") else "1, the default"
+        how = ("given", f"{mb} = {tbs} / ({gas} x data-parallel {dp})", gas_how)
+    else:
+        assert mb is not None
+        gas_how = "given" if gas is not None else "1, the default"
+        gas = gas or 1
+        tbs = mb * gas * dp
+        how = (f"{tbs} = {mb} x {gas} x data-parallel {dp}", "given", gas_how)
+    for name, value, reason in zip(names, (tbs, mb, gas), how, strict=True):
+        if reason == "given":
+            reason = f"{value}, as given"
+        out.put(name, value, reason)
+    seq = loaded.config.model.seq_length
+    if seq:
+        out.put(
+            "tokens_per_step",
+            tbs * seq,
+            f"{tbs * seq:,} = train_batch_size {tbs} x seq_length {seq}",
+        )
+
+
+# --------------------------------------------------------------------------- precision
+
+
+def _precision(cfg: NeoXConfig, out: Derived) -> None:
+    pr = cfg.precision
+    fp16_on = bool(pr.fp16 and pr.fp16.get("enabled", False))
+    bf16_on = bool(pr.bf16 and pr.bf16.get("enabled", False))
+    if pr.precision is not None:
+        precision, why = pr.precision, f"{pr.precision}, from precision"
+    elif fp16_on:
+        precision, why = "fp16", "fp16, because fp16.enabled is true"
+    elif bf16_on:
+        precision, why = "bfloat16", "bfloat16, because bf16.enabled is true"
+    else:
+        precision, why = "fp32", "fp32: neither precision nor an enabled fp16/bf16 dict is given"
+    if precision == "bfloat16":
+        why += " (autocast in bf16, fp32 master weights)"
+    if precision == "fp16":
+        why += " (autocast in fp16, fp32 master weights, loss scaling)"
+    out.put("precision", precision, why)
+    if precision == "fp16":
+        fp16 = pr.fp16 or {}
+        static = fp16.get("loss_scale", pr.loss_scale) or 0
+        if static:
+            out.put(
+                "loss_scale", f"static {static:g}", f"fp16.loss_scale {static:g} fixes the scale"
+            )
+        else:
+            power = fp16.get("initial_scale_power", 16)
+            window = fp16.get("loss_scale_window", pr.loss_scale_window)
+            hysteresis = fp16.get("hysteresis", pr.hysteresis)
+            floor = fp16.get("min_loss_scale", pr.min_scale)
+            out.put(
+                "loss_scale",
+                f"dynamic from 2^{power:g}",
+                f"loss_scale 0/unset means dynamic: start at 2^{power:g}, double after {window:g} "
+                f"clean steps, halve after {hysteresis} overflows, never below {floor:g}; an "
+                "overflowing step is skipped",
+            )
+    if pr.communication_data_type:
+        reduce, why = pr.communication_data_type, "from communication_data_type"
+    elif pr.fp32_allreduce:
+        reduce, why = "fp32", "fp32_allreduce: true"
+    else:
+        reduce = {"fp32": "fp32", "bfloat16": "bf16", "fp16": "fp32"}[precision]
+        why = (
+            "gradients are reduced in the master weights' dtype"
+            if precision != "bfloat16"
+            else ("bf16 like the compute; set fp32_allreduce: true for fp32 reduction")
+        )
+    out.put("gradient_reduce_dtype", reduce, why)
+
+
+# --------------------------------------------------------------------------- optimizer
+
+
+def _optimizer(loaded: LoadedConfig, out: Derived) -> None:
+    o = loaded.config.optimizer
+    opt = o.optimizer
+    if opt is None:
+        out.put("optimizer_type", "adam", "adam: no optimizer dict given, GPT-NeoX's default")
+        params: dict[str, Any] = {}
+    else:
+        kind = str(opt["type"]).lower()
+        out.put("optimizer_type", kind, f"from optimizer.type {opt['type']!r}")
+        params = opt.get("params") or {}
+    if "lr" in params:
+        out.put("lr", params["lr"], f"{params['lr']:g}, from optimizer.params.lr")
+    elif o.lr is not None:
+        out.put("lr", o.lr, f"{o.lr:g}, from lr")
+    else:
+        out.put("lr", None, "unknown: give optimizer.params.lr")
+    decay = o.weight_decay
+    why = f"{decay:g} on weight matrices, none on biases and norm weights"
+    if "weight_decay" in params and params["weight_decay"] != decay:
+        why += (
+            f" (optimizer.params.weight_decay {params['weight_decay']:g} is overridden by "
+            "weight_decay, as GPT-NeoX does)"
+        )
+    out.put("weight_decay", decay, why)
+    if out["optimizer_type"] == "adam":
+        out.reasons["optimizer_type"] += (
+            "; runs as AdamW (decoupled weight decay), as GPT-NeoX does"
+        )
+    clip = o.gradient_clipping
+    if loaded.given("clip_grad") and not loaded.given("gradient_clipping"):
+        clip = o.clip_grad
+    out.put(
+        "gradient_clipping", clip, f"clip to global norm {clip:g}" if clip else "0: no clipping"
+    )
+
+
+def _schedule(cfg: NeoXConfig, out: Derived) -> None:
+    lr, t = cfg.lr, cfg.training
+    if t.train_iters is None:
+        out.put("lr_decay_iters", None, "unknown: train_iters is not set")
+        return
+    if lr.lr_decay_fraction is not None:
+        iters = max(1, int(t.train_iters * lr.lr_decay_fraction))
+        why = f"{iters} = train_iters {t.train_iters} x lr_decay_fraction {lr.lr_decay_fraction}"
+    elif lr.lr_decay_iters is not None:
+        iters, why = lr.lr_decay_iters, f"{lr.lr_decay_iters}, as given"
+    else:
+        iters, why = t.train_iters, f"{t.train_iters}, defaults to train_iters"
+    out.put("lr_decay_iters", iters, why)
+    warm = lr.warmup * iters
+    out.put("warmup_iters", warm, f"{warm:g} = warmup {lr.warmup} x lr_decay_iters {iters}")
+    peak = out.get("lr")
+    shape = {
+        "constant": "stays at the peak",
+        "linear": "falls linearly",
+        "cosine": "follows a half cosine",
+        "exponential": "decays exponentially",
+    }[lr.lr_decay_style]
+    out.put(
+        "lr_schedule",
+        lr.lr_decay_style,
+        f"after warmup the rate {shape} from {peak if peak is not None else 'the peak'} "
+        f"to min_lr {lr.min_lr:g} by step {iters}",
+    )
+
+
+# ------------------------------------------------------------------------------- model
+
+
+@dataclass(frozen=True)
+class VocabInfo:
+    size: int | None
+    reason: str
+    exact: bool
+    """True when read from the tokenizer's file (or fixed by the tokenizer kind)."""
+
+
+def tokenizer_vocab_size(cfg: NeoXConfig) -> VocabInfo:
+    """Size of the tokenizer's vocabulary, read from its file where that is cheap."""
+    tok = cfg.tokenizer
+    kind, path = tok.tokenizer_type, tok.vocab_file
+    if kind == "CharLevelTokenizer":
+        return VocabInfo(
+            CHAR_VOCAB, f"{CHAR_VOCAB}, the character-level tokenizer's vocabulary", True
+        )
+    readable = path is not None and Path(path).is_file()
+    if kind in ("GPT2BPETokenizer", "HFGPT2Tokenizer"):
+        extra = 1 if kind == "HFGPT2Tokenizer" else 0  # it adds a padding token
+        if readable:
+            n = len(_read_json(path, "vocab_file")) + extra
+            return VocabInfo(n, f"{n}, read from vocab_file {path}", True)
+        missing = f" (vocab_file {path} is not readable here)" if path else ""
+        return VocabInfo(
+            GPT2_VOCAB + extra, f"{GPT2_VOCAB + extra}, GPT-2's vocabulary{missing}", False
+        )
+    if kind == "HFTokenizer" and readable:
+        data = _read_json(path, "vocab_file")
+        ids = list((data.get("model") or {}).get("vocab", {}).values())
+        ids += [t["id"] for t in data.get("added_tokens", [])]
+        if ids:
+            n = max(ids) + 1
+            return VocabInfo(n, f"{n}, read from vocab_file {path}", True)
+    where = f"vocab_file {path} is not readable here" if path else "no vocab_file is given"
+    return VocabInfo(None, f"unknown: {where}", False)
+
+
+def _read_json(path: str, key: str) -> Any:
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read {path} as JSON ({e})", key=key) from None
+
+
+def _vocab(loaded: LoadedConfig, out: Derived) -> int:
+    cfg = loaded.config
+    m, mp = cfg.model, cfg.parallel.model_parallel_size
+    info = tokenizer_vocab_size(cfg)
+    if cfg.tokenizer.padded_vocab_size is not None:
+        padded = cfg.tokenizer.padded_vocab_size
+        if info.exact and info.size is not None and padded < info.size:
+            raise ConfigError(
+                f"{padded} is smaller than the tokenizer's vocabulary ({info.size})",
+                source=loaded.source("padded_vocab_size"),
+                key="padded_vocab_size",
+            )
+        out.put("vocab_size", info.size if info.exact else None, info.reason)
+        return out.put("padded_vocab_size", padded, f"{padded}, as given")
+    vocab, why = info.size, info.reason
+    if vocab is None:
+        vocab = GPT2_VOCAB
+        why += f"; assuming GPT-2's {GPT2_VOCAB} tokens for the sizes below"
+        out.notes.append(
+            f"vocabulary size assumed to be {GPT2_VOCAB}: make vocab_file readable or give "
+            "padded_vocab_size for exact parameter counts"
+        )
+    out.put("vocab_size", vocab, why)
+    multiple = m.make_vocab_size_divisible_by * mp
+    padded = sizes.padded_vocab(vocab, m.make_vocab_size_divisible_by, mp)
+    return out.put(
+        "padded_vocab_size",
+        padded,
+        f"{padded}: {vocab} rounded up to a multiple of make_vocab_size_divisible_by "
+        f"{m.make_vocab_size_divisible_by} x model_parallel_size {mp} = {multiple}",
+    )
+
+
+def _model(loaded: LoadedConfig, out: Derived) -> None:
+    cfg = loaded.config
+    m = cfg.model
+    padded = _vocab(loaded, out)
+    missing = [k for k in MODEL_KEYS if cfg.get(k) is None]
+    if missing:
+        why = f"unknown: {', '.join(missing)} not set"
+        out.put("num_parameters", None, why)
+        out.put("flops_per_token", None, why)
+        return
+    d, kv = sizes.head_dim(cfg), sizes.kv_heads(cfg)
+    out.put(
+        "head_dim",
+        d,
+        f"{d} = hidden_size {m.hidden_size} / num_attention_heads {m.num_attention_heads}",
+    )
+    attention = (
+        "multi-head"
+        if kv == m.num_attention_heads
+        else ("multi-query" if kv == 1 else "grouped-query")
+    )
+    out.put("num_kv_heads", kv, f"{kv}: {attention} attention")
+    widths = sizes.mlp_widths(cfg)
+    how = (
+        f"gated {m.activation}: two halves of {widths.down}" if widths.gated else f"{m.activation}"
+    )
+    out.put("mlp_width", widths.down, f"{widths.down} ({how}; GPT-NeoX's sizing rules)")
+    if m.pos_emb == "rotary":
+        r = sizes.rotary_dims(cfg)
+        out.put(
+            "rotary_dims",
+            r,
+            f"{r} of {d} head dimensions (rotary_pct {m.rotary_pct}), rotate-half layout",
+        )
+    residual = (
+        "parallel (GPT-J): x + attn(norm(x)) + mlp(norm(x))"
+        if m.gpt_j_residual
+        else ("sequential: x + attn(norm(x)), then + mlp(norm(.))")
+    )
+    out.put("residual", "parallel" if m.gpt_j_residual else "sequential", residual)
+    kinds = layer_attention_types(cfg, loaded.origin)
+    out.put(
+        "attention",
+        "sdpa" + (f", window {m.sliding_window_width}" if m.sliding_window_width else ""),
+        f"causal scaled_dot_product_attention on all {len(kinds)} layers"
+        + (" ('flash' and 'global' alike)" if m.attention_config else ""),
+    )
+    counts = sizes.count(cfg, padded)
+    tied = "tied to the embedding" if not m.no_weight_tying else "its own weights"
+    out.put(
+        "num_parameters",
+        counts.total,
+        f"{counts.total:,} ({_human(counts.total)}), of which {counts.embedding:,} in embeddings; "
+        f"output head {tied}",
+    )
+    if counts.moe_layers:
+        out.put(
+            "num_active_parameters",
+            counts.active,
+            f"{counts.active:,} ({_human(counts.active)}) reach each token: {counts.moe_layers} MoE "
+            f"layers of {cfg.moe.moe_num_experts} experts, top-{cfg.moe.moe_top_k}",
+        )
+    out.put(
+        "flops_per_token",
+        counts.flops_per_token,
+        f"{counts.flops_per_token:,} ({_human(counts.flops_per_token)}FLOP) = 3 x forward "
+        f"(2 per weight a token meets, output head included, plus attention scores over "
+        f"{min(m.seq_length, m.sliding_window_width or m.seq_length)} positions)",
+    )
+
+
+def _human(n: float) -> str:
+    for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:g}"
+
+
+def _data(cfg: NeoXConfig, out: Derived) -> None:
+    d = cfg.data
+    if d.data_path:
+        fractions = split_fractions(d.split)
+        parts = ", ".join(
+            f"{name} {f:.1%}" for name, f in zip(("train", "valid", "test"), fractions, strict=True)
+        )
+        out.put("data", d.data_path, f"one dataset split by documents '{d.split}': {parts}")
+    elif d.train_data_paths:
+        n = len(d.train_data_paths)
+        how = (
+            "by document counts"
+            if d.weight_by_num_documents
+            else ("by train_data_weights" if d.train_data_weights else "equally")
+        )
+        out.put("data", d.train_data_paths, f"{n} training dataset(s), blended {how}")
+    else:
+        out.put("data", None, "no data_path or train_data_paths given")
+
+
+# ---------------------------------------------------------------------------- notes
+
+
+def _no_effect(loaded: LoadedConfig, out: Derived) -> None:
+    cfg = loaded.config
+    for name in loaded.origin:
+        spec = KEYS.get(name)
+        if spec is None:
+            continue
+        value = cfg.get(name)
+        if spec.info.status is Status.NO_EFFECT and value != spec.default:
+            out.no_effect[name] = spec.info.why
+        elif spec.info.status is Status.DERIVED and name not in (
+            "padded_vocab_size",
+            "world_size",
+            "global_num_gpus",
+        ):
+            out.no_effect[name] = "GPT-NeoX sets this at launch; torchneox derives its own value"
+    for sub, value in (cfg.optimizer.zero_optimization or {}).items():
+        if sub in ZERO_OFFLOAD_KEYS and not value:
+            continue  # offload switched off, as torchneox requires
+        if sub != "stage" and sub in ZERO_KEYS:
+            out.no_effect[f"zero_optimization.{sub}"] = (
+                "DeepSpeed ZeRO tuning; FSDP2 sizes its own communication"
+            )
+    params = (cfg.optimizer.optimizer or {}).get("params") or {}
+    if "max_grad_norm" in params:
+        out.no_effect["optimizer.params.max_grad_norm"] = "clipping comes from gradient_clipping"
+    situational = {
+        "sequence_parallel": (
+            cfg.parallel.sequence_parallel and cfg.parallel.model_parallel_size == 1,
+            "it needs model_parallel_size > 1",
+        ),
+        "rotary_pct": (
+            cfg.model.pos_emb != "rotary" and loaded.given("rotary_pct"),
+            "pos_emb is not rotary",
+        ),
+        "pipeline_schedule": (
+            not out["pipeline_schedule_runs"] and loaded.given("pipeline_schedule"),
+            "no schedule runs with fewer than 2 pipeline stages",
+        ),
+        "checkpoint_num_layers": (
+            not cfg.training.checkpoint_activations and loaded.given("checkpoint_num_layers"),
+            "checkpoint_activations is false",
+        ),
+        "moe_top_k": (
+            cfg.moe.moe_num_experts == 1 and loaded.given("moe_top_k"),
+            "moe_num_experts is 1",
+        ),
+    }
+    for name, (applies, why) in situational.items():
+        if applies:
+            out.no_effect[name] = why

@@ -1,0 +1,36 @@
+"""The one exception type for mistakes in a config."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config: where it is, which key, what is wrong, what to do.
+
+    ``str(error)`` is one line, ready to print: ``SOURCE: KEY: message``.
+    """
+
+    def __init__(self, message: str, *, source: str | None = None, key: str | None = None):
+        self.message = message
+        self.source = source
+        self.key = key
+        parts = [p for p in (source, key) if p]
+        super().__init__(": ".join([*parts, message]))
+
+
+def closest(word: str, choices: Iterable[str], cutoff: float = 0.6) -> str | None:
+    """The choice most like ``word``, if any is close enough to be a likely typo."""
+    choices = list(choices)
+    lowered = {c.lower(): c for c in choices}
+    if word.lower() in lowered:
+        return lowered[word.lower()]
+    match = difflib.get_close_matches(word, choices, n=1, cutoff=cutoff)
+    return match[0] if match else None
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """'; did you mean X?' when a close choice exists, else ''."""
+    match = closest(word, choices)
+    return f"; did you mean {match}?" if match else ""

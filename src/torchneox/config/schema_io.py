@@ -1,0 +1,293 @@
+"""Config groups of what goes in and out: data, tokenizer, logging, generation, launching."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from torchneox.config.fields import derived, key, no_effect, unsupported
+
+NOT_RM = "reward-model training is not supported (train_impl 'rm' is refused)"
+NOT_PAIRS = "preference-pair training is not supported (train_impl 'dpo'/'kto' are refused)"
+LAUNCH = "torchneox is launched with torchrun; this describes DeepSpeed's launcher"
+DS_ONLY = "a DeepSpeed setting with no counterpart in a PyTorch-native trainer"
+WANDB = "only used with use_wandb"
+COMET = "Comet logging is not supported (use_comet is refused)"
+
+
+@dataclass
+class DataConfig:
+    """Token datasets, their split and their blend."""
+
+    data_path: str | None = key(None, "Prefix of one .bin/.idx dataset, split by 'split'.")
+    split: str = key("969, 30, 1", "Train, validation, test proportions of data_path's documents.")
+    train_data_paths: list[str] | None = key(None, "Training dataset prefixes, blended.")
+    valid_data_paths: list[str] | None = key(None, "Validation dataset prefixes, blended.")
+    test_data_paths: list[str] | None = key(None, "Test dataset prefixes, blended.")
+    train_data_weights: list[float] | None = key(None, "Blend weights of train_data_paths.")
+    valid_data_weights: list[float] | None = key(None, "Blend weights of valid_data_paths.")
+    test_data_weights: list[float] | None = key(None, "Blend weights of test_data_paths.")
+    weight_by_num_documents: bool = key(
+        False, "Weight datasets by document count (tempered by weighted_sampler_alpha)."
+    )
+    weighted_sampler_alpha: float = key(
+        1.0, "Exponent on document-count weights; below 1 favours small datasets."
+    )
+    data_impl: Literal["infer", "mmap", "cached"] = key(
+        "infer", "Dataset format; mmap (MMIDIDX) is read, infer means mmap, cached is refused."
+    )
+    pack_impl: Literal["packed", "pack_until_overflow", "unpacked"] = key(
+        "packed", "How documents fill samples; only packed is built."
+    )
+    dataset_impl: Literal["gpt2", "pairwise"] = key(
+        "gpt2", "Dataset kind; only gpt2 (packed language modelling) is built."
+    )
+    allow_chopped: bool = no_effect(
+        True,
+        "Keep samples that cut a document.",
+        "only matters for unpacked data, which is refused",
+    )
+    num_workers: int = key(2, "Background processes that prepare batches.")
+    use_shared_fs: bool = key(
+        True, "Index files are built once on a shared filesystem (else once per node)."
+    )
+    mmap_warmup: bool = no_effect(
+        False,
+        "Read datasets once at start-up to warm the page cache.",
+        "the OS page cache warms itself",
+    )
+    train_label_data_paths: list[str] | None = unsupported(
+        None, "Separate label datasets for training.", "label datasets are not supported"
+    )
+    valid_label_data_paths: list[str] | None = unsupported(
+        None, "Separate label datasets for validation.", "label datasets are not supported"
+    )
+    test_label_data_paths: list[str] | None = unsupported(
+        None, "Separate label datasets for testing.", "label datasets are not supported"
+    )
+    train_reward_data_paths: list[str] | None = no_effect(None, "Reward datasets (train).", NOT_RM)
+    valid_reward_data_paths: list[str] | None = no_effect(None, "Reward datasets (valid).", NOT_RM)
+    test_reward_data_paths: list[str] | None = no_effect(None, "Reward datasets (test).", NOT_RM)
+    pos_train_data_paths: list[str] | None = no_effect(
+        None, "Preferred samples (train).", NOT_PAIRS
+    )
+    neg_train_data_paths: list[str] | None = no_effect(None, "Rejected samples (train).", NOT_PAIRS)
+    pos_valid_data_paths: list[str] | None = no_effect(
+        None, "Preferred samples (valid).", NOT_PAIRS
+    )
+    neg_valid_data_paths: list[str] | None = no_effect(None, "Rejected samples (valid).", NOT_PAIRS)
+    pos_test_data_paths: list[str] | None = no_effect(None, "Preferred samples (test).", NOT_PAIRS)
+    neg_test_data_paths: list[str] | None = no_effect(None, "Rejected samples (test).", NOT_PAIRS)
+    pos_train_label_data_paths: list[str] | None = no_effect(
+        None, "Labels of preferred samples (train).", NOT_PAIRS
+    )
+    neg_train_label_data_paths: list[str] | None = no_effect(
+        None, "Labels of rejected samples (train).", NOT_PAIRS
+    )
+    pos_valid_label_data_paths: list[str] | None = no_effect(
+        None, "Labels of preferred samples (valid).", NOT_PAIRS
+    )
+    neg_valid_label_data_paths: list[str] | None = no_effect(
+        None, "Labels of rejected samples (valid).", NOT_PAIRS
+    )
+    pos_test_label_data_paths: list[str] | None = no_effect(
+        None, "Labels of preferred samples (test).", NOT_PAIRS
+    )
+    neg_test_label_data_paths: list[str] | None = no_effect(
+        None, "Labels of rejected samples (test).", NOT_PAIRS
+    )
+
+
+@dataclass
+class TokenizerConfig:
+    """The tokenizer and the vocabulary size it implies."""
+
+    tokenizer_type: Literal[
+        "GPT2BPETokenizer",
+        "HFTokenizer",
+        "HFGPT2Tokenizer",
+        "SPMTokenizer",
+        "CharLevelTokenizer",
+        "TiktokenTokenizer",
+    ] = key("GPT2BPETokenizer", "Tokenizer kind.")
+    vocab_file: str | None = key(
+        None, "Tokenizer file: vocab.json, tokenizer.json, a sentencepiece or tiktoken model."
+    )
+    merge_file: str | None = key(None, "BPE merges file (GPT2BPETokenizer).")
+    padded_vocab_size: int | None = derived(
+        None, "Embedding rows after padding; derived from the tokenizer unless given."
+    )
+
+
+@dataclass
+class LoggingConfig:
+    """Console, metrics files, TensorBoard, W&B and profiling."""
+
+    log_interval: int = key(100, "Steps between log lines.")
+    steps_per_print: int = no_effect(
+        10, "DeepSpeed's own loss print interval.", "log_interval sets the log cadence"
+    )
+    log_dir: str | None = key(None, "Directory of metrics.jsonl; defaults to the save directory.")
+    tensorboard_dir: str | None = key(None, "Write TensorBoard events here.")
+    use_wandb: bool | None = key(None, "Log to Weights & Biases.")
+    wandb_project: str = key("neox", "W&B project.")
+    wandb_group: str | None = key(None, "W&B run group.")
+    wandb_team: str | None = key(None, "W&B entity.")
+    wandb_host: str = key("https://api.wandb.ai", "W&B server.")
+    wandb_init_all_ranks: bool = key(False, "Start W&B on every rank, not only rank 0.")
+    wall_clock_breakdown: bool = key(
+        False, "Print data, forward, backward and optimizer timings every log step."
+    )
+    memory_profiling: bool = key(False, "Record a CUDA memory snapshot for the profiled steps.")
+    memory_profiling_path: str | None = key(None, "Where the memory snapshot goes.")
+    profile: bool = key(False, "Record a torch profiler trace for the profiled steps.")
+    profile_step_start: int = key(10, "First profiled step.")
+    profile_step_stop: int = key(12, "Last profiled step.")
+    log_grad_norm: bool = no_effect(
+        False, "Log the gradient norm.", "the global gradient norm is always logged"
+    )
+    log_param_norm: bool = no_effect(
+        False, "Log parameter norms.", "per-parameter norms are not logged yet"
+    )
+    log_grad_pct_zeros: bool = no_effect(
+        False,
+        "Log the share of zero gradients.",
+        "per-parameter gradient statistics are not logged yet",
+    )
+    log_optimizer_states: bool = no_effect(
+        False, "Log optimizer state norms.", "optimizer state norms are not logged yet"
+    )
+    log_gradient_noise_scale: bool = no_effect(
+        False, "Log the gradient noise scale.", "the gradient noise scale is not measured yet"
+    )
+    gradient_noise_scale_n_batches: int = no_effect(
+        5, "Batches per noise-scale estimate.", "the gradient noise scale is not measured yet"
+    )
+    gradient_noise_scale_cpu_offload: bool = no_effect(
+        False,
+        "Keep noise-scale buffers on the CPU.",
+        "the gradient noise scale is not measured yet",
+    )
+    use_comet: bool | None = unsupported(
+        None, "Log to Comet.", "Comet logging is not supported; use use_wandb or tensorboard_dir"
+    )
+    comet_workspace: str | None = no_effect(None, "Comet workspace.", COMET)
+    comet_project: str | None = no_effect(None, "Comet project.", COMET)
+    comet_experiment_name: str | None = no_effect(None, "Comet experiment name.", COMET)
+    comet_tags: list[str] | None = no_effect(None, "Comet tags.", COMET)
+    comet_others: dict[str, Any] | None = no_effect(None, "Comet metadata.", COMET)
+    git_hash: str | None = derived(None, "Git commit of the code that ran.")
+
+
+@dataclass
+class TextGenConfig:
+    """Sampling and evaluation."""
+
+    text_gen_type: Literal["unconditional", "input-file", "interactive", "precompute"] | None = key(
+        None, "Generation mode: unconditional, input-file or interactive (precompute is refused)."
+    )
+    temperature: float = key(0.0, "Sampling temperature; 0 means greedy.")
+    top_k: int = key(0, "Sample among the k most likely tokens; 0 means no limit.")
+    top_p: float = key(
+        0.0, "Sample among the most likely tokens covering this probability; 0 means off."
+    )
+    maximum_tokens: int = key(64, "Most tokens generated per prompt.")
+    prompt_end: str = key("\n", "What ends one prompt in interactive and input-file modes.")
+    sample_input_file: str | None = key(None, "Prompts, one per line (input-file mode).")
+    sample_output_file: str = key("samples.txt", "Where generations are written.")
+    num_samples: int = key(1, "Samples drawn in unconditional mode.")
+    recompute: bool = key(False, "Recompute attention over the whole text each step (no KV cache).")
+    return_logits: bool = key(False, "Also return the logits of generated tokens.")
+    precompute_model_name: str | None = unsupported(
+        None,
+        "Name used for precomputed log-probabilities.",
+        "text_gen_type 'precompute' is not supported",
+    )
+    eval_tasks: list[str] | None = key(None, "lm-evaluation-harness tasks run at eval_interval.")
+    eval_results_prefix: str = key("", "Prefix of evaluation result files.")
+
+
+@dataclass
+class LauncherConfig:
+    """GPT-NeoX's DeepSpeed launcher settings (torchneox is launched with torchrun)."""
+
+    hostfile: str | None = no_effect(None, "File of hosts and their GPU slots.", LAUNCH)
+    include: str | None = no_effect(None, "Hosts and GPUs to use.", LAUNCH)
+    exclude: str | None = no_effect(None, "Hosts and GPUs to leave out.", LAUNCH)
+    num_nodes: int = key(-1, "Nodes to run on; -1 means all.")
+    num_gpus: int | None = key(None, "GPUs per node.")
+    master_port: int = key(29500, "Rendezvous port of rank 0.")
+    master_addr: str | None = key(None, "Address of rank 0's node.")
+    launcher: Literal["pdsh", "openmpi", "mvapich", "slurm"] = no_effect(
+        "pdsh", "DeepSpeed's multi-node launcher.", LAUNCH
+    )
+    force_multi: bool = no_effect(False, "Force multi-node mode.", LAUNCH)
+    autotuning_run: str | None = no_effect(None, "DeepSpeed autotuning mode.", LAUNCH)
+    no_ssh_check: bool = no_effect(False, "Skip DeepSpeed's ssh check.", LAUNCH)
+    comment: str | None = no_effect(None, "Slurm comment passed by DeepSpeed.", LAUNCH)
+    account: str | None = no_effect(None, "Slurm account passed by DeepSpeed.", LAUNCH)
+    deepspeed_mpi: bool = no_effect(False, "Discover ranks from MPI.", LAUNCH)
+    deepspeed_slurm: bool = no_effect(False, "Discover ranks from Slurm.", LAUNCH)
+    user_script: str | None = derived(None, "Script the launcher runs.")
+
+
+@dataclass
+class DeepSpeedConfig:
+    """DeepSpeed-only settings: accepted so GPT-NeoX configs load, none needed here."""
+
+    deepspeed: bool = no_effect(True, "Use DeepSpeed.", "torchneox runs on PyTorch alone")
+    deepscale: bool = no_effect(False, "Old DeepSpeed flag.", DS_ONLY)
+    deepscale_config: str | None = no_effect(None, "Old DeepSpeed config file.", DS_ONLY)
+    deepspeed_extra_args: dict[str, Any] | None = no_effect(
+        None, "Extra DeepSpeed config.", DS_ONLY
+    )
+    dump_state: bool = no_effect(False, "Print DeepSpeed's state.", DS_ONLY)
+    sparse_gradients: bool = no_effect(False, "Sparse embedding gradients.", DS_ONLY)
+    flops_profiler: dict[str, Any] | None = no_effect(
+        None, "DeepSpeed FLOPs profiler.", "TFLOP/s and MFU are always logged"
+    )
+    autotuning: dict[str, Any] | None = no_effect(None, "DeepSpeed autotuning.", DS_ONLY)
+    activation_checkpointing: dict[str, Any] | None = no_effect(
+        None,
+        "DeepSpeed activation checkpointing settings.",
+        "use checkpoint_activations and checkpoint_num_layers",
+    )
+    tensorboard: dict[str, Any] | None = no_effect(
+        None, "DeepSpeed's TensorBoard monitor.", "use tensorboard_dir"
+    )
+    wandb: dict[str, Any] | None = no_effect(None, "DeepSpeed's W&B monitor.", "use use_wandb")
+    csv_monitor: dict[str, Any] | None = no_effect(
+        None, "DeepSpeed's CSV monitor.", "metrics.jsonl is always written"
+    )
+    comms_logger: dict[str, Any] | None = no_effect(None, "DeepSpeed's comms logger.", DS_ONLY)
+    checkpoint: dict[str, Any] | None = no_effect(None, "DeepSpeed checkpoint options.", DS_ONLY)
+    data_types: dict[str, Any] | None = no_effect(
+        None,
+        "DeepSpeed gradient accumulation dtype.",
+        "gradients accumulate in the master weights' dtype",
+    )
+    elasticity: dict[str, Any] | None = unsupported(
+        None,
+        "DeepSpeed elastic training.",
+        "DeepSpeed elasticity is not supported; use torchrun --nnodes MIN:MAX",
+    )
+    sparse_attention: dict[str, Any] | None = unsupported(
+        None, "DeepSpeed sparse attention.", "sparse attention is not supported"
+    )
+    data_efficiency: dict[str, Any] | None = unsupported(
+        None, "DeepSpeed data efficiency.", "DeepSpeed data efficiency is not supported"
+    )
+    compression_training: dict[str, Any] | None = unsupported(
+        None, "DeepSpeed compression.", "DeepSpeed compression training is not supported"
+    )
+
+
+@dataclass
+class RuntimeConfig:
+    """Values GPT-NeoX writes while it runs; accepted when a saved config carries them."""
+
+    iteration: int | None = derived(None, "Current step.")
+    do_train: bool | None = derived(None, "Whether a training split exists.")
+    do_valid: bool | None = derived(None, "Whether a validation split exists.")
+    do_test: bool | None = derived(None, "Whether a test split exists.")
+    save_iters: list[int] | None = derived(None, "Steps at which checkpoints are saved.")

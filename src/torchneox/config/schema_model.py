@@ -1,0 +1,245 @@
+"""Config groups that shape the network: the decoder and its mixture-of-experts layers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from torchneox.config.fields import key, no_effect, unsupported
+
+FUSED = (
+    "a fused-kernel switch; torchneox needs no custom kernels (SDPA and torch.compile do this work)"
+)
+MAMBA = (
+    "configures mamba layers, which torchneox does not build (attention_config 'mamba' is refused)"
+)
+RWKV = "configures RWKV layers, which torchneox does not build (attention_config 'rwkv' is refused)"
+
+INIT_METHODS = (
+    "normal",
+    "scaled_normal",
+    "orthogonal",
+    "scaled_orthogonal",
+    "xavier_uniform",
+    "xavier_normal",
+    "wang_init",
+    "small_init",
+    "single_residual_scaled_normal",
+)
+InitMethod = Literal[
+    "normal",
+    "scaled_normal",
+    "orthogonal",
+    "scaled_orthogonal",
+    "xavier_uniform",
+    "xavier_normal",
+    "wang_init",
+    "small_init",
+    "single_residual_scaled_normal",
+]
+GATED_ACTIVATIONS = ("geglu", "reglu", "swiglu", "bilinear", "glu")
+
+
+@dataclass
+class ModelConfig:
+    """The decoder: sizes, norms, positions, activations, residual layout, initialisation."""
+
+    num_layers: int | None = key(None, "Number of transformer blocks.")
+    hidden_size: int | None = key(None, "Width of the residual stream.")
+    num_attention_heads: int | None = key(None, "Number of query heads; must divide hidden_size.")
+    num_kv_heads: int | None = key(
+        None, "Number of key/value heads (grouped-query attention); unset means one per query head."
+    )
+    seq_length: int | None = key(None, "Tokens per training sample.")
+    max_position_embeddings: int | None = key(
+        None, "Longest sequence the position scheme supports; defaults to seq_length."
+    )
+    intermediate_size: int | None = key(
+        None, "Width of the MLP before gating rules are applied; unset means 4 x hidden_size."
+    )
+    expansion_factor: float | None = key(
+        None, "MLP width as a multiple of hidden_size, used when intermediate_size is unset."
+    )
+    mlp_multiple_of: int = key(1, "Round the MLP width up to a multiple of this.")
+    sliding_window_width: int | None = key(
+        None, "Each token attends only to this many previous tokens (itself included)."
+    )
+    norm: Literal[
+        "layernorm",
+        "rmsnorm",
+        "scalenorm",
+        "non_parametric_layernorm",
+        "te_rmsnorm",
+        "te_layernorm",
+    ] = key(
+        "layernorm",
+        "Normalisation layer; te_rmsnorm and te_layernorm (Transformer Engine) run as rmsnorm and layernorm.",
+    )
+    layernorm_epsilon: float = key(1.0e-5, "Epsilon of layernorm.")
+    rms_norm_epsilon: float = key(1.0e-8, "Epsilon of rmsnorm.")
+    scalenorm_epsilon: float = key(1.0e-8, "Epsilon of scalenorm.")
+    use_qk_layernorm: bool = unsupported(
+        False,
+        "Normalise queries and keys before attention.",
+        "query/key layernorm is not built yet; remove the key or set it to false",
+    )
+    use_bias_in_norms: bool = key(True, "Give layernorm a learned bias.")
+    use_bias_in_attn_linear: bool = key(
+        True, "Give the QKV and attention output projections biases."
+    )
+    use_bias_in_mlp: bool = key(True, "Give the MLP projections biases.")
+    pos_emb: Literal["learned", "rotary", "sinusoidal", "rpe", "alibi", "none"] = key(
+        "learned", "Position scheme: learned, rotary, sinusoidal, alibi or none (rpe is refused)."
+    )
+    rotary_pct: float = key(
+        1.0, "Fraction of each head's dimensions that rotary embeddings rotate."
+    )
+    rotary_emb_base: int = key(10000, "Base of the rotary frequencies.")
+    rotary_save_freqs_buffer: bool = no_effect(
+        False,
+        "Store rotary inverse frequencies in checkpoints.",
+        "rotary frequencies are recomputed from rotary_emb_base, never stored",
+    )
+    rpe_num_buckets: int = no_effect(
+        32,
+        "Buckets of T5-style relative positions.",
+        "only used by pos_emb 'rpe', which is refused",
+    )
+    rpe_max_distance: int = no_effect(
+        128,
+        "Largest distance of T5-style relative positions.",
+        "only used by pos_emb 'rpe', which is refused",
+    )
+    opt_pos_emb_offset: int = key(
+        0, "Offset added to positions of learned embeddings (2 for OPT checkpoints)."
+    )
+    no_weight_tying: bool = key(
+        False, "Give the output head its own weights instead of reusing the input embedding."
+    )
+    make_vocab_size_divisible_by: int = key(
+        128, "Pad the vocabulary to a multiple of this (times model_parallel_size)."
+    )
+    activation: Literal[
+        "gelu",
+        "geglu",
+        "relu",
+        "softsign",
+        "swish",
+        "mish",
+        "silu",
+        "reglu",
+        "swiglu",
+        "bilinear",
+        "glu",
+    ] = key("gelu", "MLP activation; geglu, reglu, swiglu, bilinear and glu are gated.")
+    init_method: InitMethod = key(
+        "normal", "Initialisation of every weight but the output projections."
+    )
+    output_layer_init_method: InitMethod = key(
+        "scaled_normal", "Initialisation of the attention output and second MLP projections."
+    )
+    init_method_std: float = key(0.02, "Standard deviation of the normal initialisations.")
+    gpt_j_residual: bool = key(
+        False, "Parallel residual: attention and MLP both read the block input and are summed."
+    )
+    gpt_j_tied: bool = key(
+        False, "With gpt_j_residual, feed attention and MLP from one shared norm."
+    )
+    hidden_dropout: float = key(0.0, "Dropout on the outputs of attention and MLP.")
+    attention_dropout: float = key(0.0, "Dropout on attention probabilities.")
+    attention_config: list[Any] | None = key(
+        None,
+        "Attention type per layer, as [[types, count], ...]; global and flash run as SDPA attention.",
+    )
+    sparsity_config: dict[str, Any] | None = no_effect(
+        None,
+        "Block-sparse attention settings.",
+        "only used by sparse attention types in attention_config, which are refused",
+    )
+    output_layer_parallelism: Literal["column"] = key(
+        "column", "How the output head is split across tensor ranks (by vocabulary)."
+    )
+    num_unique_layers: int | None = unsupported(
+        None,
+        "Share weights between layers, keeping this many distinct blocks.",
+        "layer weight sharing is not supported; remove num_unique_layers",
+    )
+    param_sharing_style: str = no_effect(
+        "grouped",
+        "Order of shared layers.",
+        "only used with num_unique_layers, which is refused",
+    )
+    soft_prompt_tuning: dict[str, Any] | None = unsupported(
+        None,
+        "Train only a soft prompt, freezing the model.",
+        "soft prompt tuning is not supported; remove soft_prompt_tuning",
+    )
+    gmlp_attn_dim: int = no_effect(
+        64, "Attention width inside gMLP blocks.", "gMLP blocks are not built"
+    )
+    apply_query_key_layer_scaling: bool = no_effect(
+        False,
+        "Megatron's fp16 trick: divide scores by the layer number, multiply back in the softmax.",
+        "it changes nothing mathematically, and SDPA already keeps the softmax in fp32",
+    )
+    attention_softmax_in_fp32: bool = no_effect(
+        False,
+        "Compute the attention softmax in fp32.",
+        "SDPA computes the softmax in fp32 in every precision",
+    )
+    fp16_lm_cross_entropy: bool = no_effect(
+        False,
+        "Compute the language-model loss in fp16.",
+        "the loss is always computed in fp32, which is what keeps fp16 runs stable",
+    )
+    use_cpu_initialization: bool = no_effect(
+        False,
+        "Initialise weights on the CPU.",
+        "weights are built on the meta device and initialised in place, the same on every device",
+    )
+    onnx_safe: bool = no_effect(
+        False, "Avoid ops that break the ONNX exporter.", "torchneox does not export to ONNX"
+    )
+    scaled_upper_triang_masked_softmax_fusion: bool = no_effect(
+        False, "Fused causal mask + softmax kernel.", FUSED
+    )
+    scaled_masked_softmax_fusion: bool = no_effect(False, "Fused mask + softmax kernel.", FUSED)
+    bias_gelu_fusion: bool = no_effect(
+        False,
+        "Fused bias + gelu kernel.",
+        FUSED
+        + "; note that GPT-NeoX's fused kernel uses tanh-approximated gelu, torchneox exact gelu",
+    )
+    bias_dropout_fusion: bool = no_effect(False, "Fused bias + dropout + add kernel.", FUSED)
+    rope_fusion: bool = no_effect(False, "Fused rotary embedding kernel.", FUSED)
+    layernorm_fusion: bool = no_effect(False, "Fused layernorm kernel.", FUSED)
+    rmsnorm_fusion: bool = no_effect(False, "Fused rmsnorm kernel.", FUSED)
+    use_flashattn_swiglu: bool = no_effect(False, "flash-attn's swiglu kernel.", FUSED)
+    fused_kernels_build_path: str | None = no_effect(
+        None, "Where GPT-NeoX builds its fused kernels.", FUSED
+    )
+    mamba_selective_scan_fusion: bool = no_effect(False, "Fused mamba selective scan.", MAMBA)
+    mamba_causal_conv_fusion: bool = no_effect(False, "Fused mamba causal conv1d.", MAMBA)
+    mamba_inner_func_fusion: bool = no_effect(False, "Fused mamba inner function.", MAMBA)
+    mamba_selective_fp32_params: bool = no_effect(True, "Keep mamba's A and D in fp32.", MAMBA)
+    mamba_use_bias_in_conv: bool = no_effect(True, "Bias in mamba's conv1d.", MAMBA)
+    mamba_use_bias_in_linears: bool = no_effect(False, "Bias in mamba's projections.", MAMBA)
+    dim_att: int | None = no_effect(None, "RWKV attention width.", RWKV)
+    head_size: int | None = no_effect(None, "RWKV head size.", RWKV)
+    ffn_dim: int | None = no_effect(None, "RWKV feed-forward width.", RWKV)
+
+
+@dataclass
+class MoEConfig:
+    """Mixture-of-experts layers replacing the MLP every moe_expert_interval blocks."""
+
+    moe_num_experts: int = key(1, "Experts per MoE layer; 1 means no MoE layers.")
+    moe_expert_interval: int = key(1, "Every this many blocks, the MLP is an MoE layer.")
+    moe_top_k: int = key(1, "Experts each token is sent to.")
+    moe_router_type: Literal["sinkhorn", "topk"] = key(
+        "sinkhorn", "Routing: sinkhorn (balanced, for training) or topk."
+    )
+    moe_lbl_in_fp32: bool = key(False, "Compute the load-balancing loss in fp32.")
+    moe_jitter_eps: float | None = key(
+        None, "Multiplicative noise on router inputs while training; unset means none."
+    )

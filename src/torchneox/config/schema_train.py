@@ -1,0 +1,294 @@
+"""Config groups of the training run: parallel layout, optimizer, schedule, precision, loop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from torchneox.config.fields import derived, extension, key, no_effect, unsupported
+
+CKPT_SAME = "torch's activation checkpointing needs no such tuning"
+DEEPSPEED_ZERO = "DeepSpeed ZeRO tuning; the ZeRO stage comes from zero_optimization.stage"
+
+
+@dataclass
+class ParallelConfig:
+    """How the run is laid out over processes."""
+
+    pipe_parallel_size: int = key(
+        0, "Pipeline stages: 0 and 1 run one stage as a plain module; 2 or more run a schedule."
+    )
+    model_parallel_size: int = key(1, "Tensor-parallel ranks that split each layer.")
+    sequence_parallel: bool = key(
+        False, "With tensor parallelism, also split norms and dropout along the sequence."
+    )
+    pipe_partition_method: str = key(
+        "type:transformer|mlp",
+        "How layers are spread over pipeline stages: 'type:REGEX', 'parameters' or 'uniform'.",
+    )
+    pipeline_schedule: Literal[
+        "1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv"
+    ] = extension(
+        "1f1b", "Pipeline schedule when pipe_parallel_size >= 2 (torch.distributed.pipelining)."
+    )
+    distributed_backend: str = key(
+        "nccl", "Collective backend; torchneox uses gloo on CPU whatever this says."
+    )
+    world_size: int | None = derived(None, "Total processes; taken from the launcher.")
+    global_num_gpus: int | None = derived(
+        None, "Total GPUs GPT-NeoX launched on; used as the world size when no launcher gives one."
+    )
+    is_pipe_parallel: bool = derived(
+        False,
+        "Whether GPT-NeoX uses its pipeline engine; torchneox decides from pipe_parallel_size.",
+    )
+    local_rank: int | None = derived(None, "Rank on this node; taken from the launcher.")
+    rank: int | None = derived(None, "Global rank; taken from the launcher.")
+    lazy_mpu_init: bool = no_effect(
+        False, "Megatron's deferred initialisation hook.", "process groups are set up by torchrun"
+    )
+
+
+@dataclass
+class OptimizerConfig:
+    """The optimizer, weight decay, clipping and ZeRO sharding."""
+
+    optimizer: dict[str, Any] | None = key(
+        None, "{type: Adam|AdamW|SGD|Lion, params: {lr, betas, eps, weight_decay, momentum}}."
+    )
+    weight_decay: float = key(
+        0.1, "Decoupled weight decay on weight matrices (never on biases and norms)."
+    )
+    gradient_clipping: float = key(1.0, "Clip gradients to this global L2 norm; 0 turns it off.")
+    clip_grad: float = key(1.0, "Megatron's name for gradient_clipping.")
+    zero_optimization: dict[str, Any] | None = key(
+        None, "ZeRO settings; only 'stage' (0-3) matters here."
+    )
+    optimizer_type: Literal[
+        "adam", "onebitadam", "cpu_adam", "cpu_torch_adam", "sm3", "madgrad_wd", "sgd", "lion"
+    ] = derived("adam", "Optimizer name, taken from optimizer.type.")
+    lr: float | None = derived(None, "Peak learning rate, taken from optimizer.params.lr.")
+    zero_stage: int | list[int] | str | None = derived(
+        None, "ZeRO stage, taken from zero_optimization.stage."
+    )
+    zero_reduce_scatter: bool | None = no_effect(None, "Reduce-scatter gradients.", DEEPSPEED_ZERO)
+    zero_contiguous_gradients: bool | None = no_effect(
+        None, "Copy gradients into one buffer.", DEEPSPEED_ZERO
+    )
+    zero_reduce_bucket_size: int | None = no_effect(
+        None, "Elements reduced at a time.", DEEPSPEED_ZERO
+    )
+    zero_allgather_bucket_size: int | None = no_effect(
+        None, "Elements gathered at a time.", DEEPSPEED_ZERO
+    )
+    use_bnb_optimizer: bool = unsupported(
+        False,
+        "Use bitsandbytes 8-bit optimizers.",
+        "bitsandbytes 8-bit optimizers are not supported; remove use_bnb_optimizer",
+    )
+    scheduler: dict[str, Any] | None = unsupported(
+        None,
+        "A DeepSpeed LR scheduler.",
+        "DeepSpeed schedulers are not supported; use lr_decay_style, warmup and min_lr",
+    )
+
+
+@dataclass
+class LRConfig:
+    """The learning-rate schedule."""
+
+    lr_decay_style: Literal["constant", "linear", "cosine", "exponential"] = key(
+        "linear", "Shape of the decay after warmup."
+    )
+    lr_decay_iters: int | None = key(None, "Steps the decay spans; defaults to train_iters.")
+    lr_decay_fraction: float | None = key(
+        None, "Decay over this fraction of train_iters (wins over lr_decay_iters)."
+    )
+    min_lr: float = key(0.0, "Floor of the learning rate.")
+    warmup: float = key(0.01, "Linear warmup over this fraction of the decay steps.")
+    override_lr_scheduler: bool = key(
+        False, "On resume, take the schedule from the config, not the checkpoint."
+    )
+    use_checkpoint_lr_scheduler: bool = key(
+        False, "On resume, take the schedule from the checkpoint, not the config."
+    )
+
+
+@dataclass
+class PrecisionConfig:
+    """Number formats and loss scaling."""
+
+    precision: Literal["fp16", "fp32", "bfloat16"] | None = key(
+        None, "fp32, bfloat16 or fp16; unset means whatever the fp16/bf16 dicts enable, else fp32."
+    )
+    fp16: dict[str, Any] | None = key(
+        None,
+        "DeepSpeed fp16 dict: enabled, loss_scale (0 = dynamic), initial_scale_power, "
+        "loss_scale_window, hysteresis, min_loss_scale.",
+    )
+    bf16: dict[str, Any] | None = key(None, "DeepSpeed bf16 dict: enabled.")
+    amp: dict[str, Any] | None = unsupported(
+        None, "Apex AMP settings.", "apex AMP is not used; set precision instead"
+    )
+    loss_scale: float | None = key(
+        None, "Static fp16 loss scale; unset (or 0) means dynamic scaling."
+    )
+    dynamic_loss_scale: bool | None = derived(None, "Whether the fp16 loss scale is dynamic.")
+    hysteresis: int = key(2, "Overflows tolerated before the dynamic loss scale drops.")
+    loss_scale_window: float = key(1000.0, "Clean steps before the dynamic loss scale doubles.")
+    min_scale: float = key(1.0, "Lowest dynamic loss scale.")
+    fp32_allreduce: bool = key(False, "Average gradients across ranks in fp32.")
+    communication_data_type: str | None = key(
+        None, "Dtype of gradient reduction (fp32, bf16, fp16); unset follows precision."
+    )
+    prescale_gradients: bool = no_effect(
+        False, "Scale gradients before the all-reduce.", "FSDP2/DDP average gradients themselves"
+    )
+    gradient_predivide_factor: float = no_effect(
+        1.0,
+        "Divide gradients by this before the all-reduce.",
+        "FSDP2/DDP average gradients themselves",
+    )
+
+
+@dataclass
+class TrainingConfig:
+    """Batch sizes, steps, seed, evaluation cadence and activation checkpointing."""
+
+    train_batch_size: int | None = key(
+        None, "Samples per optimizer step, summed over data-parallel ranks and micro-batches."
+    )
+    train_micro_batch_size_per_gpu: int | None = key(None, "Samples per forward pass on one rank.")
+    gradient_accumulation_steps: int = key(1, "Micro-batches accumulated per optimizer step.")
+    batch_size: int | None = key(None, "Megatron's name for train_micro_batch_size_per_gpu.")
+    train_iters: int | None = key(None, "Optimizer steps to train for.")
+    train_epochs: int | None = unsupported(
+        None,
+        "Train for this many passes over the data.",
+        "epoch-based training is not supported; give train_iters instead",
+    )
+    seed: int = key(1234, "Seed for initialisation, dropout and data order.")
+    exit_interval: int | None = key(None, "Save and exit once the step is a multiple of this.")
+    eval_interval: int = key(1000, "Steps between validation runs.")
+    eval_iters: int = key(100, "Batches per validation run.")
+    checkpoint_activations: bool = key(
+        False, "Recompute activations in backward instead of storing them."
+    )
+    checkpoint_num_layers: int = key(1, "Checkpoint every this many blocks.")
+    partition_activations: bool = no_effect(
+        False,
+        "Split checkpointed activations across tensor ranks.",
+        "activations are not split this way; sequence_parallel shards them along the sequence",
+    )
+    contiguous_checkpointing: bool = no_effect(
+        False, "Keep checkpointed activations in one buffer.", CKPT_SAME
+    )
+    checkpoint_in_cpu: bool = no_effect(
+        False, "Keep checkpointed activations in CPU memory.", "activations stay on the device"
+    )
+    synchronize_each_layer: bool = no_effect(
+        False, "CUDA-synchronise around each checkpointed block.", CKPT_SAME
+    )
+    profile_backward: bool = no_effect(
+        False,
+        "Profile checkpointed blocks in backward.",
+        "use profile with profile_step_start/stop",
+    )
+    deepspeed_activation_checkpointing: bool = no_effect(
+        True, "Use DeepSpeed's activation checkpointing.", "torch's checkpointing is always used"
+    )
+    eod_mask_loss: bool = key(False, "Leave end-of-document tokens out of the loss.")
+    short_seq_prob: float = no_effect(
+        0.1, "Chance of a short sample (BERT-era Megatron).", "GPT samples are always full length"
+    )
+    train_impl: Literal["normal", "dpo", "rm", "kto"] = key(
+        "normal",
+        "Training objective; only normal language modelling is built (dpo, rm, kto are refused).",
+    )
+    dpo_fp32: bool = no_effect(
+        True, "DPO loss in fp32.", "only used by train_impl 'dpo', which is refused"
+    )
+    dpo_reference_free: bool = no_effect(
+        False, "Reference-free DPO.", "only used by train_impl 'dpo', which is refused"
+    )
+    dpo_beta: float = no_effect(0.1, "DPO beta.", "only used by train_impl 'dpo', which is refused")
+    kto_fp32: bool = no_effect(
+        True, "KTO loss in fp32.", "only used by train_impl 'kto', which is refused"
+    )
+    kto_desirable_weight: float = no_effect(
+        1.0, "KTO weight of desirable samples.", "only used by train_impl 'kto', which is refused"
+    )
+    kto_undesirable_weight: float = no_effect(
+        1.0, "KTO weight of undesirable samples.", "only used by train_impl 'kto', which is refused"
+    )
+    kto_beta: float = no_effect(0.1, "KTO beta.", "only used by train_impl 'kto', which is refused")
+    use_mup: bool = unsupported(
+        False, "Parametrise with muP.", "muP is not supported; remove use_mup"
+    )
+    coord_check: bool = no_effect(False, "Draw muP coordinate checks.", "muP is not supported")
+    save_base_shapes: bool = no_effect(False, "Save muP base shapes.", "muP is not supported")
+    base_shapes_file: str | None = no_effect(None, "muP base shapes file.", "muP is not supported")
+    mup_init_scale: float = no_effect(1.0, "muP initialisation scale.", "muP is not supported")
+    mup_attn_temp: float = no_effect(1.0, "muP attention temperature.", "muP is not supported")
+    mup_output_temp: float = no_effect(1.0, "muP output temperature.", "muP is not supported")
+    mup_embedding_mult: float = no_effect(1.0, "muP embedding multiplier.", "muP is not supported")
+    mup_rp_embedding_mult: float = no_effect(
+        1.0, "muP relative-position multiplier.", "muP is not supported"
+    )
+    mup_width_scale: int = no_effect(2, "muP delta-model width scale.", "muP is not supported")
+    char_level_ppl: bool = no_effect(
+        False,
+        "Also report perplexity per character.",
+        "only token-level perplexity is reported so far",
+    )
+    curriculum_learning: dict[str, Any] | None = unsupported(
+        None,
+        "DeepSpeed sequence-length curriculum.",
+        "curriculum learning is not supported; remove curriculum_learning",
+    )
+    curriculum_seqlen: int = derived(0, "Current curriculum sequence length.")
+    adlr_autoresume: bool = no_effect(
+        False,
+        "NVIDIA ADLR cluster auto-resume.",
+        "SIGTERM saves a checkpoint and rerunning the command resumes",
+    )
+    adlr_autoresume_interval: int = no_effect(
+        1000, "Steps between ADLR auto-resume checks.", "ADLR auto-resume is not used"
+    )
+
+
+@dataclass
+class CheckpointConfig:
+    """Where and when checkpoints are saved and loaded."""
+
+    save: str | None = key(None, "Directory checkpoints are written to.")
+    load: str | None = key(None, "Directory to resume from (its 'latest' checkpoint).")
+    checkpoint_factor: int | None = key(
+        None, "Save every this many steps (linear), or at powers of it (log)."
+    )
+    checkpoint_scale: Literal["linear", "log"] = key(
+        "linear", "Spacing of saves: multiples of checkpoint_factor, or its powers."
+    )
+    extra_save_iters: list[int] | None = key(None, "Further steps to save at.")
+    keep_last_n_checkpoints: int | None = key(None, "Delete all but the newest this many.")
+    no_save_optim: bool = key(False, "Leave the optimizer state out of checkpoints.")
+    no_save_rng: bool = key(False, "Leave RNG states out of checkpoints.")
+    no_load_optim: bool = key(False, "Do not restore the optimizer state.")
+    no_load_rng: bool = key(False, "Do not restore RNG states.")
+    finetune: bool = key(False, "Load weights only and start at step 0 with a fresh optimizer.")
+    checkpoint_validation_with_forward_pass: bool = no_effect(
+        False,
+        "Store a forward pass with the checkpoint and check it on load.",
+        "checkpoints carry a manifest that is checked on load instead",
+    )
+    s3_path: str | None = unsupported(
+        None,
+        "Upload checkpoints to S3.",
+        "S3 upload is not supported; sync the save directory yourself",
+    )
+    s3_chunk_size: int = no_effect(
+        104857600, "Bytes per S3 upload part.", "S3 upload is not supported"
+    )
+    config_files: dict[str, Any] | None = derived(
+        None, "The original config files, stored by GPT-NeoX with each checkpoint."
+    )

@@ -1,0 +1,147 @@
+"""Model sizes that follow from the config alone: MLP widths, vocabulary padding, parameter
+counts and training FLOPs per token. Used by ``config explain``, MFU and the estimator; the
+model (torchneox.models) builds exactly these shapes, and a test holds the two together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torchneox.config.schema import NeoXConfig
+from torchneox.config.schema_model import GATED_ACTIVATIONS
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def padded_vocab(vocab_size: int, divisible_by: int, model_parallel_size: int) -> int:
+    """GPT-NeoX's padding: up to a multiple of make_vocab_size_divisible_by x tensor ranks."""
+    return round_up(vocab_size, divisible_by * model_parallel_size)
+
+
+@dataclass(frozen=True)
+class MLPWidths:
+    """``up`` is the first projection's output (both halves when gated), ``down`` the second's input."""
+
+    up: int
+    down: int
+    gated: bool
+
+
+def mlp_widths(config: NeoXConfig) -> MLPWidths:
+    """GPT-NeoX's sizing rules: 4h by default; gated activations keep the parameter count by
+    taking 2/3 of the width for each half; both rounded up to mlp_multiple_of."""
+    m = config.model
+    assert m.hidden_size is not None
+    if m.intermediate_size:
+        width = m.intermediate_size
+    elif m.expansion_factor:
+        width = int(m.expansion_factor * m.hidden_size)
+    else:
+        width = 4 * m.hidden_size
+    gated = m.activation in GATED_ACTIVATIONS
+    down = width
+    if gated:
+        width = int(width * 2 / 3)
+        down = width // 2
+    multiple = m.mlp_multiple_of
+    return MLPWidths(up=round_up(width, 2 * multiple), down=round_up(down, multiple), gated=gated)
+
+
+def head_dim(config: NeoXConfig) -> int:
+    m = config.model
+    assert m.hidden_size and m.num_attention_heads
+    return m.hidden_size // m.num_attention_heads
+
+
+def kv_heads(config: NeoXConfig) -> int:
+    m = config.model
+    assert m.num_attention_heads
+    return m.num_kv_heads or m.num_attention_heads
+
+
+def rotary_dims(config: NeoXConfig) -> int:
+    return (
+        int(head_dim(config) * config.model.rotary_pct) if config.model.pos_emb == "rotary" else 0
+    )
+
+
+def norm_params(config: NeoXConfig) -> int:
+    m = config.model
+    assert m.hidden_size is not None
+    if m.norm in ("layernorm", "te_layernorm"):
+        return m.hidden_size * (2 if m.use_bias_in_norms else 1)
+    if m.norm in ("rmsnorm", "te_rmsnorm"):
+        return m.hidden_size
+    if m.norm == "scalenorm":
+        return 1
+    return 0
+
+
+def is_moe_layer(config: NeoXConfig, layer: int) -> bool:
+    e = config.moe
+    return e.moe_num_experts > 1 and layer % e.moe_expert_interval == 0
+
+
+@dataclass(frozen=True)
+class ModelCounts:
+    total: int
+    embedding: int
+    """Input embedding, learned positions and an untied output head."""
+    active: int
+    """Parameters one token passes through (differs from total only with MoE)."""
+    flops_per_token: int
+    """Training FLOPs (forward + backward) per token, model FLOPs (no recomputation)."""
+    moe_layers: int
+
+
+def count(config: NeoXConfig, vocab: int) -> ModelCounts:
+    """Parameters and training FLOPs per token for the padded vocabulary ``vocab``."""
+    m, e = config.model, config.moe
+    assert m.hidden_size and m.num_layers and m.num_attention_heads and m.seq_length
+    h, d = m.hidden_size, head_dim(config)
+    kv_width = kv_heads(config) * d
+    attn_bias = m.use_bias_in_attn_linear
+    qkv = h * (h + 2 * kv_width) + (h + 2 * kv_width if attn_bias else 0)
+    dense = h * h + (h if attn_bias else 0)
+    attention_matmul = h * (h + 2 * kv_width) + h * h
+    widths = mlp_widths(config)
+    mlp_matmul = h * widths.up + widths.down * h
+    mlp = mlp_matmul + ((widths.up + h) if m.use_bias_in_mlp else 0)
+    norms_per_layer = norm_params(config) * (1 if m.gpt_j_tied else 2)
+
+    embedding = vocab * h
+    if m.pos_emb == "learned":
+        embedding += ((m.max_position_embeddings or m.seq_length) + m.opt_pos_emb_offset) * h
+    head = vocab * h
+    total = embedding + norm_params(config) + (head if m.no_weight_tying else 0)
+    active = total
+    forward_matmul = head
+    moe_layers = 0
+    for layer in range(m.num_layers):
+        layer_params = norms_per_layer + qkv + dense
+        total += layer_params
+        active += layer_params
+        forward_matmul += attention_matmul
+        if is_moe_layer(config, layer):
+            moe_layers += 1
+            router = h * e.moe_num_experts
+            total += router + e.moe_num_experts * mlp
+            active += router + e.moe_top_k * mlp
+            forward_matmul += router + e.moe_top_k * mlp_matmul
+        else:
+            total += mlp
+            active += mlp
+            forward_matmul += mlp_matmul
+    context = min(m.seq_length, m.sliding_window_width or m.seq_length)
+    # scores (q.k) and the weighted sum of values: 2 matmuls, 2 FLOPs per multiply-add
+    attention_scores = 2 * 2 * context * m.num_attention_heads * d * m.num_layers
+    forward = 2 * forward_matmul + attention_scores
+    return ModelCounts(
+        total=total,
+        embedding=embedding + (head if m.no_weight_tying else 0),
+        active=active,
+        flops_per_token=3 * forward,
+        moe_layers=moe_layers,
+    )

@@ -1,0 +1,541 @@
+"""Checks that need more than one key's type: ranges, cross-key consistency, nested dicts.
+
+Each check raises a one-line ConfigError naming the file, the key, what was given and what
+to do. Values that are simply absent (a fragment such as local_setup.yml) are not errors
+here; commands that need them (train, generate) ask for them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torchneox.config.errors import ConfigError, did_you_mean
+from torchneox.config.schema import NeoXConfig
+
+SUPPORTED_OPTIMIZERS = ("adam", "adamw", "sgd", "lion")
+REFUSED_OPTIMIZERS = {
+    "onebitadam": "1-bit Adam (a DeepSpeed communication-compressed optimizer)",
+    "onebitlamb": "1-bit LAMB (a DeepSpeed communication-compressed optimizer)",
+    "zerooneadam": "0/1 Adam (a DeepSpeed communication-compressed optimizer)",
+    "lamb": "LAMB",
+    "cpu_adam": "DeepSpeed's CPU Adam (optimizer offload)",
+    "cpu_torch_adam": "CPU-offloaded torch Adam",
+    "sm3": "SM3",
+    "madgrad_wd": "MADGRAD",
+}
+OPTIMIZER_PARAMS: dict[str, tuple[str, ...]] = {
+    "adam": ("lr", "betas", "eps", "weight_decay", "amsgrad", "max_grad_norm", "bias_correction"),
+    "adamw": ("lr", "betas", "eps", "weight_decay", "amsgrad", "max_grad_norm", "bias_correction"),
+    "sgd": ("lr", "momentum", "dampening", "nesterov", "weight_decay"),
+    "lion": ("lr", "betas", "weight_decay"),
+}
+ATTENTION_TYPES_OK = ("global", "flash")
+ATTENTION_TYPES_REFUSED = {
+    "local": "DeepSpeed block-sparse attention",
+    "sparse_fixed": "DeepSpeed block-sparse attention",
+    "sparse_variable": "DeepSpeed block-sparse attention",
+    "bigbird": "DeepSpeed block-sparse attention",
+    "bslongformer": "DeepSpeed block-sparse attention",
+    "gmlp": "gMLP blocks",
+    "amlp": "gMLP blocks",
+    "mamba": "mamba layers",
+    "rwkv": "RWKV layers",
+    "ring": "ring attention",
+}
+ZERO_KEYS = (
+    "stage",
+    "allgather_partitions",
+    "allgather_bucket_size",
+    "overlap_comm",
+    "reduce_scatter",
+    "reduce_bucket_size",
+    "contiguous_gradients",
+    "cpu_offload",
+    "cpu_offload_params",
+    "cpu_offload_use_pin_memory",
+    "offload_optimizer",
+    "offload_param",
+    "sub_group_size",
+    "elastic_checkpoint",
+    "round_robin_gradients",
+    "load_from_fp32_weights",
+    "ignore_unused_parameters",
+    "legacy_stage1",
+    "stage3_max_live_parameters",
+    "stage3_max_reuse_distance",
+    "stage3_prefetch_bucket_size",
+    "stage3_param_persistence_threshold",
+    "stage3_gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save",
+)
+ZERO_OFFLOAD_KEYS = ("cpu_offload", "cpu_offload_params", "offload_optimizer", "offload_param")
+FP16_KEYS = (
+    "enabled",
+    "fp16",
+    "type",
+    "auto_cast",
+    "loss_scale",
+    "initial_scale_power",
+    "loss_scale_window",
+    "hysteresis",
+    "consecutive_hysteresis",
+    "min_loss_scale",
+)
+BF16_KEYS = ("enabled", "type", "immediate_grad_update", "check_grad_overflow")
+COMM_DTYPES = ("fp32", "fp16", "bf16", "bfloat16")
+
+
+class _Checker:
+    def __init__(self, config: NeoXConfig, origin: dict[str, str]):
+        self.c = config
+        self.origin = origin
+
+    def fail(self, key: str, message: str) -> None:
+        raise ConfigError(message, source=self.origin.get(key, "defaults"), key=key)
+
+    def positive(self, key: str, *, allow_zero: bool = False) -> None:
+        value = self.c.get(key)
+        if value is None:
+            return
+        if value < 0 or (value == 0 and not allow_zero):
+            bound = ">= 0" if allow_zero else "> 0"
+            self.fail(key, f"must be {bound}, got {value}")
+
+    def within(self, key: str, low: float, high: float, *, high_open: bool = False) -> None:
+        value = self.c.get(key)
+        if value is None:
+            return
+        if value < low or value > high or (high_open and value == high):
+            bracket = ")" if high_open else "]"
+            self.fail(key, f"must be in [{low}, {high}{bracket}, got {value}")
+
+
+def validate(config: NeoXConfig, origin: dict[str, str]) -> None:
+    check = _Checker(config, origin)
+    _check_model(check)
+    _check_moe(check)
+    _check_parallel(check)
+    _check_optimizer(check)
+    _check_lr(check)
+    _check_precision(check)
+    _check_training(check)
+    _check_data(check)
+    _check_textgen(check)
+
+
+def _check_model(ch: _Checker) -> None:
+    m = ch.c.model
+    for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "num_kv_heads"):
+        ch.positive(k)
+    for k in ("max_position_embeddings", "intermediate_size", "sliding_window_width"):
+        ch.positive(k)
+    for k in (
+        "mlp_multiple_of",
+        "make_vocab_size_divisible_by",
+        "init_method_std",
+        "rotary_emb_base",
+    ):
+        ch.positive(k)
+    ch.positive("expansion_factor")
+    ch.within("hidden_dropout", 0.0, 1.0, high_open=True)
+    ch.within("attention_dropout", 0.0, 1.0, high_open=True)
+    if m.hidden_size and m.num_attention_heads and m.hidden_size % m.num_attention_heads:
+        ch.fail(
+            "num_attention_heads",
+            f"hidden_size {m.hidden_size} is not divisible by num_attention_heads "
+            f"{m.num_attention_heads}; every head needs the same width",
+        )
+    if (
+        m.num_kv_heads
+        and m.num_attention_heads
+        and (m.num_kv_heads > m.num_attention_heads or m.num_attention_heads % m.num_kv_heads)
+    ):
+        ch.fail(
+            "num_kv_heads",
+            f"num_attention_heads {m.num_attention_heads} is not a multiple of num_kv_heads "
+            f"{m.num_kv_heads}; each key/value head must serve the same number of query heads",
+        )
+    if m.seq_length and m.max_position_embeddings and m.max_position_embeddings < m.seq_length:
+        ch.fail(
+            "max_position_embeddings",
+            f"{m.max_position_embeddings} is shorter than seq_length {m.seq_length}",
+        )
+    if m.pos_emb == "rpe":
+        ch.fail(
+            "pos_emb", "'rpe' (T5 relative position buckets) is not supported; use rotary or alibi"
+        )
+    if m.pos_emb == "rotary":
+        if not 0.0 < m.rotary_pct <= 1.0:
+            ch.fail("rotary_pct", f"must be in (0, 1], got {m.rotary_pct}")
+        if m.hidden_size and m.num_attention_heads and not m.hidden_size % m.num_attention_heads:
+            head_dim = m.hidden_size // m.num_attention_heads
+            rotary_dims = int(head_dim * m.rotary_pct)
+            if rotary_dims % 2 or rotary_dims == 0:
+                ch.fail(
+                    "rotary_pct",
+                    f"rotates {rotary_dims} of {head_dim} head dimensions (rotary_pct "
+                    f"{m.rotary_pct}); rotary needs an even, non-zero number",
+                )
+    if m.gpt_j_tied and not m.gpt_j_residual:
+        ch.fail("gpt_j_tied", "only means something with gpt_j_residual: true")
+    layer_attention_types(ch.c, ch.origin)
+
+
+def layer_attention_types(config: NeoXConfig, origin: dict[str, str] | None = None) -> list[str]:
+    """attention_config expanded to one type per layer (GPT-NeoX's [[types, count]] form)."""
+    m = config.model
+    source = (origin or {}).get("attention_config", "defaults")
+    if m.attention_config is None:
+        return ["global"] * (m.num_layers or 0)
+
+    def fail(message: str) -> None:
+        raise ConfigError(message, source=source, key="attention_config")
+
+    types_per_layer: list[str] = []
+    for item in m.attention_config:
+        if not (isinstance(item, list | tuple) and len(item) == 2 and isinstance(item[0], list)):
+            fail(f"each entry must be [[types...], count], got {item!r}")
+        kinds, count = item
+        for kind in kinds:
+            if not isinstance(kind, str):
+                fail(f"attention type {kind!r} is not a name")
+            if kind in ATTENTION_TYPES_REFUSED:
+                fail(
+                    f"'{kind}' attention ({ATTENTION_TYPES_REFUSED[kind]}) is not supported; "
+                    f"use 'global' or 'flash' (both run as SDPA attention)"
+                )
+            if kind not in ATTENTION_TYPES_OK:
+                fail(f"unknown attention type '{kind}'{did_you_mean(kind, ATTENTION_TYPES_OK)}")
+        if count == "all":
+            if not m.num_layers:
+                fail("'all' needs num_layers")
+            count = m.num_layers // len(kinds)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            fail(f"layer count must be a positive integer or 'all', got {count!r}")
+        types_per_layer.extend(kinds * (count // len(kinds)) + kinds[: count % len(kinds)])
+    if m.num_layers and len(types_per_layer) != m.num_layers:
+        fail(f"describes {len(types_per_layer)} layers but num_layers is {m.num_layers}")
+    return types_per_layer
+
+
+def _check_moe(ch: _Checker) -> None:
+    e = ch.c.moe
+    ch.positive("moe_num_experts")
+    ch.positive("moe_expert_interval")
+    ch.positive("moe_top_k")
+    ch.positive("moe_jitter_eps", allow_zero=True)
+    if e.moe_num_experts > 1 and e.moe_top_k > e.moe_num_experts:
+        ch.fail("moe_top_k", f"{e.moe_top_k} is more than moe_num_experts {e.moe_num_experts}")
+
+
+def _check_parallel(ch: _Checker) -> None:
+    p, m = ch.c.parallel, ch.c.model
+    ch.positive("pipe_parallel_size", allow_zero=True)
+    ch.positive("model_parallel_size")
+    for k in ("world_size", "global_num_gpus"):
+        ch.positive(k)
+    mp = p.model_parallel_size
+    if m.num_attention_heads and m.num_attention_heads % mp:
+        ch.fail(
+            "model_parallel_size",
+            f"{mp} does not divide num_attention_heads {m.num_attention_heads}; "
+            "tensor parallelism splits whole heads",
+        )
+    if m.num_kv_heads and m.num_kv_heads % mp:
+        ch.fail(
+            "model_parallel_size",
+            f"{mp} does not divide num_kv_heads {m.num_kv_heads}; tensor parallelism splits whole heads",
+        )
+    if p.pipe_parallel_size >= 2 and m.num_layers and m.num_layers < p.pipe_parallel_size:
+        ch.fail(
+            "pipe_parallel_size",
+            f"{p.pipe_parallel_size} stages but only {m.num_layers} layers; each stage needs one",
+        )
+    method = p.pipe_partition_method
+    if not (method in ("parameters", "uniform") or method.startswith("type:")):
+        ch.fail(
+            "pipe_partition_method",
+            f"{method!r} is not 'parameters', 'uniform' or 'type:REGEX'",
+        )
+
+
+def _optimizer_type(ch: _Checker) -> str | None:
+    opt = ch.c.optimizer.optimizer
+    if opt is None:
+        return None
+    if "type" not in opt:
+        ch.fail("optimizer", "has no 'type' (Adam, AdamW, SGD or Lion)")
+    kind = str(opt["type"]).lower()
+    if kind in REFUSED_OPTIMIZERS:
+        ch.fail(
+            "optimizer",
+            f"type {opt['type']!r} ({REFUSED_OPTIMIZERS[kind]}) is not supported; "
+            "use Adam, AdamW, SGD or Lion",
+        )
+    if kind not in SUPPORTED_OPTIMIZERS:
+        ch.fail(
+            "optimizer",
+            f"unknown type {opt['type']!r}{did_you_mean(kind, SUPPORTED_OPTIMIZERS)} "
+            "(Adam, AdamW, SGD or Lion)",
+        )
+    return kind
+
+
+def _check_optimizer(ch: _Checker) -> None:
+    o = ch.c.optimizer
+    kind = _optimizer_type(ch)
+    if kind is not None:
+        opt = o.optimizer
+        extra = sorted(set(opt) - {"type", "params"})
+        if extra:
+            ch.fail(
+                "optimizer",
+                f"unknown entry {extra[0]!r}{did_you_mean(extra[0], ['type', 'params'])}",
+            )
+        params = opt.get("params") or {}
+        if not isinstance(params, dict):
+            ch.fail("optimizer", f"params must be a mapping, got {params!r}")
+        for name, value in list(params.items()):
+            if name not in OPTIMIZER_PARAMS[kind]:
+                ch.fail(
+                    "optimizer",
+                    f"params.{name} is not a parameter of {opt['type']}"
+                    f"{did_you_mean(name, OPTIMIZER_PARAMS[kind])}",
+                )
+            params[name] = _optimizer_param(ch, name, value)
+        opt["params"] = params
+        lr = params.get("lr")
+        if o.lr is not None and lr is not None and o.lr != lr:
+            ch.fail("lr", f"{o.lr} contradicts optimizer.params.lr {lr}; give one of them")
+        if "optimizer_type" in ch.origin and o.optimizer_type != kind:
+            ch.fail(
+                "optimizer_type",
+                f"{o.optimizer_type!r} contradicts optimizer.type {opt['type']!r}; give one",
+            )
+    elif "optimizer_type" in ch.origin and o.optimizer_type not in SUPPORTED_OPTIMIZERS:
+        ch.fail(
+            "optimizer_type",
+            f"{o.optimizer_type!r} ({REFUSED_OPTIMIZERS.get(o.optimizer_type, 'this optimizer')}) "
+            "is not supported; use adam, sgd or lion",
+        )
+    ch.positive("lr")
+    ch.positive("weight_decay", allow_zero=True)
+    ch.positive("gradient_clipping", allow_zero=True)
+    ch.positive("clip_grad", allow_zero=True)
+    if (
+        "gradient_clipping" in ch.origin
+        and "clip_grad" in ch.origin
+        and o.gradient_clipping != o.clip_grad
+    ):
+        ch.fail(
+            "clip_grad",
+            f"{o.clip_grad} contradicts gradient_clipping {o.gradient_clipping}; give one of them",
+        )
+    _check_zero(ch)
+
+
+def _optimizer_param(ch: _Checker, name: str, value: Any) -> Any:
+    def number(v: Any) -> float:
+        try:
+            if isinstance(v, bool):
+                raise ValueError
+            return float(v)
+        except (TypeError, ValueError):
+            ch.fail("optimizer", f"params.{name} must be a number, got {value!r}")
+            raise AssertionError from None
+
+    if name == "betas":
+        if not isinstance(value, list | tuple) or len(value) != 2:
+            ch.fail("optimizer", f"params.betas must be two numbers, got {value!r}")
+        betas = [number(v) for v in value]
+        if not all(0.0 <= b < 1.0 for b in betas):
+            ch.fail("optimizer", f"params.betas must be in [0, 1), got {value!r}")
+        return betas
+    if name in ("amsgrad", "nesterov", "bias_correction"):
+        if not isinstance(value, bool):
+            ch.fail("optimizer", f"params.{name} must be true or false, got {value!r}")
+        return value
+    result = number(value)
+    if result < 0 or (name == "lr" and result == 0):
+        ch.fail(
+            "optimizer", f"params.{name} must be {'> 0' if name == 'lr' else '>= 0'}, got {value!r}"
+        )
+    return result
+
+
+def _check_zero(ch: _Checker) -> None:
+    zero = ch.c.optimizer.zero_optimization
+    if zero is None:
+        return
+    for name, value in zero.items():
+        if name not in ZERO_KEYS:
+            ch.fail("zero_optimization", f"unknown entry {name!r}{did_you_mean(name, ZERO_KEYS)}")
+        if name in ZERO_OFFLOAD_KEYS and value and value != {"device": "none"}:
+            ch.fail(
+                "zero_optimization",
+                f"{name}: CPU/NVMe offload is not supported; remove it or set it to false",
+            )
+    stage = zero.get("stage", 0)
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        ch.fail("zero_optimization", f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    given = ch.c.optimizer.zero_stage
+    if "zero_stage" in ch.origin and given is not None and given != stage:
+        ch.fail("zero_stage", f"{given!r} contradicts zero_optimization.stage {stage}; give one")
+
+
+def _check_lr(ch: _Checker) -> None:
+    lr = ch.c.lr
+    ch.within("warmup", 0.0, 1.0)
+    ch.positive("min_lr", allow_zero=True)
+    ch.positive("lr_decay_iters")
+    if lr.lr_decay_fraction is not None and not 0.0 < lr.lr_decay_fraction <= 1.0:
+        ch.fail("lr_decay_fraction", f"must be in (0, 1], got {lr.lr_decay_fraction}")
+    if lr.override_lr_scheduler and lr.use_checkpoint_lr_scheduler:
+        ch.fail(
+            "use_checkpoint_lr_scheduler",
+            "cannot be true together with override_lr_scheduler; choose where the schedule comes from",
+        )
+    opt = ch.c.optimizer.optimizer or {}
+    peak = (opt.get("params") or {}).get("lr", ch.c.optimizer.lr)
+    if peak is not None and lr.min_lr > peak:
+        ch.fail("min_lr", f"{lr.min_lr} is above the peak learning rate {peak}")
+
+
+def _check_precision(ch: _Checker) -> None:
+    pr = ch.c.precision
+    for name, allowed in (("fp16", FP16_KEYS), ("bf16", BF16_KEYS)):
+        entries = getattr(pr, name)
+        for k in entries or {}:
+            if k not in allowed:
+                ch.fail(name, f"unknown entry {k!r}{did_you_mean(k, allowed)}")
+    fp16_on = bool(pr.fp16 and pr.fp16.get("enabled", False))
+    bf16_on = bool(pr.bf16 and pr.bf16.get("enabled", False))
+    if fp16_on and bf16_on:
+        ch.fail("bf16", "both fp16 and bf16 are enabled; enable one")
+    if fp16_on and pr.precision not in (None, "fp16"):
+        ch.fail("precision", f"{pr.precision!r} contradicts fp16.enabled: true")
+    if bf16_on and pr.precision not in (None, "bfloat16"):
+        ch.fail("precision", f"{pr.precision!r} contradicts bf16.enabled: true")
+    if pr.fp16:
+        for k in (
+            "loss_scale",
+            "initial_scale_power",
+            "loss_scale_window",
+            "hysteresis",
+            "min_loss_scale",
+        ):
+            v = pr.fp16.get(k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or v < 0):
+                ch.fail("fp16", f"{k} must be a number >= 0, got {v!r}")
+    if pr.communication_data_type is not None and pr.communication_data_type not in COMM_DTYPES:
+        ch.fail(
+            "communication_data_type",
+            f"{pr.communication_data_type!r} is not one of {', '.join(COMM_DTYPES)}",
+        )
+    ch.positive("loss_scale", allow_zero=True)
+    ch.positive("hysteresis")
+    ch.positive("loss_scale_window")
+    ch.positive("min_scale")
+
+
+def _check_training(ch: _Checker) -> None:
+    t, ck = ch.c.training, ch.c.checkpoint
+    for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        ch.positive(k)
+    for k in (
+        "batch_size",
+        "train_iters",
+        "eval_interval",
+        "checkpoint_num_layers",
+        "exit_interval",
+    ):
+        ch.positive(k)
+    ch.positive("eval_iters", allow_zero=True)
+    ch.positive("seed", allow_zero=True)
+    if (
+        t.batch_size is not None
+        and t.train_micro_batch_size_per_gpu is not None
+        and t.batch_size != t.train_micro_batch_size_per_gpu
+    ):
+        ch.fail(
+            "batch_size",
+            f"{t.batch_size} contradicts train_micro_batch_size_per_gpu "
+            f"{t.train_micro_batch_size_per_gpu}; give one of them",
+        )
+    if t.train_impl != "normal":
+        ch.fail("train_impl", f"{t.train_impl!r} training is not supported; only 'normal' is built")
+    ch.positive("checkpoint_factor")
+    ch.positive("keep_last_n_checkpoints")
+    if (
+        ck.checkpoint_scale == "log"
+        and ck.checkpoint_factor is not None
+        and ck.checkpoint_factor < 2
+    ):
+        ch.fail("checkpoint_factor", "must be >= 2 with checkpoint_scale: log (it is the base)")
+    if any(i < 0 for i in ck.extra_save_iters or []):
+        ch.fail("extra_save_iters", f"steps must be >= 0, got {ck.extra_save_iters}")
+    ch.positive("log_interval")
+    lg = ch.c.logging
+    if lg.profile_step_stop < lg.profile_step_start:
+        ch.fail(
+            "profile_step_stop",
+            f"{lg.profile_step_stop} is before profile_step_start {lg.profile_step_start}",
+        )
+
+
+def split_fractions(split: str) -> list[float]:
+    """'949,50,1' -> [0.949, 0.05, 0.001]; missing parts are 0. Raises ValueError."""
+    parts = [p.strip() for p in split.replace("/", ",").split(",") if p.strip()]
+    if not 1 <= len(parts) <= 3:
+        raise ValueError("needs one to three comma-separated numbers")
+    values = [float(p) for p in parts]
+    if any(v < 0 for v in values) or sum(values) <= 0:
+        raise ValueError("needs non-negative numbers with a positive sum")
+    values += [0.0] * (3 - len(values))
+    total = sum(values)
+    return [v / total for v in values]
+
+
+def _check_data(ch: _Checker) -> None:
+    d = ch.c.data
+    try:
+        split_fractions(d.split)
+    except ValueError as e:
+        ch.fail("split", f"{d.split!r} {e} (train, validation, test), like '949,50,1'")
+    if d.data_path and d.train_data_paths:
+        ch.fail("train_data_paths", "given together with data_path; use one way to name the data")
+    for kind in ("train", "valid", "test"):
+        paths = getattr(d, f"{kind}_data_paths")
+        weights = getattr(d, f"{kind}_data_weights")
+        if weights is not None:
+            if paths is None or len(weights) != len(paths):
+                ch.fail(
+                    f"{kind}_data_weights",
+                    f"has {len(weights)} weights for {len(paths or [])} {kind}_data_paths",
+                )
+            if any(w < 0 for w in weights) or sum(weights) <= 0:
+                ch.fail(f"{kind}_data_weights", f"must be >= 0 with a positive sum, got {weights}")
+    ch.positive("weighted_sampler_alpha")
+    ch.positive("num_workers", allow_zero=True)
+    if d.data_impl == "cached":
+        ch.fail(
+            "data_impl", "'cached' datasets (Megatron's old format) are not supported; use mmap"
+        )
+    if d.pack_impl != "packed":
+        ch.fail("pack_impl", f"{d.pack_impl!r} is not supported; only 'packed' is built")
+    if d.dataset_impl != "gpt2":
+        ch.fail("dataset_impl", f"{d.dataset_impl!r} datasets are not supported; only 'gpt2'")
+
+
+def _check_textgen(ch: _Checker) -> None:
+    g = ch.c.textgen
+    ch.positive("temperature", allow_zero=True)
+    ch.within("top_p", 0.0, 1.0)
+    ch.positive("top_k", allow_zero=True)
+    ch.positive("maximum_tokens")
+    ch.positive("num_samples")
+    if g.text_gen_type == "precompute":
+        ch.fail(
+            "text_gen_type",
+            "'precompute' is not supported; use unconditional, input-file or interactive",
+        )

@@ -1,0 +1,332 @@
+"""A corpus of wrong configs: each must give one clear line (file, key, what to do), exit 2,
+and no traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from torchneox.cli import main
+
+BASE = """{
+  "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
+  "train_micro_batch_size_per_gpu": 2, "train_iters": 10,
+  "optimizer": {"type": "Adam", "params": {"lr": 1.0e-3}},
+}
+"""
+
+# (case id, files {name: text}, extra CLI arguments, fragments the one-line error must contain)
+CASES = [
+    (
+        "typo",
+        {"a.yml": "{hiden_size: 64}"},
+        [],
+        ["a.yml", "hiden_size: unknown key; did you mean hidden_size?"],
+    ),
+    (
+        "typo-hyphen",
+        {"a.yml": "{num-layer: 2}"},
+        [],
+        ["num_layer: unknown key; did you mean num_layers?"],
+    ),
+    ("unknown-no-match", {"a.yml": "{zzqqxx: 1}"}, [], ["a.yml: zzqqxx: unknown key"]),
+    (
+        "int-as-word",
+        {"a.yml": "{num_layers: twelve}"},
+        [],
+        ["a.yml: num_layers: expected an integer, got 'twelve'"],
+    ),
+    (
+        "int-as-fraction",
+        {"a.yml": "{num_layers: 2.5}"},
+        [],
+        ["num_layers: expected an integer, got 2.5"],
+    ),
+    (
+        "bool-as-int",
+        {"a.yml": "{no_weight_tying: 1}"},
+        [],
+        ["no_weight_tying: expected true or false, got 1"],
+    ),
+    ("float-as-word", {"a.yml": "{min_lr: small}"}, [], ["min_lr: expected a number, got 'small'"]),
+    (
+        "list-as-int",
+        {"a.yml": "{extra_save_iters: 5}"},
+        [],
+        ["extra_save_iters: expected a list of integers"],
+    ),
+    (
+        "choice-typo",
+        {"a.yml": "{norm: layernrom}"},
+        [],
+        ["norm: 'layernrom' is not one of", "did you mean layernorm?"],
+    ),
+    (
+        "choice-unknown",
+        {"a.yml": "{pos_emb: wavelets}"},
+        [],
+        ["pos_emb: 'wavelets' is not one of learned, rotary"],
+    ),
+    ("activation-typo", {"a.yml": "{activation: swigl}"}, [], ["did you mean swiglu?"]),
+    (
+        "decay-style",
+        {"a.yml": "{lr_decay_style: cosin}"},
+        [],
+        ["lr_decay_style: 'cosin'", "did you mean cosine?"],
+    ),
+    (
+        "precision",
+        {"a.yml": "{precision: bf16}"},
+        [],
+        ["precision: 'bf16' is not one of fp16, fp32, bfloat16"],
+    ),
+    (
+        "heads-not-dividing",
+        {"a.yml": "{hidden_size: 100, num_attention_heads: 12}"},
+        [],
+        ["hidden_size 100 is not divisible by num_attention_heads 12"],
+    ),
+    (
+        "kv-heads",
+        {"a.yml": "{hidden_size: 64, num_attention_heads: 8, num_kv_heads: 3}"},
+        [],
+        ["num_kv_heads", "not a multiple of num_kv_heads 3"],
+    ),
+    (
+        "batch-inconsistent",
+        {
+            "a.yml": "{train_batch_size: 32, train_micro_batch_size_per_gpu: 4, gradient_accumulation_steps: 2}"
+        },
+        ["--world-size", "2"],
+        [
+            "train_batch_size: 32 != train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps 2 x data-parallel size 2 = 16"
+        ],
+    ),
+    (
+        "batch-not-divisible",
+        {"a.yml": "{train_batch_size: 30, train_micro_batch_size_per_gpu: 4}"},
+        [],
+        ["30 is not divisible by train_micro_batch_size_per_gpu 4"],
+    ),
+    (
+        "world-not-divisible",
+        {"a.yml": "{model_parallel_size: 2, pipe_parallel_size: 2}"},
+        ["--world-size", "6"],
+        ["world size 6 is not divisible by pipeline stages 2 x model_parallel_size 2 = 4"],
+    ),
+    (
+        "mp-not-dividing-heads",
+        {"a.yml": "{hidden_size: 64, num_attention_heads: 4, model_parallel_size: 3}"},
+        [],
+        ["model_parallel_size: 3 does not divide num_attention_heads 4"],
+    ),
+    (
+        "more-stages-than-layers",
+        {"a.yml": "{num_layers: 2, pipe_parallel_size: 4}"},
+        [],
+        ["4 stages but only 2 layers"],
+    ),
+    (
+        "key-in-two-files",
+        {"a.yml": "{seed: 1}", "b.yml": "{seed: 2}"},
+        [],
+        ["seed: given in both", "a.yml and", "b.yml"],
+    ),
+    (
+        "hyphen-and-underscore",
+        {"a.yml": "{seq-length: 8, seq_length: 8}"},
+        [],
+        ["a.yml: seq_length: given twice in this file"],
+    ),
+    (
+        "yaml-syntax",
+        {"a.yml": "{num_layers: 2,, \n hidden_size: [1, 2}"},
+        [],
+        ["a.yml:", "YAML syntax error"],
+    ),
+    (
+        "yaml-duplicate",
+        {"a.yml": "num_layers: 2\nnum_layers: 3\n"},
+        [],
+        ["a.yml:2:1: YAML syntax error: key 'num_layers' appears twice"],
+    ),
+    (
+        "not-a-mapping",
+        {"a.yml": "- 1\n- 2\n"},
+        [],
+        ["a.yml: a config file must be a mapping of keys to values, not a list"],
+    ),
+    ("missing-file", {}, ["nowhere.yml"], ["nowhere.yml: no such config file"]),
+    (
+        "optimizer-type",
+        {"a.yml": "{optimizer: {type: Adamm, params: {lr: 0.1}}}"},
+        [],
+        ["optimizer: unknown type 'Adamm'; did you mean adam?"],
+    ),
+    (
+        "optimizer-refused",
+        {"a.yml": "{optimizer: {type: OneBitAdam, params: {lr: 0.1}}}"},
+        [],
+        ["1-bit Adam", "is not supported; use Adam, AdamW, SGD or Lion"],
+    ),
+    (
+        "optimizer-param",
+        {"a.yml": "{optimizer: {type: Adam, params: {lr: 0.1, beta: [0.9, 0.9]}}}"},
+        [],
+        ["params.beta is not a parameter of Adam; did you mean betas?"],
+    ),
+    (
+        "optimizer-betas",
+        {"a.yml": "{optimizer: {type: Adam, params: {lr: 0.1, betas: [0.9]}}}"},
+        [],
+        ["params.betas must be two numbers"],
+    ),
+    (
+        "lr-conflict",
+        {"a.yml": "{lr: 0.1, optimizer: {type: Adam, params: {lr: 0.2}}}"},
+        [],
+        ["lr: 0.1 contradicts optimizer.params.lr 0.2"],
+    ),
+    (
+        "zero-stage",
+        {"a.yml": "{zero_optimization: {stage: 4}}"},
+        [],
+        ["zero_optimization: stage must be 0, 1, 2 or 3, got 4"],
+    ),
+    (
+        "zero-offload",
+        {"a.yml": "{zero_optimization: {stage: 2, cpu_offload: true}}"},
+        [],
+        ["cpu_offload: CPU/NVMe offload is not supported"],
+    ),
+    (
+        "fp16-and-bf16",
+        {"a.yml": "{fp16: {enabled: true}, bf16: {enabled: true}}"},
+        [],
+        ["both fp16 and bf16 are enabled"],
+    ),
+    (
+        "precision-conflict",
+        {"a.yml": "{precision: fp32, fp16: {enabled: true}}"},
+        [],
+        ["precision: 'fp32' contradicts fp16.enabled: true"],
+    ),
+    ("warmup-range", {"a.yml": "{warmup: 1.5}"}, [], ["warmup: must be in [0.0, 1.0], got 1.5"]),
+    ("negative-iters", {"a.yml": "{train_iters: -5}"}, [], ["train_iters: must be > 0, got -5"]),
+    (
+        "dropout-range",
+        {"a.yml": "{hidden_dropout: 1.0}"},
+        [],
+        ["hidden_dropout: must be in [0.0, 1.0), got 1.0"],
+    ),
+    ("split", {"a.yml": "{split: '90,x,5'}"}, [], ["split: '90,x,5'", "like '949,50,1'"]),
+    (
+        "weights-mismatch",
+        {"a.yml": "{train_data_paths: [a, b], train_data_weights: [1.0]}"},
+        [],
+        ["train_data_weights: has 1 weights for 2 train_data_paths"],
+    ),
+    (
+        "unsupported-mamba",
+        {"a.yml": "{num_layers: 2, attention_config: [[[mamba], 2]]}"},
+        [],
+        ["'mamba' attention (mamba layers) is not supported"],
+    ),
+    (
+        "attention-count",
+        {"a.yml": "{num_layers: 4, attention_config: [[[global], 3]]}"},
+        [],
+        ["attention_config: describes 3 layers but num_layers is 4"],
+    ),
+    ("unsupported-mup", {"a.yml": "{use_mup: true}"}, [], ["use_mup: muP is not supported"]),
+    (
+        "unsupported-rpe",
+        {"a.yml": "{pos_emb: rpe}"},
+        [],
+        ["pos_emb: 'rpe' (T5 relative position buckets) is not supported"],
+    ),
+    (
+        "unsupported-train-impl",
+        {"a.yml": "{train_impl: dpo}"},
+        [],
+        ["train_impl: 'dpo' training is not supported"],
+    ),
+    (
+        "rotary-odd",
+        {"a.yml": "{hidden_size: 64, num_attention_heads: 4, pos_emb: rotary, rotary_pct: 0.2}"},
+        [],
+        ["rotary_pct: rotates 3 of 16 head dimensions", "rotary needs an even"],
+    ),
+    (
+        "moe-top-k",
+        {"a.yml": "{moe_num_experts: 4, moe_top_k: 5}"},
+        [],
+        ["moe_top_k: 5 is more than moe_num_experts 4"],
+    ),
+    (
+        "set-not-key-value",
+        {"a.yml": BASE},
+        ["--set", "train_iters"],
+        ["--set: 'train_iters' is not KEY=VALUE"],
+    ),
+    (
+        "set-unknown",
+        {"a.yml": BASE},
+        ["--set", "train_iter=5"],
+        ["--set: train_iter: unknown key; did you mean train_iters?"],
+    ),
+    (
+        "set-wrong-type",
+        {"a.yml": BASE},
+        ["--set", "seq_length=long"],
+        ["--set: seq_length: expected an integer, got 'long'"],
+    ),
+    (
+        "set-into-scalar",
+        {"a.yml": BASE},
+        ["--set", "seed.x=1"],
+        ["--set: cannot set seed.x: seed is not a mapping"],
+    ),
+    (
+        "max-pos-short",
+        {"a.yml": "{seq_length: 64, max_position_embeddings: 32}"},
+        [],
+        ["max_position_embeddings: 32 is shorter than seq_length 64"],
+    ),
+    (
+        "min-lr-above-peak",
+        {"a.yml": "{min_lr: 0.5, optimizer: {type: Adam, params: {lr: 0.1}}}"},
+        [],
+        ["min_lr: 0.5 is above the peak learning rate 0.1"],
+    ),
+    (
+        "gpt-j-tied-alone",
+        {"a.yml": "{gpt_j_tied: true}"},
+        [],
+        ["gpt_j_tied: only means something with gpt_j_residual: true"],
+    ),
+    ("world-size-flag", {"a.yml": BASE}, ["--world-size", "0"], ["--world-size must be >= 1"]),
+]
+
+
+def test_the_corpus_is_large_enough():
+    assert len(CASES) >= 30
+
+
+@pytest.mark.parametrize(
+    ("files", "extra", "fragments"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_bad_config_gives_one_clear_line(tmp_path, capsys, monkeypatch, files, extra, fragments):
+    monkeypatch.chdir(tmp_path)
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    paths = list(files) if not extra or extra[0].startswith("--") else []
+    status = main(["config", "explain", *paths, *extra])
+    captured = capsys.readouterr()
+    assert status == 2
+    assert captured.out == ""
+    err = captured.err
+    assert err.startswith("torchneox: error: ")
+    assert err.count("\n") == 1, err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in err, f"{fragment!r} not in {err!r}"
