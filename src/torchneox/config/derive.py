@@ -419,7 +419,7 @@ def _vocab(loaded: LoadedConfig, out: Derived) -> int:
                 source=loaded.source("padded_vocab_size"),
                 key="padded_vocab_size",
             )
-        out.put("vocab_size", info.size if info.exact else None, info.reason)
+        out.put("vocab_size", info.size, info.reason)
         return out.put("padded_vocab_size", padded, f"{padded}, as given")
     vocab, why = info.size, info.reason
     if vocab is None:

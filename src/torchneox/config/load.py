@@ -344,6 +344,18 @@ def build(values: dict[str, Any], origin: dict[str, str]) -> NeoXConfig:
     return config
 
 
+def load_mapping(
+    values: dict[str, Any], source: str, overrides: Iterable[str] = ()
+) -> LoadedConfig:
+    """A config given as a mapping (a converter's output, say) instead of files."""
+    values = {k.replace("-", "_"): v for k, v in values.items()}
+    origin = dict.fromkeys(values, source)
+    apply_overrides(values, origin, overrides)
+    config = build(values, origin)
+    validate(config, origin)
+    return LoadedConfig(config, origin, [source])
+
+
 def load_config(paths: Sequence[str | Path], overrides: Iterable[str] = ()) -> LoadedConfig:
     """Read, merge, override, type-check and validate. Raises ConfigError."""
     if not paths:

@@ -110,7 +110,8 @@ def _show(value: Any) -> str:
 
 
 def resolved_config(loaded: LoadedConfig, derived: Derived) -> NeoXConfig:
-    """The config with the values explain resolved (batch triple, precision) written in."""
+    """The config with the values explain resolved (batch triple, precision, padded
+    vocabulary) written in, so that it means the same on a machine without the tokenizer."""
     config = copy.deepcopy(loaded.config)
     for name in (
         "train_batch_size",
@@ -122,6 +123,7 @@ def resolved_config(loaded: LoadedConfig, derived: Derived) -> NeoXConfig:
     if config.training.batch_size is not None:
         config.training.batch_size = None
     config.precision.precision = derived["precision"]
+    config.tokenizer.padded_vocab_size = derived["padded_vocab_size"]
     return config
 
 

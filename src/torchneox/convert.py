@@ -1,0 +1,140 @@
+"""``torchneox convert``: Hugging Face folders <-> torchneox checkpoints."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from torchneox.config.derive import derive
+from torchneox.config.errors import ConfigError
+from torchneox.config.load import LoadedConfig, load_mapping
+from torchneox.config.report import render_yaml
+from torchneox.models import hf
+from torchneox.models.args import ModelArgs, model_args
+from torchneox.models.transformer import Transformer, build_model
+from torchneox.train import checkpoint
+
+
+def _tokenizer_keys(hf_dir: Path, out_dir: Path) -> dict[str, str]:
+    """Copy the HF folder's tokenizer files into out_dir; the config keys that name them."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if (hf_dir / "tokenizer.json").is_file():
+        target = out_dir / "tokenizer.json"
+        shutil.copyfile(hf_dir / "tokenizer.json", target)
+        return {"tokenizer_type": "HFTokenizer", "vocab_file": str(target.resolve())}
+    if (hf_dir / "vocab.json").is_file() and (hf_dir / "merges.txt").is_file():
+        keys = {"tokenizer_type": "GPT2BPETokenizer"}
+        for name, key in (("vocab.json", "vocab_file"), ("merges.txt", "merge_file")):
+            shutil.copyfile(hf_dir / name, out_dir / name)
+            keys[key] = str((out_dir / name).resolve())
+        return keys
+    return {}
+
+
+def _check_shapes(args: ModelArgs, sd: dict[str, torch.Tensor], source: str) -> None:
+    with torch.device("meta"):
+        expected = Transformer(args).state_dict()
+    missing = sorted(set(expected) - set(sd))
+    extra = sorted(set(sd) - set(expected))
+    if missing or extra:
+        what = f"missing {missing[0]}" if missing else f"unexpected {extra[0]}"
+        raise ConfigError(f"weights do not match the config ({what})", source=source)
+    for name, tensor in expected.items():
+        if tuple(sd[name].shape) != tuple(tensor.shape):
+            raise ConfigError(
+                f"tensor {name} has shape {tuple(sd[name].shape)}, the config needs {tuple(tensor.shape)}",
+                source=source,
+            )
+
+
+def _read_hf(
+    hf_dir: Path, tokenizer_keys: dict[str, str]
+) -> tuple[LoadedConfig, dict[str, torch.Tensor]]:
+    hf_cfg = hf.read_config(hf_dir)
+    loaded = load_mapping(
+        hf.neox_config_from_hf(hf_cfg) | tokenizer_keys, str(hf_dir / "config.json")
+    )
+    args = model_args(loaded)
+    sd = hf.state_dict_from_hf(hf.architecture_of(hf_cfg), hf.read_state_dict(hf_dir), args)
+    _check_shapes(args, sd, str(hf_dir))
+    return loaded, sd
+
+
+def from_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
+    """A local GPTNeoX/Llama/Mistral folder -> a torchneox checkpoint (global_step0)."""
+    src, out = Path(hf_dir), Path(out_dir)
+    loaded, sd = _read_hf(src, _tokenizer_keys(src, out))
+    yaml_text = render_yaml(loaded, derive(loaded))
+    arch = hf.architecture_of(hf.read_config(src))
+    return checkpoint.save_checkpoint(out, 0, {"model": sd}, yaml_text, {"converted_from": arch})
+
+
+def load_hf_model(hf_dir: str | Path, device: str = "cpu") -> tuple[LoadedConfig, Transformer]:
+    """A local HF folder as a torchneox model, without writing a checkpoint."""
+    src = Path(hf_dir)
+    keys: dict[str, str] = {}
+    if (src / "tokenizer.json").is_file():
+        keys = {"tokenizer_type": "HFTokenizer", "vocab_file": str(src / "tokenizer.json")}
+    elif (src / "vocab.json").is_file() and (src / "merges.txt").is_file():
+        keys = {
+            "tokenizer_type": "GPT2BPETokenizer",
+            "vocab_file": str(src / "vocab.json"),
+            "merge_file": str(src / "merges.txt"),
+        }
+    loaded, sd = _read_hf(src, keys)
+    with torch.device("meta"):
+        model = Transformer(model_args(loaded))
+    model.to_empty(device=device)
+    model.init_buffers(device)
+    model.load_state_dict(sd)
+    return loaded, model
+
+
+def load_model(
+    ckpt: str | Path,
+    overrides: list[str] | None = None,
+    device: str = "cpu",
+    step: int | None = None,
+) -> tuple[LoadedConfig, Transformer]:
+    step_dir = checkpoint.resolve(ckpt, step)
+    loaded = checkpoint.checkpoint_config(step_dir, overrides)
+    model = build_model(model_args(loaded), device=device)
+    checkpoint.load_model_weights(step_dir, model)
+    return loaded, model
+
+
+def to_hf(ckpt: str | Path, out_dir: str | Path) -> Path:
+    """A torchneox checkpoint -> a Hugging Face folder (safetensors, config.json, tokenizer)."""
+    from safetensors.torch import save_file
+
+    step_dir = checkpoint.resolve(ckpt)
+    loaded = checkpoint.checkpoint_config(step_dir)
+    args = model_args(loaded)
+    arch = hf.export_architecture(args)
+    _, model = load_model(step_dir)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = hf.state_dict_to_hf(arch, model.state_dict(), args)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    eod = _copy_tokenizer(loaded, out)
+    (out / "config.json").write_text(json.dumps(hf.hf_config(arch, args, eod), indent=2) + "\n")
+    return out
+
+
+def _copy_tokenizer(loaded: LoadedConfig, out: Path) -> int | None:
+    tok = loaded.config.tokenizer
+    if tok.vocab_file is None or not Path(tok.vocab_file).is_file():
+        return None
+    if tok.tokenizer_type == "HFTokenizer":
+        shutil.copyfile(tok.vocab_file, out / "tokenizer.json")
+    elif tok.tokenizer_type in ("GPT2BPETokenizer", "HFGPT2Tokenizer") and tok.merge_file:
+        shutil.copyfile(tok.vocab_file, out / "vocab.json")
+        shutil.copyfile(tok.merge_file, out / "merges.txt")
+    else:
+        return None
+    from torchneox.data.tokenizers import build_tokenizer
+
+    return build_tokenizer(loaded.config).eod_id

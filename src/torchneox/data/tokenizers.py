@@ -1,0 +1,89 @@
+"""Tokenizers as GPT-NeoX names them (`tokenizer_type`), with its end-of-text and pad ids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from torchneox.config.errors import ConfigError
+from torchneox.config.schema import NeoXConfig
+
+END_OF_TEXT = "<|endoftext|>"
+PADDING = "<|padding|>"
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    eod_id: int
+    pad_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+@dataclass
+class CharLevelTokenizer:
+    """UTF-8 bytes as tokens; 512 ids, end-of-text 0 and pad 1 as in GPT-NeoX."""
+
+    vocab_size: int = 512
+    eod_id: int = 0
+    pad_id: int | None = 1
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A `tokenizers` tokenizer: a tokenizer.json, or GPT-2's vocab.json + merges.txt."""
+
+    def __init__(self, backend, name: str):
+        self._tok = backend
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        eod = backend.token_to_id(END_OF_TEXT)
+        if eod is None:
+            raise ConfigError(f"{name} has no {END_OF_TEXT} token", key="vocab_file")
+        self.eod_id = eod
+        self.pad_id = backend.token_to_id(PADDING)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+
+def _need_file(path: str | None, key: str, kind: str) -> Path:
+    if not path:
+        raise ConfigError(f"{kind} needs {key}", key=key)
+    if not Path(path).is_file():
+        raise ConfigError(f"{path}: no such file", key=key)
+    return Path(path)
+
+
+def build_tokenizer(cfg: NeoXConfig) -> Tokenizer:
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers
+
+    tok = cfg.tokenizer
+    kind = tok.tokenizer_type
+    if kind == "CharLevelTokenizer":
+        return CharLevelTokenizer()
+    if kind == "HFTokenizer":
+        path = _need_file(tok.vocab_file, "vocab_file", kind)
+        return HFTokenizer(Backend.from_file(str(path)), str(path))
+    if kind in ("GPT2BPETokenizer", "HFGPT2Tokenizer"):
+        vocab = _need_file(tok.vocab_file, "vocab_file", kind)
+        merges = _need_file(tok.merge_file, "merge_file", kind)
+        backend = Backend(models.BPE.from_file(str(vocab), str(merges)))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        return HFTokenizer(backend, str(vocab))
+    raise ConfigError(
+        f"{kind} is not available yet; use HFTokenizer, GPT2BPETokenizer or CharLevelTokenizer",
+        key="tokenizer_type",
+    )

@@ -1,0 +1,190 @@
+"""Text generation: batched prompts, KV cache, greedy / temperature / top-k / top-p sampling."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from torchneox.config.errors import ConfigError
+from torchneox.config.schema_io import TextGenConfig
+from torchneox.data.tokenizers import Tokenizer
+from torchneox.models.attention import KVCache
+from torchneox.models.transformer import Transformer
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0
+    """0 means greedy."""
+    top_k: int = 0
+    top_p: float = 0.0
+    maximum_tokens: int = 64
+    stop_ids: set[int] = field(default_factory=set)
+    use_cache: bool = True
+    seed: int | None = None
+
+
+def filter_logits(logits_BV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Logits outside the top-k tokens, or outside the smallest set reaching top_p, set to -inf."""
+    if top_k > 0:
+        kth = torch.topk(logits_BV, min(top_k, logits_BV.shape[-1]), dim=-1).values[..., -1:]
+        logits_BV = logits_BV.masked_fill(logits_BV < kth, float("-inf"))
+    if 0.0 < top_p < 1.0:
+        sorted_logits, order = torch.sort(logits_BV, descending=True, dim=-1)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        # drop a token when the tokens before it already reach top_p (the first always stays)
+        drop_sorted = (cumulative - sorted_logits.softmax(dim=-1)) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits_BV = logits_BV.masked_fill(drop, float("-inf"))
+    return logits_BV
+
+
+def next_tokens(
+    logits_BV: torch.Tensor, s: Sampling, generator: torch.Generator | None
+) -> torch.Tensor:
+    if s.temperature <= 0.0:
+        return logits_BV.argmax(dim=-1)
+    logits = filter_logits(logits_BV.float() / s.temperature, s.top_k, s.top_p)
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(
+    model: Transformer,
+    prompts: list[list[int]],
+    s: Sampling,
+    pad_id: int = 0,
+) -> list[list[int]]:
+    """The continuation of each prompt (stop token excluded). Prompts may differ in length:
+    they are left-padded, and padding is masked out and excluded from positions."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    model.eval()
+    device = model.embed.weight.device
+    generator = None
+    if s.seed is not None:
+        generator = torch.Generator(device=device).manual_seed(s.seed)
+    longest = max(len(p) for p in prompts)
+    limit = model.args.max_positions
+    if longest + s.maximum_tokens > limit:
+        raise ValueError(
+            f"prompt ({longest} tokens) + maximum_tokens ({s.maximum_tokens}) exceeds the "
+            f"model's {limit} positions"
+        )
+    b = len(prompts)
+    pads = torch.tensor([longest - len(p) for p in prompts], device=device)
+    tokens = torch.full((b, longest + s.maximum_tokens), pad_id, dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        tokens[i, longest - len(p) : longest] = torch.tensor(p, device=device)
+    index = torch.arange(tokens.shape[1], device=device)
+    positions = (index[None, :] - pads[:, None]).clamp(min=0)
+    valid = index[None, :] >= pads[:, None]
+    padded = bool(pads.any())
+    cache = (
+        KVCache(model.args, b, tokens.shape[1], model.embed.weight.dtype, device)
+        if s.use_cache
+        else None
+    )
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    stop = torch.tensor(sorted(s.stop_ids), dtype=torch.long, device=device)
+    end = longest
+    begin = 0
+    for _ in range(s.maximum_tokens):
+        logits = model(
+            tokens[:, begin:end],
+            positions_BT=positions[:, begin:end],
+            key_valid_BS=valid[:, :end] if padded else None,
+            cache=cache,
+        )[:, -1]
+        new = next_tokens(logits, s, generator)
+        new = torch.where(done, torch.full_like(new, pad_id), new)
+        tokens[:, end] = new
+        done |= torch.isin(new, stop)
+        end += 1
+        if cache is not None:
+            begin = end - 1
+        if bool(done.all()):
+            break
+    out = []
+    for row in tokens[:, longest:end].tolist():
+        cut = next((i for i, t in enumerate(row) if t in s.stop_ids), len(row))
+        out.append(row[:cut])
+    return out
+
+
+# ------------------------------------------------------------------- the generate command
+
+
+@dataclass
+class TextGenerator:
+    """A model with its tokenizer and sampling settings: text in, text out."""
+
+    model: Transformer
+    tokenizer: Tokenizer
+    sampling: Sampling
+
+    def complete(self, texts: list[str]) -> list[str]:
+        prompts = [self.tokenizer.encode(t) or [self.tokenizer.eod_id] for t in texts]
+        pad = self.tokenizer.pad_id if self.tokenizer.pad_id is not None else self.tokenizer.eod_id
+        outputs = generate(self.model, prompts, self.sampling, pad_id=pad)
+        return [self.tokenizer.decode(ids) for ids in outputs]
+
+    def unconditional(self, count: int) -> list[str]:
+        prompts = [[self.tokenizer.eod_id]] * count
+        outputs = generate(self.model, prompts, self.sampling, pad_id=self.tokenizer.eod_id)
+        return [self.tokenizer.decode(ids) for ids in outputs]
+
+
+def sampling_from(cfg: TextGenConfig, eod_id: int, seed: int | None) -> Sampling:
+    return Sampling(
+        temperature=cfg.temperature,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
+        maximum_tokens=cfg.maximum_tokens,
+        stop_ids={eod_id},
+        use_cache=not cfg.recompute,
+        seed=seed,
+    )
+
+
+def run_mode(gen: TextGenerator, cfg: TextGenConfig, batch_size: int = 8) -> None:
+    """GPT-NeoX's text_gen_type modes: unconditional, input-file, interactive."""
+    mode = cfg.text_gen_type or "interactive"
+    if mode == "unconditional":
+        with open(cfg.sample_output_file, "w") as out:
+            for start in range(0, cfg.num_samples, batch_size):
+                for text in gen.unconditional(min(batch_size, cfg.num_samples - start)):
+                    out.write(json.dumps({"context": "", "text": text}) + "\n")
+        print(f"wrote {cfg.num_samples} samples to {cfg.sample_output_file}", file=sys.stderr)
+    elif mode == "input-file":
+        if not cfg.sample_input_file:
+            raise ConfigError(
+                "text_gen_type input-file needs sample_input_file", key="sample_input_file"
+            )
+        try:
+            text = Path(cfg.sample_input_file).read_text()
+        except OSError as e:
+            raise ConfigError(
+                f"cannot read it ({e.strerror})",
+                key="sample_input_file",
+                source=cfg.sample_input_file,
+            ) from None
+        prompts = [p for p in text.split(cfg.prompt_end) if p.strip()]
+        with open(cfg.sample_output_file, "w") as out:
+            for start in range(0, len(prompts), batch_size):
+                chunk = prompts[start : start + batch_size]
+                for prompt, cont in zip(chunk, gen.complete(chunk), strict=True):
+                    out.write(json.dumps({"context": prompt, "text": cont}) + "\n")
+        print(f"wrote {len(prompts)} completions to {cfg.sample_output_file}", file=sys.stderr)
+    else:
+        print("Type a prompt and press enter; an empty line or Ctrl-D ends.", file=sys.stderr)
+        for line in sys.stdin:
+            prompt = line.rstrip("\n")
+            if not prompt:
+                break
+            print(gen.complete([prompt])[0], flush=True)

@@ -1,0 +1,101 @@
+"""ModelArgs: the few numbers and switches the decoder needs, taken from a NeoXConfig."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torchneox.config.derive import derive
+from torchneox.config.errors import ConfigError
+from torchneox.config.load import LoadedConfig
+from torchneox.config.schema import NeoXConfig
+from torchneox.config.sizes import head_dim, kv_heads, mlp_widths, rotary_dims
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int
+    """Rows of the embedding and the output head (the padded vocabulary)."""
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mlp_width: int
+    gated: bool
+    activation: str
+    norm: str
+    norm_eps: float
+    norm_bias: bool
+    attn_bias: bool
+    mlp_bias: bool
+    pos_emb: str
+    rotary_dims: int
+    rotary_base: float
+    max_positions: int
+    pos_offset: int
+    tied_embeddings: bool
+    parallel_residual: bool
+    shared_norm: bool
+    hidden_dropout: float
+    attention_dropout: float
+    sliding_window: int | None
+    init_method: str
+    output_init_method: str
+    init_std: float
+
+    @classmethod
+    def from_config(cls, cfg: NeoXConfig, vocab_size: int) -> ModelArgs:
+        m = cfg.model
+        missing = [
+            k
+            for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+            if cfg.get(k) is None
+        ]
+        if missing:
+            raise ConfigError(f"the model needs {', '.join(missing)}", key=missing[0])
+        if cfg.moe.moe_num_experts > 1:
+            raise ConfigError(
+                "mixture-of-experts layers are not built yet; set moe_num_experts to 1",
+                key="moe_num_experts",
+            )
+        widths = mlp_widths(cfg)
+        norm = {"te_layernorm": "layernorm", "te_rmsnorm": "rmsnorm"}.get(m.norm, m.norm)
+        eps = {
+            "rmsnorm": m.rms_norm_epsilon,
+            "scalenorm": m.scalenorm_epsilon,
+        }.get(norm, m.layernorm_epsilon)
+        return cls(
+            vocab_size=vocab_size,
+            hidden_size=m.hidden_size,
+            num_layers=m.num_layers,
+            num_heads=m.num_attention_heads,
+            num_kv_heads=kv_heads(cfg),
+            head_dim=head_dim(cfg),
+            mlp_width=widths.down,
+            gated=widths.gated,
+            activation=m.activation,
+            norm=norm,
+            norm_eps=eps,
+            norm_bias=m.use_bias_in_norms,
+            attn_bias=m.use_bias_in_attn_linear,
+            mlp_bias=m.use_bias_in_mlp,
+            pos_emb=m.pos_emb,
+            rotary_dims=rotary_dims(cfg),
+            rotary_base=float(m.rotary_emb_base),
+            max_positions=m.max_position_embeddings or m.seq_length,
+            pos_offset=m.opt_pos_emb_offset,
+            tied_embeddings=not m.no_weight_tying,
+            parallel_residual=m.gpt_j_residual,
+            shared_norm=m.gpt_j_tied,
+            hidden_dropout=m.hidden_dropout,
+            attention_dropout=m.attention_dropout,
+            sliding_window=m.sliding_window_width,
+            init_method=m.init_method,
+            output_init_method=m.output_layer_init_method,
+            init_std=m.init_method_std,
+        )
+
+
+def model_args(loaded: LoadedConfig) -> ModelArgs:
+    """ModelArgs of a loaded config, with the padded vocabulary explain derives."""
+    return ModelArgs.from_config(loaded.config, derive(loaded)["padded_vocab_size"])

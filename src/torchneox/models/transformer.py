@@ -1,0 +1,204 @@
+"""The decoder: embedding -> blocks -> final norm -> output head, for one device.
+
+Parallelism is applied from outside. Parameter names are stable:
+
+    embed.weight                      pos_embed.weight (learned positions)
+    layers.{i}.attention_norm.*       layers.{i}.attention.{wq,wk,wv,wo}.{weight,bias}
+    layers.{i}.mlp_norm.*             layers.{i}.mlp.{up,gate,down}.{weight,bias}
+    final_norm.*                      output.weight (untied head)
+
+Build it on the meta device, move it with ``to_empty`` and call ``init_weights()``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from torchneox.models.args import ModelArgs
+from torchneox.models.attention import Attention, AttentionBias, KVCache
+from torchneox.models.init import init_function
+from torchneox.models.mlp import MLP
+from torchneox.models.norms import RMSNorm, ScaleNorm, build_norm
+from torchneox.models.positions import alibi_slopes, rotary_tables, sinusoidal_table
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.parallel_residual = args.parallel_residual
+        self.attention_norm = build_norm(args.norm, args.hidden_size, args.norm_eps, args.norm_bias)
+        self.attention = Attention(args, layer)
+        self.mlp_norm = (
+            None
+            if args.shared_norm
+            else build_norm(args.norm, args.hidden_size, args.norm_eps, args.norm_bias)
+        )
+        self.mlp = MLP(args)
+        self.dropout = nn.Dropout(args.hidden_dropout)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        bias: AttentionBias,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        normed = self.attention_norm(x)
+        attn = self.dropout(self.attention(normed, rope, bias, cache))
+        if self.parallel_residual:
+            mlp_in = normed if self.mlp_norm is None else self.mlp_norm(x)
+            return x + attn + self.dropout(self.mlp(mlp_in))
+        x = x + attn
+        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        h = args.hidden_size
+        self.embed = nn.Embedding(args.vocab_size, h)
+        self.pos_embed = (
+            nn.Embedding(args.max_positions + args.pos_offset, h)
+            if args.pos_emb == "learned"
+            else None
+        )
+        self.embed_dropout = nn.Dropout(args.hidden_dropout)
+        # a ModuleDict keyed by layer index keeps names stable when pipeline stages drop layers
+        self.layers = nn.ModuleDict({str(i): Block(args, i) for i in range(args.num_layers)})
+        self.final_norm = build_norm(args.norm, h, args.norm_eps, args.norm_bias)
+        self.output = None if args.tied_embeddings else nn.Linear(h, args.vocab_size, bias=False)
+        self._make_buffers(device=None)
+
+    # ------------------------------------------------------------------ buffers and init
+
+    def _make_buffers(self, device: torch.device | None) -> None:
+        a = self.args
+        if a.pos_emb == "rotary":
+            cos, sin = rotary_tables(a.rotary_dims, a.rotary_base, a.max_positions)
+            self.register_buffer("rope_cos", cos.to(device), persistent=False)
+            self.register_buffer("rope_sin", sin.to(device), persistent=False)
+        elif a.pos_emb == "sinusoidal":
+            table = sinusoidal_table(a.hidden_size, a.max_positions)
+            self.register_buffer("sin_table", table.to(device), persistent=False)
+        elif a.pos_emb == "alibi":
+            self.register_buffer("alibi", alibi_slopes(a.num_heads).to(device), persistent=False)
+
+    def init_buffers(self, device: torch.device | str) -> None:
+        """Recompute the position tables on ``device`` (after ``to_empty``)."""
+        self._make_buffers(torch.device(device))
+
+    @torch.no_grad()
+    def init_weights(self, device: torch.device | str | None = None) -> None:
+        """Initialise every parameter as GPT-NeoX's init_method/output_layer_init_method do."""
+        a = self.args
+        if device is None:
+            device = next(self.parameters()).device
+        self.init_buffers(device)
+        main = init_function(a.init_method, a.init_std, a.num_layers, a.hidden_size)
+        out = init_function(a.output_init_method, a.init_std, a.num_layers, a.hidden_size)
+        main(self.embed.weight)
+        if self.pos_embed is not None:
+            main(self.pos_embed.weight)
+        for block in self.layers.values():
+            for name, linear in block.named_modules():
+                if not isinstance(linear, nn.Linear):
+                    continue
+                (out if name in ("attention.wo", "mlp.down") else main)(linear.weight)
+                if linear.bias is not None:
+                    nn.init.zeros_(linear.bias)
+        if self.output is not None:
+            main(self.output.weight)
+        for module in self.modules():
+            if isinstance(module, nn.LayerNorm) and module.weight is not None:
+                nn.init.ones_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, RMSNorm | ScaleNorm):
+                module.reset_parameters()
+
+    # -------------------------------------------------------------------------- forward
+
+    def _attention_bias(
+        self, t: int, start: int, key_valid_BS: torch.Tensor | None, device: torch.device
+    ) -> AttentionBias:
+        a = self.args
+        extras = key_valid_BS is not None or a.sliding_window is not None or a.pos_emb == "alibi"
+        if not extras and start == 0:
+            return AttentionBias(None, is_causal=True)
+        if not extras and t == 1:
+            return AttentionBias(None, is_causal=False)
+        q = torch.arange(start, start + t, device=device)[:, None]
+        k = torch.arange(start + t, device=device)[None, :]
+        allowed = k <= q
+        if a.sliding_window is not None:
+            allowed = allowed & (q - k < a.sliding_window)
+        allowed = allowed[None, None]  # [1, 1, T, S]
+        if key_valid_BS is not None:
+            # a padded query still sees itself, so no row is empty (its output is never used)
+            allowed = (allowed & key_valid_BS[:, None, None, :]) | (k == q)[None, None]
+        if a.pos_emb != "alibi":
+            return AttentionBias(allowed, is_causal=False)
+        distance = (q - k).clamp(min=0).float()
+        scores = -self.alibi[:, None, None] * distance[None]  # [H, T, S]
+        mask = scores[None].masked_fill(~allowed, float("-inf"))
+        return AttentionBias(mask, is_causal=False)
+
+    def _rope(
+        self, positions_BT: torch.Tensor | None, start: int, t: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.args.pos_emb != "rotary":
+            return None
+        if positions_BT is None:
+            return self.rope_cos[start : start + t], self.rope_sin[start : start + t]
+        return self.rope_cos[positions_BT][:, None], self.rope_sin[positions_BT][:, None]
+
+    def forward(
+        self,
+        tokens_BT: torch.Tensor,
+        *,
+        positions_BT: torch.Tensor | None = None,
+        key_valid_BS: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Logits [B, T, vocab]. ``positions_BT`` default to 0.. (after the cache's length);
+        ``key_valid_BS`` marks the keys (cache + new tokens) that are real, not padding."""
+        t = tokens_BT.shape[1]
+        start = cache.length if cache is not None else 0
+        x = self.embed(tokens_BT)
+        if self.pos_embed is not None or self.args.pos_emb == "sinusoidal":
+            pos = (
+                positions_BT
+                if positions_BT is not None
+                else torch.arange(start, start + t, device=x.device)
+            )
+            if self.pos_embed is not None:
+                x = x + self.pos_embed(pos + self.args.pos_offset)
+            else:
+                x = x + self.sin_table[pos].to(x.dtype)
+        x = self.embed_dropout(x)
+        rope = self._rope(positions_BT, start, t)
+        bias = self._attention_bias(t, start, key_valid_BS, x.device)
+        for block in self.layers.values():
+            x = block(x, rope, bias, cache)
+        if cache is not None:
+            cache.length += t
+        x = self.final_norm(x)
+        if self.output is None:
+            return F.linear(x, self.embed.weight)
+        return self.output(x)
+
+
+def build_model(
+    args: ModelArgs, device: torch.device | str = "cpu", seed: int | None = None
+) -> Transformer:
+    """A model built on the meta device, materialised on ``device`` and initialised."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device=device)
+    if seed is not None:
+        torch.manual_seed(seed)
+    model.init_weights(device)
+    return model

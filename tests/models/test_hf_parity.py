@@ -1,0 +1,146 @@
+"""Logits equal to Hugging Face transformers on random weights, and lossless round trips."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from torchneox import convert
+from torchneox.generate import Sampling, generate
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB_20B = 50304  # the GPT-NeoX-20B tokenizer's 50277 ids padded to a multiple of 128
+
+
+def pythia(layers: int, hidden: int, heads: int, **kw) -> transformers.GPTNeoXConfig:
+    base = dict(
+        vocab_size=VOCAB_20B,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=4 * hidden,
+        max_position_embeddings=2048,
+        rotary_pct=0.25,
+        rotary_emb_base=10000,
+        use_parallel_residual=True,
+        tie_word_embeddings=False,
+        eos_token_id=0,
+        bos_token_id=0,
+    )
+    base.update(kw)
+    return transformers.GPTNeoXConfig(**base)
+
+
+def llama(**kw) -> transformers.LlamaConfig:
+    base = dict(
+        vocab_size=1000,
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
+    base.update(kw)
+    return transformers.LlamaConfig(**base)
+
+
+CASES = {
+    "pythia-14m": (transformers.GPTNeoXForCausalLM, lambda: pythia(6, 128, 4)),
+    "pythia-70m": (transformers.GPTNeoXForCausalLM, lambda: pythia(6, 512, 8)),
+    "sequential-residual": (
+        transformers.GPTNeoXForCausalLM,
+        lambda: pythia(2, 128, 4, use_parallel_residual=False),
+    ),
+    "full-rotary": (transformers.GPTNeoXForCausalLM, lambda: pythia(2, 128, 4, rotary_pct=1.0)),
+    "tied": (transformers.GPTNeoXForCausalLM, lambda: pythia(2, 128, 4, tie_word_embeddings=True)),
+    "llama-gqa": (transformers.LlamaForCausalLM, llama),
+    "llama-tied": (
+        transformers.LlamaForCausalLM,
+        lambda: llama(tie_word_embeddings=True, num_key_value_heads=8),
+    ),
+    "mistral-window": (
+        transformers.MistralForCausalLM,
+        lambda: transformers.MistralConfig(
+            vocab_size=1000,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=16,
+            max_position_embeddings=256,
+        ),
+    ),
+}
+
+
+def _hf_model(tmp_path, name):
+    cls, make = CASES[name]
+    torch.manual_seed(0)
+    model = cls(make()).eval()
+    with torch.no_grad():  # norms start at 1/0: randomise them so they are really compared
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.add_(torch.randn_like(p) * 0.1)
+    folder = tmp_path / "hf"
+    model.save_pretrained(folder)
+    return model, folder
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_logits_equal_transformers(tmp_path, name):
+    hf_model, folder = _hf_model(tmp_path, name)
+    convert.from_hf(folder, tmp_path / "ckpt")
+    _, ours = convert.load_model(tmp_path / "ckpt")
+    ours.eval()
+    tokens = torch.randint(
+        0, hf_model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1)
+    )
+    with torch.no_grad():
+        expected = hf_model(tokens).logits
+        got = ours(tokens)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["pythia-14m", "tied", "llama-gqa", "mistral-window"])
+def test_round_trip_gives_identical_tensors(tmp_path, name):
+    hf_model, folder = _hf_model(tmp_path, name)
+    convert.from_hf(folder, tmp_path / "ckpt")
+    convert.to_hf(tmp_path / "ckpt", tmp_path / "back")
+    original, back = (
+        load_file(folder / "model.safetensors"),
+        load_file(tmp_path / "back" / "model.safetensors"),
+    )
+    renamed = {"lm_head.weight": "embed_out.weight"} if "GPTNeoX" in type(hf_model).__name__ else {}
+    assert {renamed.get(k, k) for k in original} == set(back)
+    for key, tensor in original.items():
+        assert torch.equal(tensor, back[renamed.get(key, key)]), key
+    reloaded = type(hf_model).from_pretrained(tmp_path / "back").eval()
+    tokens = torch.randint(0, hf_model.config.vocab_size, (1, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(tokens).logits, hf_model(tokens).logits, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["pythia-14m", "llama-gqa"])
+def test_greedy_generation_equals_transformers(tmp_path, name):
+    hf_model, folder = _hf_model(tmp_path, name)
+    convert.from_hf(folder, tmp_path / "ckpt")
+    _, ours = convert.load_model(tmp_path / "ckpt")
+    prompt = torch.randint(0, 1000, (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = hf_model.generate(
+            prompt,
+            do_sample=False,
+            max_new_tokens=20,
+            min_new_tokens=20,
+            pad_token_id=0,
+            eos_token_id=None,
+        )[0, 12:].tolist()
+    got = generate(ours, [prompt[0].tolist()], Sampling(maximum_tokens=20))[0]
+    assert got == expected
