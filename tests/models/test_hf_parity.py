@@ -144,3 +144,15 @@ def test_greedy_generation_equals_transformers(tmp_path, name):
         )[0, 12:].tolist()
     got = generate(ours, [prompt[0].tolist()], Sampling(maximum_tokens=20))[0]
     assert got == expected
+
+
+def test_reads_pytorch_model_bin_folders(tmp_path):
+    torch.manual_seed(0)
+    model = transformers.GPTNeoXForCausalLM(pythia(2, 64, 4, vocab_size=512)).eval()
+    model.save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "model.safetensors").unlink()
+    torch.save(model.state_dict(), tmp_path / "hf" / "pytorch_model.bin")
+    _, ours = convert.load_hf_model(tmp_path / "hf")
+    tokens = torch.randint(0, 512, (1, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(tokens), model(tokens).logits, atol=1e-5, rtol=1e-5)

@@ -235,16 +235,12 @@ def export_architecture(args: ModelArgs) -> str:
         problems.append(f"pos_emb {args.pos_emb!r} (Hugging Face GPTNeoX and Llama use rotary)")
     if args.shared_norm:
         problems.append("gpt_j_tied (one norm for attention and MLP)")
-    if args.attention_dropout or args.hidden_dropout:
-        pass  # dropout is a training setting and carries over
     llama_like = args.norm == "rmsnorm" and args.activation == "swiglu"
     if llama_like:
         if args.parallel_residual:
             problems.append("gpt_j_residual with rmsnorm/swiglu (Llama has a sequential residual)")
         if args.rotary_dims != args.head_dim:
             problems.append("rotary_pct < 1 with rmsnorm/swiglu (Llama rotates whole heads)")
-        if args.attn_bias:
-            pass  # Llama's attention_bias covers q, k, v and o alike
     else:
         if args.norm != "layernorm":
             problems.append(
