@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import NoReturn
 
 from torchneox.config.errors import ConfigError
+from torchneox.data.indexed import DataError
+from torchneox.errors import TrainingStopped
 
 EXIT_USER_ERROR = 2
 
@@ -98,7 +100,57 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, help="seed for sampling")
     gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
 
-    verbs.add_parser("demo", help="what `make demo` shows")
+    train = verbs.add_parser("train", help="train a model from GPT-NeoX configs")
+    _add_config_inputs(train)
+    train.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    train.add_argument("--load-step", type=int, help="resume from global_stepN instead of latest")
+
+    pre = verbs.add_parser("preprocess", help="jsonl/text -> GPT-NeoX .bin/.idx token datasets")
+    source_group = pre.add_mutually_exclusive_group(required=True)
+    source_group.add_argument(
+        "--input", nargs="+", metavar="FILE", help=".jsonl, .jsonl.zst or .txt files"
+    )
+    source_group.add_argument("--builtin", metavar="NAME", help="a built-in demo corpus (pydocs)")
+    pre.add_argument(
+        "--output-prefix", required=True, metavar="P", help="writes P_{key}_document.bin/.idx"
+    )
+    pre.add_argument("--tokenizer-type", required=True)
+    pre.add_argument("--vocab-file")
+    pre.add_argument("--merge-file")
+    pre.add_argument(
+        "--append-eod", action="store_true", help="end every document with end-of-text"
+    )
+    pre.add_argument("--jsonl-keys", nargs="+", default=["text"], metavar="KEY")
+    pre.add_argument("--workers", type=int, default=1)
+    pre.add_argument("--log-interval", type=int, default=10000, metavar="DOCS")
+
+    tok = verbs.add_parser(
+        "train-tokenizer", help="train a byte-level BPE tokenizer.json on local text"
+    )
+    tok.add_argument("--input", nargs="+", required=True, metavar="FILE")
+    tok.add_argument("--output", required=True, metavar="tokenizer.json")
+    tok.add_argument("--vocab-size", type=int, default=50257)
+    tok.add_argument("--jsonl-keys", nargs="+", default=["text"], metavar="KEY")
+
+    data = verbs.add_parser("data", help="look at the data a config trains on")
+    data_verbs = data.add_subparsers(dest="data_verb", metavar="ACTION", parser_class=_Parser)
+    data_verbs.required = True
+    batch = data_verbs.add_parser("batch", help="the global batch a training step sees")
+    _add_config_inputs(batch)
+    batch.add_argument(
+        "--iteration", type=int, required=True, help="training step (the first is 1)"
+    )
+    batch.add_argument(
+        "--out", metavar="FILE.npy", help="write token ids [batch, seq+1] instead of text"
+    )
+
+    plot = verbs.add_parser("plot", help="draw loss curves of runs to a PNG")
+    plot.add_argument("runs", nargs="+", metavar="RUN_DIR", help="folders with a metrics.jsonl")
+    plot.add_argument("--out", default="loss.png")
+
+    demo = verbs.add_parser("demo", help="what `make demo` shows: preprocess, train, generate")
+    demo.add_argument("--dir", default="runs/demo", help="where the demo's data and checkpoints go")
+    demo.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     return parser
 
 
@@ -184,12 +236,107 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    demo_config = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yml"
-    print(
-        f"$ torchneox config explain {demo_config.relative_to(Path.cwd()) if demo_config.is_relative_to(Path.cwd()) else demo_config}\n"
+def _cmd_train(args: argparse.Namespace) -> int:
+    from torchneox.config.load import load_config
+    from torchneox.train.trainer import Trainer
+
+    trainer = Trainer(
+        load_config(args.files, args.overrides), device=args.device, load_step=args.load_step
     )
-    return main(["config", "explain", str(demo_config)])
+    trainer.run()
+    return 0
+
+
+def _cmd_preprocess(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from torchneox.data import builtin
+    from torchneox.data.preprocess import PreprocessArgs, preprocess
+
+    with tempfile.TemporaryDirectory() as tmp:
+        inputs = args.input
+        if args.builtin:
+            source = Path(tmp) / f"{args.builtin}.jsonl"
+            count = builtin.write_jsonl(args.builtin, source)
+            print(f"built-in corpus {args.builtin!r}: {count} documents", file=sys.stderr)
+            inputs = [str(source)]
+        prefixes = preprocess(
+            PreprocessArgs(
+                inputs=inputs,
+                output_prefix=args.output_prefix,
+                tokenizer_type=args.tokenizer_type,
+                vocab_file=args.vocab_file,
+                merge_file=args.merge_file,
+                append_eod=args.append_eod,
+                jsonl_keys=tuple(args.jsonl_keys),
+                workers=args.workers,
+                log_interval=args.log_interval,
+            )
+        )
+    for prefix in prefixes:
+        print(f"wrote {prefix}.bin and {prefix}.idx")
+    return 0
+
+
+def _cmd_train_tokenizer(args: argparse.Namespace) -> int:
+    from torchneox.data.tokenizers import train_bpe
+
+    size = train_bpe(args.input, args.output, args.vocab_size, tuple(args.jsonl_keys))
+    print(f"wrote {args.output} ({size} tokens)")
+    return 0
+
+
+def _cmd_data_batch(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from torchneox.config.derive import derive
+    from torchneox.config.load import load_config
+    from torchneox.data.datasets import build_splits
+    from torchneox.data.tokenizers import build_tokenizer
+
+    loaded = load_config(args.files, args.overrides)
+    tbs = derive(loaded, world_size=1)["train_batch_size"]
+    if tbs is None:
+        raise ConfigError(
+            "needs train_micro_batch_size_per_gpu or train_batch_size", key="train_batch_size"
+        )
+    train_iters = loaded.config.training.train_iters
+    if args.iteration < 1 or (train_iters and args.iteration > train_iters):
+        raise ConfigError(f"--iteration must be between 1 and train_iters ({train_iters})")
+    samples = build_splits(loaded.config, tbs).train
+    assert samples is not None
+    start = (args.iteration - 1) * tbs
+    batch = np.stack([samples[i] for i in range(start, start + tbs)])
+    if args.out:
+        np.save(args.out, batch)
+        print(f"wrote {args.out}: token ids {list(batch.shape)} of step {args.iteration}")
+        return 0
+    tokenizer = build_tokenizer(loaded.config)
+    for i, row in enumerate(batch):
+        print(f"--- sample {start + i} (step {args.iteration}, position {i}) ---")
+        pieces, current = [], []
+        for token in row.tolist():
+            if token == tokenizer.eod_id:
+                pieces.append(tokenizer.decode(current))
+                current = []
+            else:
+                current.append(token)
+        print("<|endoftext|>".join([*pieces, tokenizer.decode(current)]))
+    return 0
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from torchneox.train.plot import plot_runs
+
+    plot_runs([Path(r) for r in args.runs], Path(args.out))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from torchneox.demo import run_demo
+
+    return run_demo(Path(args.dir), args.overrides)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -198,14 +345,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
         if args.verb == "config":
             handler = {"explain": _cmd_config_explain, "keys": _cmd_config_keys}[args.config_verb]
+        elif args.verb == "data":
+            handler = {"batch": _cmd_data_batch}[args.data_verb]
         else:
-            handler = {"demo": _cmd_demo, "convert": _cmd_convert, "generate": _cmd_generate}[
-                args.verb
-            ]
+            handler = {
+                "demo": _cmd_demo,
+                "convert": _cmd_convert,
+                "generate": _cmd_generate,
+                "train": _cmd_train,
+                "preprocess": _cmd_preprocess,
+                "train-tokenizer": _cmd_train_tokenizer,
+                "plot": _cmd_plot,
+            }[args.verb]
         return handler(args)
-    except ConfigError as e:
+    except (ConfigError, DataError) as e:
         print(f"torchneox: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except TrainingStopped as e:
+        print(f"torchneox: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("torchneox: interrupted", file=sys.stderr)
         return 130

@@ -72,9 +72,10 @@ def generate(
     longest = max(len(p) for p in prompts)
     limit = model.args.max_positions
     if longest + s.maximum_tokens > limit:
-        raise ValueError(
-            f"prompt ({longest} tokens) + maximum_tokens ({s.maximum_tokens}) exceeds the "
-            f"model's {limit} positions"
+        raise ConfigError(
+            f"the prompt ({longest} tokens) + {s.maximum_tokens} new tokens exceed the model's "
+            f"{limit} positions; ask for at most {max(limit - longest, 0)}",
+            key="maximum_tokens",
         )
     b = len(prompts)
     pads = torch.tensor([longest - len(p) for p in prompts], device=device)

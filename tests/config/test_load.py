@@ -296,7 +296,7 @@ def test_module_entry_point_and_exit_status(tmp_path):
             "torchneox",
             "config",
             "explain",
-            str(REPO / "configs" / "tiny_cpu.yml"),
+            str(REPO / "src" / "torchneox" / "configs" / "tiny_cpu.yml"),
         ],
         capture_output=True,
         text=True,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from torchneox.config.fields import derived, key, no_effect, unsupported
+from torchneox.config.fields import derived, extension, key, no_effect, unsupported
 
 NOT_RM = "reward-model training is not supported (train_impl 'rm' is refused)"
 NOT_PAIRS = "preference-pair training is not supported (train_impl 'dpo'/'kto' are refused)"
@@ -177,6 +177,10 @@ class LoggingConfig:
     comet_tags: list[str] | None = no_effect(None, "Comet tags.", COMET)
     comet_others: dict[str, Any] | None = no_effect(None, "Comet metadata.", COMET)
     git_hash: str | None = derived(None, "Git commit of the code that ran.")
+    peak_theoretical_tflops: float | None = extension(
+        None,
+        "Peak TFLOP/s of one device for MFU; unset: the accelerator table, or measured on CPU.",
+    )
 
 
 @dataclass

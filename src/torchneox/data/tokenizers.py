@@ -87,3 +87,44 @@ def build_tokenizer(cfg: NeoXConfig) -> Tokenizer:
         f"{kind} is not available yet; use HFTokenizer, GPT2BPETokenizer or CharLevelTokenizer",
         key="tokenizer_type",
     )
+
+
+def _texts(paths: list[str], keys: tuple[str, ...]):
+    import json
+
+    for name in paths:
+        with open(name, encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                if ".json" in name:
+                    record = json.loads(line)
+                    for key in keys:
+                        yield record[key]
+                else:
+                    yield line.rstrip("\n")
+
+
+def train_bpe(
+    inputs: list[str], output: str, vocab_size: int, keys: tuple[str, ...] = ("text",)
+) -> int:
+    """Train a byte-level BPE tokenizer.json (GPT-2 style, with <|endoftext|> and <|padding|>)."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    for name in inputs:
+        if not Path(name).is_file():
+            raise ConfigError(f"{name}: no such file", key="--input")
+    backend = Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[END_OF_TEXT, PADDING],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(_texts(inputs, keys), trainer=trainer)
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    backend.save(output)
+    return backend.get_vocab_size()

@@ -1,0 +1,179 @@
+"""GPT-NeoX's GPT dataset: documents shuffled per epoch, packed into samples of seq_length + 1
+tokens (consecutive samples share one token), and the sample order shuffled.
+
+The three index arrays are the ones GPT-NeoX builds, computed with vectorised numpy instead of
+its C++ helper, and cached as .npy files under GPT-NeoX's own names:
+
+    doc_idx      int32  document ids repeated once per epoch, shuffled across all epochs together
+    sample_idx   [S+1, 2] (position in doc_idx, offset in that document) where each sample starts
+    shuffle_idx  uint32 arange(S) shuffled
+
+One ``numpy.random.RandomState(seed)`` shuffles doc_idx and then shuffle_idx. S is
+``(epochs * tokens_per_epoch - 1) // seq_length`` and the dataset has S - 1 samples.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from torchneox.data.indexed import DataError, IndexedDataset
+
+INDEX_CACHE_ENV = "TORCHNEOX_INDEX_CACHE"
+
+
+def num_epochs(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
+    """The smallest number of epochs that yields ``num_samples`` samples."""
+    if tokens_per_epoch <= 1:
+        raise DataError("the dataset has no tokens to make samples from")
+    epochs = max(1, -(-(num_samples * seq_length + 1) // tokens_per_epoch))
+    while (epochs * tokens_per_epoch - 1) // seq_length < num_samples:
+        epochs += 1
+    while epochs > 1 and ((epochs - 1) * tokens_per_epoch - 1) // seq_length >= num_samples:
+        epochs -= 1
+    return epochs
+
+
+def build_doc_idx(documents: np.ndarray, epochs: int, rng: np.random.RandomState) -> np.ndarray:
+    doc_idx = np.tile(documents.astype(np.int32), epochs)
+    rng.shuffle(doc_idx)
+    return doc_idx
+
+
+def build_sample_idx(
+    sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int, count: int
+) -> np.ndarray:
+    """Start of each of ``count + 1`` samples: sample k starts at token k * seq_length of the
+    concatenated documents; its last token is the next sample's first."""
+    lengths = sizes[doc_idx].astype(np.int64)
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    positions = np.arange(count + 1, dtype=np.int64) * seq_length
+    which = np.searchsorted(ends, positions, side="right")
+    # a sample ending exactly on a document's last token stays in that document
+    offsets = positions - starts[which]
+    dtype = (
+        np.int32
+        if max(len(doc_idx), int(lengths.max(initial=0))) < np.iinfo(np.int32).max
+        else np.int64
+    )
+    out = np.empty((count + 1, 2), dtype=dtype)
+    out[:, 0] = which
+    out[:, 1] = offsets
+    return out
+
+
+def build_shuffle_idx(size: int, rng: np.random.RandomState) -> np.ndarray:
+    dtype = np.uint32 if size < np.iinfo(np.uint32).max - 1 else np.int64
+    idx = np.arange(size, dtype=dtype)
+    rng.shuffle(idx)
+    return idx
+
+
+def build_indices(
+    sizes: np.ndarray, documents: np.ndarray, num_samples: int, seq_length: int, seed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    tokens_per_epoch = int(sizes[documents].sum(dtype=np.int64))
+    epochs = num_epochs(tokens_per_epoch, seq_length, num_samples)
+    rng = np.random.RandomState(seed)
+    doc_idx = build_doc_idx(documents, epochs, rng)
+    count = (epochs * tokens_per_epoch - 1) // seq_length
+    sample_idx = build_sample_idx(sizes, doc_idx, seq_length, count)
+    shuffle_idx = build_shuffle_idx(count, rng)
+    return doc_idx, sample_idx, shuffle_idx
+
+
+def index_file_names(
+    prefix: str, name: str, num_samples: int, seq_length: int, seed: int
+) -> dict[str, str]:
+    """GPT-NeoX's cache file names, so that its caches and ours are interchangeable."""
+    stem = f"{Path(prefix).name}_{name}_indexmap_{num_samples}ns_{seq_length}sl_{seed}s_packedpi_ac"
+    return {kind: f"{stem}_{kind}.npy" for kind in ("doc_idx", "sample_idx", "shuffle_idx")}
+
+
+def _cache_dir(prefix: str) -> Path:
+    """Beside the data when writable (as GPT-NeoX does), else a per-user cache."""
+    if os.environ.get(INDEX_CACHE_ENV):
+        return Path(os.environ[INDEX_CACHE_ENV])
+    here = Path(prefix).resolve().parent
+    if os.access(here, os.W_OK):
+        return here
+    digest = hashlib.sha1(str(here).encode()).hexdigest()[:12]
+    return Path.home() / ".cache" / "torchneox" / "index" / digest
+
+
+def _save_atomic(path: Path, array: np.ndarray) -> None:
+    tmp = path.with_name(path.name + f".partial-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        np.save(f, array, allow_pickle=False)
+    os.replace(tmp, path)
+
+
+@dataclass
+class GPTDataset:
+    """Samples of seq_length + 1 token ids (int64) from ``documents`` of an indexed dataset."""
+
+    indexed: IndexedDataset
+    name: str
+    documents: np.ndarray
+    num_samples: int
+    seq_length: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        if len(self.documents) == 0:
+            raise DataError(f"{self.indexed.prefix}: the {self.name} split has no documents")
+        names = index_file_names(
+            self.indexed.prefix, self.name, self.num_samples, self.seq_length, self.seed
+        )
+        folder = _cache_dir(self.indexed.prefix)
+        files = {k: folder / v for k, v in names.items()}
+        if not all(f.is_file() for f in files.values()):
+            arrays = build_indices(
+                self.indexed.sizes, self.documents, self.num_samples, self.seq_length, self.seed
+            )
+            folder.mkdir(parents=True, exist_ok=True)
+            for kind, array in zip(("doc_idx", "sample_idx", "shuffle_idx"), arrays, strict=True):
+                _save_atomic(files[kind], array)
+        self.doc_idx = np.load(files["doc_idx"], mmap_mode="r")
+        self.sample_idx = np.load(files["sample_idx"], mmap_mode="r")
+        self.shuffle_idx = np.load(files["shuffle_idx"], mmap_mode="r")
+        self.index_files = files
+
+    def __len__(self) -> int:
+        return len(self.shuffle_idx) - 1
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if i >= len(self.shuffle_idx):  # as GPT-NeoX: an index past the end wraps around
+            i %= len(self)
+        s = int(self.shuffle_idx[i])
+        doc_f, off_f = (int(v) for v in self.sample_idx[s])
+        doc_l, off_l = (int(v) for v in self.sample_idx[s + 1])
+        if doc_f == doc_l:
+            tokens = self.indexed.get(int(self.doc_idx[doc_f]), off_f, off_l - off_f + 1)
+            return tokens.astype(np.int64)
+        parts = [self.indexed.get(int(self.doc_idx[doc_f]), off_f)]
+        parts += [self.indexed[int(self.doc_idx[j])] for j in range(doc_f + 1, doc_l)]
+        parts.append(self.indexed.get(int(self.doc_idx[doc_l]), 0, off_l + 1))
+        return np.concatenate(parts).astype(np.int64)
+
+
+def split_ranges(split: str, num_documents: int) -> list[tuple[int, int]]:
+    """GPT-NeoX's document split: proportions rounded, the rounding error taken off the end."""
+    parts = (
+        [float(p) for p in split.replace("/", ",").split(",")]
+        if any(c in split for c in ",/")
+        else [float(split)]
+    )
+    parts = (parts + [0.0, 0.0])[:3]
+    total = sum(parts)
+    bounds = [0]
+    for p in parts:
+        bounds.append(bounds[-1] + int(round(p / total * float(num_documents))))
+    diff = bounds[-1] - num_documents
+    bounds = [bounds[0]] + [b - diff for b in bounds[1:]]
+    return [(bounds[i], bounds[i + 1]) for i in range(3)]

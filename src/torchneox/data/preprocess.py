@@ -1,0 +1,214 @@
+"""``torchneox preprocess``: jsonl / text -> GPT-NeoX .bin/.idx, byte for byte what GPT-NeoX's
+tools/datasets/preprocess_data.py writes for the same documents and tokenizer.
+
+Per document and key: the tokenizer's ids, then end-of-text with ``--append-eod``; documents
+that tokenize to nothing are skipped. Tokenisation runs in worker processes; output order is
+input order.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import multiprocessing
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from torchneox.config.schema import NeoXConfig
+from torchneox.data.indexed import DataError, IndexedDatasetWriter, best_dtype
+from torchneox.data.tokenizers import Tokenizer, build_tokenizer
+
+
+@dataclass(frozen=True)
+class PreprocessArgs:
+    inputs: list[str]
+    output_prefix: str
+    tokenizer_type: str
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    append_eod: bool = False
+    jsonl_keys: tuple[str, ...] = ("text",)
+    workers: int = 1
+    log_interval: int = 10000
+
+
+@dataclass(frozen=True)
+class _Line:
+    source: str
+    number: int
+    text: str
+    is_json: bool
+
+
+def tokenizer_config(args: PreprocessArgs) -> NeoXConfig:
+    cfg = NeoXConfig()
+    cfg.tokenizer.tokenizer_type = args.tokenizer_type  # type: ignore[assignment]
+    cfg.tokenizer.vocab_file = args.vocab_file
+    cfg.tokenizer.merge_file = args.merge_file
+    return cfg
+
+
+def _open_text(path: Path) -> io.TextIOBase:
+    if path.name.endswith(".zst"):
+        try:
+            import zstandard
+        except ImportError:
+            raise DataError(
+                f"{path}: reading .zst needs the zstandard package (pip install zstandard)"
+            ) from None
+        stream = zstandard.ZstdDecompressor().stream_reader(open(path, "rb"))  # noqa: SIM115
+        return io.TextIOWrapper(stream, encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def read_lines(inputs: list[str]) -> Iterator[_Line]:
+    for name in inputs:
+        path = Path(name)
+        if not path.is_file():
+            raise DataError(f"{name}: no such file")
+        is_json = ".json" in path.name
+        try:
+            with _open_text(path) as f:
+                for number, line in enumerate(f, start=1):
+                    text = line.rstrip("\n")
+                    if text.strip():
+                        yield _Line(name, number, text, is_json)
+        except UnicodeDecodeError as e:
+            raise DataError(f"{name}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        except OSError as e:
+            raise DataError(f"{name}: cannot read ({e.strerror or e})") from None
+
+
+_TOKENIZERS: dict[tuple[str, str | None, str | None], Tokenizer] = {}
+
+
+class _Encoder:
+    """Runs in each worker: parse one line, tokenise each key. The tokenizer is built once per
+    process (module-level cache), since the encoder itself is pickled with every task batch."""
+
+    def __init__(self, args: PreprocessArgs):
+        self.args = args
+        self.key = (args.tokenizer_type, args.vocab_file, args.merge_file)
+
+    def initialise(self) -> None:
+        if self.key not in _TOKENIZERS:
+            _TOKENIZERS[self.key] = build_tokenizer(tokenizer_config(self.args))
+
+    def encode(self, line: _Line) -> tuple[list[list[int]] | str, int]:
+        """(ids per key, bytes) or (error message, bytes)."""
+        self.initialise()
+        tok = _TOKENIZERS[self.key]
+        size = len(line.text.encode("utf-8"))
+        if line.is_json:
+            try:
+                record = json.loads(line.text)
+            except json.JSONDecodeError as e:
+                return (
+                    f"{line.source}:{line.number}: invalid JSON ({e.msg} at column {e.colno})",
+                    size,
+                )
+            if not isinstance(record, dict):
+                return (
+                    f"{line.source}:{line.number}: a JSON object is expected, got {type(record).__name__}",
+                    size,
+                )
+            texts = []
+            for key in self.args.jsonl_keys:
+                if key not in record:
+                    return (
+                        f"{line.source}:{line.number}: no key {key!r} (keys: {', '.join(record)})",
+                        size,
+                    )
+                if not isinstance(record[key], str):
+                    return f"{line.source}:{line.number}: {key!r} is not a string", size
+                texts.append(record[key])
+        else:
+            texts = [line.text]
+        out = []
+        for text in texts:
+            ids = tok.encode(text) if text else []
+            if ids and self.args.append_eod:
+                ids.append(tok.eod_id)
+            out.append(ids)
+        return out, size
+
+
+class Progress:
+    """Documents, tokens/s and ETA on stderr: a live line on a terminal, plain lines in logs."""
+
+    def __init__(self, total_bytes: int, every: int):
+        self.total, self.every = total_bytes, every
+        self.start = time.perf_counter()
+        self.tty = sys.stderr.isatty()
+        self.docs = self.tokens = self.bytes = 0
+
+    def update(self, tokens: int, size: int) -> None:
+        self.docs += 1
+        self.tokens += tokens
+        self.bytes += size
+        if self.docs % self.every == 0:
+            self.show()
+
+    def show(self, final: bool = False) -> None:
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        rate = self.tokens / elapsed
+        eta = (
+            (self.total - self.bytes) / (self.bytes / elapsed) if self.bytes and not final else 0.0
+        )
+        line = (
+            f"{self.docs:,} documents, {self.tokens:,} tokens, {rate:,.0f} tokens/s, "
+            f"{self.bytes / 1e6 / elapsed:.2f} MB/s" + ("" if final else f", ETA {eta:.0f}s")
+        )
+        end = "\n" if final or not self.tty else ""
+        print(("\r" if self.tty else "") + line, end=end, file=sys.stderr, flush=True)
+
+
+def preprocess(args: PreprocessArgs) -> list[Path]:
+    """Tokenise ``args.inputs`` into one .bin/.idx pair per jsonl key; returns their prefixes."""
+    if not args.inputs:
+        raise DataError("no input files given")
+    tokenizer = build_tokenizer(tokenizer_config(args))
+    dtype = best_dtype(tokenizer.vocab_size)
+    total = 0
+    for name in args.inputs:
+        if not Path(name).is_file():
+            raise DataError(f"{name}: no such file")
+        total += Path(name).stat().st_size
+    prefixes = [Path(f"{args.output_prefix}_{key}_document") for key in args.jsonl_keys]
+    writers = [IndexedDatasetWriter(p, dtype) for p in prefixes]
+    progress = Progress(total, args.log_interval)
+    encoder = _Encoder(args)
+    pool = (
+        multiprocessing.get_context("spawn").Pool(args.workers, initializer=encoder.initialise)
+        if args.workers > 1
+        else None
+    )
+    try:
+        results = (
+            pool.imap(encoder.encode, read_lines(args.inputs), chunksize=64)
+            if pool
+            else map(encoder.encode, read_lines(args.inputs))
+        )
+        for encoded, size in results:
+            if isinstance(encoded, str):
+                raise DataError(encoded)
+            for writer, ids in zip(writers, encoded, strict=True):
+                if ids:
+                    writer.add_document(ids)
+            progress.update(sum(len(ids) for ids in encoded), size)
+        if progress.docs == 0:
+            raise DataError(f"{', '.join(args.inputs)}: no documents found (empty input)")
+        for writer in writers:
+            writer.finish()
+    except BaseException:
+        for writer in writers:
+            writer.abort()
+        raise
+    finally:
+        if pool is not None:
+            pool.terminate()
+    progress.show(final=True)
+    return prefixes

@@ -1,0 +1,70 @@
+"""Peak throughput of accelerators, for MFU and the estimator: one table, one place.
+
+Dense (no sparsity) peaks in TFLOP/s from the vendors' data sheets; memory in GiB; the
+interconnect is the per-GPU bandwidth between GPUs of one node in GB/s.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    name: str
+    bf16_tflops: float
+    fp16_tflops: float
+    fp32_tflops: float
+    memory_gib: float
+    interconnect_gbps: float
+
+
+ACCELERATORS: dict[str, Accelerator] = {
+    "h200": Accelerator("NVIDIA H200 SXM", 989.0, 989.0, 67.0, 141.0, 900.0),
+    "h100": Accelerator("NVIDIA H100 SXM", 989.0, 989.0, 67.0, 80.0, 900.0),
+    "h100-pcie": Accelerator("NVIDIA H100 PCIe", 756.0, 756.0, 51.0, 80.0, 128.0),
+    "a100-80gb": Accelerator("NVIDIA A100 SXM 80GB", 312.0, 312.0, 19.5, 80.0, 600.0),
+    "a100-40gb": Accelerator("NVIDIA A100 SXM 40GB", 312.0, 312.0, 19.5, 40.0, 600.0),
+    "a10g": Accelerator("NVIDIA A10G", 125.0, 125.0, 31.2, 24.0, 64.0),
+    "l40s": Accelerator("NVIDIA L40S", 362.0, 362.0, 91.6, 48.0, 64.0),
+    "v100": Accelerator("NVIDIA V100 SXM", 125.0, 125.0, 15.7, 32.0, 300.0),
+    "mi300x": Accelerator("AMD MI300X", 1307.0, 1307.0, 163.4, 192.0, 896.0),
+}
+
+
+def detect(device: torch.device) -> Accelerator | None:
+    """The table entry for a CUDA device, matched by its name."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device).lower()
+    for key in ("h200", "h100", "a100", "a10g", "l40s", "v100", "mi300x"):
+        if key in name:
+            if key == "a100":
+                total = torch.cuda.get_device_properties(device).total_memory / 2**30
+                return ACCELERATORS["a100-80gb" if total > 50 else "a100-40gb"]
+            if key == "h100" and "pcie" in name:
+                return ACCELERATORS["h100-pcie"]
+            return ACCELERATORS[key]
+    return None
+
+
+def peak_tflops(acc: Accelerator, precision: str) -> float:
+    return {"bfloat16": acc.bf16_tflops, "fp16": acc.fp16_tflops}.get(precision, acc.fp32_tflops)
+
+
+def measure_cpu_tflops(
+    dtype: torch.dtype = torch.float32, size: int = 512, seconds: float = 0.3
+) -> float:
+    """Achieved matmul TFLOP/s of this CPU (all threads torch uses): a measured, not guessed, peak."""
+    a = torch.randn(size, size, dtype=dtype)
+    b = torch.randn(size, size, dtype=dtype)
+    a @ b
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        count += 1
+    elapsed = time.perf_counter() - start
+    return 2 * size**3 * count / elapsed / 1e12

@@ -1,0 +1,41 @@
+"""GPT-NeoX's learning-rate schedule (its AnnealingLR): linear warmup, then constant, linear,
+cosine or exponential decay, never below min_lr.
+
+GPT-NeoX steps its scheduler after each optimizer step, so the update of iteration k uses
+``lr_at(k - 1)`` (0 on the first step when there is warmup) and its log shows ``lr_at(k)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Schedule:
+    peak: float
+    min_lr: float
+    warmup_iters: float
+    decay_iters: int
+    style: str
+
+    def lr_at(self, step: int) -> float:
+        if self.warmup_iters > 0 and step <= self.warmup_iters:
+            return self.peak * step / self.warmup_iters
+        done = step - self.warmup_iters
+        span = self.decay_iters - self.warmup_iters
+        if self.style == "linear":
+            lr = self.peak * (span - done) / span
+        elif self.style == "cosine":
+            lr = self.min_lr + (self.peak - self.min_lr) / 2.0 * (
+                math.cos(math.pi * done / span) + 1
+            )
+        elif self.style == "exponential":
+            lr = self.peak * math.exp(-0.693 * done / span)  # halves over the span
+        else:
+            lr = self.peak
+        return max(lr, self.min_lr)
+
+    def lr_for_update(self, iteration: int) -> float:
+        """The rate the optimizer step of ``iteration`` (1-based) uses, as in GPT-NeoX."""
+        return self.lr_at(iteration - 1)

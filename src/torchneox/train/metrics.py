@@ -1,0 +1,142 @@
+"""What a run reports: console lines, metrics.jsonl, TensorBoard, W&B, and timers."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from torchneox.config.errors import ConfigError
+from torchneox.config.schema import NeoXConfig
+
+
+class Timers:
+    """Accumulated wall time per phase between two log lines (wall_clock_breakdown)."""
+
+    def __init__(self, enabled: bool, sync=None):
+        self.enabled = enabled
+        self.sync = sync
+        self.totals: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        if not self.enabled:
+            yield
+            return
+        if self.sync:
+            self.sync()
+        start = time.perf_counter()
+        yield
+        if self.sync:
+            self.sync()
+        self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start
+
+    def report(self, steps: int) -> str:
+        parts = [f"{k} {v / max(steps, 1) * 1000:.1f}" for k, v in self.totals.items()]
+        self.totals = {}
+        return "time per step (ms): " + ", ".join(parts)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class MetricsLogger:
+    """metrics.jsonl always; TensorBoard and W&B when the config asks for them."""
+
+    def __init__(
+        self, cfg: NeoXConfig, log_dir: Path | None, resolved: dict[str, Any], rank0: bool = True
+    ):
+        self.rank0 = rank0
+        self.tty = sys.stdout.isatty()
+        self.file = None
+        self.tb = None
+        self.wandb = None
+        if not rank0:
+            return
+        if log_dir is not None:
+            log_dir.mkdir(parents=True, exist_ok=True)
+            self.file = open(log_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
+        lg = cfg.logging
+        if lg.tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ConfigError(
+                    "needs the tensorboard package (pip install 'torchneox[tensorboard]')",
+                    key="tensorboard_dir",
+                ) from None
+            self.tb = SummaryWriter(lg.tensorboard_dir)
+        if lg.use_wandb:
+            try:
+                import wandb
+            except ImportError:
+                raise ConfigError(
+                    "needs the wandb package (pip install 'torchneox[wandb]')", key="use_wandb"
+                ) from None
+            self.wandb = wandb.init(
+                project=lg.wandb_project,
+                group=lg.wandb_group,
+                entity=lg.wandb_team,
+                config=resolved,
+                dir=str(log_dir) if log_dir else None,
+            )
+
+    def record(self, row: dict[str, Any]) -> None:
+        if not self.rank0:
+            return
+        clean = {
+            k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in row.items()
+        }
+        if self.file:
+            self.file.write(json.dumps(clean) + "\n")
+            self.file.flush()
+        step = row["iteration"]
+        if self.tb:
+            for name, value in clean.items():
+                if name != "iteration" and isinstance(value, int | float):
+                    self.tb.add_scalar(name, value, step)
+        if self.wandb:
+            self.wandb.log({k: v for k, v in clean.items() if k != "iteration"}, step=step)
+
+    def step_text(self, row: dict[str, Any], total: int, eta_s: float) -> str:
+        parts = [
+            f"step {row['iteration']}/{total}",
+            f"loss {row['lm_loss']:.4f}",
+            f"lr {row['lr']:.3e}",
+            f"grad {row['grad_norm']:.3f}",
+        ]
+        if row.get("loss_scale") is not None:
+            parts.append(f"scale {row['loss_scale']:g}")
+        parts += [
+            f"{row['tokens_per_sec']:,.0f} tok/s",
+            f"{row['tflops']:.3g} TFLOP/s",
+            f"MFU {row['mfu'] * 100:.1f}%" if row.get("mfu") is not None else "MFU ?",
+            f"{row['step_time_s'] * 1000:.0f} ms/step",
+            f"ETA {_duration(eta_s)}",
+        ]
+        return " | ".join(parts)
+
+    def live(self, text: str) -> None:
+        """A progress line that the next one overwrites (terminals only)."""
+        if self.rank0 and self.tty:
+            print("\r" + text + "\x1b[K", end="", flush=True)
+
+    def line(self, text: str) -> None:
+        """A permanent line (replacing any live one)."""
+        if self.rank0:
+            print(("\r" if self.tty else "") + text + ("\x1b[K" if self.tty else ""), flush=True)
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+        if self.tb:
+            self.tb.close()
+        if self.wandb:
+            self.wandb.finish()

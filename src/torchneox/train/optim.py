@@ -1,0 +1,67 @@
+"""Optimizers from GPT-NeoX's ``optimizer`` dict, with weight decay on matrices only."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchneox.config.schema import NeoXConfig
+
+
+class Lion(torch.optim.Optimizer):
+    """Lion (Chen et al. 2023): the sign of an interpolated momentum, decoupled weight decay."""
+
+    def __init__(
+        self, params: Iterable, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0
+    ):
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                m = state["exp_avg"]
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                update = m.mul(beta1).add_(p.grad, alpha=1 - beta1).sign_()
+                p.add_(update, alpha=-group["lr"])
+                m.mul_(beta2).add_(p.grad, alpha=1 - beta2)
+        return loss
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Matrices (weights, embeddings) decay; biases and norm parameters (1-D) do not."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 and weight_decay > 0 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    return [*groups, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, cfg: NeoXConfig, device_type: str) -> torch.optim.Optimizer:
+    opt = cfg.optimizer.optimizer or {"type": "Adam", "params": {}}
+    kind = str(opt["type"]).lower()
+    params = dict(opt.get("params") or {})
+    params.pop("max_grad_norm", None)  # clipping comes from gradient_clipping
+    params.pop("weight_decay", None)  # the top-level weight_decay wins, as in GPT-NeoX
+    lr = params.pop("lr", cfg.optimizer.lr or 1e-3)
+    groups = param_groups(model, cfg.optimizer.weight_decay)
+    fast = {"fused": True} if device_type == "cuda" else {"foreach": True}
+    if kind in ("adam", "adamw"):  # GPT-NeoX runs Adam with decoupled weight decay
+        params.pop("bias_correction", None)
+        return torch.optim.AdamW(groups, lr=lr, **params, **fast)
+    if kind == "sgd":
+        return torch.optim.SGD(groups, lr=lr, **params, foreach=True)
+    if kind == "lion":
+        return Lion(groups, lr=lr, **params)
+    raise AssertionError(f"unvalidated optimizer {kind}")

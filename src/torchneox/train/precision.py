@@ -1,0 +1,76 @@
+"""fp32 / bf16 / fp16 training: autocast with fp32 master weights, and fp16 loss scaling."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from torchneox.config.schema import NeoXConfig
+
+DTYPES = {"fp32": torch.float32, "bfloat16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast(precision: str, device_type: str) -> contextlib.AbstractContextManager:
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, dtype=DTYPES[precision])
+
+
+@dataclass
+class LossScaler:
+    """DeepSpeed's dynamic loss scaler: halve on overflow once ``hysteresis`` overflows have
+    been seen, double after ``window`` clean steps; a static scale when ``dynamic`` is False."""
+
+    scale: float = 1.0
+    dynamic: bool = False
+    window: int = 1000
+    hysteresis: int = 2
+    min_scale: float = 1.0
+    factor: float = 2.0
+    current_hysteresis: int = 2
+    step: int = 0
+    last_overflow: int = -1
+    skipped: int = 0
+
+    @classmethod
+    def from_config(cls, cfg: NeoXConfig, precision: str) -> LossScaler:
+        if precision != "fp16":
+            return cls()
+        pr = cfg.precision
+        fp16 = pr.fp16 or {}
+        static = fp16.get("loss_scale", pr.loss_scale) or 0
+        if static:
+            return cls(scale=float(static))
+        hysteresis = int(fp16.get("hysteresis", pr.hysteresis))
+        return cls(
+            scale=2.0 ** fp16.get("initial_scale_power", 16),
+            dynamic=True,
+            window=int(fp16.get("loss_scale_window", pr.loss_scale_window)),
+            hysteresis=hysteresis,
+            current_hysteresis=hysteresis,
+            min_scale=float(fp16.get("min_loss_scale", pr.min_scale)),
+        )
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.skipped += 1
+        if not self.dynamic:
+            return
+        if overflow:
+            if self.hysteresis == 1 or self.current_hysteresis == 1:
+                self.scale = max(self.scale / self.factor, self.min_scale)
+            else:
+                self.current_hysteresis -= 1
+            self.last_overflow = self.step
+        elif (self.step - self.last_overflow) % self.window == 0:
+            self.current_hysteresis = self.hysteresis
+            self.scale *= self.factor
+        self.step += 1
+
+    def state_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.__dict__.update(state)

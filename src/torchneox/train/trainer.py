@@ -1,0 +1,417 @@
+"""The training loop on one process: steps, accumulation, clipping, precision, evaluation,
+checkpoints, metrics. The parallel layouts plug into this same loop."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.nn import functional as F
+
+from torchneox import hardware
+from torchneox.config.derive import Derived, derive
+from torchneox.config.errors import ConfigError
+from torchneox.config.load import LoadedConfig
+from torchneox.config.report import render_yaml
+from torchneox.data.datasets import build_splits
+from torchneox.data.loader import BatchLoader
+from torchneox.data.tokenizers import build_tokenizer
+from torchneox.errors import TrainingStopped
+from torchneox.models.args import ModelArgs
+from torchneox.models.transformer import build_model
+from torchneox.train import checkpoint
+from torchneox.train.lr import Schedule
+from torchneox.train.metrics import MetricsLogger, Timers
+from torchneox.train.optim import build_optimizer
+from torchneox.train.precision import LossScaler, autocast
+
+
+def lm_loss(
+    logits_BTV: torch.Tensor, labels_BT: torch.Tensor, mask_BT: torch.Tensor | None
+) -> torch.Tensor:
+    """Mean cross-entropy over the (unmasked) tokens, computed in fp32."""
+    flat = logits_BTV.float().reshape(-1, logits_BTV.shape[-1])
+    if mask_BT is None:
+        return F.cross_entropy(flat, labels_BT.reshape(-1))
+    losses = F.cross_entropy(flat, labels_BT.reshape(-1), reduction="none")
+    mask = mask_BT.reshape(-1).float()
+    return (losses * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def save_iterations(cfg: Any, train_iters: int) -> set[int]:
+    """GPT-NeoX's checkpoint steps: multiples (linear) or powers (log) of checkpoint_factor,
+    extra_save_iters, and the last step."""
+    ck = cfg.checkpoint
+    steps = {train_iters}
+    factor = ck.checkpoint_factor
+    if factor:
+        if ck.checkpoint_scale == "linear":
+            steps |= set(range(factor, train_iters + 1, factor))
+        else:
+            power = 1
+            while power <= train_iters:
+                steps.add(power)
+                power *= factor
+    steps |= set(ck.extra_save_iters or [])
+    return steps
+
+
+def require(loaded: LoadedConfig, derived: Derived) -> None:
+    cfg = loaded.config
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters"):
+        if cfg.get(name) is None:
+            raise ConfigError("training needs it; add it to a config file or --set it", key=name)
+    if derived["train_batch_size"] is None:
+        raise ConfigError(
+            "training needs train_micro_batch_size_per_gpu or train_batch_size",
+            key="train_micro_batch_size_per_gpu",
+        )
+    if derived["lr"] is None:
+        raise ConfigError("training needs a learning rate (optimizer.params.lr)", key="optimizer")
+
+
+class Trainer:
+    def __init__(
+        self, loaded: LoadedConfig, device: str | None = None, load_step: int | None = None
+    ):
+        self.loaded = loaded
+        self.cfg = cfg = loaded.config
+        self.derived = d = derive(loaded, world_size=1)
+        require(loaded, d)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.precision = d["precision"]
+        self.seq_length = cfg.model.seq_length
+        self.micro_batch = d["train_micro_batch_size_per_gpu"]
+        self.grad_accum = d["gradient_accumulation_steps"]
+        self.train_iters = cfg.training.train_iters
+        torch.manual_seed(cfg.training.seed)
+        self.args = ModelArgs.from_config(cfg, d["padded_vocab_size"])
+        self.model = build_model(self.args, device=self.device, seed=cfg.training.seed)
+        self.optimizer = build_optimizer(self.model, cfg, self.device.type)
+        self.schedule = Schedule(
+            d["lr"], cfg.lr.min_lr, d["warmup_iters"], d["lr_decay_iters"], cfg.lr.lr_decay_style
+        )
+        self.scaler = LossScaler.from_config(cfg, self.precision)
+        self.clip = d["gradient_clipping"]
+        self.eod_id = build_tokenizer(cfg).eod_id if cfg.training.eod_mask_loss else None
+        splits = build_splits(cfg, d["train_batch_size"], d["padded_vocab_size"])
+        prefetch = cfg.data.num_workers > 0
+        self.train_loader = BatchLoader(
+            splits.train, self.micro_batch, self.grad_accum, prefetch=prefetch
+        )
+        self.valid_loader = (
+            BatchLoader(splits.valid, self.micro_batch, self.grad_accum, prefetch=False)
+            if splits.valid
+            else None
+        )
+        self.test_loader = (
+            BatchLoader(splits.test, self.micro_batch, self.grad_accum, prefetch=False)
+            if splits.test
+            else None
+        )
+        self.iteration = 0
+        self.save_dir = Path(cfg.checkpoint.save) if cfg.checkpoint.save else None
+        self.save_at = save_iterations(cfg, self.train_iters)
+        log_dir = cfg.logging.log_dir or cfg.checkpoint.save
+        self.logger = MetricsLogger(cfg, Path(log_dir) if log_dir else None, cfg.to_flat())
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else None
+        self.timers = Timers(cfg.logging.wall_clock_breakdown, sync)
+        self.peak_tflops, self.peak_source = self._peak()
+        self.stop_requested = False
+        if cfg.checkpoint.load:
+            self._resume(Path(cfg.checkpoint.load), load_step)
+
+    # ------------------------------------------------------------------------- setup
+
+    def _peak(self) -> tuple[float | None, str]:
+        given = self.cfg.logging.peak_theoretical_tflops
+        if given:
+            return given, f"peak_theoretical_tflops {given:g}"
+        acc = hardware.detect(self.device)
+        if acc is not None:
+            peak = hardware.peak_tflops(acc, self.precision)
+            return peak, f"{acc.name} {self.precision} peak {peak:g} TFLOP/s"
+        if self.device.type == "cpu":
+            peak = hardware.measure_cpu_tflops()
+            return peak, f"this CPU's measured fp32 matmul rate {peak:.3g} TFLOP/s"
+        return None, "unknown device: set peak_theoretical_tflops for MFU"
+
+    def _resume(self, load_dir: Path, step: int | None) -> None:
+        if step is None and not (load_dir / "latest").is_file():
+            self.logger.line(f"no checkpoint in {load_dir}: starting from scratch")
+            return
+        step_dir = checkpoint.resolve(load_dir, step)
+        ck = self.cfg.checkpoint
+        if ck.finetune:
+            checkpoint.load_model_weights(step_dir, self.model)
+            self.logger.line(f"finetuning from the weights of {step_dir} (step 0, fresh optimizer)")
+            return
+        meta = checkpoint.read_meta(step_dir)
+        checkpoint.load_model_weights(step_dir, self.model)
+        state: dict[str, Any] = {}
+        if not ck.no_load_optim and meta.get("has_optimizer", False):
+            state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+        if not ck.no_load_rng and meta.get("has_rng", False):
+            state["rng"] = {"torch": torch.get_rng_state()}
+        if state:
+            checkpoint.load_state(step_dir, state)
+        if "optimizer" in state:
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        if "rng" in state:
+            torch.set_rng_state(state["rng"]["torch"])
+        self.iteration = int(meta["iteration"])
+        self.train_loader.load_state_dict(meta["loaders"]["train"])
+        if self.valid_loader is not None and "valid" in meta["loaders"]:
+            self.valid_loader.load_state_dict(meta["loaders"]["valid"])
+        if "loss_scaler" in meta:
+            self.scaler.load_state_dict(meta["loss_scaler"])
+        self.logger.line(f"resumed from {step_dir} at iteration {self.iteration}")
+
+    # -------------------------------------------------------------------------- step
+
+    def _forward_backward(self, tokens: torch.Tensor) -> torch.Tensor:
+        tokens = tokens.to(self.device, non_blocking=True)
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        mask = (inputs != self.eod_id) if self.eod_id is not None else None
+        with self.timers("forward"), autocast(self.precision, self.device.type):
+            loss = lm_loss(self.model(inputs), labels, mask)
+        with self.timers("backward"):
+            (loss * (self.scaler.scale / self.grad_accum)).backward()
+        return loss.detach()
+
+    def train_step(self) -> dict[str, float]:
+        iteration = self.iteration + 1
+        lr = self.schedule.lr_for_update(iteration)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        with self.timers("data"):
+            micro_batches = self.train_loader.next()
+        total = torch.zeros((), device=self.device)
+        for tokens in micro_batches:
+            total += self._forward_backward(tokens)
+        with self.timers("optimizer"):
+            grad_norm, skipped = self._apply_gradients()
+        loss = (total / self.grad_accum).item()
+        if not math.isfinite(loss) and self.precision != "fp16":
+            raise TrainingStopped(self._nonfinite_message(iteration, f"the loss is {loss}"))
+        self.iteration = iteration
+        return {"lm_loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": float(skipped)}
+
+    def _apply_gradients(self) -> tuple[float, bool]:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.scaler.scale != 1.0:
+            torch._foreach_div_([p.grad for p in params], self.scaler.scale)
+        max_norm = self.clip if self.clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True).item()
+        overflow = not math.isfinite(norm)
+        if overflow and self.precision != "fp16":
+            raise TrainingStopped(
+                self._nonfinite_message(self.iteration + 1, f"the gradient norm is {norm}")
+            )
+        if not overflow:
+            self.optimizer.step()
+        self.scaler.update(overflow)
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm, overflow
+
+    def _nonfinite_message(self, iteration: int, what: str) -> str:
+        kept = "no checkpoint was saved yet"
+        if self.save_dir is not None and (self.save_dir / "latest").is_file():
+            kept = f"the last good checkpoint is {self.save_dir / (self.save_dir / 'latest').read_text().strip()}"
+        return f"step {iteration}: {what}; stopping without applying it ({kept})"
+
+    # -------------------------------------------------------------------- evaluation
+
+    @torch.no_grad()
+    def evaluate(self, loader: BatchLoader, iters: int) -> float:
+        self.model.eval()
+        losses = []
+        for _ in range(iters):
+            for tokens in loader.next():
+                tokens = tokens.to(self.device)
+                inputs, labels = tokens[:, :-1], tokens[:, 1:]
+                mask = (inputs != self.eod_id) if self.eod_id is not None else None
+                with autocast(self.precision, self.device.type):
+                    losses.append(lm_loss(self.model(inputs), labels, mask))
+        self.model.train()
+        return torch.stack(losses).mean().item() if losses else float("nan")
+
+    def _eval_row(self, name: str, loader: BatchLoader | None) -> dict[str, Any] | None:
+        if loader is None or self.cfg.training.eval_iters == 0:
+            return None
+        loss = self.evaluate(loader, self.cfg.training.eval_iters)
+        row = {
+            "iteration": self.iteration,
+            f"{name}_lm_loss": loss,
+            f"{name}_ppl": math.exp(min(loss, 50)),
+        }
+        self.logger.record(row)
+        self.logger.line(
+            f"{name} at step {self.iteration}: loss {loss:.4f} | perplexity {row[f'{name}_ppl']:.2f}"
+        )
+        return row
+
+    # ------------------------------------------------------------------- checkpoints
+
+    def save(self) -> Path | None:
+        if self.save_dir is None:
+            return None
+        ck = self.cfg.checkpoint
+        state: dict[str, Any] = {"model": get_model_state_dict(self.model)}
+        if not ck.no_save_optim:
+            state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+        if not ck.no_save_rng:
+            state["rng"] = {"torch": torch.get_rng_state()}
+        loaders = {"train": self.train_loader.state_dict()}
+        if self.valid_loader is not None:
+            loaders["valid"] = self.valid_loader.state_dict()
+        meta = {
+            "loaders": loaders,
+            "loss_scaler": self.scaler.state_dict(),
+            "has_optimizer": "optimizer" in state,
+            "has_rng": "rng" in state,
+        }
+        yaml_text = render_yaml(self.loaded, self.derived)
+        path = checkpoint.save_checkpoint(self.save_dir, self.iteration, state, yaml_text, meta)
+        self._rotate()
+        return path
+
+    def _rotate(self) -> None:
+        keep = self.cfg.checkpoint.keep_last_n_checkpoints
+        if not keep or self.save_dir is None:
+            return
+        steps = sorted(
+            (int(p.name.removeprefix("global_step")), p)
+            for p in self.save_dir.glob("global_step*")
+            if p.name.removeprefix("global_step").isdigit()
+        )
+        for _, path in steps[:-keep]:
+            shutil.rmtree(path, ignore_errors=True)
+
+    # -------------------------------------------------------------------------- run
+
+    def _request_stop(self, signum: int, frame: Any) -> None:
+        self.stop_requested = True
+        self.logger.line(
+            f"received {signal.Signals(signum).name}: saving after this step, then exiting"
+        )
+
+    def run(self) -> dict[str, Any]:
+        old = {s: signal.signal(s, self._request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            return self._loop()
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+            self.train_loader.close()
+            self.logger.close()
+
+    def _loop(self) -> dict[str, Any]:
+        t, lg = self.cfg.training, self.cfg.logging
+        self.logger.line(
+            f"training {self.args.num_layers} layers x {self.args.hidden_size} "
+            f"({self.derived['num_parameters']:,} parameters) on {self.device} in {self.precision}, "
+            f"{self.train_iters} steps of {self.derived['train_batch_size']} x {self.seq_length} tokens; "
+            f"MFU against {self.peak_source}"
+        )
+        if self.iteration == 0 and 0 in self.save_at:
+            self.save()
+        tokens_per_step = self.derived["train_batch_size"] * self.seq_length
+        start_iteration, last_row = self.iteration, None
+        window_start, window_steps = time.perf_counter(), 0
+        run_start = time.perf_counter()
+        profiler = self._profiler()
+        while self.iteration < self.train_iters:
+            out = self.train_step()
+            window_steps += 1
+            if profiler is not None:
+                profiler.step()
+            done = self.iteration - start_iteration
+            elapsed = time.perf_counter() - run_start
+            eta = elapsed / done * (self.train_iters - self.iteration)
+            if self.iteration % lg.log_interval == 0 or self.iteration == self.train_iters:
+                seconds = (time.perf_counter() - window_start) / window_steps
+                last_row = self._step_row(out, seconds, tokens_per_step)
+                self.logger.record(last_row)
+                self.logger.line(self.logger.step_text(last_row, self.train_iters, eta))
+                if lg.wall_clock_breakdown:
+                    self.logger.line("  " + self.timers.report(window_steps))
+                window_start, window_steps = time.perf_counter(), 0
+            else:
+                self.logger.live(
+                    f"step {self.iteration}/{self.train_iters} | loss {out['lm_loss']:.4f}"
+                )
+            if self.iteration % t.eval_interval == 0 and self.iteration < self.train_iters:
+                self._eval_row("valid", self.valid_loader)
+            exiting = self.stop_requested or bool(
+                t.exit_interval and self.iteration % t.exit_interval == 0
+            )
+            if self.iteration in self.save_at or exiting:
+                self.save()
+            if exiting:
+                self.logger.line(
+                    f"stopped at step {self.iteration}; rerun the same command to resume"
+                )
+                break
+        if profiler is not None:
+            profiler.stop()
+        summary: dict[str, Any] = {"iteration": self.iteration, "train": last_row}
+        if self.iteration >= self.train_iters:
+            summary["valid"] = self._eval_row("valid", self.valid_loader)
+            summary["test"] = self._eval_row("test", self.test_loader)
+        return summary
+
+    def _step_row(
+        self, out: dict[str, float], seconds: float, tokens_per_step: int
+    ) -> dict[str, Any]:
+        tokens_per_sec = tokens_per_step / seconds
+        tflops = self.derived["flops_per_token"] * tokens_per_sec / 1e12
+        row = {
+            "iteration": self.iteration,
+            "lm_loss": out["lm_loss"],
+            "lr": out["lr"],
+            "grad_norm": out["grad_norm"],
+            "tokens_per_sec": tokens_per_sec,
+            "tflops": tflops,
+            "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
+            "step_time_s": seconds,
+            "skipped_steps": self.scaler.skipped,
+        }
+        if self.precision == "fp16":
+            row["loss_scale"] = self.scaler.scale
+        return row
+
+    def _profiler(self) -> torch.profiler.profile | None:
+        lg = self.cfg.logging
+        if not lg.profile and not lg.memory_profiling:
+            return None
+        folder = (
+            Path(lg.tensorboard_dir or lg.log_dir or self.cfg.checkpoint.save or ".") / "profile"
+        )
+        if lg.memory_profiling and self.device.type != "cuda":
+            self.logger.line(
+                "memory_profiling records CUDA memory snapshots; this run is on the CPU, so it is skipped"
+            )
+        wait = max(lg.profile_step_start - self.iteration - 1, 0)
+        active = lg.profile_step_stop - lg.profile_step_start + 1
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        profiler = torch.profiler.profile(
+            activities=activities,
+            schedule=torch.profiler.schedule(wait=wait, warmup=0, active=active, repeat=1),
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(str(folder)),
+            profile_memory=lg.memory_profiling,
+        )
+        profiler.start()
+        return profiler
