@@ -1,6 +1,9 @@
 """GPT-NeoX's learning-rate schedule (its AnnealingLR): linear warmup, then constant, linear,
 cosine or exponential decay, never below min_lr.
 
+Past ``lr_decay_iters`` the rate stays where the decay ended; GPT-NeoX keeps evaluating the
+formula there, so its cosine climbs back up, which no one wants.
+
 GPT-NeoX steps its scheduler after each optimizer step, so the update of iteration k uses
 ``lr_at(k - 1)`` (0 on the first step when there is warmup) and its log shows ``lr_at(k)``.
 """
@@ -22,7 +25,8 @@ class Schedule:
     def lr_at(self, step: int) -> float:
         if self.warmup_iters > 0 and step <= self.warmup_iters:
             return self.peak * step / self.warmup_iters
-        done = step - self.warmup_iters
+        # past decay_iters the rate stays at its end value (GPT-NeoX's cosine would rise again)
+        done = min(step, self.decay_iters) - self.warmup_iters
         span = self.decay_iters - self.warmup_iters
         if self.style == "linear":
             lr = self.peak * (span - done) / span

@@ -1,0 +1,43 @@
+"""The learning-rate schedule against GPT-NeoX's formulas and its logged rates."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tests.conftest import shared_dir
+from torchneox.train.lr import Schedule
+
+
+def test_formulas_at_chosen_steps():
+    peak, low = 1e-3, 1e-4
+    cos = Schedule(peak, low, warmup_iters=10, decay_iters=110, style="cosine")
+    assert cos.lr_at(0) == 0.0
+    assert cos.lr_at(5) == pytest.approx(5e-4)
+    assert cos.lr_at(10) == pytest.approx(peak)
+    assert cos.lr_at(60) == pytest.approx(low + (peak - low) / 2 * (math.cos(math.pi * 0.5) + 1))
+    assert cos.lr_at(110) == pytest.approx(low)
+    assert cos.lr_at(500) == pytest.approx(low)  # clipped at min_lr past the end
+    lin = Schedule(peak, 0.0, warmup_iters=0, decay_iters=100, style="linear")
+    assert lin.lr_at(25) == pytest.approx(0.75e-3)
+    assert Schedule(peak, low, 0, 100, "linear").lr_at(99) == pytest.approx(low)  # min_lr floor
+    exp = Schedule(peak, 0.0, warmup_iters=0, decay_iters=100, style="exponential")
+    assert exp.lr_at(100) == pytest.approx(peak * math.exp(-0.693))
+    const = Schedule(peak, 0.0, warmup_iters=4, decay_iters=100, style="constant")
+    assert const.lr_at(2) == pytest.approx(peak / 2) and const.lr_at(50) == peak
+
+
+def test_update_of_step_k_uses_the_rate_after_k_minus_1_steps():
+    s = Schedule(1e-3, 0.0, warmup_iters=2, decay_iters=20, style="cosine")
+    assert s.lr_for_update(1) == 0.0  # as GPT-NeoX: its scheduler starts at step 0
+    assert s.lr_for_update(2) == pytest.approx(5e-4)
+
+
+@pytest.mark.skipif(shared_dir() is None, reason="../shared is not on this machine")
+def test_rates_equal_the_ones_gpt_neox_logged():
+    losses = json.loads((shared_dir() / "golden/neox_checkpoints/losses.json").read_text())
+    s = Schedule(6e-4, 6e-5, warmup_iters=0.1 * 20, decay_iters=20, style="cosine")
+    for row in losses["pp1"]["train"]:
+        assert s.lr_at(row["iteration"]) == pytest.approx(row["lr"], rel=1e-3), row

@@ -1,0 +1,292 @@
+"""The training loop: reproducibility, exact resume, accumulation, clipping, precision,
+non-finite values, checkpoints and metrics."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchneox.cli import main
+from torchneox.config.load import load_config
+from torchneox.errors import TrainingStopped
+from torchneox.train import checkpoint
+from torchneox.train.trainer import Trainer, save_iterations
+
+
+def run(config: str, *overrides: str) -> Trainer:
+    trainer = Trainer(load_config([config], list(overrides)), device="cpu")
+    trainer.run()
+    return trainer
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["iteration"]: r["lm_loss"] for r in rows if "lm_loss" in r}
+
+
+def test_same_seed_gives_bitwise_identical_losses(make_config, tmp_path):
+    a = run(make_config(), f"save={tmp_path / 'a'}", f"load={tmp_path / 'a'}")
+    b = run(make_config(), f"save={tmp_path / 'b'}", f"load={tmp_path / 'b'}")
+    la, lb = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert len(la) == 6 and la == lb
+    assert la[6] < la[1]  # it learns
+    for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_resume_is_bitwise_exact(make_config, tmp_path, dropout):
+    keys = {
+        "train_iters": 8,
+        "hidden_dropout": dropout,
+        "attention_dropout": dropout,
+        "eval_interval": 3,
+    }
+    whole = run(make_config("w.yml", save=str(tmp_path / "w"), load=str(tmp_path / "w"), **keys))
+    cfg = make_config(
+        "s.yml", save=str(tmp_path / "s"), load=str(tmp_path / "s"), exit_interval=4, **keys
+    )
+    first = run(cfg)
+    assert first.iteration == 4
+    second = run(cfg)  # the same command again resumes at 5
+    assert second.iteration == 8
+    lw, ls = losses(tmp_path / "w"), losses(tmp_path / "s")
+    assert {k: lw[k] for k in range(5, 9)} == {k: ls[k] for k in range(5, 9)}
+    for p, q in zip(whole.model.parameters(), second.model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    valid = lambda d: [
+        json.loads(x)
+        for x in (d / "metrics.jsonl").read_text().splitlines()
+        if "valid_lm_loss" in x
+    ]
+    assert [r["valid_lm_loss"] for r in valid(tmp_path / "w")] == [
+        r["valid_lm_loss"] for r in valid(tmp_path / "s")
+    ]
+
+
+def test_gradient_accumulation_equals_a_bigger_micro_batch(make_config, tmp_path):
+    one = run(make_config("a.yml", save=str(tmp_path / "a"), train_micro_batch_size_per_gpu=8))
+    two = run(make_config("b.yml", save=str(tmp_path / "b"), gradient_accumulation_steps=2))
+    la, lb = losses(tmp_path / "a"), losses(tmp_path / "b")
+    for k in la:
+        assert la[k] == pytest.approx(lb[k], rel=1e-5)
+    for p, q in zip(one.model.parameters(), two.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+def test_gradient_clipping_bounds_the_update(make_config, tmp_path):
+    sgd = {"type": "SGD", "params": {"lr": 1.0}}
+    cfg = make_config(
+        optimizer=sgd,
+        weight_decay=0.0,
+        warmup=0.0,
+        lr_decay_style="constant",
+        gradient_clipping=1e-3,
+        train_iters=1,
+        save=str(tmp_path / "c"),
+    )
+    trainer = Trainer(load_config([cfg]), device="cpu")
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    out = trainer.train_step()
+    delta = torch.sqrt(
+        sum(((p - b) ** 2).sum() for p, b in zip(trainer.model.parameters(), before, strict=True))
+    )
+    assert out["grad_norm"] > 1e-2  # the reported norm is the one before clipping
+    assert delta.item() == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_weight_decay_skips_biases_and_norms(make_config):
+    trainer = Trainer(load_config([make_config()]), device="cpu")
+    decayed, plain = trainer.optimizer.param_groups
+    assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
+    assert all(p.ndim == 2 for p in decayed["params"]) and all(p.ndim == 1 for p in plain["params"])
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    assert {names[id(p)] for p in decayed["params"]} >= {
+        "embed.weight",
+        "layers.0.attention.wq.weight",
+    }
+
+
+@pytest.mark.parametrize("opt", ["AdamW", "SGD", "Lion"])
+def test_every_optimizer_trains(make_config, tmp_path, opt):
+    params = {"lr": 0.003} if opt != "SGD" else {"lr": 0.3, "momentum": 0.9}
+    run(
+        make_config(
+            optimizer={"type": opt, "params": params}, train_iters=10, save=str(tmp_path / opt)
+        )
+    )
+    la = losses(tmp_path / opt)
+    assert la[10] < la[1]
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "fp16"])
+def test_mixed_precision_trains_with_fp32_master_weights(make_config, tmp_path, precision):
+    trainer = run(make_config(precision=precision, train_iters=8, save=str(tmp_path / precision)))
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    la = losses(tmp_path / precision)
+    assert la[8] < la[1]
+    if precision == "fp16":
+        rows = [
+            json.loads(x) for x in (tmp_path / precision / "metrics.jsonl").read_text().splitlines()
+        ]
+        assert rows[0]["loss_scale"] == 65536.0
+
+
+def _poison(trainer: Trainer, at_step: int, value: float) -> None:
+    forward = trainer.model.forward
+
+    def poisoned(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        return out * value if trainer.iteration + 1 == at_step and trainer.model.training else out
+
+    trainer.model.forward = poisoned
+
+
+def test_fp16_overflow_step_is_skipped_and_counted(make_config, tmp_path):
+    cfg = make_config(
+        precision="fp16",
+        fp16={"enabled": True, "hysteresis": 1, "initial_scale_power": 8},
+        train_iters=4,
+        save=str(tmp_path / "f"),
+    )
+    trainer = Trainer(load_config([cfg]), device="cpu")
+    _poison(trainer, 2, float("inf"))
+    trainer.train_step()
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    scale = trainer.scaler.scale
+    out = trainer.train_step()
+    assert out["skipped"] == 1.0 and trainer.scaler.skipped == 1
+    assert trainer.scaler.scale == scale / 2
+    assert all(torch.equal(p, b) for p, b in zip(trainer.model.parameters(), before, strict=True))
+    trainer.train_step()
+    assert not all(
+        torch.equal(p, b) for p, b in zip(trainer.model.parameters(), before, strict=True)
+    )
+
+
+def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_checkpoint(make_config, tmp_path):
+    cfg = make_config(train_iters=5, checkpoint_factor=2, save=str(tmp_path / "n"))
+    trainer = Trainer(load_config([cfg]), device="cpu")
+    _poison(trainer, 3, float("nan"))
+    with pytest.raises(TrainingStopped, match=r"step 3: .* is nan; .*global_step2"):
+        trainer.run()
+    assert (tmp_path / "n" / "latest").read_text().strip() == "global_step2"
+    assert checkpoint.read_meta(checkpoint.resolve(tmp_path / "n"))["iteration"] == 2
+
+
+def test_a_crash_during_save_leaves_the_previous_checkpoint(make_config, tmp_path, monkeypatch):
+    cfg = make_config(
+        train_iters=4, checkpoint_factor=2, save=str(tmp_path / "k"), load=str(tmp_path / "k")
+    )
+    trainer = Trainer(load_config([cfg]), device="cpu")
+    real_save = checkpoint.dcp.save
+
+    def dying_save(state, checkpoint_id):
+        if "global_step4" in checkpoint_id:
+            real_save(state, checkpoint_id=checkpoint_id)  # files written, then the process "dies"
+            raise KeyboardInterrupt
+        return real_save(state, checkpoint_id=checkpoint_id)
+
+    monkeypatch.setattr(checkpoint.dcp, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run()
+    assert (tmp_path / "k" / "latest").read_text().strip() == "global_step2"
+    assert not (tmp_path / "k" / "global_step4").exists()
+    resumed = Trainer(load_config([cfg]), device="cpu")
+    assert resumed.iteration == 2
+
+
+def test_finetune_loads_weights_only(make_config, tmp_path):
+    first = run(make_config(train_iters=3, save=str(tmp_path / "p")))
+    cfg = make_config(
+        "ft.yml", train_iters=3, save=str(tmp_path / "ft"), load=str(tmp_path / "p"), finetune=True
+    )
+    tuned = Trainer(load_config([cfg]), device="cpu")
+    assert tuned.iteration == 0 and not tuned.optimizer.state
+    for p, q in zip(first.model.parameters(), tuned.model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_loading_a_checkpoint_of_another_shape_names_the_tensor(make_config, tmp_path, capsys):
+    run(make_config(train_iters=2, save=str(tmp_path / "x")))
+    cfg = make_config("big.yml", hidden_size=64, save=str(tmp_path / "y"), load=str(tmp_path / "x"))
+    assert main(["train", cfg]) == 2
+    assert (
+        "tensor embed.weight has shape (512, 32) in the checkpoint but (512, 64)"
+        in capsys.readouterr().err
+    )
+
+
+def test_metrics_file_and_checkpoint_rotation(make_config, tmp_path):
+    run(
+        make_config(
+            train_iters=6,
+            checkpoint_factor=2,
+            keep_last_n_checkpoints=2,
+            eval_interval=3,
+            save=str(tmp_path / "m"),
+        )
+    )
+    rows = [json.loads(x) for x in (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "lm_loss" in r]
+    assert [r["iteration"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    for key in ("iteration", "lm_loss", "lr", "grad_norm", "tokens_per_sec", "tflops", "mfu"):
+        assert all(r[key] is not None for r in steps), key
+    evals = [r for r in rows if "valid_lm_loss" in r]
+    assert [r["iteration"] for r in evals] == [3, 6]
+    assert all(r["valid_ppl"] > 1 for r in evals)
+    assert any("test_lm_loss" in r for r in rows)
+    assert sorted(p.name for p in (tmp_path / "m").glob("global_step*")) == [
+        "global_step4",
+        "global_step6",
+    ]
+    saved = (tmp_path / "m" / "global_step6" / "config.yml").read_text()
+    assert (
+        load_config([tmp_path / "m" / "global_step6" / "config.yml"]).config.training.train_iters
+        == 6
+    )
+    assert "padded_vocab_size: 512" in saved
+
+
+def test_lr_in_metrics_follows_the_schedule(make_config, tmp_path):
+    trainer = run(make_config(train_iters=6, save=str(tmp_path / "l")))
+    rows = [json.loads(x) for x in (tmp_path / "l" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "lr" in r]
+    assert [r["lr"] for r in rows] == [trainer.schedule.lr_for_update(k) for k in range(1, 7)]
+    assert rows[0]["lr"] == 0.0
+
+
+def test_eod_mask_loss_changes_the_loss(make_config, tmp_path):
+    run(make_config("a.yml", train_iters=1, save=str(tmp_path / "a")))
+    run(make_config("b.yml", train_iters=1, save=str(tmp_path / "b"), eod_mask_loss=True))
+    assert losses(tmp_path / "a")[1] != losses(tmp_path / "b")[1]
+
+
+def test_checkpoint_schedule():
+    class C:
+        class checkpoint:
+            checkpoint_factor, checkpoint_scale, extra_save_iters = 10, "linear", [0, 3]
+
+    assert save_iterations(C, 35) == {0, 3, 10, 20, 30, 35}
+    C.checkpoint.checkpoint_scale, C.checkpoint.extra_save_iters = "log", None
+    assert save_iterations(C, 500) == {1, 10, 100, 500}
+
+
+def test_train_cli_and_plot(make_config, tmp_path, capsys):
+    cfg = make_config(train_iters=3, save=str(tmp_path / "cli"))
+    assert main(["train", cfg, "--set", "log_interval=1"]) == 0
+    out = capsys.readouterr().out
+    assert "step 3/3 | loss" in out and "tok/s" in out and "MFU" in out and "ETA" in out
+    assert main(["plot", str(tmp_path / "cli"), "--out", str(tmp_path / "loss.png")]) == 0
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_training_needs_its_keys(tmp_path, capsys):
+    (tmp_path / "c.yml").write_text(
+        "{num_layers: 2, hidden_size: 32, num_attention_heads: 4, seq_length: 16}"
+    )
+    assert main(["train", str(tmp_path / "c.yml")]) == 2
+    assert "train_iters: training needs it" in capsys.readouterr().err
