@@ -9,9 +9,25 @@ import pytest
 
 from torchneox.data.preprocess import PreprocessArgs, preprocess
 
-WORDS = (
-    ["the", "model", "reads", "tokens", "and", "learns", "to", "predict", "the", "next", "one", "from", "all", "that", "came", "before", "it"]
-)
+WORDS = [
+    "the",
+    "model",
+    "reads",
+    "tokens",
+    "and",
+    "learns",
+    "to",
+    "predict",
+    "the",
+    "next",
+    "one",
+    "from",
+    "all",
+    "that",
+    "came",
+    "before",
+    "it",
+]
 
 
 @pytest.fixture(scope="session")

@@ -57,11 +57,14 @@ def test_resume_is_bitwise_exact(make_config, tmp_path, dropout):
     assert {k: lw[k] for k in range(5, 9)} == {k: ls[k] for k in range(5, 9)}
     for p, q in zip(whole.model.parameters(), second.model.parameters(), strict=True):
         assert torch.equal(p, q)
-    valid = lambda d: [
-        json.loads(x)
-        for x in (d / "metrics.jsonl").read_text().splitlines()
-        if "valid_lm_loss" in x
-    ]
+
+    def valid(d):
+        return [
+            json.loads(x)
+            for x in (d / "metrics.jsonl").read_text().splitlines()
+            if "valid_lm_loss" in x
+        ]
+
     assert [r["valid_lm_loss"] for r in valid(tmp_path / "w")] == [
         r["valid_lm_loss"] for r in valid(tmp_path / "s")
     ]
