@@ -83,10 +83,77 @@ def build_tokenizer(cfg: NeoXConfig) -> Tokenizer:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         backend.decoder = decoders.ByteLevel()
         return HFTokenizer(backend, str(vocab))
-    raise ConfigError(
-        f"{kind} is not available yet; use HFTokenizer, GPT2BPETokenizer or CharLevelTokenizer",
-        key="tokenizer_type",
-    )
+    if kind == "SPMTokenizer":
+        return SentencePieceTokenizer(_need_file(tok.vocab_file, "vocab_file", kind))
+    if kind == "TiktokenTokenizer":
+        return TiktokenTokenizer(_need_file(tok.vocab_file, "vocab_file", kind))
+    raise AssertionError(f"unvalidated tokenizer_type {kind}")
+
+
+class SentencePieceTokenizer:
+    """A sentencepiece model file; end-of-text is its <|endoftext|> piece, as in GPT-NeoX."""
+
+    def __init__(self, path: Path):
+        try:
+            import sentencepiece
+        except ImportError:
+            raise ConfigError(
+                "SPMTokenizer needs sentencepiece (pip install 'torchneox[sentencepiece]')",
+                key="tokenizer_type",
+            ) from None
+        self._sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+        self.vocab_size = self._sp.get_piece_size()
+        eod = self._sp.piece_to_id(END_OF_TEXT)
+        if eod == self._sp.unk_id():
+            raise ConfigError(f"{path} has no {END_OF_TEXT} piece", key="vocab_file")
+        self.eod_id = eod
+        self.pad_id = self._sp.pad_id() if self._sp.pad_id() >= 0 else None
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._sp.decode(ids)
+
+
+class TiktokenTokenizer:
+    """A local tiktoken rank file named after its encoding (r50k_base.tiktoken, cl100k_base.tiktoken,
+    ...): the file gives the merges, tiktoken's definition of that encoding its split pattern and
+    special tokens. Nothing is downloaded."""
+
+    def __init__(self, path: Path):
+        try:
+            import tiktoken
+            import tiktoken_ext.openai_public as public
+            from tiktoken.load import load_tiktoken_bpe
+        except ImportError:
+            raise ConfigError(
+                "TiktokenTokenizer needs tiktoken (pip install 'torchneox[tiktoken]')",
+                key="tokenizer_type",
+            ) from None
+        name = path.name.split(".")[0]
+        if name not in public.ENCODING_CONSTRUCTORS:
+            known = ", ".join(sorted(public.ENCODING_CONSTRUCTORS))
+            raise ConfigError(
+                f"{path}: name the file after its encoding ({known})", key="vocab_file"
+            )
+        ranks = load_tiktoken_bpe(str(path))
+        original = public.load_tiktoken_bpe
+        public.load_tiktoken_bpe = lambda *args, **kwargs: ranks
+        try:
+            spec = public.ENCODING_CONSTRUCTORS[name]()
+        finally:
+            public.load_tiktoken_bpe = original
+        self._enc = tiktoken.Encoding(**spec)
+        self.vocab_size = self._enc.n_vocab
+        self.eod_id = self._enc.eot_token
+        self.pad_id = None
+
+    def encode(self, text: str) -> list[int]:
+        return self._enc.encode(text, allowed_special="all")
+
+    def decode(self, ids: list[int]) -> str:
+        return self._enc.decode(ids)
 
 
 def _texts(paths: list[str], keys: tuple[str, ...]):
