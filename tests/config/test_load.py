@@ -322,3 +322,13 @@ def test_config_path_is_read_relative_to_cwd(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     Path("x.yml").write_text("{seed: 3}")
     assert load_config(["x.yml"]).config.training.seed == 3
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted((REPO / "configs").glob("*.yml")) + [REPO / "src/torchneox/configs/tiny_cpu.yml"],
+    ids=lambda p: p.name,
+)
+def test_shipped_configs_explain(path):
+    derived = derive(load_config([path]), world_size=8)
+    assert derived["num_parameters"] > 0 and derived["train_batch_size"] > 0
