@@ -75,6 +75,30 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("checkpoint", metavar="CHECKPOINT")
     to_hf.add_argument("out_dir", metavar="OUT_DIR")
 
+    neox = convert_verbs.add_parser(
+        "from-gpt-neox", help="a GPT-NeoX (DeepSpeed) checkpoint -> a torchneox checkpoint"
+    )
+    neox.add_argument(
+        "neox_dir",
+        metavar="NEOX_CHECKPOINT_DIR",
+        help="a save dir (with 'latest') or a global_stepN dir",
+    )
+    neox.add_argument("out_dir", metavar="OUT_DIR")
+    neox.add_argument(
+        "--config",
+        nargs="+",
+        default=[],
+        metavar="NEOX_YML",
+        help="default: the checkpoint's configs/ folder",
+    )
+    neox.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    neox.add_argument("--step", type=int, help="convert global_stepN instead of latest")
+    neox.add_argument(
+        "--with-optimizer",
+        action="store_true",
+        help="also the optimizer, iteration, data position and RNG, to continue training",
+    )
+
     gen = verbs.add_parser(
         "generate", help="generate text from a checkpoint or a Hugging Face folder"
     )
@@ -183,6 +207,12 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
     if args.convert_verb == "from-hf":
         step = convert.from_hf(args.hf_dir, args.out_dir)
+    elif args.convert_verb == "from-gpt-neox":
+        from torchneox import neox_import
+
+        step = neox_import.convert(
+            args.neox_dir, args.out_dir, args.config, args.overrides, args.step, args.with_optimizer
+        )
     else:
         step = convert.to_hf(args.checkpoint, args.out_dir)
     print(f"wrote {step}")

@@ -239,7 +239,7 @@ def test_metrics_file_and_checkpoint_rotation(make_config, tmp_path):
     for key in ("iteration", "lm_loss", "lr", "grad_norm", "tokens_per_sec", "tflops", "mfu"):
         assert all(r[key] is not None for r in steps), key
     evals = [r for r in rows if "valid_lm_loss" in r]
-    assert [r["iteration"] for r in evals] == [3, 6]
+    assert [r["iteration"] for r in evals] == [3, 6, 6]  # every eval_interval, then at the end
     assert all(r["valid_ppl"] > 1 for r in evals)
     assert any("test_lm_loss" in r for r in rows)
     assert sorted(p.name for p in (tmp_path / "m").glob("global_step*")) == [

@@ -62,6 +62,11 @@ class BatchLoader:
             self._next = self._pool.submit(self._load, self.consumed)
         return batch
 
+    def has_full_batch(self) -> bool:
+        """Whether the split still holds a whole global batch (evaluation stops when it does not,
+        as GPT-NeoX's drop-last loaders do)."""
+        return self.consumed + self.global_batch <= len(self.samples)
+
     def state_dict(self) -> dict[str, int]:
         return {"consumed_samples": self.consumed}
 

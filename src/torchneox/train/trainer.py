@@ -237,6 +237,8 @@ class Trainer:
         self.model.eval()
         losses = []
         for _ in range(iters):
+            if not loader.has_full_batch():
+                break
             for tokens in loader.next():
                 tokens = tokens.to(self.device)
                 inputs, labels = tokens[:, :-1], tokens[:, 1:]
@@ -246,19 +248,20 @@ class Trainer:
         self.model.train()
         return torch.stack(losses).mean().item() if losses else float("nan")
 
-    def _eval_row(self, name: str, loader: BatchLoader | None) -> dict[str, Any] | None:
+    def _eval_row(
+        self, name: str, loader: BatchLoader | None, when: str = ""
+    ) -> dict[str, Any] | None:
         if loader is None or self.cfg.training.eval_iters == 0:
             return None
         loss = self.evaluate(loader, self.cfg.training.eval_iters)
-        row = {
-            "iteration": self.iteration,
-            f"{name}_lm_loss": loss,
-            f"{name}_ppl": math.exp(min(loss, 50)),
-        }
+        if math.isnan(loss):
+            self.logger.line(f"{name}: no whole batch left in the {name} split; not evaluated")
+            return None
+        ppl = math.exp(min(loss, 50))
+        row = {"iteration": self.iteration, f"{name}_lm_loss": loss, f"{name}_ppl": ppl}
         self.logger.record(row)
-        self.logger.line(
-            f"{name} at step {self.iteration}: loss {loss:.4f} | perplexity {row[f'{name}_ppl']:.2f}"
-        )
+        when = when or f"at step {self.iteration}"
+        self.logger.line(f"{name} {when}: loss {loss:.4f} | perplexity {ppl:.2f}")
         return row
 
     # ------------------------------------------------------------------- checkpoints
@@ -351,7 +354,7 @@ class Trainer:
                 self.logger.live(
                     f"step {self.iteration}/{self.train_iters} | loss {out['lm_loss']:.4f}"
                 )
-            if self.iteration % t.eval_interval == 0 and self.iteration < self.train_iters:
+            if self.iteration % t.eval_interval == 0:
                 self._eval_row("valid", self.valid_loader)
             exiting = self.stop_requested or bool(
                 t.exit_interval and self.iteration % t.exit_interval == 0
@@ -367,8 +370,9 @@ class Trainer:
             profiler.stop()
         summary: dict[str, Any] = {"iteration": self.iteration, "train": last_row}
         if self.iteration >= self.train_iters:
-            summary["valid"] = self._eval_row("valid", self.valid_loader)
-            summary["test"] = self._eval_row("test", self.test_loader)
+            # as GPT-NeoX: one more validation and a test run after the last step
+            summary["valid"] = self._eval_row("valid", self.valid_loader, "at the end of training")
+            summary["test"] = self._eval_row("test", self.test_loader, "at the end of training")
         return summary
 
     def _step_row(

@@ -1,0 +1,178 @@
+"""GPT-NeoX checkpoints: weights to the last logit in every layout, and a run continued exactly."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import shared_dir
+from torchneox.cli import main
+from torchneox.convert import load_model
+
+SHARED = shared_dir()
+pytestmark = pytest.mark.skipif(SHARED is None, reason="../shared is not on this machine")
+G = SHARED / "golden" / "neox_checkpoints" if SHARED else None
+GPT2 = SHARED / "data/tokenizers/gpt2" if SHARED else None
+TOKENIZER = [f"vocab_file={GPT2}/vocab.json", f"merge_file={GPT2}/merges.txt"] if SHARED else []
+SPLIT_ROWS = (
+    "word_embeddings.weight",
+    "final_linear.weight",
+    "attention.query_key_value.weight",
+    "attention.query_key_value.bias",
+    "mlp.linear1.weight",
+    "mlp.linear1.bias",
+)
+SPLIT_COLUMNS = ("attention.dense.weight", "mlp.linear2.weight")
+QUIRK_BIASES = ("attention.dense.bias", "mlp.linear2.bias")
+
+
+@pytest.fixture(autouse=True)
+def index_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHNEOX_INDEX_CACHE", str(tmp_path / "index"))
+
+
+def convert(src, out, *extra) -> None:
+    args = ["convert", "from-gpt-neox", str(src), str(out), *extra]
+    for t in TOKENIZER:
+        args += ["--set", t]
+    assert main(args) == 0
+
+
+def assert_golden_logits(ckpt) -> None:
+    _, model = load_model(ckpt)
+    ids = torch.from_numpy(np.load(G / "input/input_ids.npy"))
+    with torch.no_grad():
+        logits = model.eval()(ids).numpy()
+    expected = np.load(G / "logits/logits_pp1_step10.npy")
+    np.testing.assert_allclose(logits, expected, atol=1e-5, rtol=0)
+
+
+def test_pp1_checkpoint_logits_equal_gpt_neox(tmp_path):
+    convert(G / "pp1", tmp_path / "out", "--step", "10")
+    assert_golden_logits(tmp_path / "out")
+
+
+def _layer_files(step_dir):
+    return {
+        int(p.name[6:8]): torch.load(p, weights_only=False)
+        for p in sorted(step_dir.glob("layer_*-model_00-*"))
+    }
+
+
+def test_pp0_layout(tmp_path):
+    """pipe_parallel_size 0 keeps everything in one module dict (sequential.*)."""
+    src = G / "pp1" / "global_step10"
+    rank = torch.load(src / "mp_rank_00_model_states.pt", weights_only=False)
+    rank["module"] = {
+        f"sequential.{layer}.{k}": v for layer, t in _layer_files(src).items() for k, v in t.items()
+    }
+    out = tmp_path / "neox" / "global_step10"
+    out.mkdir(parents=True)
+    torch.save(rank, out / "mp_rank_00_model_states.pt")
+    (tmp_path / "neox" / "latest").write_text("global_step10")
+    convert(tmp_path / "neox", tmp_path / "ckpt", "--config", str(G / "configs/tiny_pp0.yml"))
+    assert_golden_logits(tmp_path / "ckpt")
+
+
+def test_tensor_parallel_shards_merge_with_the_bias_quirk(tmp_path):
+    """Shards of model_parallel_size 2 laid out as GPT-NeoX writes them. GPT-NeoX adds the
+    output biases once per rank with gpt_j_residual, so shards holding b/2 compute b."""
+    src = G / "pp1" / "global_step10"
+    out = tmp_path / "neox" / "global_step10"
+    (out / "configs").mkdir(parents=True)
+    shutil.copy(G / "configs/tiny_pp1_mp2.yml", out / "configs")
+    for layer, tensors in _layer_files(src).items():
+        for r in range(2):
+            shard = {}
+            for name, t in tensors.items():
+                if name.endswith(SPLIT_ROWS):
+                    t = t.chunk(2, dim=0)[r]
+                elif name.endswith(SPLIT_COLUMNS):
+                    t = t.chunk(2, dim=1)[r]
+                elif name.endswith(QUIRK_BIASES):
+                    t = t / 2
+                shard[name] = t.clone()
+            torch.save(shard, out / f"layer_{layer:02d}-model_{r:02d}-model_states.pt")
+    for r in range(2):
+        shutil.copy(src / "mp_rank_00_model_states.pt", out / f"mp_rank_{r:02d}_model_states.pt")
+    (tmp_path / "neox" / "latest").write_text("global_step10")
+    convert(tmp_path / "neox", tmp_path / "ckpt", "--set", "make_vocab_size_divisible_by=64")
+    assert_golden_logits(tmp_path / "ckpt")
+
+
+def test_continuing_the_gpt_neox_run_gives_its_losses(tmp_path):
+    convert(G / "pp1", tmp_path / "ckpt", "--step", "10", "--with-optimizer")
+    settings = [
+        f"data_path={G}/data/shakespeare_text_document",
+        *TOKENIZER,
+        f"save={tmp_path / 'ckpt'}",
+        f"load={tmp_path / 'ckpt'}",
+        f"log_dir={tmp_path / 'log'}",
+    ]
+    status = main(
+        ["train", str(G / "configs/tiny_pp1.yml"), *[a for s in settings for a in ("--set", s)]]
+    )
+    assert status == 0
+    rows = [json.loads(x) for x in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    ours = {r["iteration"]: r["lm_loss"] for r in rows if "lm_loss" in r}
+    golden = json.loads((G / "losses.json").read_text())["pp1"]
+    theirs = {r["iteration"]: r["lm_loss"] for r in golden["train"]}
+    assert sorted(ours) == list(range(11, 21))
+    for k in range(11, 21):
+        assert ours[k] == pytest.approx(theirs[k], rel=1e-4), k
+    evals = [r["valid_lm_loss"] for r in rows if "valid_lm_loss" in r] + [
+        r["test_lm_loss"] for r in rows if "test_lm_loss" in r
+    ]
+    assert evals == pytest.approx([e["lm_loss"] for e in golden["eval"][1:]], rel=1e-4)
+    batches = np.load(G / "input/train_batches_iter1-20.npy")
+    assert (
+        main(
+            [
+                "data",
+                "batch",
+                str(G / "configs/tiny_pp1.yml"),
+                "--iteration",
+                "15",
+                "--out",
+                str(tmp_path / "b.npy"),
+                *[a for s in settings for a in ("--set", s)],
+            ]
+        )
+        == 0
+    )
+    assert np.array_equal(np.load(tmp_path / "b.npy"), batches[14])
+
+
+def test_clear_errors(tmp_path, capsys):
+    def err(*args):
+        assert main(["convert", "from-gpt-neox", *map(str, args)]) == 2
+        return capsys.readouterr().err
+
+    assert "not a GPT-NeoX checkpoint" in err(tmp_path, tmp_path / "o")
+    broken = tmp_path / "broken" / "global_step10"
+    shutil.copytree(G / "pp1" / "global_step10", broken)
+    (broken / "layer_03-model_00-model_states.pt").unlink()
+    assert "layer 3 is missing" in err(
+        broken, tmp_path / "o", "--set", TOKENIZER[0], "--set", TOKENIZER[1]
+    )
+    text = err(
+        G / "pp1",
+        tmp_path / "o",
+        "--step",
+        "10",
+        "--set",
+        "hidden_size=32",
+        "--set",
+        TOKENIZER[0],
+        "--set",
+        TOKENIZER[1],
+    )
+    assert "do not match the config" in text
+    (broken / "layer_02-model_00-model_states.pt").write_bytes(b"garbage")
+    assert "cannot read it as a torch checkpoint" in err(
+        broken, tmp_path / "o", "--set", TOKENIZER[0], "--set", TOKENIZER[1]
+    )
