@@ -302,6 +302,29 @@ def optimizer_state(
     return moments, step
 
 
+def _check_schedule(saved: Any, derived: Any) -> None:
+    """GPT-NeoX stores its schedule; it must be the one the config describes, or a continued
+    run would follow another curve."""
+    if not isinstance(saved, dict):
+        return
+    ours = {
+        "start_lr": derived["lr"],
+        "end_iter": derived.get("lr_decay_iters"),
+        "warmup_iter": derived.get("warmup_iters"),
+    }
+    for key, value in ours.items():
+        theirs = saved.get(key)
+        if (
+            value is not None
+            and theirs is not None
+            and abs(float(theirs) - float(value)) > 1e-9 * max(1.0, abs(float(value)))
+        ):
+            raise NeoXCheckpointError(
+                f"the checkpoint's learning-rate schedule has {key} {theirs}, the config gives {value}; "
+                "convert with the run's own config (or --set the schedule keys to match)"
+            )
+
+
 def neox_config(step_dir: Path, config_files: list[str], overrides: list[str]) -> LoadedConfig:
     files = config_files or sorted(str(p) for p in (step_dir / "configs").glob("*.y*ml"))
     if not files:
@@ -357,6 +380,7 @@ def convert(
             source=str(step_dir),
         ) from None
     iteration = int(states[0].get("iteration") or 0)
+    _check_schedule(states[0].get("lr_scheduler"), derived)
     state: dict[str, Any] = {"model": model.state_dict()}
     meta: dict[str, Any] = {"converted_from": f"GPT-NeoX {step_dir}", "iteration": iteration}
     if with_optimizer:

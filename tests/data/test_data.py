@@ -324,3 +324,39 @@ def test_builtin_corpus_and_train_tokenizer(tmp_path, capsys):
         == 2
     )
     assert CharLevelTokenizer().decode(CharLevelTokenizer().encode("héllo")) == "héllo"
+
+
+def _build_in_process(args):
+    prefix, cache = args
+    import os
+
+    os.environ["TORCHNEOX_INDEX_CACHE"] = cache
+    from torchneox.data.gpt_dataset import GPTDataset
+    from torchneox.data.indexed import IndexedDataset
+
+    ds = IndexedDataset(prefix)
+    g = GPTDataset(ds, "train", np.arange(len(ds), dtype=np.int32), 500, 16, 7)
+    return np.asarray(g.shuffle_idx).tolist()
+
+
+def test_concurrent_processes_build_the_index_once(tmp_path):
+    import multiprocessing
+
+    write_dataset(tmp_path / "d", [list(range(i % 50 + 1)) for i in range(300)])
+    cache = tmp_path / "shared-cache"
+    with multiprocessing.get_context("spawn").Pool(3) as pool:
+        results = pool.map(_build_in_process, [(str(tmp_path / "d"), str(cache))] * 3)
+    assert results[0] == results[1] == results[2]
+    assert sorted(p.suffix for p in cache.iterdir()) == [".lock", ".npy", ".npy", ".npy"]
+
+
+def test_weights_by_num_documents():
+    from torchneox.data.blend import weights_by_num_documents
+
+    assert weights_by_num_documents([5], 0.3) == [1.0]
+    w = weights_by_num_documents([900, 100], 0.3)
+    # shares 0.9/0.1 tempered by alpha 0.3, times (1 - share), normalised
+    t = [0.9**0.3, 0.1**0.3]
+    raw = [t[0] / sum(t) * 0.1, t[1] / sum(t) * 0.9]
+    assert w == pytest.approx([raw[0] / sum(raw), raw[1] / sum(raw)])
+    assert w[1] > w[0]  # the small dataset is sampled more than its share

@@ -176,3 +176,17 @@ def test_clear_errors(tmp_path, capsys):
     assert "cannot read it as a torch checkpoint" in err(
         broken, tmp_path / "o", "--set", TOKENIZER[0], "--set", TOKENIZER[1]
     )
+
+
+def test_imported_checkpoint_exports_to_hugging_face(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    convert(G / "pp1", tmp_path / "ckpt", "--step", "10")
+    assert main(["convert", "to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
+    model = transformers.GPTNeoXForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.from_numpy(np.load(G / "input/input_ids.npy"))
+    with torch.no_grad():
+        logits = model(ids).logits.numpy()
+    np.testing.assert_allclose(
+        logits, np.load(G / "logits/logits_pp1_step10.npy"), atol=1e-5, rtol=0
+    )
+    assert (tmp_path / "hf" / "vocab.json").is_file() and (tmp_path / "hf" / "merges.txt").is_file()

@@ -159,3 +159,23 @@ def test_hf_round_trip_keeps_the_20b_tokenizer(tmp_path, capsys):
         )
     first, second = capsys.readouterr().out.splitlines()[-2:]
     assert first == second
+
+
+def test_generate_interactive_reads_prompts_until_an_empty_line(tmp_path, monkeypatch, capsys):
+    import io
+
+    char_checkpoint(tmp_path)
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello\nWorld\n\nnever read\n"))
+    args = [
+        "generate",
+        "--checkpoint",
+        str(tmp_path / "ckpt"),
+        "--text-gen-type",
+        "interactive",
+        "--maximum-tokens",
+        "3",
+    ]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "Type a prompt" in captured.err
+    assert len(captured.out.splitlines()) >= 2

@@ -293,3 +293,44 @@ def test_training_needs_its_keys(tmp_path, capsys):
     )
     assert main(["train", str(tmp_path / "c.yml")]) == 2
     assert "train_iters: training needs it" in capsys.readouterr().err
+
+
+def test_tensorboard_wandb_offline_timers_and_profiler(make_config, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.chdir(tmp_path)
+    cfg = make_config(
+        train_iters=4,
+        save=str(tmp_path / "r"),
+        tensorboard_dir=str(tmp_path / "tb"),
+        use_wandb=True,
+        wandb_project="torchneox-test",
+        wall_clock_breakdown=True,
+        profile=True,
+        profile_step_start=2,
+        profile_step_stop=3,
+        log_interval=2,
+    )
+    run(cfg)
+    out = capsys.readouterr().out
+    assert "time per step (ms): data" in out and "forward" in out and "optimizer" in out
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert list((tmp_path / "tb" / "profile").glob("*.json*"))
+    assert list((tmp_path / "r" / "wandb").glob("offline-run-*"))
+
+
+def test_missing_optional_packages_are_one_line_errors(make_config, tmp_path, monkeypatch, capsys):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_wandb(name, *args, **kwargs):
+        if name == "wandb":
+            raise ImportError("no wandb here")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    assert main(["train", make_config(use_wandb=True, save=str(tmp_path / "w"))]) == 2
+    assert "use_wandb: needs the wandb package" in capsys.readouterr().err

@@ -14,6 +14,7 @@ One ``numpy.random.RandomState(seed)`` shuffles doc_idx and then shuffle_idx. S 
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 from dataclasses import dataclass
@@ -133,12 +134,23 @@ class GPTDataset:
         folder = _cache_dir(self.indexed.prefix)
         files = {k: folder / v for k, v in names.items()}
         if not all(f.is_file() for f in files.values()):
-            arrays = build_indices(
-                self.indexed.sizes, self.documents, self.num_samples, self.seq_length, self.seed
-            )
             folder.mkdir(parents=True, exist_ok=True)
-            for kind, array in zip(("doc_idx", "sample_idx", "shuffle_idx"), arrays, strict=True):
-                _save_atomic(files[kind], array)
+            # one process builds; the others wait on the lock, then map what it wrote
+            lock_path = folder / (names["doc_idx"].removesuffix("_doc_idx.npy") + ".lock")
+            with open(lock_path, "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not all(f.is_file() for f in files.values()):
+                    arrays = build_indices(
+                        self.indexed.sizes,
+                        self.documents,
+                        self.num_samples,
+                        self.seq_length,
+                        self.seed,
+                    )
+                    for kind, array in zip(
+                        ("doc_idx", "sample_idx", "shuffle_idx"), arrays, strict=True
+                    ):
+                        _save_atomic(files[kind], array)
         self.doc_idx = np.load(files["doc_idx"], mmap_mode="r")
         self.sample_idx = np.load(files["sample_idx"], mmap_mode="r")
         self.shuffle_idx = np.load(files["shuffle_idx"], mmap_mode="r")

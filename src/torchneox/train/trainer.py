@@ -368,6 +368,7 @@ class Trainer:
                 break
         if profiler is not None:
             profiler.stop()
+            self._dump_memory_snapshot()
         summary: dict[str, Any] = {"iteration": self.iteration, "train": last_row}
         if self.iteration >= self.train_iters:
             # as GPT-NeoX: one more validation and a test run after the last step
@@ -395,6 +396,19 @@ class Trainer:
             row["loss_scale"] = self.scaler.scale
         return row
 
+    def _dump_memory_snapshot(self) -> None:
+        lg = self.cfg.logging
+        if not (lg.memory_profiling and self.device.type == "cuda"):
+            return
+        folder = Path(lg.memory_profiling_path or lg.log_dir or self.cfg.checkpoint.save or ".")
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / "memory_snapshot.pickle"
+        torch.cuda.memory._dump_snapshot(str(path))
+        torch.cuda.memory._record_memory_history(enabled=None)
+        self.logger.line(
+            f"CUDA memory snapshot written to {path} (view it at pytorch.org/memory_viz)"
+        )
+
     def _profiler(self) -> torch.profiler.profile | None:
         lg = self.cfg.logging
         if not lg.profile and not lg.memory_profiling:
@@ -406,14 +420,19 @@ class Trainer:
             self.logger.line(
                 "memory_profiling records CUDA memory snapshots; this run is on the CPU, so it is skipped"
             )
-        wait = max(lg.profile_step_start - self.iteration - 1, 0)
+        if lg.memory_profiling and self.device.type == "cuda":
+            torch.cuda.memory._record_memory_history(max_entries=100000)
+        before = max(lg.profile_step_start - self.iteration - 1, 0)
+        warmup = 1 if before else 0  # the step before the window warms the profiler up
         active = lg.profile_step_stop - lg.profile_step_start + 1
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         profiler = torch.profiler.profile(
             activities=activities,
-            schedule=torch.profiler.schedule(wait=wait, warmup=0, active=active, repeat=1),
+            schedule=torch.profiler.schedule(
+                wait=before - warmup, warmup=warmup, active=active, repeat=1
+            ),
             on_trace_ready=torch.profiler.tensorboard_trace_handler(str(folder)),
             profile_memory=lg.memory_profiling,
         )
