@@ -334,3 +334,37 @@ def test_missing_optional_packages_are_one_line_errors(make_config, tmp_path, mo
     monkeypatch.setattr(builtins, "__import__", no_wandb)
     assert main(["train", make_config(use_wandb=True, save=str(tmp_path / "w"))]) == 2
     assert "use_wandb: needs the wandb package" in capsys.readouterr().err
+
+
+def test_activation_checkpointing_changes_memory_not_results(make_config, tmp_path):
+    plain = run(
+        make_config("a.yml", train_iters=3, save=str(tmp_path / "a"), load=str(tmp_path / "a"))
+    )
+    ckpt = run(
+        make_config(
+            "b.yml",
+            train_iters=3,
+            save=str(tmp_path / "b"),
+            load=str(tmp_path / "b"),
+            checkpoint_activations=True,
+            hidden_dropout=0.0,
+        )
+    )
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+    assert sum(type(b).__name__ == "CheckpointWrapper" for b in ckpt.model.layers.values()) == 2
+    assert set(ckpt.model.state_dict()) == set(plain.model.state_dict())  # names unchanged
+    resumed = Trainer(
+        load_config(
+            [
+                make_config(
+                    "b.yml",
+                    train_iters=4,
+                    save=str(tmp_path / "b"),
+                    load=str(tmp_path / "b"),
+                    checkpoint_activations=True,
+                )
+            ]
+        ),
+        device="cpu",
+    )
+    assert resumed.iteration == 3

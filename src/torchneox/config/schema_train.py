@@ -174,7 +174,12 @@ class TrainingConfig:
     checkpoint_activations: bool = key(
         False, "Recompute activations in backward instead of storing them."
     )
-    checkpoint_num_layers: int = key(1, "Checkpoint every this many blocks.")
+    checkpoint_num_layers: int = key(
+        1, "Checkpoint every this many blocks (1: all; GPT-NeoX recomputes chunks of this many)."
+    )
+    compile: bool = extension(
+        False, "torch.compile each transformer block (for GPUs; slow to start on CPU)."
+    )
     partition_activations: bool = no_effect(
         False,
         "Split checkpointed activations across tensor ranks.",

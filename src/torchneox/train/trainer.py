@@ -29,6 +29,7 @@ from torchneox.data.tokenizers import build_tokenizer
 from torchneox.errors import TrainingStopped
 from torchneox.models.args import ModelArgs
 from torchneox.models.transformer import build_model
+from torchneox.parallel.activation_ckpt import apply_activation_checkpointing, compile_blocks
 from torchneox.train import checkpoint
 from torchneox.train.lr import Schedule
 from torchneox.train.metrics import MetricsLogger, Timers
@@ -97,6 +98,10 @@ class Trainer:
         torch.manual_seed(cfg.training.seed)
         self.args = ModelArgs.from_config(cfg, d["padded_vocab_size"])
         self.model = build_model(self.args, device=self.device, seed=cfg.training.seed)
+        if cfg.training.checkpoint_activations:
+            apply_activation_checkpointing(self.model, cfg.training.checkpoint_num_layers)
+        if cfg.training.compile:
+            compile_blocks(self.model)
         self.optimizer = build_optimizer(self.model, cfg, self.device.type)
         self.schedule = Schedule(
             d["lr"], cfg.lr.min_lr, d["warmup_iters"], d["lr_decay_iters"], cfg.lr.lr_decay_style

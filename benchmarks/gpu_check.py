@@ -1,0 +1,158 @@
+"""One short run on a single GPU: bf16 training of a Pythia-shaped model (with and without
+torch.compile) reporting tokens/s, MFU and the memory high-water mark, then generation speed.
+
+    python benchmarks/gpu_check.py [--shape 1b] [--steps 15] [--micro-batch 8] [--seq 2048]
+
+Prints one JSON object per line. Needs a CUDA device; numbers go to docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from torchneox.config.load import load_mapping
+from torchneox.data.indexed import IndexedDatasetWriter
+from torchneox.generate import Sampling, generate
+from torchneox.train.trainer import Trainer
+
+SHAPES = {
+    "160m": {"num_layers": 12, "hidden_size": 768, "num_attention_heads": 12},
+    "410m": {"num_layers": 24, "hidden_size": 1024, "num_attention_heads": 16},
+    "1b": {"num_layers": 16, "hidden_size": 2048, "num_attention_heads": 8},
+}
+
+
+def data(folder: Path, tokens: int) -> str:
+    rng = np.random.default_rng(0)
+    writer = IndexedDatasetWriter(folder / "random", np.uint16)
+    for _ in range(tokens // 4096 + 1):
+        writer.add_document(rng.integers(0, 50000, size=4096))
+    writer.finish()
+    return str(folder / "random")
+
+
+def train(args, shape: str, compiled: bool, prefix: str) -> dict:
+    keys = SHAPES[shape] | {
+        "seq_length": args.seq,
+        "max_position_embeddings": args.seq,
+        "pos_emb": "rotary",
+        "rotary_pct": 0.25,
+        "gpt_j_residual": True,
+        "no_weight_tying": True,
+        "padded_vocab_size": 50304,
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "train_iters": args.steps + args.warmup,
+        "optimizer": {"type": "Adam", "params": {"lr": 2.5e-4, "betas": [0.9, 0.95]}},
+        "precision": "bfloat16",
+        "data_path": prefix,
+        "split": "100,0,0",
+        "eval_iters": 0,
+        "num_workers": 1,
+        "compile": compiled,
+        "checkpoint_activations": args.checkpoint_activations,
+    }
+    torch.cuda.reset_peak_memory_stats()
+    trainer = Trainer(load_mapping(keys, f"gpu-check-{shape}"), device="cuda")
+    start = time.perf_counter()
+    for _ in range(args.warmup):
+        trainer.train_step()
+    torch.cuda.synchronize()
+    warm = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        out = trainer.train_step()
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / args.steps
+    trainer.train_loader.close()
+    tokens = args.micro_batch * args.seq / seconds
+    tflops = trainer.derived["flops_per_token"] * tokens / 1e12
+    row = {
+        "benchmark": "gpu_train",
+        "device": torch.cuda.get_device_name(),
+        "shape": shape,
+        "parameters": trainer.derived["num_parameters"],
+        "compile": compiled,
+        "checkpoint_activations": args.checkpoint_activations,
+        "micro_batch": args.micro_batch,
+        "seq": args.seq,
+        "step_s": round(seconds, 4),
+        "tokens_per_sec": round(tokens),
+        "tflops": round(tflops, 1),
+        "mfu": round(tflops / trainer.peak_tflops, 4) if trainer.peak_tflops else None,
+        "peak_source": trainer.peak_source,
+        "max_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        "warmup_s": round(warm, 1),
+        "last_loss": round(out["lm_loss"], 4),
+    }
+    del trainer
+    torch.cuda.empty_cache()
+    return row
+
+
+def generation(shape: str) -> list[dict]:
+    from torchneox.models.args import model_args
+    from torchneox.models.transformer import build_model
+
+    keys = SHAPES[shape] | {
+        "seq_length": 2048,
+        "pos_emb": "rotary",
+        "rotary_pct": 0.25,
+        "gpt_j_residual": True,
+        "no_weight_tying": True,
+        "padded_vocab_size": 50304,
+    }
+    model = build_model(model_args(load_mapping(keys, "gen")), device="cuda", seed=0).to(
+        torch.bfloat16
+    )
+    rows = []
+    for batch in (1, 16):
+        prompts = torch.randint(0, 50000, (batch, 128)).tolist()
+        for cache in (True, False):
+            generate(model, prompts, Sampling(maximum_tokens=4, use_cache=cache))
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            generate(model, prompts, Sampling(maximum_tokens=128, use_cache=cache))
+            torch.cuda.synchronize()
+            s = time.perf_counter() - start
+            rows.append(
+                {
+                    "benchmark": "gpu_generation",
+                    "shape": shape,
+                    "dtype": "bfloat16",
+                    "batch": batch,
+                    "kv_cache": cache,
+                    "tokens_per_sec": round(batch * 128 / s, 1),
+                }
+            )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shape", choices=SHAPES, default="1b")
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--checkpoint-activations", action="store_true")
+    parser.add_argument("--no-eager", action="store_true", help="only the compiled run")
+    parser.add_argument("--generation-shape", choices=SHAPES, default="160m")
+    args = parser.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    with tempfile.TemporaryDirectory() as tmp:
+        prefix = data(Path(tmp), (args.steps + args.warmup + 2) * args.micro_batch * (args.seq + 1))
+        for compiled in [True] if args.no_eager else [False, True]:
+            print(json.dumps(train(args, args.shape, compiled, prefix)), flush=True)
+    for row in generation(args.generation_shape):
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
