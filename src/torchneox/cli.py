@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -128,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_inputs(train)
     train.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     train.add_argument("--load-step", type=int, help="resume from global_stepN instead of latest")
+    train.add_argument(
+        "--nproc", type=int, help="start this many local processes (torchrun --standalone)"
+    )
 
     pre = verbs.add_parser("preprocess", help="jsonl/text -> GPT-NeoX .bin/.idx token datasets")
     source_group = pre.add_mutually_exclusive_group(required=True)
@@ -268,12 +272,46 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from torchneox.config.load import load_config
+    from torchneox.parallel.dims import shutdown
     from torchneox.train.trainer import Trainer
 
-    trainer = Trainer(
-        load_config(args.files, args.overrides), device=args.device, load_step=args.load_step
-    )
-    trainer.run()
+    if args.nproc and args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return _launch_local(args)
+    loaded = load_config(args.files, args.overrides)
+    try:
+        Trainer(loaded, device=args.device, load_step=args.load_step).run()
+    finally:
+        shutdown()
+    return 0
+
+
+def _launch_local(args: argparse.Namespace) -> int:
+    """The same training command in ``--nproc`` local processes, through torchrun itself."""
+    from torch.distributed.run import main as torchrun
+
+    from torchneox.config.derive import derive
+    from torchneox.config.load import load_config
+
+    derive(
+        load_config(args.files, args.overrides), world_size=args.nproc
+    )  # config errors once, here
+
+    argv = ["train", *args.files]
+    for override in args.overrides:
+        argv += ["--set", override]
+    if args.device:
+        argv += ["--device", args.device]
+    if args.load_step is not None:
+        argv += ["--load-step", str(args.load_step)]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        torchrun(["--standalone", "--nproc-per-node", str(args.nproc), "-m", "torchneox", *argv])
+    except Exception as e:  # torchrun raises ChildFailedError naming each failed rank
+        print(
+            f"torchneox: error: a training process failed ({type(e).__name__}); its output is above",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

@@ -110,18 +110,17 @@ def _show(value: Any) -> str:
 
 
 def resolved_config(loaded: LoadedConfig, derived: Derived) -> NeoXConfig:
-    """The config with the values explain resolved (batch triple, precision, padded
-    vocabulary) written in, so that it means the same on a machine without the tokenizer."""
+    """The config with what explain resolved written in: the global and micro batch (the
+    accumulation steps then follow from the data-parallel size, so the same file works under
+    another layout), precision, and the padded vocabulary (so that it means the same on a
+    machine without the tokenizer file)."""
     config = copy.deepcopy(loaded.config)
-    for name in (
-        "train_batch_size",
-        "train_micro_batch_size_per_gpu",
-        "gradient_accumulation_steps",
-    ):
+    for name in ("train_batch_size", "train_micro_batch_size_per_gpu"):
         if derived.get(name) is not None:
             config.set(name, derived[name])
-    if config.training.batch_size is not None:
-        config.training.batch_size = None
+    if derived.get("train_batch_size") is not None:
+        config.training.gradient_accumulation_steps = KEYS["gradient_accumulation_steps"].default
+    config.training.batch_size = None
     config.precision.precision = derived["precision"]
     config.tokenizer.padded_vocab_size = derived["padded_vocab_size"]
     return config

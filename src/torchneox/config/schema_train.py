@@ -34,6 +34,9 @@ class ParallelConfig:
     distributed_backend: str = key(
         "nccl", "Collective backend; torchneox uses gloo on CPU whatever this says."
     )
+    distributed_timeout_minutes: float = extension(
+        30.0, "How long a collective may wait for a rank before the run stops with an error."
+    )
     world_size: int | None = derived(None, "Total processes; taken from the launcher.")
     global_num_gpus: int | None = derived(
         None, "Total GPUs GPT-NeoX launched on; used as the world size when no launcher gives one."

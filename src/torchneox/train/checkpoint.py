@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from torchneox.config.errors import ConfigError
@@ -39,6 +40,15 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def save_checkpoint(
     save_dir: str | Path,
     iteration: int,
@@ -46,25 +56,32 @@ def save_checkpoint(
     config_yaml: str,
     meta: dict[str, Any] | None = None,
 ) -> Path:
-    """Write ``state`` (nested dicts of tensors) as global_step{iteration} and point latest at it."""
+    """Write ``state`` (nested dicts of tensors, DTensors included) as global_step{iteration} and
+    point latest at it. Collective when a process group exists: every rank writes its shards,
+    rank 0 the config, the metadata and the rename."""
     root = Path(save_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(iteration)
-    tmp = root / f".{final.name}.partial-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    tmp = root / f".{final.name}.partial"
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    _barrier()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP warns when no process group is initialised
         dcp.save(state, checkpoint_id=str(tmp))
-    (tmp / CONFIG_FILE).write_text(config_yaml)
-    (tmp / META_FILE).write_text(
-        json.dumps({"format": FORMAT, "iteration": iteration, **(meta or {})}, indent=2)
-    )
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _write_atomic(root / "latest", final.name + "\n")
+    if _rank() == 0:
+        (tmp / CONFIG_FILE).write_text(config_yaml)
+        info = {"format": FORMAT, "iteration": iteration, **(meta or {})}
+        if dist.is_initialized():
+            info["world_size"] = dist.get_world_size()
+        (tmp / META_FILE).write_text(json.dumps(info, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_atomic(root / "latest", final.name + "\n")
+    _barrier()
     return final
 
 

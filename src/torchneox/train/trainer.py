@@ -4,6 +4,7 @@ checkpoints, metrics. The parallel layouts plug into this same loop."""
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import signal
 import time
@@ -11,11 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
 from torchneox import hardware
@@ -30,6 +33,8 @@ from torchneox.errors import TrainingStopped
 from torchneox.models.args import ModelArgs
 from torchneox.models.transformer import build_model
 from torchneox.parallel.activation_ckpt import apply_activation_checkpointing, compile_blocks
+from torchneox.parallel.data_parallel import apply_data_parallel, set_gradient_sync
+from torchneox.parallel.dims import ParallelDims, init_distributed
 from torchneox.train import checkpoint
 from torchneox.train.lr import Schedule
 from torchneox.train.metrics import MetricsLogger, Timers
@@ -81,54 +86,62 @@ def require(loaded: LoadedConfig, derived: Derived) -> None:
         raise ConfigError("training needs a learning rate (optimizer.params.lr)", key="optimizer")
 
 
+def _device(requested: str | None) -> torch.device:
+    if requested:
+        return torch.device(requested)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
 class Trainer:
     def __init__(
         self, loaded: LoadedConfig, device: str | None = None, load_step: int | None = None
     ):
         self.loaded = loaded
         self.cfg = cfg = loaded.config
-        self.derived = d = derive(loaded, world_size=1)
+        self.device = _device(device)
+        world = init_distributed(
+            self.device.type,
+            cfg.parallel.distributed_backend,
+            cfg.parallel.distributed_timeout_minutes,
+        )
+        self.derived = d = derive(loaded, world_size=world)
         require(loaded, d)
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dims = ParallelDims(
+            dp=d["data_parallel_size"],
+            tp=d["model_parallel_size"],
+            pp=d["pipeline_stages"],
+            world_size=world,
+            device_type=self.device.type,
+        )
+        if self.dims.tp > 1 or self.dims.pp > 1:
+            raise ConfigError(
+                "tensor and pipeline parallelism are not built yet; run with model_parallel_size 1 "
+                "and pipe_parallel_size 0 or 1 (data parallelism and every ZeRO stage work)",
+                key="model_parallel_size" if self.dims.tp > 1 else "pipe_parallel_size",
+            )
+        self.dims.build_mesh()
         self.precision = d["precision"]
         self.seq_length = cfg.model.seq_length
         self.micro_batch = d["train_micro_batch_size_per_gpu"]
         self.grad_accum = d["gradient_accumulation_steps"]
         self.train_iters = cfg.training.train_iters
-        torch.manual_seed(cfg.training.seed)
-        self.args = ModelArgs.from_config(cfg, d["padded_vocab_size"])
-        self.model = build_model(self.args, device=self.device, seed=cfg.training.seed)
-        if cfg.training.checkpoint_activations:
-            apply_activation_checkpointing(self.model, cfg.training.checkpoint_num_layers)
-        if cfg.training.compile:
-            compile_blocks(self.model)
-        self.optimizer = build_optimizer(self.model, cfg, self.device.type)
+        self._build_model()
         self.schedule = Schedule(
             d["lr"], cfg.lr.min_lr, d["warmup_iters"], d["lr_decay_iters"], cfg.lr.lr_decay_style
         )
         self.scaler = LossScaler.from_config(cfg, self.precision)
         self.clip = d["gradient_clipping"]
         self.eod_id = build_tokenizer(cfg).eod_id if cfg.training.eod_mask_loss else None
-        splits = build_splits(cfg, d["train_batch_size"], d["padded_vocab_size"])
-        prefetch = cfg.data.num_workers > 0
-        self.train_loader = BatchLoader(
-            splits.train, self.micro_batch, self.grad_accum, prefetch=prefetch
-        )
-        self.valid_loader = (
-            BatchLoader(splits.valid, self.micro_batch, self.grad_accum, prefetch=False)
-            if splits.valid
-            else None
-        )
-        self.test_loader = (
-            BatchLoader(splits.test, self.micro_batch, self.grad_accum, prefetch=False)
-            if splits.test
-            else None
-        )
+        self._build_loaders()
         self.iteration = 0
         self.save_dir = Path(cfg.checkpoint.save) if cfg.checkpoint.save else None
         self.save_at = save_iterations(cfg, self.train_iters)
         log_dir = cfg.logging.log_dir or cfg.checkpoint.save
-        self.logger = MetricsLogger(cfg, Path(log_dir) if log_dir else None, cfg.to_flat())
+        self.logger = MetricsLogger(
+            cfg, Path(log_dir) if log_dir else None, cfg.to_flat(), rank0=self.dims.is_rank0
+        )
         sync = torch.cuda.synchronize if self.device.type == "cuda" else None
         self.timers = Timers(cfg.logging.wall_clock_breakdown, sync)
         self.peak_tflops, self.peak_source = self._peak()
@@ -137,6 +150,54 @@ class Trainer:
             self._resume(Path(cfg.checkpoint.load), load_step)
 
     # ------------------------------------------------------------------------- setup
+
+    def _build_model(self) -> None:
+        cfg = self.cfg
+        torch.manual_seed(cfg.training.seed)
+        self.args = ModelArgs.from_config(cfg, self.derived["padded_vocab_size"])
+        self.model = build_model(self.args, device=self.device, seed=cfg.training.seed)
+        if cfg.training.checkpoint_activations:
+            apply_activation_checkpointing(self.model, cfg.training.checkpoint_num_layers)
+        if cfg.training.compile:
+            compile_blocks(self.model)
+        self.module: torch.nn.Module = self.model
+        if self.dims.distributed:
+            self.module = apply_data_parallel(
+                self.model,
+                self.dims.mesh["dp"],
+                self.derived["zero_stage"],
+                self.derived["gradient_reduce_dtype"],
+            )
+        self.optimizer = build_optimizer(self.model, cfg, self.device.type)
+
+    def _build_loaders(self) -> None:
+        d, cfg = self.derived, self.cfg
+        splits = build_splits(cfg, d["train_batch_size"], d["padded_vocab_size"])
+        share = {"dp_rank": self.dims.dp_rank, "dp_size": self.dims.dp}
+        self.train_loader = BatchLoader(
+            splits.train,
+            self.micro_batch,
+            self.grad_accum,
+            prefetch=cfg.data.num_workers > 0,
+            **share,
+        )
+        self.valid_loader = (
+            BatchLoader(splits.valid, self.micro_batch, self.grad_accum, prefetch=False, **share)
+            if splits.valid
+            else None
+        )
+        self.test_loader = (
+            BatchLoader(splits.test, self.micro_batch, self.grad_accum, prefetch=False, **share)
+            if splits.test
+            else None
+        )
+
+    def _mean_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        if self.dims.distributed:
+            value = value.clone()
+            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.dims.mesh["dp"].get_group())
+            value /= self.dims.dp
+        return value
 
     def _peak(self) -> tuple[float | None, str]:
         given = self.cfg.logging.peak_theoretical_tflops
@@ -184,12 +245,13 @@ class Trainer:
 
     # -------------------------------------------------------------------------- step
 
-    def _forward_backward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _forward_backward(self, tokens: torch.Tensor, last: bool) -> torch.Tensor:
         tokens = tokens.to(self.device, non_blocking=True)
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         mask = (inputs != self.eod_id) if self.eod_id is not None else None
+        set_gradient_sync(self.module, last)
         with self.timers("forward"), autocast(self.precision, self.device.type):
-            loss = lm_loss(self.model(inputs), labels, mask)
+            loss = lm_loss(self.module(inputs), labels, mask)
         with self.timers("backward"):
             (loss * (self.scaler.scale / self.grad_accum)).backward()
         return loss.detach()
@@ -202,11 +264,11 @@ class Trainer:
         with self.timers("data"):
             micro_batches = self.train_loader.next()
         total = torch.zeros((), device=self.device)
-        for tokens in micro_batches:
-            total += self._forward_backward(tokens)
+        for m, tokens in enumerate(micro_batches):
+            total += self._forward_backward(tokens, last=m == len(micro_batches) - 1)
         with self.timers("optimizer"):
             grad_norm, skipped = self._apply_gradients()
-        loss = (total / self.grad_accum).item()
+        loss = self._mean_over_ranks(total / self.grad_accum).item()
         if not math.isfinite(loss) and self.precision != "fp16":
             raise TrainingStopped(self._nonfinite_message(iteration, f"the loss is {loss}"))
         self.iteration = iteration
@@ -217,7 +279,8 @@ class Trainer:
         if self.scaler.scale != 1.0:
             torch._foreach_div_([p.grad for p in params], self.scaler.scale)
         max_norm = self.clip if self.clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True).item()
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
         overflow = not math.isfinite(norm)
         if overflow and self.precision != "fp16":
             raise TrainingStopped(
@@ -249,9 +312,11 @@ class Trainer:
                 inputs, labels = tokens[:, :-1], tokens[:, 1:]
                 mask = (inputs != self.eod_id) if self.eod_id is not None else None
                 with autocast(self.precision, self.device.type):
-                    losses.append(lm_loss(self.model(inputs), labels, mask))
+                    losses.append(lm_loss(self.module(inputs), labels, mask))
         self.model.train()
-        return torch.stack(losses).mean().item() if losses else float("nan")
+        if not losses:
+            return float("nan")
+        return self._mean_over_ranks(torch.stack(losses).mean()).item()
 
     def _eval_row(
         self, name: str, loader: BatchLoader | None, when: str = ""
@@ -296,7 +361,7 @@ class Trainer:
 
     def _rotate(self) -> None:
         keep = self.cfg.checkpoint.keep_last_n_checkpoints
-        if not keep or self.save_dir is None:
+        if not keep or self.save_dir is None or not self.dims.is_rank0:
             return
         steps = sorted(
             (int(p.name.removeprefix("global_step")), p)
@@ -307,6 +372,14 @@ class Trainer:
             shutil.rmtree(path, ignore_errors=True)
 
     # -------------------------------------------------------------------------- run
+
+    def _stop_agreed(self) -> bool:
+        """Whether any rank was asked to stop (ranks may see a signal at different steps)."""
+        if not self.dims.distributed:
+            return self.stop_requested
+        flag = torch.tensor(float(self.stop_requested), device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def _request_stop(self, signum: int, frame: Any) -> None:
         self.stop_requested = True
@@ -361,7 +434,7 @@ class Trainer:
                 )
             if self.iteration % t.eval_interval == 0:
                 self._eval_row("valid", self.valid_loader)
-            exiting = self.stop_requested or bool(
+            exiting = self._stop_agreed() or bool(
                 t.exit_interval and self.iteration % t.exit_interval == 0
             )
             if self.iteration in self.save_at or exiting:
@@ -385,7 +458,7 @@ class Trainer:
         self, out: dict[str, float], seconds: float, tokens_per_step: int
     ) -> dict[str, Any]:
         tokens_per_sec = tokens_per_step / seconds
-        tflops = self.derived["flops_per_token"] * tokens_per_sec / 1e12
+        tflops = self.derived["flops_per_token"] * tokens_per_sec / self.dims.world_size / 1e12
         row = {
             "iteration": self.iteration,
             "lm_loss": out["lm_loss"],

@@ -1,0 +1,40 @@
+"""ZeRO stages as torch runs them: 0 = DDP (replicated gradients), 1 and 2 = FSDP2 with the
+parameters kept gathered between forward and backward, 3 = FSDP2 resharding after forward."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from torchneox.models.transformer import Transformer
+
+REDUCE_DTYPES = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+
+
+def apply_data_parallel(
+    model: Transformer, mesh: DeviceMesh, zero_stage: int, reduce_dtype: str
+) -> torch.nn.Module:
+    """Shard or replicate ``model`` over ``mesh`` (the data-parallel axis); returns the module to call."""
+    if zero_stage == 0:
+        return DistributedDataParallel(model, process_group=mesh.get_group())
+    policy = MixedPrecisionPolicy(reduce_dtype=REDUCE_DTYPES[reduce_dtype])
+    reshard = zero_stage == 3
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    return model
+
+
+def set_gradient_sync(module: torch.nn.Module, sync: bool) -> None:
+    """Skip the gradient reduction on all but the last micro-batch of a step."""
+    if isinstance(module, DistributedDataParallel):
+        module.require_backward_grad_sync = sync
+    elif hasattr(module, "set_requires_gradient_sync"):
+        module.set_requires_gradient_sync(sync)

@@ -1,0 +1,79 @@
+"""ParallelDims: the sizes of the run's parallel axes and the one DeviceMesh built from them.
+
+Everything that needs a process group asks a ParallelDims (passed explicitly), never a global.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from torchneox.config.errors import ConfigError
+
+
+@dataclass
+class ParallelDims:
+    dp: int
+    tp: int
+    pp: int
+    world_size: int
+    device_type: str
+    mesh: DeviceMesh | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.dp * self.tp * self.pp != self.world_size:
+            raise ConfigError(
+                f"data {self.dp} x tensor {self.tp} x pipeline {self.pp} parallel ranks make "
+                f"{self.dp * self.tp * self.pp} processes, but {self.world_size} are running"
+            )
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
+
+    def build_mesh(self) -> DeviceMesh | None:
+        if not self.distributed:
+            return None
+        self.mesh = init_device_mesh(
+            self.device_type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp")
+        )
+        return self.mesh
+
+
+def init_distributed(device_type: str, backend: str | None, timeout_minutes: float) -> int:
+    """Join the process group torchrun describes (WORLD_SIZE, RANK, MASTER_ADDR ...); the world size."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 or dist.is_initialized():
+        return dist.get_world_size() if dist.is_initialized() else 1
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    chosen = "gloo" if device_type == "cpu" else (backend or "nccl")
+    dist.init_process_group(chosen, timeout=timedelta(minutes=timeout_minutes))
+    return world
+
+
+def shutdown() -> None:
+    """Leave the process group cleanly (DTensor users otherwise abort at exit on torch 2.13)."""
+    if dist.is_initialized():
+        import gc
+
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,138 @@
+"""Data parallelism on gloo: 2 processes give the losses and weights of 1 process on the same
+global batch, for every ZeRO stage, and checkpoints move between layouts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from torchneox.config.load import load_config
+from torchneox.models.args import model_args
+from torchneox.models.transformer import build_model
+from torchneox.train import checkpoint
+
+
+def train(config: str, *overrides: str, nproc: int = 1) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "torchneox", "train", config]
+    if nproc > 1:
+        args += ["--nproc", str(nproc)]
+    for o in overrides:
+        args += ["--set", o]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    run = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    return run
+
+
+def losses(folder) -> dict[int, float]:
+    rows = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    return {r["iteration"]: r["lm_loss"] for r in rows if "lm_loss" in r}
+
+
+def weights(folder) -> dict[str, torch.Tensor]:
+    step = checkpoint.resolve(folder)
+    model = build_model(model_args(checkpoint.checkpoint_config(step)))
+    checkpoint.load_model_weights(step, model)
+    return model.state_dict()
+
+
+@pytest.fixture
+def config(make_config):
+    return make_config(
+        train_batch_size=8,
+        train_micro_batch_size_per_gpu=2,
+        gradient_accumulation_steps=2,
+        train_iters=4,
+        eval_iters=1,
+        hidden_dropout=0.0,
+        num_workers=0,
+    )
+
+
+@pytest.fixture
+def baseline(config, tmp_path):
+    train(config, f"save={tmp_path / 'one'}", "load=null", "train_micro_batch_size_per_gpu=4")
+    return losses(tmp_path / "one"), weights(tmp_path / "one")
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_two_processes_equal_one(config, tmp_path, baseline, stage):
+    out = tmp_path / f"zero{stage}"
+    run = train(config, f"save={out}", "load=null", f"zero_optimization.stage={stage}", nproc=2)
+    assert "data_parallel" not in run.stderr
+    one_losses, one_weights = baseline
+    two = losses(out)
+    assert sorted(two) == [1, 2, 3, 4]
+    for k in two:
+        assert two[k] == pytest.approx(one_losses[k], rel=1e-5, abs=1e-6), k
+    for name, tensor in weights(out).items():
+        torch.testing.assert_close(tensor, one_weights[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_checkpoint_moves_from_two_sharded_processes_to_one(
+    config, tmp_path, baseline, make_config
+):
+    cfg = make_config(
+        "long.yml",
+        train_batch_size=8,
+        train_micro_batch_size_per_gpu=2,
+        gradient_accumulation_steps=2,
+        train_iters=6,
+        eval_iters=1,
+        hidden_dropout=0.0,
+        num_workers=0,
+    )
+    train(cfg, f"save={tmp_path / 'whole'}", "load=null", "train_micro_batch_size_per_gpu=4")
+    run_dir = tmp_path / "moved"
+    train(
+        cfg,
+        f"save={run_dir}",
+        f"load={run_dir}",
+        "zero_optimization.stage=3",
+        "exit_interval=3",
+        nproc=2,
+    )
+    assert checkpoint.read_meta(checkpoint.resolve(run_dir))["world_size"] == 2
+    train(cfg, f"save={run_dir}", f"load={run_dir}", "train_micro_batch_size_per_gpu=4")
+    whole, moved = losses(tmp_path / "whole"), losses(run_dir)
+    for k in (4, 5, 6):
+        assert moved[k] == pytest.approx(whole[k], rel=1e-5), k
+
+
+def test_world_size_that_does_not_fit_the_batch_is_refused(config, tmp_path):
+    args = [
+        sys.executable,
+        "-m",
+        "torchneox",
+        "train",
+        config,
+        "--nproc",
+        "2",
+        "--set",
+        "train_batch_size=6",
+        "--set",
+        "train_micro_batch_size_per_gpu=4",
+    ]
+    run = subprocess.run(
+        args,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 2
+    assert run.stderr.count("torchneox: error:") == 1  # checked once, before any process starts
+    assert (
+        "train_batch_size: 6 != train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps 2 x data-parallel size 2"
+        in run.stderr
+    )
+
+
+def test_config_is_loadable_for_the_tests(config):
+    assert load_config([config]).config.training.train_batch_size == 8
