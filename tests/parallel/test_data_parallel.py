@@ -136,3 +136,90 @@ def test_world_size_that_does_not_fit_the_batch_is_refused(config, tmp_path):
 
 def test_config_is_loadable_for_the_tests(config):
     assert load_config([config]).config.training.train_batch_size == 8
+
+
+@pytest.fixture
+def untied(make_config):
+    return make_config(
+        "untied.yml",
+        train_batch_size=8,
+        train_micro_batch_size_per_gpu=4,
+        gradient_accumulation_steps=2,
+        train_iters=4,
+        eval_iters=1,
+        hidden_dropout=0.0,
+        num_workers=0,
+        no_weight_tying=True,
+        activation="swiglu",
+        num_kv_heads=2,
+        norm="rmsnorm",
+    )
+
+
+@pytest.fixture
+def untied_baseline(untied, tmp_path):
+    train(
+        untied,
+        f"save={tmp_path / 'one'}",
+        "load=null",
+        "train_micro_batch_size_per_gpu=4",
+        "gradient_accumulation_steps=2",
+    )
+    return losses(tmp_path / "one"), weights(tmp_path / "one")
+
+
+@pytest.mark.parametrize(
+    ("nproc", "layout"),
+    [
+        (2, ["model_parallel_size=2"]),
+        (2, ["model_parallel_size=2", "sequence_parallel=true"]),
+        (
+            4,
+            [
+                "model_parallel_size=2",
+                "train_micro_batch_size_per_gpu=2",
+                "zero_optimization.stage=3",
+            ],
+        ),
+    ],
+    ids=["tp2", "tp2-sequence-parallel", "dp2-tp2-zero3"],
+)
+def test_tensor_parallel_layouts_equal_one_process(
+    untied, tmp_path, untied_baseline, nproc, layout
+):
+    out = tmp_path / "tp"
+    train(untied, f"save={out}", "load=null", *layout, nproc=nproc)
+    one_losses, one_weights = untied_baseline
+    two = losses(out)
+    for k in one_losses:
+        assert two[k] == pytest.approx(one_losses[k], rel=1e-5, abs=1e-6), k
+    for name, tensor in weights(out).items():
+        torch.testing.assert_close(tensor, one_weights[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_tensor_parallel_checkpoint_resumes_in_one_process(untied, tmp_path, make_config):
+    cfg = make_config(
+        "u6.yml",
+        train_batch_size=8,
+        train_micro_batch_size_per_gpu=4,
+        gradient_accumulation_steps=2,
+        train_iters=6,
+        eval_iters=1,
+        hidden_dropout=0.0,
+        num_workers=0,
+        no_weight_tying=True,
+    )
+    train(cfg, f"save={tmp_path / 'whole'}", "load=null")
+    run_dir = tmp_path / "moved"
+    train(
+        cfg,
+        f"save={run_dir}",
+        f"load={run_dir}",
+        "model_parallel_size=2",
+        "exit_interval=3",
+        nproc=2,
+    )
+    train(cfg, f"save={run_dir}", f"load={run_dir}")
+    whole, moved = losses(tmp_path / "whole"), losses(run_dir)
+    for k in (4, 5, 6):
+        assert moved[k] == pytest.approx(whole[k], rel=1e-5), k

@@ -165,7 +165,10 @@ def _layout(loaded: LoadedConfig, out: Derived, given: int | None, env: Mapping[
         2: "gradients and optimizer state sharded (FSDP2, parameters kept gathered)",
         3: "parameters, gradients and optimizer state sharded, parameters regathered per layer (FSDP2)",
     }[zero]
-    out.put("zero_stage", zero, f"{zero}, from zero_optimization.stage: {zero_what}")
+    why = f"{zero}, from zero_optimization.stage: {zero_what}"
+    if zero == 0 and mp > 1 and dp > 1:
+        why += "; with tensor parallelism it runs as stage 2 (DDP takes no DTensor parameters), with the same results"
+    out.put("zero_stage", zero, why)
     backend = "nccl on GPU, gloo on CPU"
     if loaded.given("distributed_backend"):
         backend = f"{p.distributed_backend} on GPU (as given), gloo on CPU"

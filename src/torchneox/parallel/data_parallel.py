@@ -19,10 +19,16 @@ REDUCE_DTYPES = {
 
 
 def apply_data_parallel(
-    model: Transformer, mesh: DeviceMesh, zero_stage: int, reduce_dtype: str
+    model: Transformer,
+    mesh: DeviceMesh,
+    zero_stage: int,
+    reduce_dtype: str,
+    tensor_parallel: bool = False,
 ) -> torch.nn.Module:
-    """Shard or replicate ``model`` over ``mesh`` (the data-parallel axis); returns the module to call."""
-    if zero_stage == 0:
+    """Shard or replicate ``model`` over ``mesh`` (the data-parallel axis); returns the module to
+    call. DDP does not take tensor-parallel (DTensor) parameters, so ZeRO 0 with tensor
+    parallelism runs as ZeRO 2 (sharded gradients and optimizer state; the same results)."""
+    if zero_stage == 0 and not tensor_parallel:
         return DistributedDataParallel(model, process_group=mesh.get_group())
     policy = MixedPrecisionPolicy(reduce_dtype=REDUCE_DTYPES[reduce_dtype])
     reshard = zero_stage == 3

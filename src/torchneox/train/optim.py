@@ -48,6 +48,13 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     return [*groups, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def _mixes_dtensors(model: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    kinds = {isinstance(p, DTensor) for p in model.parameters()}
+    return len(kinds) > 1
+
+
 def build_optimizer(model: nn.Module, cfg: NeoXConfig, device_type: str) -> torch.optim.Optimizer:
     opt = cfg.optimizer.optimizer or {"type": "Adam", "params": {}}
     kind = str(opt["type"]).lower()
@@ -57,11 +64,33 @@ def build_optimizer(model: nn.Module, cfg: NeoXConfig, device_type: str) -> torc
     lr = params.pop("lr", cfg.optimizer.lr or 1e-3)
     groups = param_groups(model, cfg.optimizer.weight_decay)
     fast = {"fused": True} if device_type == "cuda" else {"foreach": True}
+    if _mixes_dtensors(model):  # tensor parallelism without FSDP: foreach/fused need one kind
+        fast = {"foreach": False}
     if kind in ("adam", "adamw"):  # GPT-NeoX runs Adam with decoupled weight decay
         params.pop("bias_correction", None)
         return torch.optim.AdamW(groups, lr=lr, **params, **fast)
     if kind == "sgd":
-        return torch.optim.SGD(groups, lr=lr, **params, foreach=True)
+        return torch.optim.SGD(groups, lr=lr, **params, foreach=fast.get("foreach", True))
     if kind == "lion":
         return Lion(groups, lr=lr, **params)
     raise AssertionError(f"unvalidated optimizer {kind}")
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Global L2 norm of the gradients (sharded DTensor gradients included), clipped to
+    ``max_norm`` in place; returns the norm before clipping, as a plain tensor."""
+    from torch.distributed.tensor import DTensor
+
+    squares = []
+    plain = [p.grad for p in params if not isinstance(p.grad, DTensor)]
+    if plain:
+        squares.append(torch.stack(torch._foreach_norm(plain)).float().pow(2).sum())
+    for p in params:
+        if isinstance(p.grad, DTensor):
+            squares.append(torch.linalg.vector_norm(p.grad).full_tensor().float().pow(2))
+    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
+    if max_norm != float("inf"):
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for p in params:
+            p.grad.mul_(coef.to(p.grad.device) if not isinstance(p.grad, DTensor) else coef.item())
+    return total

@@ -35,10 +35,11 @@ from torchneox.models.transformer import build_model
 from torchneox.parallel.activation_ckpt import apply_activation_checkpointing, compile_blocks
 from torchneox.parallel.data_parallel import apply_data_parallel, set_gradient_sync
 from torchneox.parallel.dims import ParallelDims, init_distributed
+from torchneox.parallel.tensor_parallel import apply_tensor_parallel, loss_context
 from torchneox.train import checkpoint
 from torchneox.train.lr import Schedule
 from torchneox.train.metrics import MetricsLogger, Timers
-from torchneox.train.optim import build_optimizer
+from torchneox.train.optim import build_optimizer, clip_grad_norm
 from torchneox.train.precision import LossScaler, autocast
 
 
@@ -86,6 +87,10 @@ def require(loaded: LoadedConfig, derived: Derived) -> None:
         raise ConfigError("training needs a learning rate (optimizer.params.lr)", key="optimizer")
 
 
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def _device(requested: str | None) -> torch.device:
     if requested:
         return torch.device(requested)
@@ -115,11 +120,11 @@ class Trainer:
             world_size=world,
             device_type=self.device.type,
         )
-        if self.dims.tp > 1 or self.dims.pp > 1:
+        if self.dims.pp > 1:
             raise ConfigError(
-                "tensor and pipeline parallelism are not built yet; run with model_parallel_size 1 "
-                "and pipe_parallel_size 0 or 1 (data parallelism and every ZeRO stage work)",
-                key="model_parallel_size" if self.dims.tp > 1 else "pipe_parallel_size",
+                "pipeline parallelism is not built yet; run with pipe_parallel_size 0 or 1 "
+                "(data and tensor parallelism and every ZeRO stage work)",
+                key="pipe_parallel_size",
             )
         self.dims.build_mesh()
         self.precision = d["precision"]
@@ -156,18 +161,23 @@ class Trainer:
         torch.manual_seed(cfg.training.seed)
         self.args = ModelArgs.from_config(cfg, self.derived["padded_vocab_size"])
         self.model = build_model(self.args, device=self.device, seed=cfg.training.seed)
+        self.tensor_parallel = self.dims.tp > 1
+        if self.tensor_parallel:
+            apply_tensor_parallel(self.model, self.dims.mesh["tp"], cfg.parallel.sequence_parallel)
         if cfg.training.checkpoint_activations:
             apply_activation_checkpointing(self.model, cfg.training.checkpoint_num_layers)
         if cfg.training.compile:
             compile_blocks(self.model)
         self.module: torch.nn.Module = self.model
-        if self.dims.distributed:
+        if self.dims.dp > 1:
             self.module = apply_data_parallel(
                 self.model,
                 self.dims.mesh["dp"],
                 self.derived["zero_stage"],
                 self.derived["gradient_reduce_dtype"],
+                tensor_parallel=self.tensor_parallel,
             )
+
         self.optimizer = build_optimizer(self.model, cfg, self.device.type)
 
     def _build_loaders(self) -> None:
@@ -250,11 +260,12 @@ class Trainer:
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         mask = (inputs != self.eod_id) if self.eod_id is not None else None
         set_gradient_sync(self.module, last)
-        with self.timers("forward"), autocast(self.precision, self.device.type):
-            loss = lm_loss(self.module(inputs), labels, mask)
-        with self.timers("backward"):
-            (loss * (self.scaler.scale / self.grad_accum)).backward()
-        return loss.detach()
+        with loss_context(self.tensor_parallel):
+            with self.timers("forward"), autocast(self.precision, self.device.type):
+                loss = lm_loss(self.module(inputs), labels, mask)
+            with self.timers("backward"):
+                (loss * (self.scaler.scale / self.grad_accum)).backward()
+        return _plain(loss.detach())
 
     def train_step(self) -> dict[str, float]:
         iteration = self.iteration + 1
@@ -279,8 +290,7 @@ class Trainer:
         if self.scaler.scale != 1.0:
             torch._foreach_div_([p.grad for p in params], self.scaler.scale)
         max_norm = self.clip if self.clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-        norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+        norm = clip_grad_norm(params, max_norm).item()
         overflow = not math.isfinite(norm)
         if overflow and self.precision != "fp16":
             raise TrainingStopped(
@@ -311,8 +321,8 @@ class Trainer:
                 tokens = tokens.to(self.device)
                 inputs, labels = tokens[:, :-1], tokens[:, 1:]
                 mask = (inputs != self.eod_id) if self.eod_id is not None else None
-                with autocast(self.precision, self.device.type):
-                    losses.append(lm_loss(self.module(inputs), labels, mask))
+                with loss_context(self.tensor_parallel), autocast(self.precision, self.device.type):
+                    losses.append(_plain(lm_loss(self.module(inputs), labels, mask)))
         self.model.train()
         if not losses:
             return float("nan")

@@ -1,0 +1,85 @@
+"""Tensor parallelism (Megatron-style) as a DTensor plan applied to the unchanged model.
+
+Per block: q, k, v and the MLP's up/gate projections split by output columns (whole heads per
+rank), the attention output and MLP down projections by input rows (one all-reduce each). The
+embedding is split by vocabulary rows and the output head by vocabulary columns; the loss is
+computed on the vocabulary shards (``loss_parallel``) without gathering the logits. With
+``sequence_parallel`` the norms, dropout and residual stream are split along the sequence
+between the blocks' matmuls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from torchneox.config.errors import ConfigError
+from torchneox.models.transformer import Transformer
+
+
+def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    if model.output is None:
+        raise ConfigError(
+            "tied embeddings with model_parallel_size > 1 are not built yet; set no_weight_tying: true",
+            key="no_weight_tying",
+        )
+    if model.pos_embed is not None or model.args.pos_emb in ("sinusoidal", "alibi"):
+        raise ConfigError(
+            f"pos_emb {model.args.pos_emb!r} with model_parallel_size > 1 is not built yet; use rotary or none",
+            key="pos_emb",
+        )
+    seq = Shard(1) if sequence_parallel else Replicate()
+    top = {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "output": ColwiseParallel(
+            input_layouts=seq, output_layouts=Shard(-1), use_local_output=False
+        ),
+    }
+    if sequence_parallel:
+        top["final_norm"] = SequenceParallel()
+    parallelize_module(model, mesh, top)
+    for block in model.layers.values():
+        plan = {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
+            "mlp.up": ColwiseParallel(),
+            "mlp.down": RowwiseParallel(output_layouts=seq),
+        }
+        if block.mlp.gate is not None:
+            plan["mlp.gate"] = ColwiseParallel()
+        if sequence_parallel:
+            plan["attention_norm"] = SequenceParallel()
+            plan["attention"] = PrepareModuleInput(
+                input_layouts=(Shard(1), None, None, None),
+                desired_input_layouts=(Replicate(), None, None, None),
+            )
+            plan["mlp"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            )
+            if block.mlp_norm is not None:
+                plan["mlp_norm"] = SequenceParallel()
+        parallelize_module(block, mesh, plan)
+
+
+def loss_context(enabled: bool) -> contextlib.AbstractContextManager:
+    """Cross-entropy on vocabulary-sharded logits when tensor parallelism is on."""
+    return loss_parallel() if enabled else contextlib.nullcontext()
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
