@@ -31,6 +31,10 @@ class ParallelConfig:
     ] = extension(
         "1f1b", "Pipeline schedule when pipe_parallel_size >= 2 (torch.distributed.pipelining)."
     )
+    pipeline_virtual_stages: int = extension(
+        2,
+        "Stages per rank for interleaved_1f1b, looped_bfs and interleaved_zero_bubble (zbv uses 2).",
+    )
     distributed_backend: str = key(
         "nccl", "Collective backend; torchneox uses gloo on CPU whatever this says."
     )

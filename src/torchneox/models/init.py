@@ -8,11 +8,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-InitFn = Callable[[torch.Tensor], None]
+InitFn = Callable[[torch.Tensor, torch.Generator | None], None]
 
 
 def _normal(std: float) -> InitFn:
-    return lambda t: nn.init.normal_(t, mean=0.0, std=std)
+    return lambda t, g=None: nn.init.normal_(t, mean=0.0, std=std, generator=g)
 
 
 def init_function(method: str, std: float, num_layers: int, hidden_size: int) -> InitFn:
@@ -28,11 +28,13 @@ def init_function(method: str, std: float, num_layers: int, hidden_size: int) ->
     if method == "wang_init":
         return _normal(2.0 / num_layers / math.sqrt(hidden_size))
     if method == "orthogonal":
-        return lambda t: nn.init.orthogonal_(t, gain=math.sqrt(2.0))
+        return lambda t, g=None: nn.init.orthogonal_(t, gain=math.sqrt(2.0), generator=g)
     if method == "scaled_orthogonal":
-        return lambda t: nn.init.orthogonal_(t, gain=math.sqrt(2.0 / num_layers))
+        return lambda t, g=None: nn.init.orthogonal_(
+            t, gain=math.sqrt(2.0 / num_layers), generator=g
+        )
     if method == "xavier_uniform":
-        return lambda t: nn.init.xavier_uniform_(t)
+        return lambda t, g=None: nn.init.xavier_uniform_(t, generator=g)
     if method == "xavier_normal":
-        return lambda t: nn.init.xavier_normal_(t)
+        return lambda t, g=None: nn.init.xavier_normal_(t, generator=g)
     raise ValueError(f"unknown init method {method!r}")

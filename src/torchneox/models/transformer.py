@@ -12,6 +12,8 @@ Build it on the meta device, move it with ``to_empty`` and call ``init_weights()
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -22,6 +24,10 @@ from torchneox.models.init import init_function
 from torchneox.models.mlp import MLP
 from torchneox.models.norms import RMSNorm, ScaleNorm, build_norm
 from torchneox.models.positions import alibi_slopes, rotary_tables, sinusoidal_table
+
+
+def _param_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
 class Block(nn.Module):
@@ -91,33 +97,30 @@ class Transformer(nn.Module):
         self._make_buffers(torch.device(device))
 
     @torch.no_grad()
-    def init_weights(self, device: torch.device | str | None = None) -> None:
-        """Initialise every parameter as GPT-NeoX's init_method/output_layer_init_method do."""
+    def init_weights(self, device: torch.device | str | None = None, seed: int = 0) -> None:
+        """Initialise every parameter as GPT-NeoX's init_method/output_layer_init_method do.
+
+        Each parameter draws from its own generator, seeded from ``seed`` and its name, so the
+        weights do not depend on which parameters a process holds (a pipeline stage, a shard)."""
         a = self.args
         if device is None:
             device = next(self.parameters()).device
         self.init_buffers(device)
         main = init_function(a.init_method, a.init_std, a.num_layers, a.hidden_size)
         out = init_function(a.output_init_method, a.init_std, a.num_layers, a.hidden_size)
-        main(self.embed.weight)
-        if self.pos_embed is not None:
-            main(self.pos_embed.weight)
-        for block in self.layers.values():
-            for name, linear in block.named_modules():
-                if not isinstance(linear, nn.Linear):
-                    continue
-                (out if name in ("attention.wo", "mlp.down") else main)(linear.weight)
-                if linear.bias is not None:
-                    nn.init.zeros_(linear.bias)
-        if self.output is not None:
-            main(self.output.weight)
-        for module in self.modules():
-            if isinstance(module, nn.LayerNorm) and module.weight is not None:
-                nn.init.ones_(module.weight)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, RMSNorm | ScaleNorm):
-                module.reset_parameters()
+        for name, param in self.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            owner = self.get_submodule(name.rsplit(".", 1)[0])
+            if isinstance(owner, nn.LayerNorm | RMSNorm | ScaleNorm):
+                nn.init.ones_(param) if leaf in ("weight", "g") else nn.init.zeros_(param)
+            elif leaf == "bias":
+                nn.init.zeros_(param)
+            else:
+                generator = torch.Generator(device=param.device).manual_seed(
+                    _param_seed(seed, name)
+                )
+                init = out if name.endswith(("attention.wo.weight", "mlp.down.weight")) else main
+                init(param, generator)
 
     # -------------------------------------------------------------------------- forward
 
@@ -167,6 +170,26 @@ class Transformer(nn.Module):
         ``key_valid_BS`` marks the keys (cache + new tokens) that are real, not padding."""
         t = tokens_BT.shape[1]
         start = cache.length if cache is not None else 0
+        if self.embed is None:  # a later pipeline stage: the input is hidden states
+            x = tokens_BT
+        else:
+            x = self._embed(tokens_BT, positions_BT, start, t)
+        rope = self._rope(positions_BT, start, t)
+        bias = self._attention_bias(t, start, key_valid_BS, x.device)
+        for block in self.layers.values():
+            x = block(x, rope, bias, cache)
+        if cache is not None:
+            cache.length += t
+        if self.final_norm is None:  # an earlier pipeline stage: hand on the hidden states
+            return x
+        x = self.final_norm(x)
+        if self.output is None:
+            return F.linear(x, self.embed.weight)
+        return self.output(x)
+
+    def _embed(
+        self, tokens_BT: torch.Tensor, positions_BT: torch.Tensor | None, start: int, t: int
+    ) -> torch.Tensor:
         x = self.embed(tokens_BT)
         if self.pos_embed is not None or self.args.pos_emb == "sinusoidal":
             pos = (
@@ -178,17 +201,7 @@ class Transformer(nn.Module):
                 x = x + self.pos_embed(pos + self.args.pos_offset)
             else:
                 x = x + self.sin_table[pos].to(x.dtype)
-        x = self.embed_dropout(x)
-        rope = self._rope(positions_BT, start, t)
-        bias = self._attention_bias(t, start, key_valid_BS, x.device)
-        for block in self.layers.values():
-            x = block(x, rope, bias, cache)
-        if cache is not None:
-            cache.length += t
-        x = self.final_norm(x)
-        if self.output is None:
-            return F.linear(x, self.embed.weight)
-        return self.output(x)
+        return self.embed_dropout(x)
 
 
 def build_model(
@@ -198,7 +211,5 @@ def build_model(
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device=device)
-    if seed is not None:
-        torch.manual_seed(seed)
-    model.init_weights(device)
+    model.init_weights(device, seed=seed or 0)
     return model

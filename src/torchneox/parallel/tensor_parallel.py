@@ -29,7 +29,7 @@ from torchneox.models.transformer import Transformer
 
 
 def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    if model.output is None:
+    if model.args.tied_embeddings:
         raise ConfigError(
             "tied embeddings with model_parallel_size > 1 are not built yet; set no_weight_tying: true",
             key="no_weight_tying",
@@ -40,15 +40,19 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
             key="pos_emb",
         )
     seq = Shard(1) if sequence_parallel else Replicate()
-    top = {
-        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        "output": ColwiseParallel(
+    top = {}
+    # a pipeline stage may hold neither end; with sequence parallelism the hidden states pass
+    # between stages as each tensor rank's sequence slice
+    if model.embed is not None:
+        top["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if model.output is not None:
+        top["output"] = ColwiseParallel(
             input_layouts=seq, output_layouts=Shard(-1), use_local_output=False
-        ),
-    }
-    if sequence_parallel:
-        top["final_norm"] = SequenceParallel()
-    parallelize_module(model, mesh, top)
+        )
+        if sequence_parallel:
+            top["final_norm"] = SequenceParallel()
+    if top:
+        parallelize_module(model, mesh, top)
     for block in model.layers.values():
         plan = {
             "attention.wq": ColwiseParallel(),

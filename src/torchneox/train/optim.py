@@ -76,9 +76,10 @@ def build_optimizer(model: nn.Module, cfg: NeoXConfig, device_type: str) -> torc
     raise AssertionError(f"unvalidated optimizer {kind}")
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, group=None) -> torch.Tensor:
     """Global L2 norm of the gradients (sharded DTensor gradients included), clipped to
-    ``max_norm`` in place; returns the norm before clipping, as a plain tensor."""
+    ``max_norm`` in place; returns the norm before clipping, as a plain tensor. ``group``: the
+    pipeline group whose stages' norms add up to the model's."""
     from torch.distributed.tensor import DTensor
 
     squares = []
@@ -88,7 +89,11 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     for p in params:
         if isinstance(p.grad, DTensor):
             squares.append(torch.linalg.vector_norm(p.grad).full_tensor().float().pow(2))
-    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
+    device = params[0].device if params else torch.device("cpu")
+    total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
+    if group is not None:  # pipeline stages hold disjoint parameters: add their squares
+        torch.distributed.all_reduce(total, group=group)
+    total = total.sqrt()
     if max_norm != float("inf"):
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         for p in params:

@@ -31,10 +31,11 @@ from torchneox.data.loader import BatchLoader
 from torchneox.data.tokenizers import build_tokenizer
 from torchneox.errors import TrainingStopped
 from torchneox.models.args import ModelArgs
-from torchneox.models.transformer import build_model
+from torchneox.models.transformer import Transformer, build_model
 from torchneox.parallel.activation_ckpt import apply_activation_checkpointing, compile_blocks
 from torchneox.parallel.data_parallel import apply_data_parallel, set_gradient_sync
 from torchneox.parallel.dims import ParallelDims, init_distributed
+from torchneox.parallel.pipeline import Pipeline, build_pipeline, evaluate_pipeline
 from torchneox.parallel.tensor_parallel import apply_tensor_parallel, loss_context
 from torchneox.train import checkpoint
 from torchneox.train.lr import Schedule
@@ -120,12 +121,6 @@ class Trainer:
             world_size=world,
             device_type=self.device.type,
         )
-        if self.dims.pp > 1:
-            raise ConfigError(
-                "pipeline parallelism is not built yet; run with pipe_parallel_size 0 or 1 "
-                "(data and tensor parallelism and every ZeRO stage work)",
-                key="pipe_parallel_size",
-            )
         self.dims.build_mesh()
         self.precision = d["precision"]
         self.seq_length = cfg.model.seq_length
@@ -160,25 +155,65 @@ class Trainer:
         cfg = self.cfg
         torch.manual_seed(cfg.training.seed)
         self.args = ModelArgs.from_config(cfg, self.derived["padded_vocab_size"])
-        self.model = build_model(self.args, device=self.device, seed=cfg.training.seed)
         self.tensor_parallel = self.dims.tp > 1
+        self.pipeline: Pipeline | None = None
+        if self.dims.pp > 1:
+            self._build_pipeline()
+        else:
+            self.model = build_model(self.args, device=self.device, seed=cfg.training.seed)
+            self.module: torch.nn.Module = self._prepare(self.model)
+        self.optimizer = build_optimizer(self.model, cfg, self.device.type)
+
+    def _prepare(self, model: Transformer) -> torch.nn.Module:
+        """Parallelism from outside, in torchtitan's order: tensor parallel, activation
+        checkpointing, compile, data parallel. Returns the module to call."""
+        cfg = self.cfg
         if self.tensor_parallel:
-            apply_tensor_parallel(self.model, self.dims.mesh["tp"], cfg.parallel.sequence_parallel)
+            apply_tensor_parallel(model, self.dims.mesh["tp"], cfg.parallel.sequence_parallel)
         if cfg.training.checkpoint_activations:
-            apply_activation_checkpointing(self.model, cfg.training.checkpoint_num_layers)
+            apply_activation_checkpointing(model, cfg.training.checkpoint_num_layers)
         if cfg.training.compile:
-            compile_blocks(self.model)
-        self.module: torch.nn.Module = self.model
+            compile_blocks(model)
         if self.dims.dp > 1:
-            self.module = apply_data_parallel(
-                self.model,
+            sharded_only = self.tensor_parallel or self.dims.pp > 1  # DDP takes neither
+            return apply_data_parallel(
+                model,
                 self.dims.mesh["dp"],
                 self.derived["zero_stage"],
                 self.derived["gradient_reduce_dtype"],
-                tensor_parallel=self.tensor_parallel,
+                tensor_parallel=sharded_only,
+            )
+        return model
+
+    def _build_pipeline(self) -> None:
+        cfg = self.cfg
+        if cfg.training.eod_mask_loss:
+            raise ConfigError(
+                "is not supported with pipe_parallel_size >= 2 yet", key="eod_mask_loss"
+            )
+        if cfg.parallel.sequence_parallel and self.tensor_parallel:
+            raise ConfigError(
+                "with pipe_parallel_size >= 2 is not supported yet; tensor parallelism without it works",
+                key="sequence_parallel",
             )
 
-        self.optimizer = build_optimizer(self.model, cfg, self.device.type)
+        def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return lm_loss(logits, labels, None) * self.scaler.scale
+
+        self.pipeline = build_pipeline(
+            self.args,
+            self.dims.mesh["pp"],
+            self.device,
+            cfg.parallel.pipeline_schedule,
+            cfg.parallel.pipeline_virtual_stages,
+            self.grad_accum,
+            cfg.parallel.pipe_partition_method,
+            loss_fn,
+            cfg.training.seed,
+            prepare=self._prepare,
+        )
+        self.model = self.pipeline.container
+        self.module = self.model
 
     def _build_loaders(self) -> None:
         d, cfg = self.derived, self.cfg
@@ -274,8 +309,11 @@ class Trainer:
             group["lr"] = lr
         with self.timers("data"):
             micro_batches = self.train_loader.next()
-        total = torch.zeros((), device=self.device)
-        for m, tokens in enumerate(micro_batches):
+        if self.pipeline is not None:
+            total = self._pipeline_step(micro_batches, train=True) * self.grad_accum
+        else:
+            total = torch.zeros((), device=self.device)
+        for m, tokens in enumerate(micro_batches if self.pipeline is None else []):
             total += self._forward_backward(tokens, last=m == len(micro_batches) - 1)
         with self.timers("optimizer"):
             grad_norm, skipped = self._apply_gradients()
@@ -285,12 +323,39 @@ class Trainer:
         self.iteration = iteration
         return {"lm_loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": float(skipped)}
 
+    def _pipeline_step(self, micro_batches: list[torch.Tensor], train: bool) -> torch.Tensor:
+        """One global batch through the pipeline; the mean loss, known on every rank."""
+        p = self.pipeline
+        pp_group = self.dims.mesh["pp"].get_group()
+        tokens = torch.cat(micro_batches).to(self.device, non_blocking=True)
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        with loss_context(self.tensor_parallel), autocast(self.precision, self.device.type):
+            if not train:
+                local = evaluate_pipeline(
+                    p, inputs, labels, self.grad_accum, self.dims.mesh["pp"], lm_loss
+                )
+                dist.all_reduce(local, group=pp_group)  # only the last stage adds a loss
+                return local
+            losses: list[torch.Tensor] = []
+            args = (inputs,) if p.has_first else ()
+            kwargs = {"target": labels, "losses": losses} if p.has_last else {}
+            with self.timers("pipeline"):
+                p.schedule.step(*args, **kwargs)
+        local = torch.zeros((), device=self.device)
+        if p.has_last:
+            local = (
+                torch.stack([_plain(x).detach().float() for x in losses]).mean() / self.scaler.scale
+            )
+        dist.all_reduce(local, group=pp_group)
+        return local
+
     def _apply_gradients(self) -> tuple[float, bool]:
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self.scaler.scale != 1.0:
             torch._foreach_div_([p.grad for p in params], self.scaler.scale)
         max_norm = self.clip if self.clip > 0 else float("inf")
-        norm = clip_grad_norm(params, max_norm).item()
+        pp_group = self.dims.mesh["pp"].get_group() if self.pipeline is not None else None
+        norm = clip_grad_norm(params, max_norm, pp_group).item()
         overflow = not math.isfinite(norm)
         if overflow and self.precision != "fp16":
             raise TrainingStopped(
@@ -317,6 +382,9 @@ class Trainer:
         for _ in range(iters):
             if not loader.has_full_batch():
                 break
+            if self.pipeline is not None:
+                losses.append(self._pipeline_step(loader.next(), train=False))
+                continue
             for tokens in loader.next():
                 tokens = tokens.to(self.device)
                 inputs, labels = tokens[:, :-1], tokens[:, 1:]

@@ -1,0 +1,227 @@
+"""Pipeline parallelism with torch.distributed.pipelining, for pipe_parallel_size >= 2.
+
+The model is split into contiguous stages (the embedding on the first, the final norm and the
+head on the last). Each rank builds only its stages' layers, on the meta device, and
+initialises them; because every parameter draws from a generator seeded by its name, the
+weights equal those of a one-process run. A rank holds one stage (gpipe, 1f1b) or several
+(interleaved_1f1b, looped_bfs, interleaved_zero_bubble: ``pipeline_virtual_stages`` each; zbv:
+two, in a V). A ``container`` Transformer holding the rank's layers under their usual names
+is what the optimizer and the checkpoints see, so checkpoints stay layout-free.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
+
+from torchneox.config.errors import ConfigError
+from torchneox.models.args import ModelArgs
+from torchneox.models.transformer import Transformer
+
+SINGLE = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+MULTI = {
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "looped_bfs": ScheduleLoopedBFS,
+    "interleaved_zero_bubble": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+}
+
+
+def layer_costs(args: ModelArgs, method: str) -> list[float]:
+    """Relative cost of each block; 'parameters' also charges the embedding and the head."""
+    if method == "parameters":
+        h = args.hidden_size
+        per_block = 4 * h * h + 2 * h * args.mlp_width * (3 if args.gated else 2) / 2
+        return [per_block] * args.num_layers
+    return [1.0] * args.num_layers
+
+
+def stage_layers(args: ModelArgs, num_stages: int, method: str) -> list[range]:
+    """Contiguous layer ranges, one per stage, as even in cost as possible (each >= 1 layer)."""
+    n = args.num_layers
+    if num_stages > n:
+        raise ConfigError(
+            f"{num_stages} pipeline stages for {n} layers; each stage needs one",
+            key="pipe_parallel_size",
+        )
+    costs = layer_costs(args, method)
+    first = last = 0.0
+    if method == "parameters":
+        first = float(args.vocab_size * args.hidden_size)
+        last = first if not args.tied_embeddings else 0.0
+    cumulative = [first]
+    for c in costs:
+        cumulative.append(cumulative[-1] + c)
+    total = cumulative[-1] + last
+    bounds = [0]
+    for k in range(1, num_stages):
+        target = total * k / num_stages
+        cut = min(range(1, n), key=lambda i: abs(cumulative[i] - target))
+        cut = max(cut, bounds[-1] + 1)  # every stage keeps a layer
+        cut = min(cut, n - (num_stages - k))  # and leaves one for each later stage
+        bounds.append(cut)
+    bounds.append(n)
+    return [range(bounds[k], bounds[k + 1]) for k in range(num_stages)]
+
+
+def rank_stage_indices(schedule: str, pp_rank: int, pp_size: int, virtual: int) -> list[int]:
+    if schedule in SINGLE:
+        return [pp_rank]
+    if schedule == "zbv":
+        return [pp_rank, 2 * pp_size - 1 - pp_rank]
+    return [pp_rank + k * pp_size for k in range(virtual)]
+
+
+def stage_module(full_meta: Transformer, layers: range, first: bool, last: bool) -> Transformer:
+    """A copy of the meta model keeping only ``layers`` (and the ends it owns)."""
+    part = copy.deepcopy(full_meta)
+    for name in list(part.layers):
+        if int(name) not in layers:
+            del part.layers[name]
+    if not first:
+        part.embed = None
+        part.pos_embed = None
+    if not last:
+        part.final_norm = None
+        part.output = None
+    return part
+
+
+@dataclass
+class Pipeline:
+    container: Transformer
+    """The rank's parameters under their usual names (optimizer, checkpoints)."""
+    parts: list[Transformer]
+    stages: list[PipelineStage]
+    schedule: object
+    has_first: bool
+    has_last: bool
+
+
+def build_pipeline(
+    args: ModelArgs,
+    pp_mesh: DeviceMesh,
+    device: torch.device,
+    schedule: str,
+    virtual: int,
+    microbatches: int,
+    method: str,
+    loss_fn,
+    seed: int,
+    prepare=None,
+) -> Pipeline:
+    """This rank's stages, initialised, wrapped by ``prepare`` (tensor/data parallelism), and
+    the schedule that runs them."""
+    if args.tied_embeddings:
+        raise ConfigError(
+            "tied embeddings with pipe_parallel_size >= 2 are not built yet (the head would live on "
+            "another stage than the embedding); set no_weight_tying: true",
+            key="no_weight_tying",
+        )
+    pp_rank, pp_size = pp_mesh.get_local_rank(), pp_mesh.size()
+    per_rank = 2 if schedule == "zbv" else (1 if schedule in SINGLE else virtual)
+    total_stages = pp_size * per_rank
+    if schedule in MULTI and microbatches % pp_size:
+        raise ConfigError(
+            f"schedule {schedule} needs gradient_accumulation_steps ({microbatches}) to be a multiple "
+            f"of pipe_parallel_size ({pp_size})",
+            key="pipeline_schedule",
+        )
+    ranges = stage_layers(args, total_stages, method)
+    with torch.device("meta"):
+        full = Transformer(args)
+    indices = rank_stage_indices(schedule, pp_rank, pp_size, virtual)
+    container = stage_module(full, range(0), False, False)
+    parts, stages = [], []
+    for index in indices:
+        first, last = index == 0, index == total_stages - 1
+        part = stage_module(full, ranges[index], first, last)
+        part.to_empty(device=device)
+        part.init_weights(device, seed=seed)
+        if prepare is not None:
+            prepare(part)
+        parts.append(part)
+        for name, block in part.layers.items():
+            container.layers[name] = block
+        if first:
+            container.embed, container.pos_embed = part.embed, part.pos_embed
+        if last:
+            container.final_norm, container.output = part.final_norm, part.output
+        stages.append(PipelineStage(part, index, total_stages, device, group=pp_mesh.get_group()))
+    if schedule in SINGLE:
+        runner = SINGLE[schedule](stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
+    else:
+        runner = MULTI[schedule](stages, n_microbatches=microbatches, loss_fn=loss_fn)
+    has_first = 0 in indices
+    has_last = total_stages - 1 in indices
+    # the container is never run: its own position tables stay on the meta device
+    return Pipeline(container, parts, stages, runner, has_first, has_last)
+
+
+def is_multi(schedule: object) -> bool:
+    return isinstance(schedule, PipelineScheduleMulti)
+
+
+@torch.no_grad()
+def evaluate_pipeline(
+    p: Pipeline,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    microbatches: int,
+    pp_mesh: DeviceMesh,
+    loss_fn,
+) -> torch.Tensor:
+    """Forward only, stage after stage, micro-batch by micro-batch (the training schedules'
+    eval paths are not all usable); the mean loss on the rank holding the last stage, else 0."""
+    group = pp_mesh.get_group()
+    owners = [0] * (p.stages[0].num_stages)
+    rank_indices = torch.tensor([s.stage_index for s in p.stages], dtype=torch.long)
+    gathered = [torch.zeros(len(p.stages), dtype=torch.long) for _ in range(pp_mesh.size())]
+    torch.distributed.all_gather(gathered, rank_indices, group=group)
+    for rank, indices in enumerate(gathered):
+        for index in indices.tolist():
+            owners[index] = rank
+    me = pp_mesh.get_local_rank()
+    parts = {s.stage_index: part for s, part in zip(p.stages, p.parts, strict=True)}
+    losses = []
+    for x_in, y in zip(inputs.chunk(microbatches), labels.chunk(microbatches), strict=True):
+        hidden = None
+        for index in range(len(owners)):
+            if owners[index] != me:
+                continue
+            if index == 0:
+                hidden = x_in
+            elif owners[index - 1] != me:
+                shape = torch.tensor([0, 0, 0], dtype=torch.long)
+                torch.distributed.recv(shape, group_src=owners[index - 1], group=group)
+                hidden = torch.empty(tuple(shape.tolist()), dtype=torch.float32, device=x_in.device)
+                torch.distributed.recv(hidden, group_src=owners[index - 1], group=group)
+            hidden = parts[index](hidden)
+            if index == len(owners) - 1:
+                losses.append(loss_fn(hidden, y, None))
+            elif owners[index + 1] != me:
+                out = hidden.float().contiguous()
+                torch.distributed.send(
+                    torch.tensor(list(out.shape), dtype=torch.long),
+                    group_dst=owners[index + 1],
+                    group=group,
+                )
+                torch.distributed.send(out, group_dst=owners[index + 1], group=group)
+    if not losses:
+        return torch.zeros((), device=inputs.device)
+    return torch.stack(
+        [(x.full_tensor() if hasattr(x, "full_tensor") else x).float() for x in losses]
+    ).mean()

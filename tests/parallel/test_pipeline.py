@@ -1,0 +1,115 @@
+"""Pipeline parallelism: every schedule and its combinations with data and tensor parallelism
+give the losses and weights of one process; pipe_parallel_size 0 and 1 build no schedule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.parallel.test_data_parallel import losses, train, weights
+from torchneox.config.load import load_config
+from torchneox.models.args import model_args
+from torchneox.parallel.pipeline import rank_stage_indices, stage_layers
+from torchneox.train.trainer import Trainer
+
+
+@pytest.fixture
+def config(make_config):
+    return make_config(
+        "pp.yml",
+        num_layers=4,
+        train_micro_batch_size_per_gpu=2,
+        gradient_accumulation_steps=4,
+        train_iters=3,
+        eval_iters=1,
+        hidden_dropout=0.0,
+        num_workers=0,
+        no_weight_tying=True,
+    )
+
+
+@pytest.fixture
+def baseline(config, tmp_path):
+    train(config, f"save={tmp_path / 'one'}", "load=null")
+    return losses(tmp_path / "one"), weights(tmp_path / "one")
+
+
+LAYOUTS = {
+    "pp2-1f1b": (2, ["pipe_parallel_size=2"]),
+    "pp2-gpipe": (2, ["pipe_parallel_size=2", "pipeline_schedule=gpipe"]),
+    "pp2-interleaved": (2, ["pipe_parallel_size=2", "pipeline_schedule=interleaved_1f1b"]),
+    "pp2-zbv": (2, ["pipe_parallel_size=2", "pipeline_schedule=zbv"]),
+    "dp2-pp2-zero2": (
+        4,
+        ["pipe_parallel_size=2", "train_micro_batch_size_per_gpu=1", "zero_optimization.stage=2"],
+    ),
+    "tp2-pp2": (4, ["pipe_parallel_size=2", "model_parallel_size=2"]),
+    "dp2-tp2-pp2-zero3": (
+        8,
+        [
+            "pipe_parallel_size=2",
+            "model_parallel_size=2",
+            "train_micro_batch_size_per_gpu=1",
+            "zero_optimization.stage=3",
+        ],
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_pipeline_layouts_equal_one_process(config, tmp_path, baseline, layout):
+    nproc, overrides = LAYOUTS[layout]
+    out = tmp_path / layout
+    train(config, f"save={out}", "load=null", *overrides, nproc=nproc)
+    one_losses, one_weights = baseline
+    got = losses(out)
+    assert sorted(got) == sorted(one_losses)
+    for k in got:
+        assert got[k] == pytest.approx(one_losses[k], rel=1e-5, abs=1e-6), k
+    for name, tensor in weights(out).items():
+        torch.testing.assert_close(tensor, one_weights[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_pipeline_checkpoint_resumes_as_data_parallel(config, tmp_path, make_config):
+    cfg = make_config(
+        "pp6.yml",
+        num_layers=4,
+        train_micro_batch_size_per_gpu=2,
+        gradient_accumulation_steps=4,
+        train_iters=6,
+        eval_iters=1,
+        hidden_dropout=0.0,
+        num_workers=0,
+        no_weight_tying=True,
+    )
+    train(cfg, f"save={tmp_path / 'whole'}", "load=null")
+    moved = tmp_path / "moved"
+    train(cfg, f"save={moved}", f"load={moved}", "pipe_parallel_size=2", "exit_interval=3", nproc=2)
+    train(
+        cfg, f"save={moved}", f"load={moved}", "train_micro_batch_size_per_gpu=1", nproc=2
+    )  # dp=2 now
+    whole, after = losses(tmp_path / "whole"), losses(moved)
+    for k in (4, 5, 6):
+        assert after[k] == pytest.approx(whole[k], rel=1e-5), k
+
+
+@pytest.mark.parametrize("pp", [0, 1])
+def test_one_stage_never_builds_a_schedule(config, pp):
+    trainer = Trainer(load_config([config], [f"pipe_parallel_size={pp}"]), device="cpu")
+    assert trainer.pipeline is None
+    assert trainer.derived["pipeline_schedule_runs"] is False
+    assert not any("pipelining" in type(m).__module__ for m in trainer.model.modules())
+
+
+def test_stage_split_is_balanced_and_covers_every_layer(config):
+    args = model_args(load_config([config], ["num_layers=10"]))
+    for stages in (2, 3, 4, 10):
+        ranges = stage_layers(args, stages, "type:transformer")
+        assert [i for r in ranges for i in r] == list(range(10))
+        assert max(map(len, ranges)) - min(map(len, ranges)) <= 1
+    tied = model_args(load_config([config], ["num_layers=10", "no_weight_tying=false"]))
+    heavy = stage_layers(tied, 2, "parameters")  # the embedding weighs on the first stage
+    assert len(heavy[0]) < len(heavy[1])
+    assert rank_stage_indices("zbv", 0, 2, 2) == [0, 3] and rank_stage_indices(
+        "interleaved_1f1b", 1, 2, 2
+    ) == [1, 3]
