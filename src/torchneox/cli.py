@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from torchneox.config.errors import ConfigError
+from torchneox.config.load import load_config
 from torchneox.data.indexed import DataError
 from torchneox.errors import TrainingStopped
 
@@ -171,6 +172,16 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument(
         "--out", metavar="FILE.npy", help="write token ids [batch, seq+1] instead of text"
     )
+
+    ev = verbs.add_parser("eval", help="evaluate a checkpoint (perplexity on a .bin/.idx dataset)")
+    ev.add_argument("files", nargs="*", metavar="CONFIG")
+    ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ev.add_argument("--checkpoint", required=True, metavar="DIR")
+    ev.add_argument("--data-path", metavar="PREFIX", help="perplexity on PREFIX.bin/.idx")
+    ev.add_argument("--tasks", help="lm-evaluation-harness tasks (not wired up yet)")
+    ev.add_argument("--iters", type=int, default=20, help="batches to evaluate")
+    ev.add_argument("--batch-size", type=int, default=8)
+    ev.add_argument("--device")
 
     plot = verbs.add_parser("plot", help="draw loss curves of runs to a PNG")
     plot.add_argument("runs", nargs="+", metavar="RUN_DIR", help="folders with a metrics.jsonl")
@@ -393,6 +404,30 @@ def _cmd_data_batch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from torchneox import convert
+    from torchneox.evaluate import perplexity
+
+    if args.tasks:
+        raise ConfigError(
+            "lm-evaluation-harness tasks are not wired up yet; --data-path PREFIX gives perplexity"
+        )
+    if not args.data_path:
+        raise ConfigError("give --data-path PREFIX (a .bin/.idx dataset)")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    overrides = [] if args.files else args.overrides
+    loaded, model = convert.load_model(args.checkpoint, overrides, device=device)
+    cfg = load_config(args.files, args.overrides).config if args.files else loaded.config
+    seq = cfg.model.seq_length or loaded.config.model.seq_length
+    result = perplexity(model, args.data_path, seq, args.iters, args.batch_size, cfg.training.seed)
+    print(json.dumps(result))
+    return 0
+
+
 def _cmd_plot(args: argparse.Namespace) -> int:
     from torchneox.train.plot import plot_runs
 
@@ -424,6 +459,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "preprocess": _cmd_preprocess,
                 "train-tokenizer": _cmd_train_tokenizer,
                 "plot": _cmd_plot,
+                "eval": _cmd_eval,
             }[args.verb]
         return handler(args)
     except (ConfigError, DataError) as e:

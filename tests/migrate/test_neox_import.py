@@ -190,3 +190,30 @@ def test_imported_checkpoint_exports_to_hugging_face(tmp_path):
         logits, np.load(G / "logits/logits_pp1_step10.npy"), atol=1e-5, rtol=0
     )
     assert (tmp_path / "hf" / "vocab.json").is_file() and (tmp_path / "hf" / "merges.txt").is_file()
+
+
+def test_imported_checkpoint_evaluates(tmp_path, capsys):
+    convert(G / "pp1", tmp_path / "ckpt", "--step", "10")
+    capsys.readouterr()
+    assert (
+        main(
+            [
+                "eval",
+                "--checkpoint",
+                str(tmp_path / "ckpt"),
+                "--data-path",
+                str(G / "data/shakespeare_text_document"),
+                "--iters",
+                "2",
+                "--batch-size",
+                "4",
+            ]
+        )
+        == 0
+    )
+    result = json.loads(capsys.readouterr().out)
+    assert result["batches"] == 2 and result["tokens"] == 2 * 4 * 64
+    assert (
+        10.0 < result["lm_loss"] < 11.0
+    )  # the step-10 model of the golden run (its losses are ~10.5)
+    assert main(["eval", "--checkpoint", str(tmp_path / "ckpt"), "--tasks", "hellaswag"]) == 2
