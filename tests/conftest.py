@@ -1,11 +1,15 @@
-"""Shared fixtures: where the read-only reference files (../shared) are, when present."""
+"""Shared fixtures: the reference files in ../shared (when present), a tiny training corpus and config."""
 
 from __future__ import annotations
 
+import json
 import os
+import random
 from pathlib import Path
 
 import pytest
+
+from torchneox.data.preprocess import PreprocessArgs, preprocess
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,3 +38,91 @@ def write(tmp_path: Path):
         return path
 
     return _write
+
+
+WORDS = [
+    "the",
+    "model",
+    "reads",
+    "tokens",
+    "and",
+    "learns",
+    "to",
+    "predict",
+    "the",
+    "next",
+    "one",
+    "from",
+    "all",
+    "that",
+    "came",
+    "before",
+    "it",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("data")
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 30))) for _ in range(600)]
+    (folder / "corpus.txt").write_text("\n".join(lines) + "\n")
+    (prefix,) = preprocess(
+        PreprocessArgs(
+            [str(folder / "corpus.txt")],
+            str(folder / "corpus"),
+            "CharLevelTokenizer",
+            append_eod=True,
+        )
+    )
+    return prefix
+
+
+@pytest.fixture(autouse=True)
+def index_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHNEOX_INDEX_CACHE", str(tmp_path / "index"))
+
+
+@pytest.fixture
+def make_config(tmp_path, tiny_data):
+    """make_config(**keys) -> path of a tiny training config (keys override the defaults)."""
+
+    def make(name: str = "c.yml", **keys) -> str:
+        cfg = {
+            "num_layers": 2,
+            "hidden_size": 32,
+            "num_attention_heads": 4,
+            "seq_length": 32,
+            "pos_emb": "rotary",
+            "rotary_pct": 0.5,
+            "gpt_j_residual": True,
+            "train_micro_batch_size_per_gpu": 4,
+            "gradient_accumulation_steps": 1,
+            "train_iters": 6,
+            "optimizer": {
+                "type": "Adam",
+                "params": {"lr": 0.003, "betas": [0.9, 0.95], "eps": 1.0e-8},
+            },
+            "min_lr": 0.0003,
+            "lr_decay_style": "cosine",
+            "warmup": 0.2,
+            "weight_decay": 0.1,
+            "gradient_clipping": 1.0,
+            "precision": "fp32",
+            "seed": 1234,
+            "tokenizer_type": "CharLevelTokenizer",
+            "make_vocab_size_divisible_by": 64,
+            "data_path": str(tiny_data),
+            "split": "90,8,2",
+            "num_workers": 0,
+            "eval_interval": 1000,
+            "eval_iters": 2,
+            "log_interval": 1,
+            "save": str(tmp_path / "run"),
+            "load": str(tmp_path / "run"),
+        } | keys
+        path = tmp_path / name
+        path.write_text(json.dumps(cfg))
+        return str(path)
+
+    return make

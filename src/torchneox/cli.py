@@ -37,11 +37,7 @@ def _add_config_inputs(p: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="torchneox", description=__doc__)
-    verbs = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
-    verbs.required = True
-
+def _config_verbs(verbs: argparse._SubParsersAction) -> None:
     config = verbs.add_parser("config", help="read, explain and document GPT-NeoX configs")
     config_verbs = config.add_subparsers(dest="config_verb", metavar="ACTION", parser_class=_Parser)
     config_verbs.required = True
@@ -61,7 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     keys = config_verbs.add_parser("keys", help="reference of every config key")
     keys.add_argument("--markdown", action="store_true", help="as the Markdown of docs/config.md")
 
-    convert = verbs.add_parser("convert", help="convert to and from Hugging Face")
+
+def _convert_verbs(verbs: argparse._SubParsersAction) -> None:
+    convert = verbs.add_parser(
+        "convert", help="convert checkpoints: Hugging Face both ways, GPT-NeoX in"
+    )
     convert_verbs = convert.add_subparsers(
         dest="convert_verb", metavar="DIRECTION", parser_class=_Parser
     )
@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="also the optimizer, iteration, data position and RNG, to continue training",
     )
 
+
+def _generate_verb(verbs: argparse._SubParsersAction) -> None:
     gen = verbs.add_parser(
         "generate", help="generate text from a checkpoint or a Hugging Face folder"
     )
@@ -126,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, help="seed for sampling")
     gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
 
+
+def _train_verbs(verbs: argparse._SubParsersAction) -> None:
     train = verbs.add_parser("train", help="train a model from GPT-NeoX configs")
     _add_config_inputs(train)
     train.add_argument("--device", help="cpu or cuda (default: cuda when available)")
@@ -161,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     tok.add_argument("--vocab-size", type=int, default=50257)
     tok.add_argument("--jsonl-keys", nargs="+", default=["text"], metavar="KEY")
 
+
+def _data_and_eval_verbs(verbs: argparse._SubParsersAction) -> None:
     data = verbs.add_parser("data", help="look at the data a config trains on")
     data_verbs = data.add_subparsers(dest="data_verb", metavar="ACTION", parser_class=_Parser)
     data_verbs.required = True
@@ -190,6 +196,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo = verbs.add_parser("demo", help="what `make demo` shows: preprocess, train, generate")
     demo.add_argument("--dir", default="runs/demo", help="where the demo's data and checkpoints go")
     demo.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="torchneox",
+        description="Train GPT-NeoX-style language models from GPT-NeoX configs, on PyTorch alone.",
+    )
+    verbs = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
+    verbs.required = True
+    for add in (_config_verbs, _convert_verbs, _generate_verb, _train_verbs, _data_and_eval_verbs):
+        add(verbs)
     return parser
 
 

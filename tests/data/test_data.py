@@ -17,11 +17,6 @@ from torchneox.data.preprocess import PreprocessArgs, preprocess
 from torchneox.data.tokenizers import CharLevelTokenizer
 
 
-@pytest.fixture(autouse=True)
-def index_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHNEOX_INDEX_CACHE", str(tmp_path / "index"))
-
-
 def write_dataset(prefix, docs, dtype=np.uint16):
     w = IndexedDatasetWriter(prefix, dtype)
     for d in docs:

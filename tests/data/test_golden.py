@@ -19,11 +19,6 @@ GOLDEN = SHARED / "golden" / "neox_dataset" if SHARED else None
 TOKENIZER_20B = str(SHARED / "data/tokenizers/gpt_neox_20b/20B_tokenizer.json") if SHARED else None
 
 
-@pytest.fixture(autouse=True)
-def index_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHNEOX_INDEX_CACHE", str(tmp_path / "index"))
-
-
 @pytest.mark.parametrize("name", ["shakespeare", "enwik8"])
 @pytest.mark.parametrize("workers", [1, 2])
 def test_preprocess_writes_gpt_neox_bytes(tmp_path, name, workers):

@@ -30,11 +30,6 @@ SPLIT_COLUMNS = ("attention.dense.weight", "mlp.linear2.weight")
 QUIRK_BIASES = ("attention.dense.bias", "mlp.linear2.bias")
 
 
-@pytest.fixture(autouse=True)
-def index_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHNEOX_INDEX_CACHE", str(tmp_path / "index"))
-
-
 def convert(src, out, *extra) -> None:
     args = ["convert", "from-gpt-neox", str(src), str(out), *extra]
     for t in TOKENIZER:
