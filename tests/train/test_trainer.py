@@ -368,3 +368,17 @@ def test_activation_checkpointing_changes_memory_not_results(make_config, tmp_pa
         device="cpu",
     )
     assert resumed.iteration == 3
+
+
+def test_use_checkpoint_lr_scheduler_keeps_the_saved_schedule(make_config, tmp_path):
+    cfg = make_config(
+        train_iters=4, save=str(tmp_path / "s"), load=str(tmp_path / "s"), exit_interval=2
+    )
+    run(cfg)
+    changed = Trainer(
+        load_config([cfg], ["optimizer.params.lr=0.5", "use_checkpoint_lr_scheduler=true"]),
+        device="cpu",
+    )
+    assert changed.schedule.peak == pytest.approx(0.003)
+    plain = Trainer(load_config([cfg], ["optimizer.params.lr=0.5"]), device="cpu")
+    assert plain.schedule.peak == pytest.approx(0.5)

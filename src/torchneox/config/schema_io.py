@@ -134,7 +134,11 @@ class LoggingConfig:
     wandb_group: str | None = key(None, "W&B run group.")
     wandb_team: str | None = key(None, "W&B entity.")
     wandb_host: str = key("https://api.wandb.ai", "W&B server.")
-    wandb_init_all_ranks: bool = key(False, "Start W&B on every rank, not only rank 0.")
+    wandb_init_all_ranks: bool = no_effect(
+        False,
+        "Start W&B on every rank, not only rank 0.",
+        "only rank 0 logs, with the reduced metrics",
+    )
     wall_clock_breakdown: bool = key(
         False, "Print data, forward, backward and optimizer timings every log step."
     )
@@ -201,14 +205,24 @@ class TextGenConfig:
     sample_output_file: str = key("samples.txt", "Where generations are written.")
     num_samples: int = key(1, "Samples drawn in unconditional mode.")
     recompute: bool = key(False, "Recompute attention over the whole text each step (no KV cache).")
-    return_logits: bool = key(False, "Also return the logits of generated tokens.")
+    return_logits: bool = no_effect(
+        False,
+        "Also return the logits of generated tokens.",
+        "generate writes text; logits are not returned",
+    )
     precompute_model_name: str | None = unsupported(
         None,
         "Name used for precomputed log-probabilities.",
         "text_gen_type 'precompute' is not supported",
     )
-    eval_tasks: list[str] | None = key(None, "lm-evaluation-harness tasks run at eval_interval.")
-    eval_results_prefix: str = key("", "Prefix of evaluation result files.")
+    eval_tasks: list[str] | None = unsupported(
+        None,
+        "lm-evaluation-harness tasks run at eval_interval.",
+        "lm-evaluation-harness during training is not wired up yet; remove eval_tasks",
+    )
+    eval_results_prefix: str = no_effect(
+        "", "Prefix of evaluation result files.", "evaluations go to metrics.jsonl"
+    )
 
 
 @dataclass
@@ -220,8 +234,12 @@ class LauncherConfig:
     exclude: str | None = no_effect(None, "Hosts and GPUs to leave out.", LAUNCH)
     num_nodes: int = key(-1, "Nodes to run on; -1 means all.")
     num_gpus: int | None = key(None, "GPUs per node.")
-    master_port: int = key(29500, "Rendezvous port of rank 0.")
-    master_addr: str | None = key(None, "Address of rank 0's node.")
+    master_port: int = no_effect(
+        29500, "Rendezvous port of rank 0.", "torchrun's --master-port or --rdzv-endpoint decides"
+    )
+    master_addr: str | None = no_effect(
+        None, "Address of rank 0's node.", "torchrun's --master-addr or --rdzv-endpoint decides"
+    )
     launcher: Literal["pdsh", "openmpi", "mvapich", "slurm"] = no_effect(
         "pdsh", "DeepSpeed's multi-node launcher.", LAUNCH
     )

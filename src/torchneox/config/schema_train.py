@@ -114,7 +114,8 @@ class LRConfig:
     min_lr: float = key(0.0, "Floor of the learning rate.")
     warmup: float = key(0.01, "Linear warmup over this fraction of the decay steps.")
     override_lr_scheduler: bool = key(
-        False, "On resume, take the schedule from the config, not the checkpoint."
+        False,
+        "On resume, take the schedule from the config, not the checkpoint (torchneox's default).",
     )
     use_checkpoint_lr_scheduler: bool = key(
         False, "On resume, take the schedule from the checkpoint, not the config."

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from contextlib import contextmanager
@@ -79,6 +80,8 @@ class MetricsLogger:
                 raise ConfigError(
                     "needs the wandb package (pip install 'torchneox[wandb]')", key="use_wandb"
                 ) from None
+            if lg.wandb_host != "https://api.wandb.ai":
+                os.environ.setdefault("WANDB_BASE_URL", lg.wandb_host)
             self.wandb = wandb.init(
                 project=lg.wandb_project,
                 group=lg.wandb_group,

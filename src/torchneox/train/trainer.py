@@ -281,6 +281,16 @@ class Trainer:
         if "rng" in state:
             torch.set_rng_state(state["rng"]["torch"])
         self.iteration = int(meta["iteration"])
+        if self.cfg.lr.use_checkpoint_lr_scheduler:
+            saved = checkpoint.checkpoint_config(step_dir)
+            sd = derive(saved, world_size=self.dims.world_size)
+            lr = saved.config.lr
+            self.schedule = Schedule(
+                sd["lr"], lr.min_lr, sd["warmup_iters"], sd["lr_decay_iters"], lr.lr_decay_style
+            )
+            self.logger.line(
+                "learning-rate schedule taken from the checkpoint (use_checkpoint_lr_scheduler)"
+            )
         self.train_loader.load_state_dict(meta["loaders"]["train"])
         if self.valid_loader is not None and "valid" in meta["loaders"]:
             self.valid_loader.load_state_dict(meta["loaders"]["valid"])
