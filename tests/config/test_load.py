@@ -332,3 +332,16 @@ def test_config_path_is_read_relative_to_cwd(tmp_path, monkeypatch):
 def test_shipped_configs_explain(path):
     derived = derive(load_config([path]), world_size=8)
     assert derived["num_parameters"] > 0 and derived["train_batch_size"] > 0
+
+
+def test_launcher_keys_become_a_torchrun_command(write, tmp_path):
+    hostfile = write("hosts", "# two nodes\nnode-a slots=8\nnode-b slots=8\n")
+    d = derive(load_config([write("a.yml", MODEL)], [f"hostfile={hostfile}"]), world_size=16)
+    assert d["launch"].startswith(
+        "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint node-a:29500"
+    )
+    d = derive(load_config([write("b.yml", MODEL)], ["num_gpus=4"]), world_size=4)
+    assert d["launch"].startswith("torchrun --standalone --nproc-per-node 4 -m torchneox train")
+    bad = write("badhosts", "node-a eight\n")
+    with pytest.raises(ConfigError, match="badhosts:1: expected 'HOST slots=N'"):
+        derive(load_config([write("c.yml", MODEL)], [f"hostfile={bad}"]), world_size=1)

@@ -67,8 +67,56 @@ def derive(
     _schedule(cfg, out)
     _model(loaded, out)
     _data(cfg, out)
+    _launch(loaded, out)
     _no_effect(loaded, out)
     return out
+
+
+def read_hostfile(path: str) -> list[tuple[str, int]]:
+    """DeepSpeed's hostfile: 'HOST slots=N' per line, '#' comments."""
+    hosts = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        slots = [p for p in parts[1:] if p.startswith("slots=")]
+        if not slots or not slots[0][6:].isdigit():
+            raise ConfigError(
+                f"{path}:{number}: expected 'HOST slots=N', got {line!r}", key="hostfile"
+            )
+        hosts.append((parts[0], int(slots[0][6:])))
+    return hosts
+
+
+def _launch(loaded: LoadedConfig, out: Derived) -> None:
+    """The torchrun command that runs this config where GPT-NeoX's launcher keys say."""
+    lc = loaded.config.launcher
+    files = " ".join(loaded.files)
+    hosts: list[tuple[str, int]] = []
+    if lc.hostfile and Path(lc.hostfile).is_file():
+        hosts = read_hostfile(lc.hostfile)
+    if hosts:
+        if lc.num_nodes and lc.num_nodes > 0:
+            hosts = hosts[: lc.num_nodes]
+        nodes = len(hosts)
+        gpus = min(lc.num_gpus or hosts[0][1], min(s for _, s in hosts))
+        head = lc.master_addr or hosts[0][0]
+        why = f"from hostfile {lc.hostfile}: {nodes} host(s) x {gpus} GPU(s); run it on every host"
+    elif lc.num_gpus:
+        nodes, gpus = max(lc.num_nodes, 1), lc.num_gpus
+        head = lc.master_addr or "HEAD_NODE"
+        why = f"from num_gpus {gpus} and num_nodes {lc.num_nodes}; run it on every node"
+    else:
+        return
+    if nodes == 1:
+        cmd = f"torchrun --standalone --nproc-per-node {gpus} -m torchneox train {files}"
+    else:
+        cmd = (
+            f"torchrun --nnodes {nodes} --nproc-per-node {gpus} --rdzv-backend c10d "
+            f"--rdzv-endpoint {head}:{lc.master_port} --rdzv-id torchneox -m torchneox train {files}"
+        )
+    out.put("launch", cmd, why)
 
 
 # ------------------------------------------------------------------------------ layout

@@ -48,6 +48,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "flops_per_token",
     ),
     "Data": ("data",),
+    "Launch": ("launch",),
 }
 
 STATUS_WORDS = {

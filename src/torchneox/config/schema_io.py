@@ -229,16 +229,16 @@ class TextGenConfig:
 class LauncherConfig:
     """GPT-NeoX's DeepSpeed launcher settings (torchneox is launched with torchrun)."""
 
-    hostfile: str | None = no_effect(None, "File of hosts and their GPU slots.", LAUNCH)
+    hostfile: str | None = key(
+        None, "File of 'host slots=N' lines; config explain turns it into the torchrun command."
+    )
     include: str | None = no_effect(None, "Hosts and GPUs to use.", LAUNCH)
     exclude: str | None = no_effect(None, "Hosts and GPUs to leave out.", LAUNCH)
     num_nodes: int = key(-1, "Nodes to run on; -1 means all.")
     num_gpus: int | None = key(None, "GPUs per node.")
-    master_port: int = no_effect(
-        29500, "Rendezvous port of rank 0.", "torchrun's --master-port or --rdzv-endpoint decides"
-    )
-    master_addr: str | None = no_effect(
-        None, "Address of rank 0's node.", "torchrun's --master-addr or --rdzv-endpoint decides"
+    master_port: int = key(29500, "Rendezvous port, used in the torchrun command explain prints.")
+    master_addr: str | None = key(
+        None, "Rendezvous host (default: the hostfile's first host), used in the torchrun command."
     )
     launcher: Literal["pdsh", "openmpi", "mvapich", "slurm"] = no_effect(
         "pdsh", "DeepSpeed's multi-node launcher.", LAUNCH
