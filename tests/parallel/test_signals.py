@@ -1,0 +1,101 @@
+"""SIGTERM (Slurm preemption): the current step finishes, a checkpoint is saved, the process
+exits cleanly, and the same command resumes exactly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.parallel.test_data_parallel import losses, train
+from torchneox.train import checkpoint
+
+
+def start(config, save, nproc=1):
+    args = [
+        sys.executable,
+        "-m",
+        "torchneox",
+        "train",
+        config,
+        "--set",
+        f"save={save}",
+        "--set",
+        f"load={save}",
+    ]
+    if nproc > 1:
+        args = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            "-m",
+            "torchneox",
+            "train",
+            config,
+            "--set",
+            f"save={save}",
+            "--set",
+            f"load={save}",
+        ]
+    return subprocess.Popen(
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        start_new_session=True,
+    )
+
+
+def wait_for_steps(save, count, proc, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        metrics = save / "metrics.jsonl"
+        if (
+            metrics.is_file()
+            and sum('"lm_loss"' in x for x in metrics.read_text().splitlines()) >= count
+        ):
+            return
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        time.sleep(0.05)
+    raise AssertionError("training did not start")
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_sigterm_saves_and_the_same_command_resumes(make_config, tmp_path, nproc):
+    common = {
+        "train_batch_size": 8,
+        "gradient_accumulation_steps": 2,
+        "hidden_dropout": 0.0,
+        "eval_iters": 0,
+        "log_interval": 1,
+        "num_workers": 0,
+        "seq_length": 64,
+        "lr_decay_iters": 300,
+    }
+    cfg = make_config(train_iters=300, train_micro_batch_size_per_gpu=4 // nproc, **common)
+    save = tmp_path / "run"
+    proc = start(cfg, save, nproc)
+    wait_for_steps(save, 3, proc)
+    os.killpg(proc.pid, signal.SIGTERM) if nproc > 1 else proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=120)[0]
+    if nproc == 1:
+        assert proc.returncode == 0, output[-3000:]
+    assert "saving after this step" in output
+    stopped = checkpoint.read_meta(checkpoint.resolve(save))["iteration"]
+    assert 3 <= stopped < 300
+    assert max(losses(save)) == stopped
+    # the same config continued for 2 steps (in one process) gives the losses of a run never stopped
+    more = [f"exit_interval={stopped + 2}", "train_micro_batch_size_per_gpu=4"]
+    train(cfg, f"save={save}", f"load={save}", *more)
+    train(cfg, f"save={tmp_path / 'whole'}", "load=null", *more)
+    after, whole = losses(save), losses(tmp_path / "whole")
+    for k in (stopped + 1, stopped + 2):
+        assert after[k] == pytest.approx(whole[k], rel=1e-5), k
