@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from tests.parallel.test_data_parallel import losses, train, weights
+from torchneox.cli import main
 from torchneox.config.load import load_config
+from torchneox.convert import load_model
 from torchneox.models.args import model_args
 from torchneox.parallel.pipeline import rank_stage_indices, stage_layers
 from torchneox.train.trainer import Trainer
@@ -68,6 +70,16 @@ def test_pipeline_layouts_equal_one_process(config, tmp_path, baseline, layout):
         assert got[k] == pytest.approx(one_losses[k], rel=1e-5, abs=1e-6), k
     for name, tensor in weights(out).items():
         torch.testing.assert_close(tensor, one_weights[name], rtol=1e-4, atol=1e-5, msg=name)
+    if (
+        layout == "dp2-tp2-pp2-zero3"
+    ):  # a checkpoint written by 8 sharded processes exports as any other
+        transformers = pytest.importorskip("transformers")
+        assert main(["convert", "to-hf", str(out), str(tmp_path / "hf")]) == 0
+        hf = transformers.GPTNeoXForCausalLM.from_pretrained(tmp_path / "hf").eval()
+        _, ours = load_model(out)
+        tokens = torch.randint(0, 256, (2, 16))
+        with torch.no_grad():
+            torch.testing.assert_close(hf(tokens).logits, ours.eval()(tokens), atol=1e-5, rtol=1e-5)
 
 
 def test_pipeline_checkpoint_resumes_as_data_parallel(config, tmp_path, make_config):
