@@ -41,6 +41,38 @@ def weights(folder) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
+def assert_same_training(out, baseline) -> None:
+    """The run in ``out`` has the losses and final weights of the one-process ``baseline``."""
+    one_losses, one_weights = baseline
+    got = losses(out)
+    assert sorted(got) == sorted(one_losses)
+    for k in got:
+        assert got[k] == pytest.approx(one_losses[k], rel=1e-5, abs=1e-6), k
+    for name, tensor in weights(out).items():
+        torch.testing.assert_close(tensor, one_weights[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def assert_resumes_like_whole(
+    cfg,
+    tmp_path,
+    whole: list[str],
+    first: list[str],
+    first_nproc: int,
+    then: list[str],
+    then_nproc: int = 1,
+):
+    """Stop at step 3 under layout ``first``, resume under ``then``: steps 4-6 equal a run
+    never stopped (``whole``, one process). Returns the run's folder."""
+    train(cfg, f"save={tmp_path / 'whole'}", "load=null", *whole)
+    moved = tmp_path / "moved"
+    train(cfg, f"save={moved}", f"load={moved}", *first, "exit_interval=3", nproc=first_nproc)
+    train(cfg, f"save={moved}", f"load={moved}", *then, nproc=then_nproc)
+    done, after = losses(tmp_path / "whole"), losses(moved)
+    for k in (4, 5, 6):
+        assert after[k] == pytest.approx(done[k], rel=1e-5), k
+    return moved
+
+
 @pytest.fixture
 def config(make_config):
     return make_config(
@@ -65,13 +97,8 @@ def test_two_processes_equal_one(config, tmp_path, baseline, stage):
     out = tmp_path / f"zero{stage}"
     run = train(config, f"save={out}", "load=null", f"zero_optimization.stage={stage}", nproc=2)
     assert "data_parallel" not in run.stderr
-    one_losses, one_weights = baseline
-    two = losses(out)
-    assert sorted(two) == [1, 2, 3, 4]
-    for k in two:
-        assert two[k] == pytest.approx(one_losses[k], rel=1e-5, abs=1e-6), k
-    for name, tensor in weights(out).items():
-        torch.testing.assert_close(tensor, one_weights[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert sorted(losses(out)) == [1, 2, 3, 4]
+    assert_same_training(out, baseline)
 
 
 def test_checkpoint_moves_from_two_sharded_processes_to_one(
@@ -87,21 +114,9 @@ def test_checkpoint_moves_from_two_sharded_processes_to_one(
         hidden_dropout=0.0,
         num_workers=0,
     )
-    train(cfg, f"save={tmp_path / 'whole'}", "load=null", "train_micro_batch_size_per_gpu=4")
-    run_dir = tmp_path / "moved"
-    train(
-        cfg,
-        f"save={run_dir}",
-        f"load={run_dir}",
-        "zero_optimization.stage=3",
-        "exit_interval=3",
-        nproc=2,
-    )
-    assert checkpoint.read_meta(checkpoint.resolve(run_dir))["world_size"] == 2
-    train(cfg, f"save={run_dir}", f"load={run_dir}", "train_micro_batch_size_per_gpu=4")
-    whole, moved = losses(tmp_path / "whole"), losses(run_dir)
-    for k in (4, 5, 6):
-        assert moved[k] == pytest.approx(whole[k], rel=1e-5), k
+    one = ["train_micro_batch_size_per_gpu=4"]
+    moved = assert_resumes_like_whole(cfg, tmp_path, one, ["zero_optimization.stage=3"], 2, one)
+    assert checkpoint.read_meta(moved / "global_step3")["world_size"] == 2
 
 
 def test_world_size_that_does_not_fit_the_batch_is_refused(config, tmp_path):
@@ -189,12 +204,7 @@ def test_tensor_parallel_layouts_equal_one_process(
 ):
     out = tmp_path / "tp"
     train(untied, f"save={out}", "load=null", *layout, nproc=nproc)
-    one_losses, one_weights = untied_baseline
-    two = losses(out)
-    for k in one_losses:
-        assert two[k] == pytest.approx(one_losses[k], rel=1e-5, abs=1e-6), k
-    for name, tensor in weights(out).items():
-        torch.testing.assert_close(tensor, one_weights[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert_same_training(out, untied_baseline)
 
 
 def test_tensor_parallel_checkpoint_resumes_in_one_process(untied, tmp_path, make_config):
@@ -209,17 +219,4 @@ def test_tensor_parallel_checkpoint_resumes_in_one_process(untied, tmp_path, mak
         num_workers=0,
         no_weight_tying=True,
     )
-    train(cfg, f"save={tmp_path / 'whole'}", "load=null")
-    run_dir = tmp_path / "moved"
-    train(
-        cfg,
-        f"save={run_dir}",
-        f"load={run_dir}",
-        "model_parallel_size=2",
-        "exit_interval=3",
-        nproc=2,
-    )
-    train(cfg, f"save={run_dir}", f"load={run_dir}")
-    whole, moved = losses(tmp_path / "whole"), losses(run_dir)
-    for k in (4, 5, 6):
-        assert moved[k] == pytest.approx(whole[k], rel=1e-5), k
+    assert_resumes_like_whole(cfg, tmp_path, [], ["model_parallel_size=2"], 2, [])

@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.parallel.test_data_parallel import losses, train, weights
+from tests.parallel.test_data_parallel import (
+    assert_resumes_like_whole,
+    assert_same_training,
+    losses,
+    train,
+    weights,
+)
 from torchneox.cli import main
 from torchneox.config.load import load_config
 from torchneox.convert import load_model
@@ -63,16 +69,9 @@ def test_pipeline_layouts_equal_one_process(config, tmp_path, baseline, layout):
     nproc, overrides = LAYOUTS[layout]
     out = tmp_path / layout
     train(config, f"save={out}", "load=null", *overrides, nproc=nproc)
-    one_losses, one_weights = baseline
-    got = losses(out)
-    assert sorted(got) == sorted(one_losses)
-    for k in got:
-        assert got[k] == pytest.approx(one_losses[k], rel=1e-5, abs=1e-6), k
-    for name, tensor in weights(out).items():
-        torch.testing.assert_close(tensor, one_weights[name], rtol=1e-4, atol=1e-5, msg=name)
-    if (
-        layout == "dp2-tp2-pp2-zero3"
-    ):  # a checkpoint written by 8 sharded processes exports as any other
+    assert_same_training(out, baseline)
+    # a checkpoint written by 8 sharded processes exports as any other
+    if layout == "dp2-tp2-pp2-zero3":
         transformers = pytest.importorskip("transformers")
         assert main(["convert", "to-hf", str(out), str(tmp_path / "hf")]) == 0
         hf = transformers.GPTNeoXForCausalLM.from_pretrained(tmp_path / "hf").eval()
@@ -94,15 +93,10 @@ def test_pipeline_checkpoint_resumes_as_data_parallel(config, tmp_path, make_con
         num_workers=0,
         no_weight_tying=True,
     )
-    train(cfg, f"save={tmp_path / 'whole'}", "load=null")
-    moved = tmp_path / "moved"
-    train(cfg, f"save={moved}", f"load={moved}", "pipe_parallel_size=2", "exit_interval=3", nproc=2)
-    train(
-        cfg, f"save={moved}", f"load={moved}", "train_micro_batch_size_per_gpu=1", nproc=2
-    )  # dp=2 now
-    whole, after = losses(tmp_path / "whole"), losses(moved)
-    for k in (4, 5, 6):
-        assert after[k] == pytest.approx(whole[k], rel=1e-5), k
+    # two pipeline stages, then two data-parallel ranks
+    assert_resumes_like_whole(
+        cfg, tmp_path, [], ["pipe_parallel_size=2"], 2, ["train_micro_batch_size_per_gpu=1"], 2
+    )
 
 
 @pytest.mark.parametrize("pp", [0, 1])

@@ -16,34 +16,9 @@ from torchneox.train import checkpoint
 
 
 def start(config, save, nproc=1):
-    args = [
-        sys.executable,
-        "-m",
-        "torchneox",
-        "train",
-        config,
-        "--set",
-        f"save={save}",
-        "--set",
-        f"load={save}",
-    ]
-    if nproc > 1:
-        args = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(nproc),
-            "-m",
-            "torchneox",
-            "train",
-            config,
-            "--set",
-            f"save={save}",
-            "--set",
-            f"load={save}",
-        ]
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    args = [sys.executable, *(launcher if nproc > 1 else []), "-m", "torchneox", "train", config]
+    args += ["--set", f"save={save}", "--set", f"load={save}"]
     return subprocess.Popen(
         args,
         stdout=subprocess.PIPE,
