@@ -6,14 +6,13 @@ trainer, the estimator and the launcher read it.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from torchneox.config import sizes
+from torchneox.config.derived import Derived
 from torchneox.config.errors import ConfigError
 from torchneox.config.fields import Status
 from torchneox.config.load import LoadedConfig
@@ -24,32 +23,9 @@ from torchneox.config.validate import (
     layer_attention_types,
     split_fractions,
 )
+from torchneox.config.vocab import GPT2_VOCAB, tokenizer_vocab_size
 
-GPT2_VOCAB = 50257
-CHAR_VOCAB = 512
 MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
-
-
-@dataclass
-class Derived:
-    """Derived values in a fixed order, with a reason for each, and notes for the user."""
-
-    values: dict[str, Any] = field(default_factory=dict)
-    reasons: dict[str, str] = field(default_factory=dict)
-    no_effect: dict[str, str] = field(default_factory=dict)
-    """Key (or dotted sub-key) the config sets that changes nothing here -> why."""
-    notes: list[str] = field(default_factory=list)
-
-    def put(self, name: str, value: Any, reason: str) -> Any:
-        self.values[name] = value
-        self.reasons[name] = reason
-        return value
-
-    def __getitem__(self, name: str) -> Any:
-        return self.values[name]
-
-    def get(self, name: str, default: Any = None) -> Any:
-        return self.values.get(name, default)
 
 
 def derive(
@@ -412,50 +388,6 @@ def _schedule(cfg: NeoXConfig, out: Derived) -> None:
 
 
 # ------------------------------------------------------------------------------- model
-
-
-@dataclass(frozen=True)
-class VocabInfo:
-    size: int | None
-    reason: str
-    exact: bool
-    """True when read from the tokenizer's file (or fixed by the tokenizer kind)."""
-
-
-def tokenizer_vocab_size(cfg: NeoXConfig) -> VocabInfo:
-    """Size of the tokenizer's vocabulary, read from its file where that is cheap."""
-    tok = cfg.tokenizer
-    kind, path = tok.tokenizer_type, tok.vocab_file
-    if kind == "CharLevelTokenizer":
-        return VocabInfo(
-            CHAR_VOCAB, f"{CHAR_VOCAB}, the character-level tokenizer's vocabulary", True
-        )
-    readable = path is not None and Path(path).is_file()
-    if kind in ("GPT2BPETokenizer", "HFGPT2Tokenizer"):
-        extra = 1 if kind == "HFGPT2Tokenizer" else 0  # it adds a padding token
-        if readable:
-            n = len(_read_json(path, "vocab_file")) + extra
-            return VocabInfo(n, f"{n}, read from vocab_file {path}", True)
-        missing = f" (vocab_file {path} is not readable here)" if path else ""
-        return VocabInfo(
-            GPT2_VOCAB + extra, f"{GPT2_VOCAB + extra}, GPT-2's vocabulary{missing}", False
-        )
-    if kind == "HFTokenizer" and readable:
-        data = _read_json(path, "vocab_file")
-        ids = list((data.get("model") or {}).get("vocab", {}).values())
-        ids += [t["id"] for t in data.get("added_tokens", [])]
-        if ids:
-            n = max(ids) + 1
-            return VocabInfo(n, f"{n}, read from vocab_file {path}", True)
-    where = f"vocab_file {path} is not readable here" if path else "no vocab_file is given"
-    return VocabInfo(None, f"unknown: {where}", False)
-
-
-def _read_json(path: str, key: str) -> Any:
-    try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot read {path} as JSON ({e})", key=key) from None
 
 
 def _vocab(loaded: LoadedConfig, out: Derived) -> int:
