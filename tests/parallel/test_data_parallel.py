@@ -29,9 +29,9 @@ def train(config: str, *overrides: str, nproc: int = 1) -> subprocess.CompletedP
     return run
 
 
-def losses(folder) -> dict[int, float]:
+def losses(folder, key: str = "lm_loss") -> dict[int, float]:
     rows = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
-    return {r["iteration"]: r["lm_loss"] for r in rows if "lm_loss" in r}
+    return {r["iteration"]: r[key] for r in rows if key in r}
 
 
 def weights(folder) -> dict[str, torch.Tensor]:
@@ -41,13 +41,21 @@ def weights(folder) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
+def reference(folder):
+    """What a parallel run is compared with: the losses, gradient norms and final weights of
+    a one-process run."""
+    return losses(folder), losses(folder, "grad_norm"), weights(folder)
+
+
 def assert_same_training(out, baseline) -> None:
-    """The run in ``out`` has the losses and final weights of the one-process ``baseline``."""
-    one_losses, one_weights = baseline
-    got = losses(out)
-    assert sorted(got) == sorted(one_losses)
+    """The run in ``out`` has the losses, gradient norms (the gradients of every step, taken
+    whole) and final weights of the one-process ``baseline``."""
+    one_losses, one_norms, one_weights = baseline
+    got, norms = losses(out), losses(out, "grad_norm")
+    assert sorted(got) == sorted(one_losses) == sorted(norms)
     for k in got:
         assert got[k] == pytest.approx(one_losses[k], rel=1e-5, abs=1e-6), k
+        assert norms[k] == pytest.approx(one_norms[k], rel=1e-4, abs=1e-6), k
     for name, tensor in weights(out).items():
         torch.testing.assert_close(tensor, one_weights[name], rtol=1e-4, atol=1e-5, msg=name)
 
@@ -89,7 +97,7 @@ def config(make_config):
 @pytest.fixture
 def baseline(config, tmp_path):
     train(config, f"save={tmp_path / 'one'}", "load=null", "train_micro_batch_size_per_gpu=4")
-    return losses(tmp_path / "one"), weights(tmp_path / "one")
+    return reference(tmp_path / "one")
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -180,34 +188,59 @@ def untied_baseline(untied, tmp_path):
         "train_micro_batch_size_per_gpu=4",
         "gradient_accumulation_steps=2",
     )
-    return losses(tmp_path / "one"), weights(tmp_path / "one")
+    return reference(tmp_path / "one")
 
 
-@pytest.mark.parametrize(
-    ("nproc", "layout"),
-    [
-        (2, ["model_parallel_size=2"]),
-        (2, ["model_parallel_size=2", "sequence_parallel=true"]),
+TP_LAYOUTS = {
+    "tp2": (2, ["model_parallel_size=2"]),
+    # sequence parallelism, and selective activation checkpointing keeping the collectives
+    "tp2-sequence-parallel-selective-ac": (
+        2,
+        [
+            "model_parallel_size=2",
+            "sequence_parallel=true",
+            "checkpoint_activations=true",
+            "checkpoint_activations_mode=selective",
+        ],
+    ),
+}
+for stage in (0, 1, 2, 3):
+    TP_LAYOUTS[f"dp2-tp2-zero{stage}"] = (
+        4,
+        [
+            "model_parallel_size=2",
+            "train_micro_batch_size_per_gpu=2",
+            f"zero_optimization.stage={stage}",
+        ],
+    )
+
+
+@pytest.mark.parametrize("layout", list(TP_LAYOUTS))
+def test_tensor_parallel_layouts_equal_one_process(untied, tmp_path, untied_baseline, layout):
+    nproc, overrides = TP_LAYOUTS[layout]
+    out = tmp_path / "tp"
+    train(untied, f"save={out}", "load=null", *overrides, nproc=nproc)
+    assert_same_training(out, untied_baseline)
+
+
+RESHARDS = {
+    "tp2-to-one": ((["model_parallel_size=2"], 2), ([], 1)),
+    "dp4-zero1-to-dp2-tp2-zero3": (
+        (["train_micro_batch_size_per_gpu=1", "zero_optimization.stage=1"], 4),
         (
-            4,
             [
                 "model_parallel_size=2",
                 "train_micro_batch_size_per_gpu=2",
                 "zero_optimization.stage=3",
             ],
+            4,
         ),
-    ],
-    ids=["tp2", "tp2-sequence-parallel", "dp2-tp2-zero3"],
-)
-def test_tensor_parallel_layouts_equal_one_process(
-    untied, tmp_path, untied_baseline, nproc, layout
-):
-    out = tmp_path / "tp"
-    train(untied, f"save={out}", "load=null", *layout, nproc=nproc)
-    assert_same_training(out, untied_baseline)
+    ),
+}
 
 
-def test_tensor_parallel_checkpoint_resumes_in_one_process(untied, tmp_path, make_config):
+@pytest.mark.parametrize("move", list(RESHARDS))
+def test_tensor_parallel_checkpoints_reshard(untied, tmp_path, make_config, move):
     cfg = make_config(
         "u6.yml",
         train_batch_size=8,
@@ -219,4 +252,6 @@ def test_tensor_parallel_checkpoint_resumes_in_one_process(untied, tmp_path, mak
         num_workers=0,
         no_weight_tying=True,
     )
-    assert_resumes_like_whole(cfg, tmp_path, [], ["model_parallel_size=2"], 2, [])
+    (first, first_n), (then, then_n) = RESHARDS[move]
+    moved = assert_resumes_like_whole(cfg, tmp_path, [], first, first_n, then, then_n)
+    assert checkpoint.read_meta(moved / "global_step3")["world_size"] == first_n

@@ -9,9 +9,8 @@ import torch
 from tests.parallel.test_data_parallel import (
     assert_resumes_like_whole,
     assert_same_training,
-    losses,
+    reference,
     train,
-    weights,
 )
 from torchneox.cli import main
 from torchneox.config.load import load_config
@@ -39,7 +38,7 @@ def config(make_config):
 @pytest.fixture
 def baseline(config, tmp_path):
     train(config, f"save={tmp_path / 'one'}", "load=null")
-    return losses(tmp_path / "one"), weights(tmp_path / "one")
+    return reference(tmp_path / "one")
 
 
 LAYOUTS = {
@@ -47,21 +46,16 @@ LAYOUTS = {
     "pp2-gpipe": (2, ["pipe_parallel_size=2", "pipeline_schedule=gpipe"]),
     "pp2-interleaved": (2, ["pipe_parallel_size=2", "pipeline_schedule=interleaved_1f1b"]),
     "pp2-zbv": (2, ["pipe_parallel_size=2", "pipeline_schedule=zbv"]),
-    "dp2-pp2-zero2": (
-        4,
-        ["pipe_parallel_size=2", "train_micro_batch_size_per_gpu=1", "zero_optimization.stage=2"],
-    ),
     "tp2-pp2": (4, ["pipe_parallel_size=2", "model_parallel_size=2"]),
-    "dp2-tp2-pp2-zero3": (
-        8,
-        [
-            "pipe_parallel_size=2",
-            "model_parallel_size=2",
-            "train_micro_batch_size_per_gpu=1",
-            "zero_optimization.stage=3",
-        ],
-    ),
 }
+# every ZeRO stage with data x pipeline and data x tensor x pipeline parallelism
+for stage in (0, 1, 2, 3):
+    zero = ["train_micro_batch_size_per_gpu=1", f"zero_optimization.stage={stage}"]
+    LAYOUTS[f"dp2-pp2-zero{stage}"] = (4, ["pipe_parallel_size=2", *zero])
+    LAYOUTS[f"dp2-tp2-pp2-zero{stage}"] = (
+        8,
+        ["pipe_parallel_size=2", "model_parallel_size=2", *zero],
+    )
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

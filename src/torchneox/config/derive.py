@@ -566,6 +566,10 @@ def _no_effect(loaded: LoadedConfig, out: Derived) -> None:
             not cfg.training.checkpoint_activations and loaded.given("checkpoint_num_layers"),
             "checkpoint_activations is false",
         ),
+        "checkpoint_activations_mode": (
+            not cfg.training.checkpoint_activations and loaded.given("checkpoint_activations_mode"),
+            "checkpoint_activations is false",
+        ),
         "moe_top_k": (
             cfg.moe.moe_num_experts == 1 and loaded.given("moe_top_k"),
             "moe_num_experts is 1",

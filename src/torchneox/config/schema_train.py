@@ -185,6 +185,11 @@ class TrainingConfig:
     checkpoint_num_layers: int = key(
         1, "Checkpoint every this many blocks (1: all; GPT-NeoX recomputes chunks of this many)."
     )
+    checkpoint_activations_mode: Literal["full", "selective"] = extension(
+        "full",
+        "With checkpoint_activations: 'full' recomputes whole blocks; 'selective' keeps the outputs "
+        "of matrix multiplies, attention and collectives and recomputes only the elementwise work.",
+    )
     compile: bool = extension(
         False, "torch.compile each transformer block (for GPUs; slow to start on CPU)."
     )

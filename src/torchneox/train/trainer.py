@@ -171,7 +171,11 @@ class Trainer:
         if self.tensor_parallel:
             apply_tensor_parallel(model, self.dims.mesh["tp"], cfg.parallel.sequence_parallel)
         if cfg.training.checkpoint_activations:
-            apply_activation_checkpointing(model, cfg.training.checkpoint_num_layers)
+            apply_activation_checkpointing(
+                model,
+                cfg.training.checkpoint_num_layers,
+                cfg.training.checkpoint_activations_mode,
+            )
         if cfg.training.compile:
             compile_blocks(model)
         if self.dims.dp > 1:
