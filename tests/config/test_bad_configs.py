@@ -126,6 +126,24 @@ CASES = [
         ["4 stages but only 2 layers"],
     ),
     (
+        "1f1b-fewer-micro-batches-than-stages",
+        {
+            "a.yml": "{num_layers: 4, pipe_parallel_size: 4, pipeline_schedule: 1f1b, "
+            "train_micro_batch_size_per_gpu: 2}"
+        },
+        ["--world-size", "4"],
+        ["gradient_accumulation_steps: 1 micro-batches per step, but pipeline_schedule 1f1b needs"],
+    ),
+    (
+        "interleaved-micro-batches-not-multiple",
+        {
+            "a.yml": "{num_layers: 4, pipe_parallel_size: 2, pipeline_schedule: interleaved_1f1b, "
+            "train_micro_batch_size_per_gpu: 2, gradient_accumulation_steps: 3}"
+        },
+        ["--world-size", "2"],
+        ["schedule interleaved_1f1b needs a multiple of pipe_parallel_size (2)"],
+    ),
+    (
         "key-in-two-files",
         {"a.yml": "{seed: 1}", "b.yml": "{seed: 2}"},
         [],

@@ -116,6 +116,11 @@ def test_layout_and_pipeline_decision(write):
         assert d["pipeline_stages"] == max(pp, 1)
         assert d["data_parallel_size"] == 8 // (max(pp, 1) * 2)
     d = derive(load_config([path], ["pipe_parallel_size=2"]), world_size=2)
+    assert d["pipeline_schedule"] == "gpipe"  # the default 1f1b needs 2 micro-batches
+    assert "1f1b needs a micro-batch per stage (2)" in d.reasons["pipeline_schedule"]
+    d = derive(
+        load_config([path], ["pipe_parallel_size=2", "gradient_accumulation_steps=2"]), world_size=2
+    )
     assert d["pipeline_schedule"] == "1f1b"
 
 

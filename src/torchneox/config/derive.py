@@ -256,6 +256,7 @@ def _batch(loaded: LoadedConfig, out: Derived) -> None:
         if reason == "given":
             reason = f"{value}, as given"
         out.put(name, value, reason)
+    _pipeline_micro_batches(loaded, out, gas)
     seq = loaded.config.model.seq_length
     if seq:
         out.put(
@@ -263,6 +264,34 @@ def _batch(loaded: LoadedConfig, out: Derived) -> None:
             tbs * seq,
             f"{tbs * seq:,} = train_batch_size {tbs} x seq_length {seq}",
         )
+
+
+def _pipeline_micro_batches(loaded: LoadedConfig, out: Derived, gas: int) -> None:
+    """The schedules' own limits on the micro-batch count, checked before any process starts."""
+    if not out["pipeline_schedule_runs"]:
+        return
+    p = loaded.config.parallel
+    stages, schedule = p.pipe_parallel_size, p.pipeline_schedule
+    if schedule == "1f1b" and gas < stages:
+        if not loaded.given("pipeline_schedule"):
+            out.put(
+                "pipeline_schedule",
+                "gpipe",
+                f"'gpipe': the default 1f1b needs a micro-batch per stage ({stages}) and "
+                f"gradient_accumulation_steps is {gas}; with so few the two run the same way",
+            )
+            return
+        problem = f"needs at least one micro-batch per stage ({stages})"
+    elif schedule not in ("1f1b", "gpipe") and gas % stages:
+        problem = f"needs a multiple of pipe_parallel_size ({stages}) micro-batches"
+    else:
+        return
+    raise ConfigError(
+        f"{gas} micro-batches per step, but pipeline_schedule {schedule} {problem}; raise "
+        "gradient_accumulation_steps or use pipeline_schedule: gpipe",
+        source=loaded.source("gradient_accumulation_steps"),
+        key="gradient_accumulation_steps",
+    )
 
 
 # --------------------------------------------------------------------------- precision

@@ -208,7 +208,7 @@ class Trainer:
             self.args,
             self.dims.mesh["pp"],
             self.device,
-            cfg.parallel.pipeline_schedule,
+            self.derived["pipeline_schedule"],
             cfg.parallel.pipeline_virtual_stages,
             self.grad_accum,
             cfg.parallel.pipe_partition_method,

@@ -1,0 +1,79 @@
+"""Pipeline bubble against theory. For p stages and m micro-batches, a 1F1B or GPipe step
+leaves each stage idle for a fraction (p-1)/(m+p-1) of it. Measured: the step time T_p of
+`torchneox train` with pipe_parallel_size p (one thread per stage) against T_1, the same model,
+batch and micro-batches in one process on one thread; perfect pipelining would take T_1 / p,
+so the measured idle fraction is 1 - T_1 / (p T_p). The difference from theory is what the
+stage imbalance (embedding on the first stage, head on the last) and the point-to-point
+sends cost on top of the bubble.
+
+    python benchmarks/pipeline_bubble.py [--stages 2 4] [--micro-batches 1 2 4 8] [--schedule 1f1b]
+
+Needs p free cores for p stages: on fewer, idle stages lend their core to busy ones and the
+bubble looks smaller than it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from _runs import model_keys, synthetic_dataset, timed_run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--out", default=None, help="also append the JSON rows to this file")
+    parser.add_argument("--work", default=None)
+    args = parser.parse_args()
+    cores = os.cpu_count() or 1
+    work = Path(args.work or tempfile.mkdtemp(prefix="bubble-"))
+    data = synthetic_dataset(work)
+    for m in args.micro_batches:
+        keys = model_keys(args.layers, args.hidden, 4, args.seq) | {
+            "data_path": data,
+            "train_micro_batch_size_per_gpu": args.micro_batch,
+            "gradient_accumulation_steps": m,
+            "train_batch_size": args.micro_batch * m,
+        }
+        if args.schedule != "1f1b":  # the default; it becomes gpipe below one micro-batch per stage
+            keys["pipeline_schedule"] = args.schedule
+        one = timed_run(work / f"p1-m{m}", keys, 1, 1, args.steps)
+        for p in args.stages:
+            if args.schedule not in ("gpipe", "1f1b") and m % p:
+                continue
+            got = timed_run(work / f"p{p}-m{m}", keys | {"pipe_parallel_size": p}, p, 1, args.steps)
+            row = {
+                "benchmark": "pipeline_bubble",
+                "schedule": args.schedule if m >= p else "gpipe",
+                "stages": p,
+                "micro_batches": m,
+                "layers": args.layers,
+                "hidden": args.hidden,
+                "cores": cores,
+                "one_process_step_s": one["step_time_s"],
+                "pipeline_step_s": got["step_time_s"],
+                "measured_idle_fraction": round(
+                    1 - one["step_time_s"] / (p * got["step_time_s"]), 3
+                ),
+                "theory_idle_fraction": round((p - 1) / (m + p - 1), 3),
+                "oversubscribed": p > cores,
+            }
+            print(json.dumps(row), flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
