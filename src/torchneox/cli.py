@@ -189,6 +189,14 @@ def _data_and_eval_verbs(verbs: argparse._SubParsersAction) -> None:
     ev.add_argument("--batch-size", type=int, default=8)
     ev.add_argument("--device")
 
+    ck = verbs.add_parser("checkpoint", help="check checkpoints")
+    ck_verbs = ck.add_subparsers(dest="checkpoint_verb", metavar="ACTION", parser_class=_Parser)
+    ck_verbs.required = True
+    verify = ck_verbs.add_parser(
+        "verify", help="compare a checkpoint (or every one in a save directory) with its manifest"
+    )
+    verify.add_argument("dir", metavar="DIR", help="a save directory or one global_stepN")
+
     plot = verbs.add_parser("plot", help="draw loss curves of runs to a PNG")
     plot.add_argument("runs", nargs="+", metavar="RUN_DIR", help="folders with a metrics.jsonl")
     plot.add_argument("--out", default="loss.png")
@@ -308,8 +316,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     loaded = load_config(args.files, args.overrides)
     try:
         Trainer(loaded, device=args.device, load_step=args.load_step).run()
-    finally:
-        shutdown()
+    except BaseException:
+        shutdown(clean=False)
+        raise
+    shutdown()
     return 0
 
 
@@ -445,6 +455,27 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_checkpoint_verify(args: argparse.Namespace) -> int:
+    from torchneox.train import checkpoint
+
+    root = Path(args.dir)
+    if not root.is_dir():
+        raise ConfigError("no such checkpoint directory", source=str(root))
+    steps = [p for _, p in checkpoint.step_dirs(root)] or [root]
+    bad = 0
+    for step in steps:
+        problems = checkpoint.verify(step)
+        bad += bool(problems)
+        print(f"{step}: " + ("complete" if not problems else "; ".join(problems)))
+    latest = root / "latest"
+    if latest.is_file():
+        name = latest.read_text().strip()
+        ok = (root / name).is_dir() and not checkpoint.verify(root / name)
+        bad += not ok
+        print(f"{latest}: {name}" + ("" if ok else " (missing or damaged)"))
+    return 1 if bad else 0
+
+
 def _cmd_plot(args: argparse.Namespace) -> int:
     from torchneox.train.plot import plot_runs
 
@@ -467,6 +498,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             handler = {"explain": _cmd_config_explain, "keys": _cmd_config_keys}[args.config_verb]
         elif args.verb == "data":
             handler = {"batch": _cmd_data_batch}[args.data_verb]
+        elif args.verb == "checkpoint":
+            handler = {"verify": _cmd_checkpoint_verify}[args.checkpoint_verb]
         else:
             handler = {
                 "demo": _cmd_demo,

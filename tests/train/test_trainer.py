@@ -174,7 +174,9 @@ def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_checkpoint(make_conf
     cfg = make_config(train_iters=5, checkpoint_factor=2, save=str(tmp_path / "n"))
     trainer = Trainer(load_config([cfg]), device="cpu")
     _poison(trainer, 3, float("nan"))
-    with pytest.raises(TrainingStopped, match=r"step 3: .* is nan; .*global_step2"):
+    with pytest.raises(
+        TrainingStopped, match=r"step 3: the loss is nan .*; stopping .*global_step2"
+    ):
         trainer.run()
     assert (tmp_path / "n" / "latest").read_text().strip() == "global_step2"
     assert checkpoint.read_meta(checkpoint.resolve(tmp_path / "n"))["iteration"] == 2

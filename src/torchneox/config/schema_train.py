@@ -215,6 +215,12 @@ class TrainingConfig:
     deepspeed_activation_checkpointing: bool = no_effect(
         True, "Use DeepSpeed's activation checkpointing.", "torch's checkpointing is always used"
     )
+    skip_nonfinite_steps: int = extension(
+        0,
+        "Steps whose loss or gradient is NaN/Inf that may be skipped (not applied, counted in "
+        "skipped_steps) before the run stops; 0: stop at the first. fp16 runs skip through the "
+        "loss scaler instead.",
+    )
     eod_mask_loss: bool = key(False, "Leave end-of-document tokens out of the loss.")
     short_seq_prob: float = no_effect(
         0.1, "Chance of a short sample (BERT-era Megatron).", "GPT samples are always full length"

@@ -452,6 +452,7 @@ def _check_training(ch: _Checker) -> None:
         ch.positive(k)
     ch.positive("eval_iters", allow_zero=True)
     ch.positive("seed", allow_zero=True)
+    ch.positive("skip_nonfinite_steps", allow_zero=True)
     if (
         t.batch_size is not None
         and t.train_micro_batch_size_per_gpu is not None

@@ -69,11 +69,13 @@ def init_distributed(device_type: str, backend: str | None, timeout_minutes: flo
     return world
 
 
-def shutdown() -> None:
-    """Leave the process group cleanly (DTensor users otherwise abort at exit on torch 2.13)."""
+def shutdown(clean: bool = True) -> None:
+    """Leave the process group (DTensor users otherwise abort at exit on torch 2.13). After a
+    failure (``clean`` False) other ranks may be gone, so there is no barrier."""
     if dist.is_initialized():
         import gc
 
         gc.collect()
-        dist.barrier()
+        if clean:
+            dist.barrier()
         dist.destroy_process_group()

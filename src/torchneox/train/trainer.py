@@ -30,6 +30,7 @@ from torchneox.data.datasets import build_splits
 from torchneox.data.loader import BatchLoader
 from torchneox.data.tokenizers import build_tokenizer
 from torchneox.errors import TrainingStopped
+from torchneox.faults import fault_point
 from torchneox.models.args import ModelArgs
 from torchneox.models.transformer import Transformer, build_model
 from torchneox.parallel.activation_ckpt import apply_activation_checkpointing, compile_blocks
@@ -100,6 +101,15 @@ def _device(requested: str | None) -> torch.device:
     return torch.device("cpu")
 
 
+def _is_lost_rank(error: RuntimeError) -> bool:
+    """Whether a collective failed because a peer died or stopped answering (gloo/NCCL)."""
+    text = str(error).lower()
+    return isinstance(error, dist.DistError) or any(
+        marker in text
+        for marker in ("timed out", "timeout", "connection closed by peer", "connection reset")
+    )
+
+
 class Trainer:
     def __init__(
         self, loaded: LoadedConfig, device: str | None = None, load_step: int | None = None
@@ -137,6 +147,8 @@ class Trainer:
         self._build_loaders()
         self.iteration = 0
         self.save_dir = Path(cfg.checkpoint.save) if cfg.checkpoint.save else None
+        if self.save_dir is not None:
+            checkpoint.ensure_writable(self.save_dir)
         self.save_at = save_iterations(cfg, self.train_iters)
         log_dir = cfg.logging.log_dir or cfg.checkpoint.save
         self.logger = MetricsLogger(
@@ -263,8 +275,12 @@ class Trainer:
 
     def _resume(self, load_dir: Path, step: int | None) -> None:
         if step is None and not (load_dir / "latest").is_file():
-            self.logger.line(f"no checkpoint in {load_dir}: starting from scratch")
-            return
+            # a save killed between its rename and moving 'latest' leaves a complete directory
+            newest = checkpoint.newest_complete(load_dir) if load_dir.is_dir() else None
+            if newest is None:
+                self.logger.line(f"no checkpoint in {load_dir}: starting from scratch")
+                return
+            step = int(newest.name.removeprefix("global_step"))
         step_dir = checkpoint.resolve(load_dir, step)
         ck = self.cfg.checkpoint
         if ck.finetune:
@@ -318,6 +334,7 @@ class Trainer:
 
     def train_step(self) -> dict[str, float]:
         iteration = self.iteration + 1
+        fault_point("step.start", iteration)
         lr = self.schedule.lr_for_update(iteration)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -329,11 +346,11 @@ class Trainer:
             total = torch.zeros((), device=self.device)
         for m, tokens in enumerate(micro_batches if self.pipeline is None else []):
             total += self._forward_backward(tokens, last=m == len(micro_batches) - 1)
-        with self.timers("optimizer"):
-            grad_norm, skipped = self._apply_gradients()
+        fault_point("step.backward", iteration)
         loss = self._mean_over_ranks(total / self.grad_accum).item()
-        if not math.isfinite(loss) and self.precision != "fp16":
-            raise TrainingStopped(self._nonfinite_message(iteration, f"the loss is {loss}"))
+        bad = None if math.isfinite(loss) else f"the loss is {loss}"
+        with self.timers("optimizer"):
+            grad_norm, skipped = self._apply_gradients(iteration, bad)
         self.iteration = iteration
         return {"lm_loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": float(skipped)}
 
@@ -363,29 +380,54 @@ class Trainer:
         dist.all_reduce(local, group=pp_group)
         return local
 
-    def _apply_gradients(self) -> tuple[float, bool]:
+    def _apply_gradients(self, iteration: int, bad: str | None) -> tuple[float, bool]:
+        """Unscale, clip and apply the gradients; returns the gradient norm and whether the step
+        was skipped. Non-finite values: in fp16 the loss scaler skips the step and lowers the
+        scale; otherwise up to skip_nonfinite_steps steps are skipped, then the run stops."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self.scaler.scale != 1.0:
             torch._foreach_div_([p.grad for p in params], self.scaler.scale)
         max_norm = self.clip if self.clip > 0 else float("inf")
         pp_group = self.dims.mesh["pp"].get_group() if self.pipeline is not None else None
         norm = clip_grad_norm(params, max_norm, pp_group).item()
-        overflow = not math.isfinite(norm)
-        if overflow and self.precision != "fp16":
-            raise TrainingStopped(
-                self._nonfinite_message(self.iteration + 1, f"the gradient norm is {norm}")
+        if bad is None and not math.isfinite(norm):
+            bad = f"the gradient norm is {norm}"
+        if bad is not None and self.precision != "fp16":
+            limit = self.cfg.training.skip_nonfinite_steps
+            if self.scaler.skipped >= limit:
+                more = (
+                    f" (the {limit} skips allowed by skip_nonfinite_steps are used up)"
+                    if limit
+                    else " (skip_nonfinite_steps lets a run skip such steps instead)"
+                )
+                raise TrainingStopped(self._nonfinite_message(iteration, bad + more))
+            self.logger.line(
+                f"step {iteration}: {bad}; step skipped ({self.scaler.skipped + 1} of {limit} "
+                "allowed by skip_nonfinite_steps)"
             )
+        overflow = bad is not None
         if not overflow:
             self.optimizer.step()
         self.scaler.update(overflow)
         self.optimizer.zero_grad(set_to_none=True)
         return norm, overflow
 
-    def _nonfinite_message(self, iteration: int, what: str) -> str:
-        kept = "no checkpoint was saved yet"
+    def _lost_rank_message(self, error: RuntimeError) -> str:
+        minutes = self.cfg.parallel.distributed_timeout_minutes
+        first = str(error).strip().splitlines()[0]
+        return (
+            f"rank {self.dims.rank}: a collective did not complete at step {self.iteration + 1} "
+            f"(distributed_timeout_minutes is {minutes:g}): another rank died or hangs ({first}); "
+            f"{self._last_good()}; rerun the same command to resume once every rank is healthy"
+        )
+
+    def _last_good(self) -> str:
         if self.save_dir is not None and (self.save_dir / "latest").is_file():
-            kept = f"the last good checkpoint is {self.save_dir / (self.save_dir / 'latest').read_text().strip()}"
-        return f"step {iteration}: {what}; stopping without applying it ({kept})"
+            return f"the last good checkpoint is {self.save_dir / (self.save_dir / 'latest').read_text().strip()}"
+        return "no checkpoint was saved yet"
+
+    def _nonfinite_message(self, iteration: int, what: str) -> str:
+        return f"step {iteration}: {what}; stopping without applying it ({self._last_good()})"
 
     # -------------------------------------------------------------------- evaluation
 
@@ -447,7 +489,10 @@ class Trainer:
             "has_rng": "rng" in state,
         }
         yaml_text = render_yaml(self.loaded, self.derived)
-        path = checkpoint.save_checkpoint(self.save_dir, self.iteration, state, yaml_text, meta)
+        try:
+            path = checkpoint.save_checkpoint(self.save_dir, self.iteration, state, yaml_text, meta)
+        except checkpoint.CheckpointWriteError as e:
+            raise TrainingStopped(str(e)) from None
         self._rotate()
         return path
 
@@ -483,6 +528,10 @@ class Trainer:
         old = {s: signal.signal(s, self._request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             return self._loop()
+        except RuntimeError as e:
+            if not _is_lost_rank(e):
+                raise
+            raise TrainingStopped(self._lost_rank_message(e)) from None
         finally:
             for s, handler in old.items():
                 signal.signal(s, handler)
