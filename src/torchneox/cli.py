@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -490,6 +491,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(Path(args.dir), args.overrides)
 
 
+def _one_line(error: BaseException) -> str:
+    """Messages from other libraries (YAML, torch) may span lines; the error is one line."""
+    return re.sub(r"\s*\n\s*", " ", str(error).strip())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -513,10 +519,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             }[args.verb]
         return handler(args)
     except (ConfigError, DataError) as e:
-        print(f"torchneox: error: {e}", file=sys.stderr)
+        print(f"torchneox: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_USER_ERROR
     except TrainingStopped as e:
-        print(f"torchneox: error: {e}", file=sys.stderr)
+        print(f"torchneox: error: {_one_line(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("torchneox: interrupted", file=sys.stderr)

@@ -9,7 +9,7 @@ import numpy as np
 
 from torchneox.config.schema import NeoXConfig
 from torchneox.data.blend import BlendedDataset, samples_per_dataset, weights_by_num_documents
-from torchneox.data.gpt_dataset import GPTDataset, split_ranges
+from torchneox.data.gpt_dataset import GPTDataset, split_ranges, split_shares
 from torchneox.data.indexed import DataError, IndexedDataset
 
 SPLITS = ("train", "valid", "test")
@@ -72,6 +72,15 @@ def build_splits(cfg: NeoXConfig, train_batch_size: int, vocab_size: int | None 
                 out[name] = GPTDataset(ds, name, docs, counts[name], seq, seed)
         if out["train"] is None:
             raise DataError(f"{d.data_path}: split {d.split!r} leaves no training documents")
+        shares = split_shares(d.split)
+        for i, name in enumerate(SPLITS):
+            if shares[i] > 0 and counts[name] > 0 and out[name] is None:
+                # GPT-NeoX silently runs without it; a run that asked for it should know
+                raise DataError(
+                    f"{d.data_path}: split {d.split!r} gives the {name} split none of the "
+                    f"{len(ds)} documents; use more data, or a split that gives {name} 0 to "
+                    "run without it"
+                )
         return Splits(**out)
     if not d.train_data_paths:
         raise DataError("no data: set data_path or train_data_paths")

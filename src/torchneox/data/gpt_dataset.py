@@ -174,14 +174,19 @@ class GPTDataset:
         return np.concatenate(parts).astype(np.int64)
 
 
-def split_ranges(split: str, num_documents: int) -> list[tuple[int, int]]:
-    """GPT-NeoX's document split: proportions rounded, the rounding error taken off the end."""
+def split_shares(split: str) -> list[float]:
+    """The train/valid/test proportions of a GPT-NeoX ``split`` string ("969,30,1")."""
     parts = (
         [float(p) for p in split.replace("/", ",").split(",")]
         if any(c in split for c in ",/")
         else [float(split)]
     )
-    parts = (parts + [0.0, 0.0])[:3]
+    return (parts + [0.0, 0.0])[:3]
+
+
+def split_ranges(split: str, num_documents: int) -> list[tuple[int, int]]:
+    """GPT-NeoX's document split: proportions rounded, the rounding error taken off the end."""
+    parts = split_shares(split)
     total = sum(parts)
     bounds = [0]
     for p in parts:

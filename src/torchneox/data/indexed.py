@@ -67,10 +67,15 @@ class IndexedDataset:
             else 0
         )
         actual = bin_path.stat().st_size
-        if actual < expected:
+        if actual != expected:
+            why = (
+                "the file is truncated or belongs to another dataset"
+                if actual < expected
+                else "the .idx belongs to another dataset, or the .bin was written to since"
+            )
             raise DataError(
-                f"{bin_path}: {actual} bytes but its .idx describes {expected}; the file is "
-                "truncated or belongs to another dataset"
+                f"{bin_path}: {actual} bytes but its .idx describes {expected}; {why}; "
+                "preprocess the data again"
             )
         self.data = (
             np.memmap(bin_path, dtype=self.dtype, mode="r") if actual else np.zeros(0, self.dtype)

@@ -1,0 +1,187 @@
+"""Faults while training: non-finite losses and gradients, a rank that hangs, bad data, and an
+interrupted preprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tests.train.test_trainer import _poison
+from torchneox.cli import main
+from torchneox.config.load import load_config
+from torchneox.data.indexed import IndexedDataset, IndexedDatasetWriter, paths
+from torchneox.errors import TrainingStopped
+from torchneox.train.trainer import Trainer
+
+
+def params(trainer):
+    return [p.detach().clone() for p in trainer.model.parameters()]
+
+
+def test_skip_nonfinite_steps_skips_and_counts_then_stops(make_config, tmp_path):
+    cfg = make_config(train_iters=6, skip_nonfinite_steps=2, save=str(tmp_path / "s"))
+    trainer = Trainer(load_config([cfg]), device="cpu")
+    _poison(trainer, 2, float("nan"))  # a NaN loss
+    trainer.train_step()
+    before = params(trainer)
+    out = trainer.train_step()
+    assert out["skipped"] == 1.0 and trainer.scaler.skipped == 1
+    assert all(torch.equal(p, b) for p, b in zip(params(trainer), before, strict=True))
+    # an Inf gradient at step 4 (the loss is finite)
+    weight = trainer.model.layers["0"].mlp.up.weight
+    hook = weight.register_hook(lambda g: g * float("inf") if trainer.iteration == 3 else g)
+    trainer.train_step()
+    out = trainer.train_step()
+    hook.remove()
+    assert out["skipped"] == 1.0 and trainer.scaler.skipped == 2
+    assert trainer.iteration == 4
+    _poison(trainer, 5, float("inf"))  # a third: the allowance is used up
+    with pytest.raises(TrainingStopped, match=r"step 5: .*skips allowed by skip_nonfinite_steps"):
+        trainer.train_step()
+
+
+def test_skipped_steps_reach_the_metrics(make_config, tmp_path):
+    cfg = make_config(train_iters=3, skip_nonfinite_steps=1, save=str(tmp_path / "m"), load=None)
+    trainer = Trainer(load_config([cfg]), device="cpu")
+    _poison(trainer, 2, float("nan"))
+    trainer.run()
+    rows = [json.loads(x) for x in (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()]
+    skipped = {r["iteration"]: r["skipped_steps"] for r in rows if "skipped_steps" in r}
+    assert skipped == {1: 0, 2: 1, 3: 1}
+
+
+def test_a_rank_that_hangs_ends_the_run_within_the_timeout(make_config, tmp_path):
+    cfg = make_config(
+        train_iters=6,
+        train_micro_batch_size_per_gpu=2,
+        distributed_timeout_minutes=0.1,  # 6 seconds
+        save=str(tmp_path / "h"),
+        load=str(tmp_path / "h"),
+        checkpoint_factor=2,
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHNEOX_FAULT="stop@step.start:3:1")
+    start = time.perf_counter()
+    run = subprocess.run(
+        [sys.executable, "-m", "torchneox", "train", cfg, "--nproc", "2"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+        check=False,
+    )
+    seconds = time.perf_counter() - start
+    assert run.returncode != 0
+    assert "rank 0: a collective did not complete at step 3" in run.stderr
+    assert "distributed_timeout_minutes is 0.1" in run.stderr
+    assert f"the last good checkpoint is {tmp_path / 'h' / 'global_step2'}" in run.stderr
+    assert seconds < 200
+
+
+# ------------------------------------------------------------------------------- bad data
+
+
+def _truncate_bin(prefix) -> str:
+    bin_path, _ = paths(prefix)
+    with open(bin_path, "r+b") as f:
+        f.truncate(bin_path.stat().st_size - 10)
+    return f"{bin_path}"
+
+
+def _idx_from_another_dataset(prefix, other) -> str:
+    _, idx = paths(prefix)
+    idx.write_bytes(paths(other)[1].read_bytes())
+    return str(paths(prefix)[0])
+
+
+@pytest.fixture
+def corpus(tmp_path, tiny_data):
+    """A private copy of the tiny dataset, to damage."""
+    prefix = tmp_path / "corpus"
+    for src, dst in zip(paths(tiny_data), paths(prefix), strict=True):
+        dst.write_bytes(src.read_bytes())
+    return prefix
+
+
+@pytest.mark.parametrize(
+    "fault", ["truncated-bin", "idx-of-another-dataset", "empty-split", "tiny-validation-split"]
+)
+def test_bad_data_is_refused_before_the_first_step(make_config, tmp_path, capsys, corpus, fault):
+    extra = {}
+    if fault == "truncated-bin":
+        named = _truncate_bin(corpus)
+    elif fault == "idx-of-another-dataset":
+        other = IndexedDatasetWriter(tmp_path / "other", np.dtype(np.uint16))
+        for n in range(50):
+            other.add_document(np.arange(n + 5) % 200)
+        other.finish()
+        named = _idx_from_another_dataset(corpus, tmp_path / "other")
+    elif fault == "empty-split":
+        extra = {"split": "0,50,50"}  # nothing to train on
+        named = str(corpus)
+    else:
+        few = IndexedDatasetWriter(tmp_path / "few", np.dtype(np.uint16))
+        for n in range(3):
+            few.add_document(np.arange(200) % 90 + n)
+        few.finish()
+        corpus = tmp_path / "few"  # 3 documents: the 8% validation split gets none
+        named = str(corpus)
+    capsys.readouterr()
+    cfg = make_config(data_path=str(corpus), save=str(tmp_path / "r"), load=None, **extra)
+    assert main(["train", cfg]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and named in err, err
+    assert (
+        not (tmp_path / "r" / "metrics.jsonl").exists()
+        or not (tmp_path / "r" / "metrics.jsonl").read_text()
+    )
+
+
+# ------------------------------------------------------------------------ preprocess killed
+
+
+def test_killed_preprocess_never_leaves_a_pair_that_loads(tmp_path):
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+    with open(tmp_path / "big.jsonl", "w") as f:
+        for _ in range(60000):
+            f.write(json.dumps({"text": " ".join(rng.choices(words, k=60))}) + "\n")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torchneox",
+        "preprocess",
+        "--input",
+        str(tmp_path / "big.jsonl"),
+        "--tokenizer-type",
+        "CharLevelTokenizer",
+        "--append-eod",
+    ]
+    start = time.perf_counter()
+    subprocess.run([*cmd, "--output-prefix", str(tmp_path / "whole")], check=True, timeout=300)
+    seconds = time.perf_counter() - start
+    (whole,) = [p for p in tmp_path.glob("whole*.idx")]
+    reference = IndexedDataset(str(whole)[:-4])
+    for i, fraction in enumerate([0.3, 0.6, 0.8, 0.95]):
+        out = tmp_path / f"k{i}"
+        out.mkdir()
+        proc = subprocess.Popen(
+            [*cmd, "--output-prefix", str(out / "data")],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        time.sleep(fraction * seconds)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        for idx in out.glob("*.idx"):  # only a finished pair may be there, and it is whole
+            ds = IndexedDataset(str(idx)[:-4])
+            assert len(ds) == len(reference)
+            assert np.array_equal(ds.sizes, reference.sizes)
