@@ -1,5 +1,6 @@
 """One short run on a single GPU: bf16 training of a Pythia-shaped model (with and without
-torch.compile) reporting tokens/s, MFU and the memory high-water mark, then generation speed.
+torch.compile) reporting tokens/s, MFU and the memory high-water mark next to what
+`torchneox estimate` predicted for the same config, then generation speed.
 
     python benchmarks/gpu_check.py [--shape 1b] [--steps 15] [--micro-batch 8] [--seq 2048]
 
@@ -19,7 +20,9 @@ import torch
 
 from torchneox.config.load import load_mapping
 from torchneox.data.indexed import IndexedDatasetWriter
+from torchneox.estimate import estimate
 from torchneox.generate import Sampling, generate
+from torchneox.hardware import ACCELERATORS, detect
 from torchneox.train.trainer import Trainer
 
 SHAPES = {
@@ -27,6 +30,11 @@ SHAPES = {
     "410m": {"num_layers": 24, "hidden_size": 1024, "num_attention_heads": 16},
     "1b": {"num_layers": 16, "hidden_size": 2048, "num_attention_heads": 8},
 }
+
+
+def _accelerator_key() -> str:
+    found = detect(torch.device("cuda"))
+    return next((k for k, v in ACCELERATORS.items() if v == found), "h100")
 
 
 def data(folder: Path, tokens: int) -> str:
@@ -59,7 +67,9 @@ def train(args, shape: str, compiled: bool, prefix: str) -> dict:
         "checkpoint_activations": args.checkpoint_activations,
     }
     torch.cuda.reset_peak_memory_stats()
-    trainer = Trainer(load_mapping(keys, f"gpu-check-{shape}"), device="cuda")
+    loaded = load_mapping(keys, f"gpu-check-{shape}")
+    est = estimate(loaded, gpus=1, gpu=_accelerator_key())
+    trainer = Trainer(loaded, device="cuda")
     start = time.perf_counter()
     for _ in range(args.warmup):
         trainer.train_step()
@@ -73,6 +83,9 @@ def train(args, shape: str, compiled: bool, prefix: str) -> dict:
     trainer.train_loader.close()
     tokens = args.micro_batch * args.seq / seconds
     tflops = trainer.derived["flops_per_token"] * tokens / 1e12
+    peak = torch.cuda.max_memory_allocated()
+    mem = est["memory_per_rank_bytes"]
+    measured_acts = peak - (mem["total"] - mem["activations"])
     row = {
         "benchmark": "gpu_train",
         "device": torch.cuda.get_device_name(),
@@ -87,7 +100,19 @@ def train(args, shape: str, compiled: bool, prefix: str) -> dict:
         "tflops": round(tflops, 1),
         "mfu": round(tflops / trainer.peak_tflops, 4) if trainer.peak_tflops else None,
         "peak_source": trainer.peak_source,
-        "max_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        "max_memory_gib": round(peak / 2**30, 2),
+        "estimated_memory_gib": round(mem["total"] / 2**30, 2),
+        "measured_over_estimated": round(peak / mem["total"], 3),
+        # activations measured = the peak less what the estimator counts exactly (parameters,
+        # gradients, optimizer state, temporaries), against the activations it traced
+        "activations_measured_gib": round(measured_acts / 2**30, 2),
+        "activations_estimated_gib": round(mem["activations"] / 2**30, 2),
+        "activation_error": round(measured_acts / mem["activations"] - 1, 3),
+        "estimated_step_s_at_this_mfu": round(
+            est["step_time_s"] * est["mfu"] / (tflops / trainer.peak_tflops), 4
+        )
+        if trainer.peak_tflops
+        else None,
         "warmup_s": round(warm, 1),
         "last_loss": round(out["lm_loss"], 4),
     }
@@ -143,15 +168,21 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--checkpoint-activations", action="store_true")
     parser.add_argument("--no-eager", action="store_true", help="only the compiled run")
+    parser.add_argument("--no-compile", action="store_true", help="only the eager run")
+    parser.add_argument("--no-generation", action="store_true")
     parser.add_argument("--generation-shape", choices=SHAPES, default="160m")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     with tempfile.TemporaryDirectory() as tmp:
         prefix = data(Path(tmp), (args.steps + args.warmup + 2) * args.micro_batch * (args.seq + 1))
-        for compiled in [True] if args.no_eager else [False, True]:
+        modes = [
+            m for m in (False, True) if not ((m and args.no_compile) or (not m and args.no_eager))
+        ]
+        for compiled in modes:
             print(json.dumps(train(args, args.shape, compiled, prefix)), flush=True)
-    for row in generation(args.generation_shape):
-        print(json.dumps(row), flush=True)
+    if not args.no_generation:
+        for row in generation(args.generation_shape):
+            print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -180,15 +181,33 @@ def _data_and_eval_verbs(verbs: argparse._SubParsersAction) -> None:
         "--out", metavar="FILE.npy", help="write token ids [batch, seq+1] instead of text"
     )
 
-    ev = verbs.add_parser("eval", help="evaluate a checkpoint (perplexity on a .bin/.idx dataset)")
+    ev = verbs.add_parser(
+        "eval",
+        help="evaluate a checkpoint: lm-evaluation-harness tasks, or perplexity on .bin/.idx",
+    )
     ev.add_argument("files", nargs="*", metavar="CONFIG")
     ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ev.add_argument("--checkpoint", required=True, metavar="DIR")
     ev.add_argument("--data-path", metavar="PREFIX", help="perplexity on PREFIX.bin/.idx")
-    ev.add_argument("--tasks", help="lm-evaluation-harness tasks (not wired up yet)")
+    ev.add_argument("--tasks", help="lm-evaluation-harness tasks, comma-separated")
+    ev.add_argument("--include-path", metavar="DIR", help="folder of extra lm-eval task YAML files")
+    ev.add_argument("--limit", type=float, help="documents per task (a fraction if < 1)")
+    ev.add_argument("--num-fewshot", type=int)
     ev.add_argument("--iters", type=int, default=20, help="batches to evaluate")
     ev.add_argument("--batch-size", type=int, default=8)
     ev.add_argument("--device")
+
+    est = verbs.add_parser(
+        "estimate", help="parameters, FLOPs, memory per GPU, fit and step time of a config"
+    )
+    _add_config_inputs(est)
+    est.add_argument("--gpus", type=int, required=True, help="GPUs in all")
+    est.add_argument("--nodes", type=int, default=1)
+    est.add_argument(
+        "--gpu", default="h100", help="accelerator (see the table in docs/estimate.md)"
+    )
+    est.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation to assume")
+    est.add_argument("--json", action="store_true", help="print one JSON object")
 
     ck = verbs.add_parser("checkpoint", help="check checkpoints")
     ck_verbs = ck.add_subparsers(dest="checkpoint_verb", metavar="ACTION", parser_class=_Parser)
@@ -451,26 +470,47 @@ def _cmd_data_batch(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    import json
-
     import torch
 
     from torchneox import convert
     from torchneox.evaluate import perplexity
 
-    if args.tasks:
-        raise ConfigError(
-            "lm-evaluation-harness tasks are not wired up yet; --data-path PREFIX gives perplexity"
-        )
-    if not args.data_path:
-        raise ConfigError("give --data-path PREFIX (a .bin/.idx dataset)")
+    if not args.data_path and not args.tasks:
+        raise ConfigError("give --tasks T1,T2 (lm-evaluation-harness) or --data-path PREFIX")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     overrides = [] if args.files else args.overrides
     loaded, model = convert.load_model(args.checkpoint, overrides, device=device)
     cfg = load_config(args.files, args.overrides).config if args.files else loaded.config
+    if args.tasks:
+        from torchneox.data.tokenizers import build_tokenizer
+        from torchneox.harness import evaluate_checkpoint
+
+        limit = args.limit if args.limit is None or args.limit < 1 else int(args.limit)
+        results = evaluate_checkpoint(
+            model.eval(),
+            build_tokenizer(cfg),
+            [t.strip() for t in args.tasks.split(",") if t.strip()],
+            args.include_path,
+            limit,
+            args.batch_size,
+            args.num_fewshot,
+        )
+        print(json.dumps(results))
+        if not args.data_path:
+            return 0
     seq = cfg.model.seq_length or loaded.config.model.seq_length
     result = perplexity(model, args.data_path, seq, args.iters, args.batch_size, cfg.training.seed)
     print(json.dumps(result))
+    return 0
+
+
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    from torchneox.config.load import load_config
+    from torchneox.estimate import estimate, render
+
+    loaded = load_config(args.files, args.overrides)
+    est = estimate(loaded, args.gpus, args.gpu.lower(), args.nodes, args.mfu)
+    print(json.dumps(est) if args.json else render(est))
     return 0
 
 
@@ -533,6 +573,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "preprocess": _cmd_preprocess,
                 "train-tokenizer": _cmd_train_tokenizer,
                 "plot": _cmd_plot,
+                "estimate": _cmd_estimate,
                 "eval": _cmd_eval,
             }[args.verb]
         return handler(args)

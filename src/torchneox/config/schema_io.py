@@ -215,10 +215,14 @@ class TextGenConfig:
         "Name used for precomputed log-probabilities.",
         "text_gen_type 'precompute' is not supported",
     )
-    eval_tasks: list[str] | None = unsupported(
-        None,
-        "lm-evaluation-harness tasks run at eval_interval.",
-        "lm-evaluation-harness during training is not wired up yet; remove eval_tasks",
+    eval_tasks: list[str] | None = key(
+        None, "lm-evaluation-harness tasks run at eval_interval (needs the lm-eval package)."
+    )
+    eval_tasks_include_path: str | None = extension(
+        None, "Folder of extra lm-eval task YAML files for eval_tasks (local tasks)."
+    )
+    eval_tasks_limit: float | None = extension(
+        None, "Documents per task for eval_tasks during training (a fraction if < 1); all if unset."
     )
     eval_results_prefix: str = no_effect(
         "", "Prefix of evaluation result files.", "evaluations go to metrics.jsonl"

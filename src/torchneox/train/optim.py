@@ -76,6 +76,21 @@ def build_optimizer(model: nn.Module, cfg: NeoXConfig, device_type: str) -> torc
     raise AssertionError(f"unvalidated optimizer {kind}")
 
 
+def shard_gradients_like_parameters(params: list[torch.Tensor]) -> None:
+    """Give each DTensor gradient its parameter's placement. The vocabulary-parallel embedding's
+    gradient arrives replicated (whole on every tensor rank); sharding it is a local slice that
+    frees the rest before the optimizer runs."""
+    from torch.distributed.tensor import DTensor
+
+    for p in params:
+        if (
+            isinstance(p.grad, DTensor)
+            and isinstance(p, DTensor)
+            and p.grad.placements != p.placements
+        ):
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+
+
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float, group=None) -> torch.Tensor:
     """Global L2 norm of the gradients (sharded DTensor gradients included), clipped to
     ``max_norm`` in place; returns the norm before clipping, as a plain tensor. ``group``: the

@@ -41,7 +41,7 @@ from torchneox.parallel.tensor_parallel import apply_tensor_parallel, loss_conte
 from torchneox.train import checkpoint
 from torchneox.train.lr import Schedule
 from torchneox.train.metrics import MetricsLogger, Timers
-from torchneox.train.optim import build_optimizer, clip_grad_norm
+from torchneox.train.optim import build_optimizer, clip_grad_norm, shard_gradients_like_parameters
 from torchneox.train.precision import LossScaler, autocast
 
 
@@ -157,6 +157,7 @@ class Trainer:
         sync = torch.cuda.synchronize if self.device.type == "cuda" else None
         self.timers = Timers(cfg.logging.wall_clock_breakdown, sync)
         self.peak_tflops, self.peak_source = self._peak()
+        self.harness = self._harness() if cfg.textgen.eval_tasks else None
         self.stop_requested = False
         if cfg.checkpoint.load:
             self._resume(Path(cfg.checkpoint.load), load_step)
@@ -385,6 +386,7 @@ class Trainer:
         was skipped. Non-finite values: in fp16 the loss scaler skips the step and lowers the
         scale; otherwise up to skip_nonfinite_steps steps are skipped, then the run stops."""
         params = [p for p in self.model.parameters() if p.grad is not None]
+        shard_gradients_like_parameters(params)
         if self.scaler.scale != 1.0:
             torch._foreach_div_([p.grad for p in params], self.scaler.scale)
         max_norm = self.clip if self.clip > 0 else float("inf")
@@ -466,6 +468,39 @@ class Trainer:
         self.logger.record(row)
         when = when or f"at step {self.iteration}"
         self.logger.line(f"{name} {when}: loss {loss:.4f} | perplexity {ppl:.2f}")
+        return row
+
+    def _harness(self):
+        """The lm-eval adapter for eval_tasks, checked at start-up rather than at the first
+        evaluation."""
+        from torchneox.harness import make_adapter
+
+        if self.pipeline is not None:
+            raise ConfigError(
+                "with pipe_parallel_size >= 2 is not supported yet; evaluate the checkpoint with "
+                "`torchneox eval --tasks` instead",
+                key="eval_tasks",
+            )
+        tokenizer = build_tokenizer(self.cfg)
+        return make_adapter(self.model, self.args, tokenizer, self.micro_batch, self.device)
+
+    def _eval_tasks_row(self) -> dict[str, Any] | None:
+        """GPT-NeoX's eval_tasks: the harness on the current weights; every rank runs the same
+        requests (sharded weights need every rank's forward), rank 0 reports."""
+        if self.harness is None:
+            return None
+        from torchneox.harness import run_tasks
+
+        tg = self.cfg.textgen
+        limit = tg.eval_tasks_limit
+        limit = int(limit) if limit is not None and limit >= 1 else limit
+        results = run_tasks(self.harness, list(tg.eval_tasks), tg.eval_tasks_include_path, limit)
+        self.model.train()
+        row = {"iteration": self.iteration, "eval_tasks": results}
+        self.logger.record(row)
+        for task, metrics in results.items():
+            shown = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+            self.logger.line(f"{task} at step {self.iteration}: {shown}")
         return row
 
     # ------------------------------------------------------------------- checkpoints
@@ -575,6 +610,7 @@ class Trainer:
                 )
             if self.iteration % t.eval_interval == 0:
                 self._eval_row("valid", self.valid_loader)
+                self._eval_tasks_row()
             exiting = self._stop_agreed() or bool(
                 t.exit_interval and self.iteration % t.exit_interval == 0
             )
@@ -592,6 +628,8 @@ class Trainer:
         if self.iteration >= self.train_iters:
             # as GPT-NeoX: one more validation and a test run after the last step
             summary["valid"] = self._eval_row("valid", self.valid_loader, "at the end of training")
+            if self.iteration % self.cfg.training.eval_interval:  # not run at this step yet
+                summary["tasks"] = self._eval_tasks_row()
             summary["test"] = self._eval_row("test", self.test_loader, "at the end of training")
         return summary
 

@@ -1,0 +1,535 @@
+"""What a config will cost before a GPU-hour is spent: parameters, FLOPs, memory per rank (by
+part), whether it fits, step time at a stated MFU, and the nearest layouts that fit.
+
+The memory model follows what torchneox holds, not a textbook: parameters, gradients and
+optimizer state come from the model's real parameter shapes split the way tensor, pipeline and
+FSDP sharding split them (exact per rank; a test compares with running processes), and the
+activations from tracing the real model's forward on fake tensors (no memory, no compute) and
+adding up what autograd saves for backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torchneox.config.derive import derive
+from torchneox.config.errors import ConfigError
+from torchneox.config.load import LoadedConfig
+from torchneox.hardware import ACCELERATORS, Accelerator, peak_tflops
+
+GIB = 2**30
+PARAM_BYTES = 4  # parameters, gradients and optimizer moments are fp32 (autocast does the rest)
+CUDA_RESERVE = 1.5 * GIB  # CUDA context, cuBLAS/NCCL workspaces
+USABLE = 0.95  # of the rest: the allocator's fragmentation
+
+
+@dataclass(frozen=True)
+class Layout:
+    gpus: int
+    dp: int
+    tp: int
+    pp: int
+    zero: int
+    micro_batch: int
+    gas: int
+    checkpoint: str  # none | full | selective
+    every: int = 1
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+
+    def changes_from(self, other: Layout) -> dict[str, Any]:
+        keys = {
+            "tp": "model_parallel_size",
+            "pp": "pipe_parallel_size",
+            "zero": "zero_optimization.stage",
+            "micro_batch": "train_micro_batch_size_per_gpu",
+            "checkpoint": "checkpoint_activations",
+        }
+        out = {}
+        for f, key in keys.items():
+            mine, theirs = getattr(self, f), getattr(other, f)
+            if mine != theirs:
+                out[key] = mine
+        if "checkpoint_activations" in out:
+            mode = out.pop("checkpoint_activations")
+            out["checkpoint_activations"] = mode != "none"
+            if mode != "none":
+                out["checkpoint_activations_mode"] = mode
+        return out
+
+
+# ----------------------------------------------------------------------------- parameters
+
+_SPLIT_ROWS = ("attention.wq.", "attention.wk.", "attention.wv.", "mlp.up.", "mlp.gate.")
+
+
+def _tp_dim(name: str) -> int | None:
+    """The dimension tensor parallelism splits a parameter on (None: replicated)."""
+    if name in ("embed.weight", "output.weight") or any(s in name for s in _SPLIT_ROWS):
+        return 0
+    if name.endswith(("attention.wo.weight", "mlp.down.weight")):
+        return 1
+    return None
+
+
+def _local_numel(shape: tuple[int, ...], name: str, tp: int, fsdp: int) -> int:
+    """Elements rank 0 holds: the tensor-parallel shard, then FSDP's dim-0 chunk of it (torch
+    chunks give rank 0 the rounded-up share)."""
+    dims = list(shape)
+    dim = _tp_dim(name)
+    if tp > 1 and dim is not None and dim < len(dims):
+        dims[dim] = math.ceil(dims[dim] / tp)
+    if fsdp > 1 and dims:
+        dims[0] = math.ceil(dims[0] / fsdp)
+    return math.prod(dims)
+
+
+def _meta_model(loaded: LoadedConfig, vocab: int, layers: int | None = None):
+    from torchneox.models.args import ModelArgs
+    from torchneox.models.transformer import Transformer
+
+    args = ModelArgs.from_config(loaded.config, vocab)
+    if layers is not None:
+        args = dataclasses.replace(args, num_layers=layers)
+    with torch.device("meta"):
+        return args, Transformer(args)
+
+
+def _stage_params(
+    loaded: LoadedConfig, vocab: int, pp: int, method: str
+) -> list[list[tuple[str, tuple]]]:
+    """(name, shape) of the parameters each pipeline stage holds."""
+    from torchneox.parallel.pipeline import stage_layers
+
+    args, model = _meta_model(loaded, vocab)
+    shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    if pp <= 1:
+        return [shapes]
+    ranges = stage_layers(args, pp, method)
+    stages = []
+    for k, r in enumerate(ranges):
+        keep = []
+        for name, shape in shapes:
+            if name.startswith("layers."):
+                if int(name.split(".")[1]) in r:
+                    keep.append((name, shape))
+            elif name.startswith(("embed.", "pos_embed.")):
+                if k == 0:
+                    keep.append((name, shape))
+            elif k == pp - 1:
+                keep.append((name, shape))
+        stages.append(keep)
+    return stages
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+@dataclass
+class _Trace:
+    """Bytes autograd saves for one sample (micro-batch 1) of one layer and of the rest."""
+
+    layer_replicated: float = 0.0  # hidden-wide tensors (norms, residual): not split by tp
+    layer_split: float = 0.0  # heads, MLP width, vocabulary: split by tp
+    layer_kept: float = 0.0  # outputs of what selective checkpointing keeps
+    layer_input: float = 0.0
+    rest_replicated: float = 0.0
+    rest_split: float = 0.0
+
+
+def _trace_saved(
+    loaded: LoadedConfig, vocab: int, layers: int, precision: str
+) -> tuple[float, float, float]:
+    """(replicated, split, kept) bytes saved by a forward + loss on fake tensors: on (fake)
+    CUDA tensors on a GPU machine, so autocast and attention pick what training picks there,
+    else on the CPU, whose autocast keeps the same dtypes."""
+    if torch.cuda.is_available():
+        try:
+            return _trace_on(loaded, vocab, layers, precision, "cuda")
+        except Exception:  # a kernel with no fake implementation: trace on the CPU instead
+            pass
+    return _trace_on(loaded, vocab, layers, precision, "cpu")
+
+
+def _trace_on(
+    loaded: LoadedConfig, vocab: int, layers: int, precision: str, device: str
+) -> tuple[float, float, float]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from torchneox.parallel.activation_ckpt import KEPT_OPS
+    from torchneox.train.precision import autocast
+    from torchneox.train.trainer import lm_loss
+
+    args, _ = _meta_model(loaded, vocab, layers)
+    seq = loaded.config.model.seq_length
+    saved: dict[int, tuple[int, bool]] = {}
+    kept = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        saved[StorageWeakRef(storage).cdata] = (
+            storage.nbytes(),
+            t.dim() > 0 and t.shape[-1] == args.hidden_size,
+        )
+        return t
+
+    class KeptOps(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, a=(), kw=None):
+            out = func(*a, **(kw or {}))
+            if func in KEPT_OPS and isinstance(out, torch.Tensor):
+                kept[0] += out.untyped_storage().nbytes()
+            return out
+
+    from torchneox.models.transformer import Transformer
+
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.device(device):
+        model = Transformer(args)
+        model.train()
+        tokens = torch.zeros(1, seq + 1, dtype=torch.long)
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        with hooks, KeptOps(), autocast(precision, device):
+            lm_loss(model(tokens[:, :-1]), tokens[:, 1:], None)
+    replicated = sum(n for n, r in saved.values() if r)
+    split = sum(n for n, r in saved.values() if not r)
+    return replicated, split, kept[0]
+
+
+def trace_activations(loaded: LoadedConfig, vocab: int, precision: str) -> _Trace:
+    r1, s1, k1 = _trace_saved(loaded, vocab, 1, precision)
+    r2, s2, k2 = _trace_saved(loaded, vocab, 2, precision)
+    seq, h = loaded.config.model.seq_length, loaded.config.model.hidden_size
+    return _Trace(
+        layer_replicated=r2 - r1,
+        layer_split=s2 - s1,
+        layer_kept=k2 - k1,
+        layer_input=seq * h * PARAM_BYTES,
+        rest_replicated=r1 - (r2 - r1),
+        rest_split=s1 - (s2 - s1),
+    )
+
+
+# ----------------------------------------------------------------------------- the estimate
+
+
+def _optimizer_bytes_per_param(loaded: LoadedConfig) -> int:
+    opt = loaded.config.optimizer.optimizer or {"type": "Adam"}
+    kind = str(opt.get("type", "adam")).lower()
+    if kind == "sgd":
+        return PARAM_BYTES if float(opt.get("params", {}).get("momentum", 0.0) or 0.0) else 0
+    if kind == "lion":
+        return PARAM_BYTES
+    return 2 * PARAM_BYTES  # Adam/AdamW: two moments
+
+
+def memory_per_rank(
+    loaded: LoadedConfig,
+    layout: Layout,
+    stages: list[list[tuple[str, tuple]]],
+    trace: _Trace,
+    method: str,
+) -> dict[str, Any]:
+    """Bytes on the most loaded rank, by part, and which stage that is."""
+    opt_per_param = _optimizer_bytes_per_param(loaded)
+    fsdp = layout.dp if (layout.zero > 0 or layout.tp > 1 or layout.pp > 1) else 1
+    worst: dict[str, Any] | None = None
+    for k, params in enumerate(stages):
+        local = sum(_local_numel(s, n, layout.tp, 1) for n, s in params)
+        shard = sum(_local_numel(s, n, layout.tp, fsdp) for n, s in params)
+        layers = sorted({int(n.split(".")[1]) for n, _ in params if n.startswith("layers.")})
+        per_block = max(
+            (
+                sum(
+                    _local_numel(s, n, layout.tp, 1)
+                    for n, s in params
+                    if n.startswith(f"layers.{i}.")
+                )
+                for i in layers
+            ),
+            default=0,
+        )
+        resident = {
+            "parameter_shard": shard * PARAM_BYTES,
+            "gradient_shard": shard * PARAM_BYTES,
+            "optimizer": shard * opt_per_param,
+        }
+        parts = {
+            "parameters": resident["parameter_shard"],
+            "gradients": resident["gradient_shard"],
+            "optimizer": resident["optimizer"],
+        }
+        temporary = 0.0
+        if fsdp > 1 and layout.zero in (0, 1, 2):
+            parts["parameters"] += local * PARAM_BYTES  # kept gathered from forward to backward
+        elif fsdp > 1:
+            temporary += 2 * per_block * PARAM_BYTES  # ZeRO-3: the block in use and the next
+        if fsdp > 1 and layout.gas > 1:
+            parts["gradients"] += local * PARAM_BYTES  # unsharded until the last micro-batch
+        if fsdp == 1 and layout.dp > 1:
+            parts["gradients"] += local * PARAM_BYTES  # DDP's gradient buckets
+        if layout.tp > 1 and fsdp == 1:
+            # the vocabulary-parallel embedding's gradient arrives whole on every tensor rank
+            embed = [math.prod(s) for n, s in params if n == "embed.weight"]
+            temporary += (
+                sum(e - _local_numel((e,), "embed.weight", layout.tp, 1) for e in embed)
+                * PARAM_BYTES
+            )
+        # activations of the micro-batches in flight on this stage
+        in_flight = 1
+        if layout.pp > 1:
+            in_flight = layout.gas if layout.schedule == "gpipe" else min(layout.gas, layout.pp - k)
+        split_by = layout.tp
+        rep_by = layout.tp if layout.sequence_parallel else 1
+        full_layer = trace.layer_replicated / rep_by + trace.layer_split / split_by
+        n = len(layers)
+        if layout.checkpoint == "none":
+            stored = n * full_layer
+            recompute = 0.0
+        else:
+            wrapped = len(range(0, n, layout.every))
+            kept = (
+                trace.layer_input / rep_by
+                if layout.checkpoint == "full"
+                else trace.layer_input / rep_by + trace.layer_kept / split_by
+            )
+            stored = wrapped * kept + (n - wrapped) * full_layer
+            recompute = full_layer  # one block's activations rebuilt during its backward
+        last = k == len(stages) - 1
+        rest = trace.rest_replicated / rep_by + trace.rest_split / split_by if last else 0.0
+        per_sample = stored + rest
+        parts["activations"] = layout.micro_batch * (in_flight * per_sample + recompute)
+        if last:
+            vocab = (
+                next(s for n, s in params if n == "output.weight")[0]
+                if any(n == "output.weight" for n, _ in params)
+                else 0
+            )
+            seq = loaded.config.model.seq_length
+            temporary += layout.micro_batch * seq * math.ceil(vocab / layout.tp) * 4  # dlogits
+        parts["temporary"] = temporary
+        parts = {key: int(v) for key, v in parts.items()}
+        parts["total"] = sum(parts.values())
+        if worst is None or parts["total"] > worst["bytes"]["total"]:
+            worst = {"stage": k, "bytes": parts, "resident": resident, "parameters_on_rank": local}
+    assert worst is not None
+    return worst
+
+
+def step_time(flops_per_step: float, layout: Layout, peak: float, mfu: float) -> float:
+    """Seconds per step at ``mfu`` of the peak (model FLOPs), slowed by the pipeline bubble and
+    by recomputation, which MFU does not count."""
+    seconds = flops_per_step / (layout.gpus * peak * 1e12 * mfu)
+    if layout.pp > 1 and layout.schedule in ("1f1b", "gpipe"):
+        seconds /= 1 - (layout.pp - 1) / (layout.gas + layout.pp - 1)
+    if layout.checkpoint == "full":
+        seconds *= 4 / 3  # one more forward
+    elif layout.checkpoint == "selective":
+        seconds *= 1.03
+    return seconds
+
+
+def _usable(acc: Accelerator) -> float:
+    return (acc.memory_gib * GIB - CUDA_RESERVE) * USABLE
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def estimate(
+    loaded: LoadedConfig,
+    gpus: int,
+    gpu: str = "h100",
+    nodes: int = 1,
+    mfu: float = 0.4,
+    alternatives: int = 5,
+) -> dict[str, Any]:
+    if gpu not in ACCELERATORS:
+        raise ConfigError(f"--gpu {gpu!r} is not one of {', '.join(ACCELERATORS)}")
+    if gpus < 1 or nodes < 1 or gpus % nodes:
+        raise ConfigError(f"--gpus {gpus} must be a positive multiple of --nodes {nodes}")
+    if not 0 < mfu <= 1:
+        raise ConfigError(f"--mfu {mfu} must be in (0, 1]")
+    cfg = loaded.config
+    if cfg.moe.moe_num_experts > 1:
+        raise ConfigError(
+            "memory estimates for MoE models are not built yet (config explain gives their "
+            "total and active parameters and FLOPs)",
+            key="moe_num_experts",
+        )
+    d = derive(loaded, world_size=gpus)
+    acc = ACCELERATORS[gpu]
+    precision = d["precision"]
+    peak = peak_tflops(acc, precision)
+    t = cfg.training
+    layout = Layout(
+        gpus=gpus,
+        dp=d["data_parallel_size"],
+        tp=d["model_parallel_size"],
+        pp=d["pipeline_stages"],
+        zero=d["zero_stage"],
+        micro_batch=d["train_micro_batch_size_per_gpu"],
+        gas=d["gradient_accumulation_steps"],
+        checkpoint=t.checkpoint_activations_mode if t.checkpoint_activations else "none",
+        every=t.checkpoint_num_layers,
+        sequence_parallel=cfg.parallel.sequence_parallel and d["model_parallel_size"] > 1,
+        schedule=d["pipeline_schedule"] or "1f1b",
+    )
+    method = cfg.parallel.pipe_partition_method
+    vocab = d["padded_vocab_size"]
+    trace = trace_activations(loaded, vocab, precision)
+    stage_cache: dict[int, list] = {}
+
+    def stages_for(pp: int) -> list:
+        if pp not in stage_cache:
+            stage_cache[pp] = _stage_params(loaded, vocab, pp, method)
+        return stage_cache[pp]
+
+    mem = memory_per_rank(loaded, layout, stages_for(layout.pp), trace, method)
+    tokens = d["train_batch_size"] * cfg.model.seq_length
+    flops_step = d["flops_per_token"] * tokens
+    seconds = step_time(flops_step, layout, peak, mfu)
+    usable = _usable(acc)
+    stages = stages_for(layout.pp)
+    out: dict[str, Any] = {
+        "num_parameters": d["num_parameters"],
+        "embedding_parameters": sum(
+            math.prod(shape)
+            for st in stages
+            for n, shape in st
+            if n.startswith(("embed.", "pos_embed.", "output."))
+        ),
+        "parameters_per_stage": [sum(math.prod(s) for _, s in st) for st in stages],
+        "active_parameters": d["num_parameters"],
+        "flops_per_token": d["flops_per_token"],
+        "flops_per_step": flops_step,
+        "tokens_per_step": tokens,
+        "layout": dataclasses.asdict(layout) | {"nodes": nodes},
+        "precision": precision,
+        "device": {
+            "name": acc.name,
+            "memory_bytes": int(acc.memory_gib * GIB),
+            "peak_tflops": peak,
+        },
+        "memory_per_rank_bytes": mem["bytes"],
+        "resident_bytes": mem["resident"],
+        "heaviest_stage": mem["stage"],
+        "usable_memory_bytes": int(usable),
+        "fits": mem["bytes"]["total"] <= usable,
+        "mfu": mfu,
+        "step_time_s": seconds,
+        "tokens_per_day": tokens / seconds * 86400,
+        "activations_by_checkpointing_bytes": {
+            mode: memory_per_rank(
+                loaded, dataclasses.replace(layout, checkpoint=mode), stages, trace, method
+            )["bytes"]["activations"]
+            for mode in ("none", "selective", "full")
+        },
+    }
+    if not out["fits"] and alternatives:
+        out["alternatives"] = _alternatives(
+            loaded, layout, d, trace, stages_for, method, flops_step, peak, mfu, usable, nodes
+        )[:alternatives]
+    return out
+
+
+def _alternatives(
+    loaded, layout, d, trace, stages_for, method, flops_step, peak, mfu, usable, nodes
+):
+    """Layouts of the same GPUs and global batch that fit, fewest changes first, then fastest."""
+    cfg = loaded.config
+    heads = cfg.model.num_attention_heads
+    kv = cfg.model.num_kv_heads or heads
+    per_node = layout.gpus // nodes
+    tbs = d["train_batch_size"]
+    found = []
+    for tp, pp, zero, ckpt in itertools.product(
+        [x for x in _divisors(per_node) if heads % x == 0 and kv % x == 0],
+        [x for x in _divisors(layout.gpus) if x <= cfg.model.num_layers],
+        (0, 1, 2, 3),
+        ("none", "selective", "full"),
+    ):
+        if layout.gpus % (tp * pp):
+            continue
+        dp = layout.gpus // (tp * pp)
+        for mb in _divisors(layout.micro_batch):
+            if tbs % (mb * dp):
+                continue
+            gas = tbs // (mb * dp)
+            if pp > 1 and gas < pp:
+                continue
+            if (tp > 1 or pp > 1) and not cfg.model.no_weight_tying:
+                continue  # tied embeddings are refused with tp/pp
+            cand = dataclasses.replace(
+                layout, tp=tp, pp=pp, dp=dp, zero=zero, checkpoint=ckpt, micro_batch=mb, gas=gas
+            )
+            if cand == layout:
+                continue
+            mem = memory_per_rank(loaded, cand, stages_for(pp), trace, method)
+            if mem["bytes"]["total"] > usable:
+                continue
+            changes = cand.changes_from(layout)
+            seconds = step_time(flops_step, cand, peak, mfu)
+            found.append(
+                {
+                    "changes": changes,
+                    "memory_per_rank_bytes": mem["bytes"]["total"],
+                    "step_time_s": seconds,
+                }
+            )
+    found.sort(key=lambda f: (len(f["changes"]), f["step_time_s"]))
+    return found
+
+
+def render(est: dict[str, Any]) -> str:
+    """The estimate as text."""
+
+    def gib(b: float) -> str:
+        return f"{b / GIB:,.1f} GiB"
+
+    lay = est["layout"]
+    mem = est["memory_per_rank_bytes"]
+    lines = [
+        f"model: {est['num_parameters']:,} parameters ({est['embedding_parameters']:,} in embeddings)",
+        "  per pipeline stage: " + ", ".join(f"{p:,}" for p in est["parameters_per_stage"]),
+        f"compute: {est['flops_per_token'] / 1e9:,.2f} GFLOP per token, "
+        f"{est['flops_per_step'] / 1e15:,.2f} PFLOP per step of {est['tokens_per_step']:,} tokens",
+        f"layout: {lay['gpus']} x {est['device']['name']} on {lay['nodes']} node(s): "
+        f"data {lay['dp']} x tensor {lay['tp']} x pipeline {lay['pp']}, ZeRO-{lay['zero']}, "
+        f"micro-batch {lay['micro_batch']} x {lay['gas']} accumulation steps, "
+        f"activation checkpointing {lay['checkpoint']}, {est['precision']}",
+        f"memory on the most loaded rank (pipeline stage {est['heaviest_stage']}):",
+    ]
+    for part in ("parameters", "gradients", "optimizer", "activations", "temporary"):
+        lines.append(f"  {part:<12} {gib(mem[part]):>12}")
+    lines.append(
+        f"  {'total':<12} {gib(mem['total']):>12}  of {gib(est['usable_memory_bytes'])} usable "
+        f"-> {'fits' if est['fits'] else 'does NOT fit'}"
+    )
+    acts = est["activations_by_checkpointing_bytes"]
+    lines.append(
+        "  activations with checkpointing none / selective / full: "
+        + " / ".join(gib(acts[m]) for m in ("none", "selective", "full"))
+    )
+    lines.append(
+        f"time: {est['step_time_s']:,.2f} s per step, {est['tokens_per_day'] / 1e9:,.2f}B tokens "
+        f"per day at {est['mfu']:.0%} MFU"
+    )
+    if "alternatives" in est:
+        if not est["alternatives"]:
+            lines.append("no layout of these GPUs fits this model and global batch: add GPUs")
+        else:
+            lines.append("layouts that fit (fewest changes first):")
+            for alt in est["alternatives"]:
+                sets = " ".join(f"--set {k}={v}" for k, v in alt["changes"].items())
+                lines.append(
+                    f"  {sets}: {gib(alt['memory_per_rank_bytes'])}, {alt['step_time_s']:,.2f} s/step"
+                )
+    return "\n".join(lines)

@@ -1,0 +1,77 @@
+"""`torchneox estimate`: GPT-NeoX-20B's real layout fits its real hardware; too few GPUs do
+not, and every layout offered instead fits when estimated again."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from torchneox.cli import main
+from torchneox.config.load import load_config
+from torchneox.estimate import GIB, estimate
+
+CONFIGS = Path(__file__).resolve().parents[2] / "src" / "torchneox" / "configs"
+NEOX_20B = str(CONFIGS / "neox-20b.yml")
+
+
+def test_neox_20b_fits_the_96_a100s_it_trained_on():
+    est = estimate(load_config([NEOX_20B]), gpus=96, gpu="a100-40gb", nodes=12)
+    assert est["num_parameters"] == 20_554_567_680  # the published count
+    assert (est["layout"]["dp"], est["layout"]["tp"], est["layout"]["pp"]) == (12, 2, 4)
+    assert est["fits"] is True
+    mem = est["memory_per_rank_bytes"]
+    assert mem["total"] == sum(v for k, v in mem.items() if k != "total")
+    assert 30 * GIB < mem["total"] < 40 * GIB
+    acts = est["activations_by_checkpointing_bytes"]
+    assert acts["full"] < acts["selective"] < acts["none"]
+    assert "alternatives" not in est
+
+
+def test_too_few_gpus_do_not_fit_and_the_offered_layouts_do():
+    loaded = load_config([NEOX_20B])
+    est = estimate(loaded, gpus=32, gpu="a100-40gb", nodes=4)
+    assert est["fits"] is False
+    assert est["alternatives"]
+    for alt in est["alternatives"]:
+        overrides = [f"{k}={json.dumps(v)}" for k, v in alt["changes"].items()]
+        again = estimate(load_config([NEOX_20B], overrides), gpus=32, gpu="a100-40gb", nodes=4)
+        assert again["fits"] is True, alt
+        assert again["memory_per_rank_bytes"]["total"] == alt["memory_per_rank_bytes"]
+    sizes = [len(a["changes"]) for a in est["alternatives"]]
+    assert sizes == sorted(sizes)  # fewest changes first
+
+
+def test_json_output_has_the_stable_keys(capsys):
+    assert (
+        main(
+            ["estimate", NEOX_20B, "--gpus", "96", "--nodes", "12", "--gpu", "a100-40gb", "--json"]
+        )
+        == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    for key in (
+        "num_parameters",
+        "flops_per_token",
+        "memory_per_rank_bytes",
+        "fits",
+        "step_time_s",
+    ):
+        assert key in out
+    for part in ("parameters", "gradients", "optimizer", "activations", "temporary", "total"):
+        assert part in out["memory_per_rank_bytes"]
+    # step time at the stated MFU: model FLOPs / (GPUs x peak x MFU), slowed by the bubble and
+    # the recomputation of full checkpointing
+    ideal = out["flops_per_step"] / (96 * 312e12 * 0.4)
+    bubble = 1 - 3 / (32 + 3)
+    assert out["step_time_s"] == pytest.approx(ideal / bubble * 4 / 3)
+
+
+def test_text_output_and_bad_arguments(capsys):
+    assert main(["estimate", NEOX_20B, "--gpus", "32", "--nodes", "4", "--gpu", "a100-40gb"]) == 0
+    out = capsys.readouterr().out
+    assert "does NOT fit" in out and "layouts that fit" in out and "--set " in out
+    assert main(["estimate", NEOX_20B, "--gpus", "96", "--gpu", "tpu-v9"]) == 2
+    assert "--gpu 'tpu-v9' is not one of" in capsys.readouterr().err
+    assert main(["estimate", NEOX_20B, "--gpus", "10", "--nodes", "4"]) == 2

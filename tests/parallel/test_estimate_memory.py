@@ -1,0 +1,66 @@
+"""The estimator's parameter, gradient and optimizer bytes per rank equal what training
+processes hold, for data, tensor and combined layouts and each ZeRO stage."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchneox.config.load import load_config
+from torchneox.estimate import estimate
+
+PROBE = Path(__file__).with_name("memory_probe.py")
+
+LAYOUTS = {
+    "dp2-zero0": (2, ["zero_optimization.stage=0"]),
+    "dp2-zero1": (2, ["zero_optimization.stage=1"]),
+    "dp2-zero3": (2, ["zero_optimization.stage=3"]),
+    "tp2": (2, ["model_parallel_size=2", "train_micro_batch_size_per_gpu=4"]),
+    "dp2-tp2-zero1": (4, ["model_parallel_size=2", "zero_optimization.stage=1"]),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_estimated_bytes_per_rank_equal_the_processes(make_config, tmp_path, layout):
+    nproc, overrides = LAYOUTS[layout]
+    cfg = make_config(
+        train_batch_size=8,
+        train_micro_batch_size_per_gpu=2,
+        gradient_accumulation_steps=2,
+        hidden_size=48,  # 48 x 4 = 192 rows: not a multiple of every shard count
+        num_attention_heads=4,
+        no_weight_tying=True,
+        activation="swiglu",
+        hidden_dropout=0.0,
+        num_workers=0,
+    )
+    out = tmp_path / "probe"
+    out.mkdir()
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            str(PROBE),
+            cfg,
+            str(out),
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    measured = json.loads((out / "rank0.json").read_text())
+    est = estimate(load_config([cfg], overrides), gpus=nproc, gpu="h100")
+    assert est["resident_bytes"] == measured
