@@ -28,6 +28,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest
 
+bench: $(STAMP)
+	$(BIN)/python benchmarks/run_all.py
+
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks tools
 	$(BIN)/ruff format --check src tests benchmarks tools

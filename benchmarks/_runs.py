@@ -30,6 +30,24 @@ def synthetic_dataset(folder: Path, tokens: int = 2_000_000) -> str:
     return str(prefix)
 
 
+def add_common_arguments(parser, steps: int = 6) -> None:
+    """Model size, steps and output options shared by the multi-process benchmarks."""
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--out", default=None, help="also append the JSON rows to this file")
+    parser.add_argument("--work", default=None, help="folder for data and runs (a temporary one)")
+
+
+def emit(row: dict, out: str | None) -> None:
+    """Print one result row as JSON, and append it to ``out`` when given."""
+    print(json.dumps(row), flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
 def model_keys(layers: int, hidden: int, heads: int, seq: int) -> dict:
     return {
         "num_layers": layers,

@@ -12,12 +12,11 @@ docs/parallelism.md for how to read the numbers.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 from pathlib import Path
 
-from _runs import model_keys, synthetic_dataset, timed_run
+from _runs import add_common_arguments, emit, model_keys, synthetic_dataset, timed_run
 
 # name: (data, tensor, pipeline, ZeRO stage)
 LAYOUTS = {
@@ -41,14 +40,9 @@ LAYOUTS = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--global-batch", type=int, default=32)
     parser.add_argument("--micro-batches", type=int, default=4)
-    parser.add_argument("--out", default=None, help="also append the JSON rows to this file")
-    parser.add_argument("--work", default=None)
+    add_common_arguments(parser)
     args = parser.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="layouts-"))
     data = synthetic_dataset(work)
@@ -78,10 +72,7 @@ def main() -> None:
             "global_batch": args.global_batch,
             **got,
         }
-        print(json.dumps(row), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        emit(row, args.out)
 
 
 if __name__ == "__main__":

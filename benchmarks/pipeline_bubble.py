@@ -15,12 +15,11 @@ bubble looks smaller than it is.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 from pathlib import Path
 
-from _runs import model_keys, synthetic_dataset, timed_run
+from _runs import add_common_arguments, emit, model_keys, synthetic_dataset, timed_run
 
 
 def main() -> None:
@@ -28,13 +27,8 @@ def main() -> None:
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--schedule", default="1f1b")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--micro-batch", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--out", default=None, help="also append the JSON rows to this file")
-    parser.add_argument("--work", default=None)
+    add_common_arguments(parser)
     args = parser.parse_args()
     cores = os.cpu_count() or 1
     work = Path(args.work or tempfile.mkdtemp(prefix="bubble-"))
@@ -69,10 +63,7 @@ def main() -> None:
                 "theory_idle_fraction": round((p - 1) / (m + p - 1), 3),
                 "oversubscribed": p > cores,
             }
-            print(json.dumps(row), flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+            emit(row, args.out)
 
 
 if __name__ == "__main__":

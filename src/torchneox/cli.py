@@ -209,6 +209,11 @@ def _data_and_eval_verbs(verbs: argparse._SubParsersAction) -> None:
     est.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation to assume")
     est.add_argument("--json", action="store_true", help="print one JSON object")
 
+    bench = verbs.add_parser(
+        "bench", help="run every benchmark (from a source checkout) and append the results"
+    )
+    bench.add_argument("rest", nargs="*", help="passed to benchmarks/run_all.py (--list, --only)")
+
     ck = verbs.add_parser("checkpoint", help="check checkpoints")
     ck_verbs = ck.add_subparsers(dest="checkpoint_verb", metavar="ACTION", parser_class=_Parser)
     ck_verbs.required = True
@@ -514,6 +519,19 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import subprocess
+
+    here = Path.cwd() / "benchmarks" / "run_all.py"
+    source = Path(__file__).resolve().parents[2] / "benchmarks" / "run_all.py"
+    script = here if here.is_file() else source
+    if not script.is_file():
+        raise ConfigError(
+            "the benchmarks live in the source checkout (benchmarks/run_all.py); run this there"
+        )
+    return subprocess.call([sys.executable, str(script), *args.rest])
+
+
 def _cmd_checkpoint_verify(args: argparse.Namespace) -> int:
     from torchneox.train import checkpoint
 
@@ -556,7 +574,10 @@ def _one_line(error: BaseException) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if argv[:1] == ["bench"]:  # everything after it belongs to benchmarks/run_all.py
+            return _cmd_bench(argparse.Namespace(rest=argv[1:]))
         args = parser.parse_args(argv)
         if args.verb == "config":
             handler = {"explain": _cmd_config_explain, "keys": _cmd_config_keys}[args.config_verb]
@@ -574,6 +595,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "train-tokenizer": _cmd_train_tokenizer,
                 "plot": _cmd_plot,
                 "estimate": _cmd_estimate,
+                "bench": _cmd_bench,
                 "eval": _cmd_eval,
             }[args.verb]
         return handler(args)

@@ -133,7 +133,8 @@ def _stage_params(
 
 @dataclass
 class _Trace:
-    """Bytes autograd saves for one sample (micro-batch 1) of one layer and of the rest."""
+    """Bytes autograd saves, per sample (they grow with the micro-batch) and per micro-batch
+    (the low-precision copies of the weights autocast makes), for one layer and the rest."""
 
     layer_replicated: float = 0.0  # hidden-wide tensors (norms, residual): not split by tp
     layer_split: float = 0.0  # heads, MLP width, vocabulary: split by tp
@@ -141,24 +142,26 @@ class _Trace:
     layer_input: float = 0.0
     rest_replicated: float = 0.0
     rest_split: float = 0.0
+    layer_weights: float = 0.0  # per micro-batch: autocast's weight copies, split by tp
+    rest_weights: float = 0.0
 
 
 def _trace_saved(
-    loaded: LoadedConfig, vocab: int, layers: int, precision: str
+    loaded: LoadedConfig, vocab: int, layers: int, precision: str, batch: int = 1
 ) -> tuple[float, float, float]:
     """(replicated, split, kept) bytes saved by a forward + loss on fake tensors: on (fake)
     CUDA tensors on a GPU machine, so autocast and attention pick what training picks there,
     else on the CPU, whose autocast keeps the same dtypes."""
     if torch.cuda.is_available():
         try:
-            return _trace_on(loaded, vocab, layers, precision, "cuda")
+            return _trace_on(loaded, vocab, layers, precision, "cuda", batch)
         except Exception:  # a kernel with no fake implementation: trace on the CPU instead
             pass
-    return _trace_on(loaded, vocab, layers, precision, "cpu")
+    return _trace_on(loaded, vocab, layers, precision, "cpu", batch)
 
 
 def _trace_on(
-    loaded: LoadedConfig, vocab: int, layers: int, precision: str, device: str
+    loaded: LoadedConfig, vocab: int, layers: int, precision: str, device: str, batch: int = 1
 ) -> tuple[float, float, float]:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.multiprocessing.reductions import StorageWeakRef
@@ -173,8 +176,12 @@ def _trace_on(
     saved: dict[int, tuple[int, bool]] = {}
     kept = [0]
 
+    excluded: set[int] = set()
+
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
+        if StorageWeakRef(storage).cdata in excluded:
+            return t
         saved[StorageWeakRef(storage).cdata] = (
             storage.nbytes(),
             t.dim() > 0 and t.shape[-1] == args.hidden_size,
@@ -193,7 +200,10 @@ def _trace_on(
     with FakeTensorMode(allow_non_fake_inputs=True), torch.device(device):
         model = Transformer(args)
         model.train()
-        tokens = torch.zeros(1, seq + 1, dtype=torch.long)
+        tokens = torch.zeros(batch, seq + 1, dtype=torch.long)
+        # parameters saved for backward (a matmul keeps its weight) are not activations
+        for tensor in [*model.parameters(), *model.buffers(), tokens]:
+            excluded.add(StorageWeakRef(tensor.untyped_storage()).cdata)
         hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
         with hooks, KeptOps(), autocast(precision, device):
             lm_loss(model(tokens[:, :-1]), tokens[:, 1:], None)
@@ -203,16 +213,30 @@ def _trace_on(
 
 
 def trace_activations(loaded: LoadedConfig, vocab: int, precision: str) -> _Trace:
-    r1, s1, k1 = _trace_saved(loaded, vocab, 1, precision)
-    r2, s2, k2 = _trace_saved(loaded, vocab, 2, precision)
+    """Four traces (1 and 2 layers, micro-batch 1 and 2) separate what grows with the layers
+    and with the micro-batch from what does not."""
+    t = {(n, b): _trace_saved(loaded, vocab, n, precision, b) for n in (1, 2) for b in (1, 2)}
+
+    def per_sample(n: int, i: int) -> float:
+        return t[(n, 2)][i] - t[(n, 1)][i]
+
+    def per_batch(n: int) -> float:  # what does not grow with the micro-batch, all kinds
+        return sum(2 * t[(n, 1)][i] - t[(n, 2)][i] for i in (0, 1))
+
     seq, h = loaded.config.model.seq_length, loaded.config.model.hidden_size
+    rep = [per_sample(1, 0), per_sample(2, 0)]
+    split = [per_sample(1, 1), per_sample(2, 1)]
+    kept = [per_sample(1, 2), per_sample(2, 2)]
+    weights = [per_batch(1), per_batch(2)]
     return _Trace(
-        layer_replicated=r2 - r1,
-        layer_split=s2 - s1,
-        layer_kept=k2 - k1,
+        layer_replicated=rep[1] - rep[0],
+        layer_split=split[1] - split[0],
+        layer_kept=kept[1] - kept[0],
         layer_input=seq * h * PARAM_BYTES,
-        rest_replicated=r1 - (r2 - r1),
-        rest_split=s1 - (s2 - s1),
+        rest_replicated=2 * rep[0] - rep[1],
+        rest_split=2 * split[0] - split[1],
+        layer_weights=weights[1] - weights[0],
+        rest_weights=2 * weights[0] - weights[1],
     )
 
 
@@ -288,23 +312,26 @@ def memory_per_rank(
         split_by = layout.tp
         rep_by = layout.tp if layout.sequence_parallel else 1
         full_layer = trace.layer_replicated / rep_by + trace.layer_split / split_by
+        weights_layer = trace.layer_weights / split_by  # per micro-batch in flight
         n = len(layers)
+        mb = layout.micro_batch
         if layout.checkpoint == "none":
-            stored = n * full_layer
+            stored = n * (mb * full_layer + weights_layer)
             recompute = 0.0
         else:
             wrapped = len(range(0, n, layout.every))
-            kept = (
-                trace.layer_input / rep_by
-                if layout.checkpoint == "full"
-                else trace.layer_input / rep_by + trace.layer_kept / split_by
-            )
-            stored = wrapped * kept + (n - wrapped) * full_layer
-            recompute = full_layer  # one block's activations rebuilt during its backward
+            kept = trace.layer_input / rep_by
+            if layout.checkpoint == "selective":
+                kept += trace.layer_kept / split_by
+            stored = wrapped * mb * kept + (n - wrapped) * (mb * full_layer + weights_layer)
+            recompute = mb * full_layer + weights_layer  # one block rebuilt in its backward
         last = k == len(stages) - 1
-        rest = trace.rest_replicated / rep_by + trace.rest_split / split_by if last else 0.0
-        per_sample = stored + rest
-        parts["activations"] = layout.micro_batch * (in_flight * per_sample + recompute)
+        rest = 0.0
+        if last:
+            rest = mb * (trace.rest_replicated / rep_by + trace.rest_split / split_by)
+            rest += trace.rest_weights / split_by
+        stored_after_forward = in_flight * (stored + rest)
+        parts["activations"] = stored_after_forward + recompute
         if last:
             vocab = (
                 next(s for n, s in params if n == "output.weight")[0]
@@ -317,7 +344,13 @@ def memory_per_rank(
         parts = {key: int(v) for key, v in parts.items()}
         parts["total"] = sum(parts.values())
         if worst is None or parts["total"] > worst["bytes"]["total"]:
-            worst = {"stage": k, "bytes": parts, "resident": resident, "parameters_on_rank": local}
+            worst = {
+                "stage": k,
+                "bytes": parts,
+                "resident": resident,
+                "parameters_on_rank": local,
+                "activations_after_forward": int(stored_after_forward),
+            }
     assert worst is not None
     return worst
 
@@ -420,6 +453,9 @@ def estimate(
         },
         "memory_per_rank_bytes": mem["bytes"],
         "resident_bytes": mem["resident"],
+        # what the forward passes leave for backward; "activations" adds the block that full
+        # or selective checkpointing rebuilds during backward
+        "activations_after_forward_bytes": mem["activations_after_forward"],
         "heaviest_stage": mem["stage"],
         "usable_memory_bytes": int(usable),
         "fits": mem["bytes"]["total"] <= usable,

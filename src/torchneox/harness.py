@@ -162,15 +162,24 @@ def run_tasks(
             "the harness's own are known (`lm-eval ls tasks` lists them)",
             key="eval_tasks",
         )
-    results = simple_evaluate(
-        model=adapter,
-        tasks=tasks,
-        task_manager=manager,
-        limit=limit,
-        num_fewshot=num_fewshot,
-        log_samples=False,
-        bootstrap_iters=0,
-    )
+    try:
+        results = simple_evaluate(
+            model=adapter,
+            tasks=tasks,
+            task_manager=manager,
+            limit=limit,
+            num_fewshot=num_fewshot,
+            log_samples=False,
+            bootstrap_iters=0,
+        )
+    except (ConnectionError, OSError) as e:  # datasets' hub errors derive from these
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"task(s) {', '.join(tasks)}: their data could not be fetched ({first}); without "
+            "network access, write local tasks and pass their folder with --include-path "
+            "(docs/evaluation.md)",
+            key="eval_tasks",
+        ) from None
     out: dict[str, dict[str, Any]] = {}
     for task, metrics in (results or {}).get("results", {}).items():
         out[task] = {

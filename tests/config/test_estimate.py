@@ -12,7 +12,7 @@ from torchneox.cli import main
 from torchneox.config.load import load_config
 from torchneox.estimate import GIB, estimate
 
-CONFIGS = Path(__file__).resolve().parents[2] / "src" / "torchneox" / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 NEOX_20B = str(CONFIGS / "neox-20b.yml")
 
 

@@ -28,31 +28,33 @@ QUESTIONS = [
 ]
 
 
+def tiny_run(folder, data, **extra) -> str:
+    """A 20-step character-level run saving to folder/run; returns its config path."""
+    cfg = folder / "c.yml"
+    keys = {
+        "num_layers": 2,
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "seq_length": 64,
+        "pos_emb": "rotary",
+        "train_micro_batch_size_per_gpu": 4,
+        "train_iters": 20,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.003}},
+        "tokenizer_type": "CharLevelTokenizer",
+        "data_path": str(data),
+        "split": "100,0,0",
+        "eval_iters": 0,
+        "num_workers": 0,
+        "save": str(folder / "run"),
+    }
+    cfg.write_text(json.dumps(keys | extra))
+    return str(cfg)
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_data):
     folder = tmp_path_factory.mktemp("ckpt")
-    cfg = folder / "c.yml"
-    cfg.write_text(
-        json.dumps(
-            {
-                "num_layers": 2,
-                "hidden_size": 32,
-                "num_attention_heads": 4,
-                "seq_length": 64,
-                "pos_emb": "rotary",
-                "train_micro_batch_size_per_gpu": 4,
-                "train_iters": 20,
-                "optimizer": {"type": "Adam", "params": {"lr": 0.003}},
-                "tokenizer_type": "CharLevelTokenizer",
-                "data_path": str(tiny_data),
-                "split": "100,0,0",
-                "eval_iters": 0,
-                "num_workers": 0,
-                "save": str(folder / "run"),
-            }
-        )
-    )
-    assert main(["train", str(cfg)]) == 0
+    assert main(["train", tiny_run(folder, tiny_data)]) == 0
     loaded, model = load_model(folder / "run")
     return folder / "run", model.eval(), build_tokenizer(loaded.config)
 
@@ -234,30 +236,16 @@ def test_loglikelihoods_equal_lm_evals_own_hugging_face_model():
 def test_eval_tasks_run_during_training(tmp_path, tiny_data, capsys, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     write_tasks(tmp_path)
-    cfg = tmp_path / "t.yml"
-    cfg.write_text(
-        json.dumps(
-            {
-                "num_layers": 2,
-                "hidden_size": 32,
-                "num_attention_heads": 4,
-                "seq_length": 64,
-                "pos_emb": "rotary",
-                "train_micro_batch_size_per_gpu": 4,
-                "train_iters": 20,
-                "eval_interval": 10,
-                "eval_iters": 1,
-                "optimizer": {"type": "Adam", "params": {"lr": 0.003}},
-                "tokenizer_type": "CharLevelTokenizer",
-                "data_path": str(tiny_data),
-                "num_workers": 0,
-                "eval_tasks": ["local_ppl"],
-                "eval_tasks_include_path": str(tmp_path),
-                "save": str(tmp_path / "run"),
-            }
-        )
+    cfg = tiny_run(
+        tmp_path,
+        tiny_data,
+        split="969,30,1",
+        eval_interval=10,
+        eval_iters=1,
+        eval_tasks=["local_ppl"],
+        eval_tasks_include_path=str(tmp_path),
     )
-    assert main(["train", str(cfg)]) == 0
+    assert main(["train", cfg]) == 0
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     tasks = {r["iteration"]: r["eval_tasks"] for r in rows if "eval_tasks" in r}
     assert sorted(tasks) == [10, 20]

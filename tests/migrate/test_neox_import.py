@@ -187,7 +187,7 @@ def test_imported_checkpoint_exports_to_hugging_face(tmp_path):
     assert (tmp_path / "hf" / "vocab.json").is_file() and (tmp_path / "hf" / "merges.txt").is_file()
 
 
-def test_imported_checkpoint_evaluates(tmp_path, capsys):
+def test_imported_checkpoint_evaluates(tmp_path, capsys, monkeypatch):
     convert(G / "pp1", tmp_path / "ckpt", "--step", "10")
     capsys.readouterr()
     assert (
@@ -211,4 +211,9 @@ def test_imported_checkpoint_evaluates(tmp_path, capsys):
     assert (
         10.0 < result["lm_loss"] < 11.0
     )  # the step-10 model of the golden run (its losses are ~10.5)
+    # a hub task with no network: one line that says so, not a traceback
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert main(["eval", "--checkpoint", str(tmp_path / "ckpt"), "--tasks", "hellaswag"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "hellaswag" in err and "--include-path" in err

@@ -1,0 +1,96 @@
+"""Every benchmark behind one command (`make bench`, `torchneox bench`): each runs with settings
+that fit a few minutes, its JSON rows are stamped with the date and the machine and appended to
+benchmarks/results.jsonl, and a summary is printed. On a CUDA machine the GPU check runs too.
+
+    python benchmarks/run_all.py [--only NAME ...] [--list] [--results benchmarks/results.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+# name: (script, arguments, needs a GPU)
+BENCHMARKS = {
+    "train_vs_hf": ("train_vs_hf.py", ["--shape", "14m", "--steps", "20"], False),
+    "generation": ("generation.py", ["--shape", "70m", "--tokens", "32"], False),
+    "preprocess": ("preprocess.py", ["--mb", "5"], False),
+    "index_build": ("index_build.py", ["--tokens", "1e8"], False),
+    "pipeline_overhead": ("pipeline_overhead.py", ["--steps", "10"], False),
+    "pipeline_bubble": (
+        "pipeline_bubble.py",
+        ["--stages", "2", "--micro-batches", "2", "8"],
+        False,
+    ),
+    "layouts": ("layouts.py", ["--steps", "4", "--seq", "128"], False),
+    "activation_memory": ("activation_memory.py", [], False),
+    "gpu_check": ("gpu_check.py", ["--steps", "10"], True),
+}
+
+
+def machine() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name()
+    except ImportError:
+        pass
+    return f"CPU ({os.cpu_count()} cores, {platform.machine()})"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--only", nargs="+", choices=BENCHMARKS, metavar="NAME")
+    parser.add_argument("--list", action="store_true")
+    parser.add_argument("--results", default=str(HERE / "results.jsonl"))
+    args = parser.parse_args()
+    if args.list:
+        for name, (script, extra, gpu) in BENCHMARKS.items():
+            print(f"{name:<20} benchmarks/{script} {' '.join(extra)}{'  (GPU)' if gpu else ''}")
+        return 0
+    import torch
+
+    has_gpu = torch.cuda.is_available()
+    stamp = {"date": datetime.date.today().isoformat(), "machine": machine()}
+    failed = []
+    for name in args.only or list(BENCHMARKS):
+        script, extra, gpu = BENCHMARKS[name]
+        if gpu and not has_gpu:
+            print(f"-- {name}: skipped (no GPU)", flush=True)
+            continue
+        print(f"-- {name}: benchmarks/{script} {' '.join(extra)}", flush=True)
+        run = subprocess.run(
+            [sys.executable, str(HERE / script), *extra],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        rows = []
+        for line in run.stdout.splitlines():
+            if line.startswith("{"):
+                rows.append(stamp | json.loads(line))
+                print("   " + line, flush=True)
+        if run.returncode != 0 or not rows:
+            failed.append(name)
+            print(f"   failed (exit {run.returncode}): {run.stderr.strip().splitlines()[-1:]}")
+            continue
+        with open(args.results, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    print(
+        f"results appended to {args.results}" + (f"; failed: {', '.join(failed)}" if failed else "")
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
