@@ -32,6 +32,7 @@ BENCHMARKS = {
     ),
     "layouts": ("layouts.py", ["--steps", "4", "--seq", "128"], False),
     "activation_memory": ("activation_memory.py", [], False),
+    "moe": ("moe.py", ["--train-steps", "20"], False),
     "gpu_check": ("gpu_check.py", ["--steps", "10"], True),
 }
 

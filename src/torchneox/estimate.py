@@ -393,8 +393,8 @@ def estimate(
     cfg = loaded.config
     if cfg.moe.moe_num_experts > 1:
         raise ConfigError(
-            "memory estimates for MoE models are not built yet (config explain gives their "
-            "total and active parameters and FLOPs)",
+            "memory estimates for MoE models are not built yet (their routing has no fixed "
+            "shapes to trace; config explain gives their total and active parameters and FLOPs)",
             key="moe_num_experts",
         )
     d = derive(loaded, world_size=gpus)
@@ -440,7 +440,7 @@ def estimate(
             if n.startswith(("embed.", "pos_embed.", "output."))
         ),
         "parameters_per_stage": [sum(math.prod(s) for _, s in st) for st in stages],
-        "active_parameters": d["num_parameters"],
+        "active_parameters": d.get("num_active_parameters") or d["num_parameters"],
         "flops_per_token": d["flops_per_token"],
         "flops_per_step": flops_step,
         "tokens_per_step": tokens,

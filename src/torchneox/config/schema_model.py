@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from torchneox.config.fields import key, no_effect, unsupported
+from torchneox.config.fields import extension, key, no_effect, unsupported
 
 FUSED = (
     "a fused-kernel switch; torchneox needs no custom kernels (SDPA and torch.compile do this work)"
@@ -242,4 +242,8 @@ class MoEConfig:
     moe_lbl_in_fp32: bool = key(False, "Compute the load-balancing loss in fp32.")
     moe_jitter_eps: float | None = key(
         None, "Multiplicative noise on router inputs while training; unset means none."
+    )
+    moe_aux_loss_coeff: float = extension(
+        0.01,
+        "Weight of the load-balancing loss (Switch Transformer's) added to the training loss.",
     )

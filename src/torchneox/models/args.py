@@ -42,6 +42,15 @@ class ModelArgs:
     init_method: str
     output_init_method: str
     init_std: float
+    moe_num_experts: int = 1
+    moe_top_k: int = 1
+    moe_interval: int = 1
+    moe_router_type: str = "topk"
+    moe_jitter_eps: float | None = None
+    moe_lbl_in_fp32: bool = False
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe_num_experts > 1 and layer % self.moe_interval == 0
 
     @classmethod
     def from_config(cls, cfg: NeoXConfig, vocab_size: int) -> ModelArgs:
@@ -53,11 +62,6 @@ class ModelArgs:
         ]
         if missing:
             raise ConfigError(f"the model needs {', '.join(missing)}", key=missing[0])
-        if cfg.moe.moe_num_experts > 1:
-            raise ConfigError(
-                "mixture-of-experts layers are not built yet; set moe_num_experts to 1",
-                key="moe_num_experts",
-            )
         widths = mlp_widths(cfg)
         norm = {"te_layernorm": "layernorm", "te_rmsnorm": "rmsnorm"}.get(m.norm, m.norm)
         eps = {
@@ -93,6 +97,12 @@ class ModelArgs:
             init_method=m.init_method,
             output_init_method=m.output_layer_init_method,
             init_std=m.init_method_std,
+            moe_num_experts=cfg.moe.moe_num_experts,
+            moe_top_k=cfg.moe.moe_top_k,
+            moe_interval=cfg.moe.moe_expert_interval,
+            moe_router_type=cfg.moe.moe_router_type,
+            moe_jitter_eps=cfg.moe.moe_jitter_eps,
+            moe_lbl_in_fp32=cfg.moe.moe_lbl_in_fp32,
         )
 
 

@@ -231,6 +231,11 @@ def _fuse_qkv(
 def export_architecture(args: ModelArgs) -> str:
     """The HF architecture that expresses ``args`` exactly, or an HFError naming what cannot."""
     problems = []
+    if args.moe_num_experts > 1:
+        problems.append(
+            "mixture-of-experts layers (Hugging Face's GPTNeoX and Llama have none; its MoE "
+            "architectures route and name experts differently)"
+        )
     if args.pos_emb != "rotary":
         problems.append(f"pos_emb {args.pos_emb!r} (Hugging Face GPTNeoX and Llama use rotary)")
     if args.shared_norm:

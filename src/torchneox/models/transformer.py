@@ -22,6 +22,7 @@ from torchneox.models.args import ModelArgs
 from torchneox.models.attention import Attention, AttentionBias, KVCache
 from torchneox.models.init import init_function
 from torchneox.models.mlp import MLP
+from torchneox.models.moe import MoE
 from torchneox.models.norms import RMSNorm, ScaleNorm, build_norm
 from torchneox.models.positions import alibi_slopes, rotary_tables, sinusoidal_table
 
@@ -41,7 +42,7 @@ class Block(nn.Module):
             if args.shared_norm
             else build_norm(args.norm, args.hidden_size, args.norm_eps, args.norm_bias)
         )
-        self.mlp = MLP(args)
+        self.mlp = MoE(args) if args.is_moe_layer(layer) else MLP(args)
         self.dropout = nn.Dropout(args.hidden_dropout)
 
     def forward(
@@ -113,13 +114,14 @@ class Transformer(nn.Module):
             owner = self.get_submodule(name.rsplit(".", 1)[0])
             if isinstance(owner, nn.LayerNorm | RMSNorm | ScaleNorm):
                 nn.init.ones_(param) if leaf in ("weight", "g") else nn.init.zeros_(param)
-            elif leaf == "bias":
+            elif leaf == "bias" or leaf.endswith("_bias"):
                 nn.init.zeros_(param)
             else:
                 generator = torch.Generator(device=param.device).manual_seed(
                     _param_seed(seed, name)
                 )
-                init = out if name.endswith(("attention.wo.weight", "mlp.down.weight")) else main
+                outputs = ("attention.wo.weight", "mlp.down.weight", "mlp.experts_down")
+                init = out if name.endswith(outputs) else main
                 init(param, generator)
 
     # -------------------------------------------------------------------------- forward

@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchneox.config.errors import ConfigError
+from torchneox.models.moe import MoE
 from torchneox.models.transformer import Transformer
 
 
@@ -59,11 +60,19 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=seq),
-            "mlp.up": ColwiseParallel(),
-            "mlp.down": RowwiseParallel(output_layouts=seq),
         }
-        if block.mlp.gate is not None:
-            plan["mlp.gate"] = ColwiseParallel()
+        if isinstance(block.mlp, MoE):
+            # experts are whole on every tensor rank (the tokens are too, without sequence
+            # parallelism): each rank computes the same expert outputs
+            if sequence_parallel:
+                raise ConfigError(
+                    "with mixture-of-experts layers is not built yet", key="sequence_parallel"
+                )
+        else:
+            plan["mlp.up"] = ColwiseParallel()
+            plan["mlp.down"] = RowwiseParallel(output_layouts=seq)
+            if block.mlp.gate is not None:
+                plan["mlp.gate"] = ColwiseParallel()
         if sequence_parallel:
             plan["attention_norm"] = SequenceParallel()
             plan["attention"] = PrepareModuleInput(

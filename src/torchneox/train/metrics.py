@@ -117,6 +117,12 @@ class MetricsLogger:
         ]
         if row.get("loss_scale") is not None:
             parts.append(f"scale {row['loss_scale']:g}")
+        if row.get("moe_aux_loss") is not None:
+            counts = [c for layer in row["moe_tokens_per_expert"] for c in layer]
+            mean = sum(counts) / max(len(counts), 1)
+            parts.append(
+                f"moe aux {row['moe_aux_loss']:.3f}, busiest expert {max(counts) / max(mean, 1):.2f}x mean"
+            )
         parts += [
             f"{row['tokens_per_sec']:,.0f} tok/s",
             f"{row['tflops']:.3g} TFLOP/s",

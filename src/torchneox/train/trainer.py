@@ -32,6 +32,7 @@ from torchneox.data.tokenizers import build_tokenizer
 from torchneox.errors import TrainingStopped
 from torchneox.faults import fault_point
 from torchneox.models.args import ModelArgs
+from torchneox.models.moe import MoE
 from torchneox.models.transformer import Transformer, build_model
 from torchneox.parallel.activation_ckpt import apply_activation_checkpointing, compile_blocks
 from torchneox.parallel.data_parallel import apply_data_parallel, set_gradient_sync
@@ -176,6 +177,7 @@ class Trainer:
             self.model = build_model(self.args, device=self.device, seed=cfg.training.seed)
             self.module: torch.nn.Module = self._prepare(self.model)
         self.optimizer = build_optimizer(self.model, cfg, self.device.type)
+        self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoE)]
 
     def _prepare(self, model: Transformer) -> torch.nn.Module:
         """Parallelism from outside, in torchtitan's order: tensor parallel, activation
@@ -207,6 +209,11 @@ class Trainer:
         if cfg.training.eod_mask_loss:
             raise ConfigError(
                 "is not supported with pipe_parallel_size >= 2 yet", key="eod_mask_loss"
+            )
+        if cfg.moe.moe_num_experts > 1:
+            raise ConfigError(
+                "mixture-of-experts layers with pipe_parallel_size >= 2 are not built yet",
+                key="moe_num_experts",
             )
         if cfg.parallel.sequence_parallel and self.tensor_parallel:
             raise ConfigError(
@@ -329,8 +336,18 @@ class Trainer:
         with loss_context(self.tensor_parallel):
             with self.timers("forward"), autocast(self.precision, self.device.type):
                 loss = lm_loss(self.module(inputs), labels, mask)
+                objective = loss
+                if self.moe_layers:
+                    aux = torch.stack([m.aux_loss for m in self.moe_layers]).mean()
+                    weighted = self.cfg.moe.moe_aux_loss_coeff * aux
+                    if isinstance(loss, DTensor):  # a vocabulary-parallel loss: same placement
+                        weighted = DTensor.from_local(weighted, loss.device_mesh, loss.placements)
+                    objective = loss + weighted
+                    self._moe_aux += aux.detach().float()
+                    for i, m in enumerate(self.moe_layers):
+                        self._moe_counts[i] += m.tokens_per_expert
             with self.timers("backward"):
-                (loss * (self.scaler.scale / self.grad_accum)).backward()
+                (objective * (self.scaler.scale / self.grad_accum)).backward()
         return _plain(loss.detach())
 
     def train_step(self) -> dict[str, float]:
@@ -345,6 +362,11 @@ class Trainer:
             total = self._pipeline_step(micro_batches, train=True) * self.grad_accum
         else:
             total = torch.zeros((), device=self.device)
+        if self.moe_layers:
+            self._moe_aux = torch.zeros((), device=self.device)
+            self._moe_counts = [
+                torch.zeros_like(m.experts_up[:, 0, 0], dtype=torch.long) for m in self.moe_layers
+            ]
         for m, tokens in enumerate(micro_batches if self.pipeline is None else []):
             total += self._forward_backward(tokens, last=m == len(micro_batches) - 1)
         fault_point("step.backward", iteration)
@@ -353,7 +375,10 @@ class Trainer:
         with self.timers("optimizer"):
             grad_norm, skipped = self._apply_gradients(iteration, bad)
         self.iteration = iteration
-        return {"lm_loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": float(skipped)}
+        out = {"lm_loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": float(skipped)}
+        if self.moe_layers:
+            out["moe_aux_loss"] = self._mean_over_ranks(self._moe_aux / self.grad_accum).item()
+        return out
 
     def _pipeline_step(self, micro_batches: list[torch.Tensor], train: bool) -> torch.Tensor:
         """One global batch through the pipeline; the mean loss, known on every rank."""
@@ -651,6 +676,12 @@ class Trainer:
         }
         if self.precision == "fp16":
             row["loss_scale"] = self.scaler.scale
+        if "moe_aux_loss" in out:
+            row["moe_aux_loss"] = out["moe_aux_loss"]
+            counts = torch.stack(self._moe_counts)
+            if self.dims.distributed:
+                dist.all_reduce(counts, group=self.dims.mesh["dp"].get_group())
+            row["moe_tokens_per_expert"] = counts.tolist()  # [MoE layer][expert], this step
         return row
 
     def _dump_memory_snapshot(self) -> None:

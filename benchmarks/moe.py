@@ -1,0 +1,132 @@
+"""Mixture of experts: the MoE layer's forward + backward throughput with grouped GEMMs against
+the per-expert loop, and how balanced routing stays over a short training run (topk against
+sinkhorn routing, with the load-balancing loss).
+
+    python benchmarks/moe.py [--experts 8 32] [--tokens 4096] [--hidden 256] [--train-steps 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from torchneox.config.load import load_mapping
+from torchneox.data import builtin
+from torchneox.data.preprocess import PreprocessArgs, preprocess
+from torchneox.models.args import model_args
+from torchneox.models.moe import MoE
+from torchneox.train.trainer import Trainer
+
+
+def layer_speed(experts: int, tokens: int, hidden: int, top_k: int, grouped: bool) -> float:
+    keys = {
+        "num_layers": 1,
+        "hidden_size": hidden,
+        "num_attention_heads": 4,
+        "seq_length": 128,
+        "padded_vocab_size": 128,
+        "moe_num_experts": experts,
+        "moe_top_k": top_k,
+        "moe_router_type": "topk",
+    }
+    layer = MoE(model_args(load_mapping(keys, "bench")))
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    layer.grouped = grouped
+    x = torch.randn(tokens, hidden, requires_grad=True)
+
+    def step() -> None:
+        layer(x).sum().backward()
+
+    for _ in range(2):
+        step()
+    start, n = time.perf_counter(), 5
+    for _ in range(n):
+        step()
+    return tokens * n / (time.perf_counter() - start)
+
+
+def routing_balance(router: str, steps: int, folder: Path) -> dict:
+    builtin.write_jsonl("pydocs", folder / "docs.jsonl", max_bytes=400_000)
+    (prefix,) = preprocess(
+        PreprocessArgs(
+            [str(folder / "docs.jsonl")],
+            str(folder / "docs"),
+            "CharLevelTokenizer",
+            append_eod=True,
+        )
+    )
+    keys = {
+        "num_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "seq_length": 64,
+        "pos_emb": "rotary",
+        "no_weight_tying": True,
+        "moe_num_experts": 8,
+        "moe_top_k": 2,
+        "moe_router_type": router,
+        "train_micro_batch_size_per_gpu": 8,
+        "train_iters": steps,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.003}},
+        "tokenizer_type": "CharLevelTokenizer",
+        "data_path": str(prefix),
+        "split": "100,0,0",
+        "eval_iters": 0,
+        "num_workers": 0,
+        "log_interval": 1,
+        "save": str(folder / router),
+    }
+    Trainer(load_mapping(keys, f"moe-{router}"), device="cpu").run()
+    rows = [json.loads(x) for x in (folder / router / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "moe_tokens_per_expert" in r]
+
+    def busiest(r: dict) -> float:
+        counts = [c for layer in r["moe_tokens_per_expert"] for c in layer]
+        return max(counts) / (sum(counts) / len(counts))
+
+    return {
+        "benchmark": "moe_routing_balance",
+        "router": router,
+        "steps": steps,
+        "busiest_expert_over_mean_first": round(busiest(rows[0]), 2),
+        "busiest_expert_over_mean_last": round(busiest(rows[-1]), 2),
+        "aux_loss_last": round(rows[-1]["moe_aux_loss"], 4),
+        "lm_loss_last": round(rows[-1]["lm_loss"], 4),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--experts", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--train-steps", type=int, default=40)
+    args = parser.parse_args()
+    for e in args.experts:
+        loop = layer_speed(e, args.tokens, args.hidden, args.top_k, grouped=False)
+        grouped = layer_speed(e, args.tokens, args.hidden, args.top_k, grouped=True)
+        row = {
+            "benchmark": "moe_layer",
+            "experts": e,
+            "top_k": args.top_k,
+            "tokens": args.tokens,
+            "hidden": args.hidden,
+            "loop_tokens_per_sec": round(loop),
+            "grouped_tokens_per_sec": round(grouped),
+            "grouped_over_loop": round(grouped / loop, 3),
+        }
+        print(json.dumps(row), flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for router in ("topk", "sinkhorn"):
+            print(json.dumps(routing_balance(router, args.train_steps, Path(tmp))), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Mixture of experts: a router sends each token to ``top_k`` of ``num_experts`` MLPs, and every
+token reaches its experts (dropless: no capacity factor, nothing dropped).
+
+The experts' weights are stacked ([experts, in, out]); tokens are sorted by expert and the
+experts run as grouped GEMMs (``F.grouped_mm``, one kernel for all experts) or, as the
+reference, one matmul per expert; a test holds them equal. The router's load-balancing loss
+(Switch Transformer's: experts x sum over experts of token share x mean router probability,
+1.0 when balanced) is kept in ``aux_loss`` for the trainer to add, and the tokens each expert
+received in ``tokens_per_expert``.
+
+Routing (GPT-NeoX's ``moe_router_type``): ``topk`` takes the k largest router probabilities;
+``sinkhorn`` (training) picks experts from the Sinkhorn-balanced router scores and weights them
+by the sigmoid of the router logits; in evaluation it picks by the logits.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from torchneox.models.args import ModelArgs
+from torchneox.models.mlp import ACTIVATIONS
+
+
+def sinkhorn(cost_NE: torch.Tensor, iterations: int = 8, eps: float = 1e-8) -> torch.Tensor:
+    """Scale exp(cost) so that rows and columns sum evenly: a balanced soft assignment."""
+    cost = torch.exp(cost_NE - cost_NE.max())
+    d0 = torch.ones(cost.shape[0], device=cost.device, dtype=cost.dtype)
+    d1 = torch.ones(cost.shape[1], device=cost.device, dtype=cost.dtype)
+    for _ in range(iterations):
+        d0 = (1.0 / d0.shape[0]) / ((cost * d1[None, :]).sum(1) + eps)
+        d1 = (1.0 / d1.shape[0]) / ((cost * d0[:, None]).sum(0) + eps)
+    return d0[:, None] * cost * d1[None, :]
+
+
+def expert_loop(
+    x_TH: torch.Tensor, w_EHF: torch.Tensor, counts: list[int], bias_EF: torch.Tensor | None
+) -> torch.Tensor:
+    """The reference: one matmul per expert over its rows of the expert-sorted tokens."""
+    outs, start = [], 0
+    for e, n in enumerate(counts):
+        y = x_TH[start : start + n] @ w_EHF[e]
+        outs.append(y if bias_EF is None else y + bias_EF[e])
+        start += n
+    return torch.cat(outs) if outs else x_TH.new_zeros(0, w_EHF.shape[-1])
+
+
+def grouped_fits(x_TH: torch.Tensor, w_EHF: torch.Tensor) -> bool:
+    """Whether the grouped GEMM takes these shapes: its rows must be 16-byte aligned."""
+    size = x_TH.element_size()
+    return (x_TH.shape[-1] * size) % 16 == 0 and (w_EHF.shape[-1] * size) % 16 == 0
+
+
+def expert_grouped(
+    x_TH: torch.Tensor, w_EHF: torch.Tensor, counts: list[int], bias_EF: torch.Tensor | None
+) -> torch.Tensor:
+    """All experts in one grouped GEMM (``offs``: where each expert's rows end)."""
+    offsets = torch.tensor(counts, device=x_TH.device).cumsum(0).to(torch.int32)
+    w = w_EHF.to(x_TH.dtype) if w_EHF.dtype != x_TH.dtype else w_EHF
+    y = F.grouped_mm(x_TH, w, offs=offsets)
+    if bias_EF is not None:
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(len(counts), device=x_TH.device),
+            torch.tensor(counts, device=x_TH.device),
+        )
+        y = y + bias_EF.to(y.dtype)[expert_of_row]
+    return y
+
+
+class MoE(nn.Module):
+    """The MLP of an MoE layer. State dict: router.weight [E, H]; experts_up, experts_gate
+    [E, H, F]; experts_down [E, F, H]; and their biases when the model's MLPs have them."""
+
+    grouped: bool | None = None
+    """True: F.grouped_mm; False: the per-expert loop; None: grouped on GPUs, and on CPUs from
+    16 experts up (below that the loop is faster there: benchmarks/moe.py)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        e, h, w = args.moe_num_experts, args.hidden_size, args.mlp_width
+        self.num_experts, self.top_k = e, args.moe_top_k
+        self.router_type = args.moe_router_type
+        self.jitter = args.moe_jitter_eps
+        self.lbl_fp32 = args.moe_lbl_in_fp32
+        self.act = ACTIVATIONS[args.activation]
+        self.router = nn.Linear(h, e, bias=False)
+        self.experts_up = nn.Parameter(torch.empty(e, h, w))
+        self.experts_gate = nn.Parameter(torch.empty(e, h, w)) if args.gated else None
+        self.experts_down = nn.Parameter(torch.empty(e, w, h))
+        bias = args.mlp_bias
+        self.experts_up_bias = nn.Parameter(torch.empty(e, w)) if bias else None
+        self.experts_gate_bias = nn.Parameter(torch.empty(e, w)) if bias and args.gated else None
+        self.experts_down_bias = nn.Parameter(torch.empty(e, h)) if bias else None
+        self.aux_loss: torch.Tensor | None = None
+        self.tokens_per_expert: torch.Tensor | None = None
+
+    def route(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(experts [T, k], gates [T, k], router probabilities [T, E])."""
+        if self.training and self.jitter:
+            noise = torch.empty_like(x_TH).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
+            x_TH = x_TH * noise
+        logits = self.router(x_TH)
+        if self.lbl_fp32:
+            logits = logits.float()
+        probs = logits.float().softmax(-1)
+        if self.router_type == "sinkhorn":
+            with torch.no_grad():
+                chooser = sinkhorn(logits.detach().float()) if self.training else logits.float()
+                experts = chooser.topk(self.top_k, dim=-1).indices
+            gates = torch.sigmoid(logits.float()).gather(-1, experts)
+        else:
+            gates, experts = probs.topk(self.top_k, dim=-1)
+        return experts, gates, probs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x_TH = x.reshape(-1, shape[-1])
+        t = x_TH.shape[0]
+        experts, gates, probs = self.route(x_TH)
+        # every (token, choice) pair, sorted by expert
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts_t = torch.bincount(flat, minlength=self.num_experts)
+        counts = counts_t.tolist()
+        token_of_row = order // self.top_k
+        rows = x_TH[token_of_row]
+        grouped = self.grouped
+        if grouped is None:
+            grouped = x.device.type != "cpu" or self.num_experts >= 16
+        run = expert_grouped if grouped and grouped_fits(rows, self.experts_up) else expert_loop
+        up = run(rows, self.experts_up, counts, self.experts_up_bias)
+        if self.experts_gate is not None:
+            hidden = self.act(run(rows, self.experts_gate, counts, self.experts_gate_bias)) * up
+        else:
+            hidden = self.act(up)
+        if not grouped_fits(hidden, self.experts_down):
+            run = expert_loop
+        out_rows = run(hidden, self.experts_down, counts, self.experts_down_bias)
+        weighted = out_rows * gates.reshape(-1)[order, None].to(out_rows.dtype)
+        out = torch.zeros(t, shape[-1], dtype=weighted.dtype, device=x.device)
+        out.index_add_(0, token_of_row, weighted)
+        # Switch's load-balancing loss: E x sum_e (share of assignments to e) x (mean prob of e)
+        share = counts_t.float() / max(t * self.top_k, 1)
+        self.aux_loss = self.num_experts * (share * probs.mean(0)).sum()
+        self.tokens_per_expert = counts_t.detach()
+        return out.reshape(shape).to(x.dtype)
