@@ -169,3 +169,53 @@ def test_moe_export_to_hugging_face_is_refused(moe_config, tmp_path, capsys):
                  "--set", "train_iters=1"]) == 0  # fmt: skip
     assert main(["convert", "to-hf", str(tmp_path / "m"), str(tmp_path / "hf")]) == 2
     assert "mixture-of-experts layers" in capsys.readouterr().err
+
+
+# Expert parallelism. The load-balancing loss is a product of batch means, so ranks that each
+# see part of the batch add a different one than one process would: it is switched off here.
+EP_LAYOUTS = {
+    "dp2-ep2": (2, ["expert_parallel_size=2", "train_micro_batch_size_per_gpu=2"]),
+    "dp2-ep2-zero3": (
+        2,
+        ["expert_parallel_size=2", "train_micro_batch_size_per_gpu=2", "zero_optimization.stage=3"],
+    ),
+    "dp4-ep4": (4, ["expert_parallel_size=4", "train_micro_batch_size_per_gpu=1"]),
+    "dp4-ep2": (4, ["expert_parallel_size=2", "train_micro_batch_size_per_gpu=1"]),
+    "dp2-ep2-tp2": (
+        4,
+        ["expert_parallel_size=2", "model_parallel_size=2", "train_micro_batch_size_per_gpu=2"],
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", list(EP_LAYOUTS))
+def test_expert_parallel_layouts_equal_one_process(moe_config, tmp_path, layout):
+    nproc, overrides = EP_LAYOUTS[layout]
+    train(moe_config, f"save={tmp_path / 'one'}", "load=null", "moe_aux_loss_coeff=0")
+    baseline = reference(tmp_path / "one")
+    out = tmp_path / layout
+    train(moe_config, f"save={out}", "load=null", "moe_aux_loss_coeff=0", *overrides, nproc=nproc)
+    assert_same_training(out, baseline)
+
+
+def test_expert_parallel_checkpoint_resumes_in_one_process(moe_config, tmp_path):
+    from tests.parallel.test_data_parallel import assert_resumes_like_whole
+
+    assert_resumes_like_whole(
+        moe_config,
+        tmp_path,
+        ["moe_aux_loss_coeff=0"],
+        ["moe_aux_loss_coeff=0", "expert_parallel_size=2", "train_micro_batch_size_per_gpu=2"],
+        2,
+        ["moe_aux_loss_coeff=0"],
+    )
+
+
+def test_jitter_perturbs_routing_only_while_training():
+    moe = moe_model(moe_router_type="topk", moe_jitter_eps=0.5).layers["0"].mlp
+    x = torch.randn(64, 64)
+    moe.train()
+    first, second = moe.route(x)[0], moe.route(x)[0]
+    assert not torch.equal(first, second)  # noisy inputs pick other experts now and then
+    moe.eval()
+    assert torch.equal(moe.route(x)[0], moe.route(x)[0])

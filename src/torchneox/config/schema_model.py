@@ -243,6 +243,11 @@ class MoEConfig:
     moe_jitter_eps: float | None = key(
         None, "Multiplicative noise on router inputs while training; unset means none."
     )
+    expert_parallel_size: int = extension(
+        1,
+        "Ranks the experts of each MoE layer are split over (a divisor of the data-parallel "
+        "size); tokens reach their experts by all-to-all.",
+    )
     moe_aux_loss_coeff: float = extension(
         0.01,
         "Weight of the load-balancing loss (Switch Transformer's) added to the training loss.",

@@ -94,6 +94,32 @@ class MoE(nn.Module):
         self.experts_down_bias = nn.Parameter(torch.empty(e, h)) if bias else None
         self.aux_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
+        self.ep_group = None  # set by parallel.expert_parallel: the experts are split over it
+        self.ep_size = 1
+
+    def _experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Rows sorted by (this rank's) expert through their experts' MLPs."""
+
+        def local(t: torch.Tensor | None) -> torch.Tensor | None:
+            return t.to_local() if t is not None and hasattr(t, "to_local") else t
+
+        up_w, gate_w, down_w = (
+            local(self.experts_up),
+            local(self.experts_gate),
+            local(self.experts_down),
+        )
+        grouped = self.grouped
+        if grouped is None:
+            grouped = rows.device.type != "cpu" or len(counts) >= 16
+        run = expert_grouped if grouped and grouped_fits(rows, up_w) else expert_loop
+        up = run(rows, up_w, counts, local(self.experts_up_bias))
+        if gate_w is not None:
+            hidden = self.act(run(rows, gate_w, counts, local(self.experts_gate_bias))) * up
+        else:
+            hidden = self.act(up)
+        if not grouped_fits(hidden, down_w):
+            run = expert_loop
+        return run(hidden, down_w, counts, local(self.experts_down_bias))
 
     def route(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(experts [T, k], gates [T, k], router probabilities [T, E])."""
@@ -125,18 +151,14 @@ class MoE(nn.Module):
         counts = counts_t.tolist()
         token_of_row = order // self.top_k
         rows = x_TH[token_of_row]
-        grouped = self.grouped
-        if grouped is None:
-            grouped = x.device.type != "cpu" or self.num_experts >= 16
-        run = expert_grouped if grouped and grouped_fits(rows, self.experts_up) else expert_loop
-        up = run(rows, self.experts_up, counts, self.experts_up_bias)
-        if self.experts_gate is not None:
-            hidden = self.act(run(rows, self.experts_gate, counts, self.experts_gate_bias)) * up
-        else:
-            hidden = self.act(up)
-        if not grouped_fits(hidden, self.experts_down):
-            run = expert_loop
-        out_rows = run(hidden, self.experts_down, counts, self.experts_down_bias)
+        route = None
+        if self.ep_size > 1:  # to the ranks holding the experts, and back after
+            from torchneox.parallel.expert_parallel import combine, dispatch
+
+            rows, counts, route = dispatch(rows, counts_t, self.ep_group, self.ep_size)
+        out_rows = self._experts(rows, counts)
+        if route is not None:
+            out_rows = combine(out_rows, route, self.ep_group)
         weighted = out_rows * gates.reshape(-1)[order, None].to(out_rows.dtype)
         out = torch.zeros(t, shape[-1], dtype=weighted.dtype, device=x.device)
         out.index_add_(0, token_of_row, weighted)

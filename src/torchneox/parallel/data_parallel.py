@@ -24,17 +24,30 @@ def apply_data_parallel(
     zero_stage: int,
     reduce_dtype: str,
     tensor_parallel: bool = False,
+    ignored: list[str] | None = None,
 ) -> torch.nn.Module:
     """Shard or replicate ``model`` over ``mesh`` (the data-parallel axis); returns the module to
     call. DDP does not take tensor-parallel (DTensor) parameters, so ZeRO 0 with tensor
     parallelism runs as ZeRO 2 (sharded gradients and optimizer state; the same results)."""
     if zero_stage == 0 and not tensor_parallel:
+        if ignored:  # expert-parallel weights: their gradients are reduced elsewhere
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
         return DistributedDataParallel(model, process_group=mesh.get_group())
     policy = MixedPrecisionPolicy(reduce_dtype=REDUCE_DTYPES[reduce_dtype])
     reshard = zero_stage == 3
+    skip = {model.get_parameter(n) for n in ignored or []}
     for block in model.layers.values():
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+        own = {p for p in block.parameters() if p in skip} or None
+        fully_shard(
+            block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=own
+        )
+    fully_shard(
+        model,
+        mesh=mesh,
+        reshard_after_forward=reshard,
+        mp_policy=policy,
+        ignored_params=skip or None,
+    )
     return model
 
 

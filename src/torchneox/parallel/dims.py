@@ -23,6 +23,8 @@ class ParallelDims:
     pp: int
     world_size: int
     device_type: str
+    ep: int = 1
+    """Expert-parallel ranks: a sub-axis of the data-parallel one."""
     mesh: DeviceMesh | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -51,6 +53,15 @@ class ParallelDims:
     def build_mesh(self) -> DeviceMesh | None:
         if not self.distributed:
             return None
+        if self.ep > 1:
+            # data parallel = (replicas of the experts) x (expert-parallel ranks)
+            self.mesh = init_device_mesh(
+                self.device_type,
+                (self.pp, self.dp // self.ep, self.ep, self.tp),
+                mesh_dim_names=("pp", "dp_replicate", "ep", "tp"),
+            )
+            self.mesh["dp_replicate", "ep"]._flatten("dp")
+            return self.mesh
         self.mesh = init_device_mesh(
             self.device_type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp")
         )

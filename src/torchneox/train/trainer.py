@@ -37,6 +37,7 @@ from torchneox.models.transformer import Transformer, build_model
 from torchneox.parallel.activation_ckpt import apply_activation_checkpointing, compile_blocks
 from torchneox.parallel.data_parallel import apply_data_parallel, set_gradient_sync
 from torchneox.parallel.dims import ParallelDims, init_distributed
+from torchneox.parallel.expert_parallel import apply_expert_parallel, sync_expert_gradients
 from torchneox.parallel.pipeline import Pipeline, build_pipeline, evaluate_pipeline
 from torchneox.parallel.tensor_parallel import apply_tensor_parallel, loss_context
 from torchneox.train import checkpoint
@@ -125,12 +126,26 @@ class Trainer:
         )
         self.derived = d = derive(loaded, world_size=world)
         require(loaded, d)
+        ep = cfg.moe.expert_parallel_size
+        if ep > 1 and (d["data_parallel_size"] % ep or cfg.moe.moe_num_experts <= 1):
+            raise ConfigError(
+                f"{ep} must divide the data-parallel size {d['data_parallel_size']} and the "
+                "model needs MoE layers (moe_num_experts > 1)",
+                key="expert_parallel_size",
+            )
+        if ep > 1 and d["pipeline_stages"] > 1:
+            raise ConfigError(
+                "together with pipeline parallelism is not built yet; use it with data and "
+                "tensor parallelism",
+                key="expert_parallel_size",
+            )
         self.dims = ParallelDims(
             dp=d["data_parallel_size"],
             tp=d["model_parallel_size"],
             pp=d["pipeline_stages"],
             world_size=world,
             device_type=self.device.type,
+            ep=ep,
         )
         self.dims.build_mesh()
         self.precision = d["precision"]
@@ -185,6 +200,9 @@ class Trainer:
         cfg = self.cfg
         if self.tensor_parallel:
             apply_tensor_parallel(model, self.dims.mesh["tp"], cfg.parallel.sequence_parallel)
+        expert_params: list[str] = []
+        if self.dims.ep > 1:
+            expert_params = apply_expert_parallel(model, self.dims.mesh)
         if cfg.training.checkpoint_activations:
             apply_activation_checkpointing(
                 model,
@@ -201,6 +219,7 @@ class Trainer:
                 self.derived["zero_stage"],
                 self.derived["gradient_reduce_dtype"],
                 tensor_parallel=sharded_only,
+                ignored=expert_params,
             )
         return model
 
@@ -365,10 +384,13 @@ class Trainer:
         if self.moe_layers:
             self._moe_aux = torch.zeros((), device=self.device)
             self._moe_counts = [
-                torch.zeros_like(m.experts_up[:, 0, 0], dtype=torch.long) for m in self.moe_layers
+                torch.zeros(m.num_experts, dtype=torch.long, device=self.device)
+                for m in self.moe_layers
             ]
         for m, tokens in enumerate(micro_batches if self.pipeline is None else []):
             total += self._forward_backward(tokens, last=m == len(micro_batches) - 1)
+        if self.dims.ep > 1:
+            sync_expert_gradients(self.model, self.dims.mesh, self.dims.dp)
         fault_point("step.backward", iteration)
         loss = self._mean_over_ranks(total / self.grad_accum).item()
         bad = None if math.isfinite(loss) else f"the loss is {loss}"

@@ -1,0 +1,113 @@
+"""Expert parallelism: each MoE layer's experts split over the ``ep`` mesh axis (a sub-axis of
+data parallelism), tokens sent to the rank holding their expert and back with all-to-all.
+
+Expert weights become DTensors sharded on dim 0 (experts) over ``ep``, so checkpoints hold
+whole [experts, ...] tensors and load into any other layout. Their gradients are not reduced
+by DDP (the all-to-all's backward already gathered every ep rank's tokens); they are summed
+over the expert replicas (``dp_replicate``) and divided by the data-parallel size here, which
+makes them the gradient of the global mean loss, as DDP's average does for the rest.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from torchneox.config.errors import ConfigError
+from torchneox.models.moe import MoE
+
+EXPERT_PARAMS = (
+    "experts_up",
+    "experts_gate",
+    "experts_down",
+    "experts_up_bias",
+    "experts_gate_bias",
+    "experts_down_bias",
+)
+
+
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> list[str]:
+    """Shard every MoE layer's experts over mesh["ep"]; returns the expert parameters' names
+    (for DDP to leave alone)."""
+    ep_mesh = mesh["ep"]
+    size, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    names = []
+    for module_name, module in model.named_modules():
+        if not isinstance(module, MoE):
+            continue
+        if module.num_experts % size:
+            raise ConfigError(
+                f"{size} does not divide moe_num_experts {module.num_experts}",
+                key="expert_parallel_size",
+            )
+        local = module.num_experts // size
+        for attr in EXPERT_PARAMS:
+            param = getattr(module, attr)
+            if param is None:
+                continue
+            shard = param.detach()[rank * local : (rank + 1) * local].clone()
+            setattr(
+                module,
+                attr,
+                nn.Parameter(DTensor.from_local(shard, ep_mesh, [Shard(0)], run_check=False)),
+            )
+            names.append(f"{module_name}.{attr}")
+        module.ep_group = ep_mesh.get_group()
+        module.ep_size = size
+    return names
+
+
+def sync_expert_gradients(model: nn.Module, mesh: DeviceMesh, dp_size: int) -> None:
+    """Sum the expert gradients over the expert replicas, then average like DDP does."""
+    replicate = mesh["dp_replicate"].get_group() if mesh["dp_replicate"].size() > 1 else None
+    for module in model.modules():
+        if not isinstance(module, MoE):
+            continue
+        for attr in EXPERT_PARAMS:
+            param = getattr(module, attr)
+            if param is None or param.grad is None:
+                continue
+            local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            if replicate is not None:
+                dist.all_reduce(local, group=replicate)
+            local.div_(dp_size)
+
+
+def dispatch(rows: torch.Tensor, counts_E: torch.Tensor, group, size: int):
+    """Send expert-sorted rows to the ranks holding their experts. Returns the received rows
+    sorted by local expert, the tokens per local expert, and what ``combine`` needs to send
+    the results back (the split sizes both ways and the local sort)."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    local = counts_E.numel() // size
+    send_counts = counts_E.reshape(size, local)  # [destination rank, its local expert]
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=group)  # [source, expert]
+    send_splits = send_counts.sum(1).tolist()
+    recv_splits = recv_counts.sum(1).tolist()
+    received = all_to_all_single_autograd(rows, recv_splits, send_splits, group)
+    # received: by source rank, each by local expert -> regroup by local expert
+    segments = recv_counts.reshape(-1).tolist()  # (source, expert) in source-major order
+    starts = [0]
+    for n in segments:
+        starts.append(starts[-1] + n)
+    order = []
+    for e in range(local):
+        for s in range(size):
+            k = s * local + e
+            order.extend(range(starts[k], starts[k + 1]))
+    order_t = torch.tensor(order, dtype=torch.long, device=rows.device)
+    per_expert = recv_counts.sum(0).tolist()
+    return received[order_t], per_expert, (send_splits, recv_splits, order_t)
+
+
+def combine(out_rows: torch.Tensor, route, group) -> torch.Tensor:
+    """Undo ``dispatch``: back to source-major order, then to the ranks the rows came from."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    send_splits, recv_splits, order = route
+    restored = torch.zeros_like(out_rows).index_copy(0, order, out_rows)
+    return all_to_all_single_autograd(restored, send_splits, recv_splits, group)
