@@ -219,3 +219,28 @@ def test_jitter_perturbs_routing_only_while_training():
     assert not torch.equal(first, second)  # noisy inputs pick other experts now and then
     moe.eval()
     assert torch.equal(moe.route(x)[0], moe.route(x)[0])
+
+
+def test_the_seed_report_config_trains_scaled_down(tmp_path, tiny_data):
+    """The MoE config quoted in the seed report (8 experts, model_parallel_size 2,
+    pipe_parallel_size 1), as it is, with only the sizes and the data changed."""
+    from tests.config.test_neox_configs import SHARED, seed_config
+
+    if SHARED is None:
+        pytest.skip("needs ../shared (the seed report)")
+    sizes = [
+        "num_layers=2",
+        "hidden_size=64",
+        "num_attention_heads=4",
+        "seq_length=32",
+        "max_position_embeddings=32",
+        "tokenizer_type=CharLevelTokenizer",
+        f"data_path={tiny_data}",
+        f"save={tmp_path / 'run'}",
+        "eval_iters=1",
+    ]
+    train(str(seed_config(tmp_path)), *sizes, nproc=2)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "lm_loss" in r]
+    assert [r["iteration"] for r in steps] == [1, 2, 3, 4, 5]  # train_iters 5, as the config says
+    assert all(len(r["moe_tokens_per_expert"][0]) == 8 for r in steps)
