@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from tests.parallel.test_data_parallel import assert_same_training, reference, train
+from tests.parallel.test_data_parallel import assert_same_training, losses, reference, train
 from torchneox.cli import main
 from torchneox.config.derive import derive
 from torchneox.config.load import load_mapping
@@ -171,8 +171,7 @@ def test_moe_export_to_hugging_face_is_refused(moe_config, tmp_path, capsys):
     assert "mixture-of-experts layers" in capsys.readouterr().err
 
 
-# Expert parallelism. The load-balancing loss is a product of batch means, so ranks that each
-# see part of the batch add a different one than one process would: it is switched off here.
+# Expert parallelism (the load-balancing loss, computed over the whole batch, included).
 EP_LAYOUTS = {
     "dp2-ep2": (2, ["expert_parallel_size=2", "train_micro_batch_size_per_gpu=2"]),
     "dp2-ep2-zero3": (
@@ -191,10 +190,12 @@ EP_LAYOUTS = {
 @pytest.mark.parametrize("layout", list(EP_LAYOUTS))
 def test_expert_parallel_layouts_equal_one_process(moe_config, tmp_path, layout):
     nproc, overrides = EP_LAYOUTS[layout]
-    train(moe_config, f"save={tmp_path / 'one'}", "load=null", "moe_aux_loss_coeff=0")
+    train(moe_config, f"save={tmp_path / 'one'}", "load=null", "moe_aux_loss_coeff=0.1")
     baseline = reference(tmp_path / "one")
     out = tmp_path / layout
-    train(moe_config, f"save={out}", "load=null", "moe_aux_loss_coeff=0", *overrides, nproc=nproc)
+    train(moe_config, f"save={out}", "load=null", "moe_aux_loss_coeff=0.1", *overrides, nproc=nproc)
+    one_aux = losses(tmp_path / "one", "moe_aux_loss")
+    assert losses(out, "moe_aux_loss") == pytest.approx(one_aux, rel=1e-5)
     assert_same_training(out, baseline)
 
 
@@ -204,10 +205,10 @@ def test_expert_parallel_checkpoint_resumes_in_one_process(moe_config, tmp_path)
     assert_resumes_like_whole(
         moe_config,
         tmp_path,
-        ["moe_aux_loss_coeff=0"],
-        ["moe_aux_loss_coeff=0", "expert_parallel_size=2", "train_micro_batch_size_per_gpu=2"],
+        [],
+        ["expert_parallel_size=2", "train_micro_batch_size_per_gpu=2"],
         2,
-        ["moe_aux_loss_coeff=0"],
+        [],
     )
 
 

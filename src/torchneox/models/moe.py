@@ -96,6 +96,7 @@ class MoE(nn.Module):
         self.tokens_per_expert: torch.Tensor | None = None
         self.ep_group = None  # set by parallel.expert_parallel: the experts are split over it
         self.ep_size = 1
+        self.balance_group = None  # set by the trainer: the ranks that split the batch
 
     def _experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Rows sorted by (this rank's) expert through their experts' MLPs."""
@@ -162,8 +163,17 @@ class MoE(nn.Module):
         weighted = out_rows * gates.reshape(-1)[order, None].to(out_rows.dtype)
         out = torch.zeros(t, shape[-1], dtype=weighted.dtype, device=x.device)
         out.index_add_(0, token_of_row, weighted)
-        # Switch's load-balancing loss: E x sum_e (share of assignments to e) x (mean prob of e)
-        share = counts_t.float() / max(t * self.top_k, 1)
-        self.aux_loss = self.num_experts * (share * probs.mean(0)).sum()
+        # Switch's load-balancing loss: E x sum_e (share of assignments to e) x (mean prob of e),
+        # over the whole batch: summed over the data-parallel ranks when they split it, so any
+        # layout adds the loss one process would (and its gradient, through the all-reduce)
+        counts_f, prob_sum, tokens = counts_t.float(), probs.sum(0), float(t)
+        if self.balance_group is not None:
+            from torch.distributed.nn.functional import all_reduce
+
+            counts_f = all_reduce(counts_f.detach(), group=self.balance_group)
+            prob_sum = all_reduce(prob_sum, group=self.balance_group)
+            tokens *= torch.distributed.get_world_size(self.balance_group)
+        share = counts_f / max(tokens * self.top_k, 1.0)
+        self.aux_loss = self.num_experts * (share * prob_sum / max(tokens, 1.0)).sum()
         self.tokens_per_expert = counts_t.detach()
         return out.reshape(shape).to(x.dtype)

@@ -193,6 +193,9 @@ class Trainer:
             self.module: torch.nn.Module = self._prepare(self.model)
         self.optimizer = build_optimizer(self.model, cfg, self.device.type)
         self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoE)]
+        if self.dims.dp > 1:
+            for m in self.moe_layers:  # the load-balancing loss sees the whole batch
+                m.balance_group = self.dims.mesh["dp"].get_group()
 
     def _prepare(self, model: Transformer) -> torch.nn.Module:
         """Parallelism from outside, in torchtitan's order: tensor parallel, activation
