@@ -83,9 +83,8 @@ def index_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHNEOX_INDEX_CACHE", str(tmp_path / "index"))
 
 
-@pytest.fixture
-def make_config(tmp_path, tiny_data):
-    """make_config(**keys) -> path of a tiny training config (keys override the defaults)."""
+def config_maker(tmp_path, tiny_data):
+    """make(**keys) -> path of a tiny training config (keys override the defaults)."""
 
     def make(name: str = "c.yml", **keys) -> str:
         cfg = {
@@ -126,3 +125,16 @@ def make_config(tmp_path, tiny_data):
         return str(path)
 
     return make
+
+
+@pytest.fixture
+def make_config(tmp_path, tiny_data):
+    """make_config(**keys) -> path of a tiny training config (keys override the defaults)."""
+    return config_maker(tmp_path, tiny_data)
+
+
+@pytest.fixture(scope="module")
+def make_module_config(tmp_path_factory, tiny_data):
+    """make_config for module-scoped fixtures: one-process baselines that several parallel
+    layouts are compared with are trained once per module."""
+    return config_maker(tmp_path_factory.mktemp("configs"), tiny_data)

@@ -110,10 +110,10 @@ def test_sinkhorn_balances_skewed_scores():
     assert skewed.max() > 300 and balanced.max() < 2 * 512 / 8
 
 
-@pytest.fixture
-def moe_config(make_config):
+@pytest.fixture(scope="module")
+def moe_config(make_module_config):
     # the seed report's MoE config (8 experts, tensor parallel 2), scaled down to CPU size
-    return make_config(
+    return make_module_config(
         "moe.yml",
         num_layers=4,
         hidden_size=64,
@@ -187,14 +187,20 @@ EP_LAYOUTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def moe_one_process(moe_config, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("moe-one") / "one"
+    train(moe_config, f"save={folder}", "load=null", "moe_aux_loss_coeff=0.1")
+    return folder
+
+
 @pytest.mark.parametrize("layout", list(EP_LAYOUTS))
-def test_expert_parallel_layouts_equal_one_process(moe_config, tmp_path, layout):
+def test_expert_parallel_layouts_equal_one_process(moe_config, moe_one_process, tmp_path, layout):
     nproc, overrides = EP_LAYOUTS[layout]
-    train(moe_config, f"save={tmp_path / 'one'}", "load=null", "moe_aux_loss_coeff=0.1")
-    baseline = reference(tmp_path / "one")
+    baseline = reference(moe_one_process)
     out = tmp_path / layout
     train(moe_config, f"save={out}", "load=null", "moe_aux_loss_coeff=0.1", *overrides, nproc=nproc)
-    one_aux = losses(tmp_path / "one", "moe_aux_loss")
+    one_aux = losses(moe_one_process, "moe_aux_loss")
     assert losses(out, "moe_aux_loss") == pytest.approx(one_aux, rel=1e-5)
     assert_same_training(out, baseline)
 

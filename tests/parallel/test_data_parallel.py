@@ -81,9 +81,9 @@ def assert_resumes_like_whole(
     return moved
 
 
-@pytest.fixture
-def config(make_config):
-    return make_config(
+@pytest.fixture(scope="module")
+def config(make_module_config):
+    return make_module_config(
         train_batch_size=8,
         train_micro_batch_size_per_gpu=2,
         gradient_accumulation_steps=2,
@@ -94,8 +94,9 @@ def config(make_config):
     )
 
 
-@pytest.fixture
-def baseline(config, tmp_path):
+@pytest.fixture(scope="module")
+def baseline(config, tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("baseline")
     train(config, f"save={tmp_path / 'one'}", "load=null", "train_micro_batch_size_per_gpu=4")
     return reference(tmp_path / "one")
 
@@ -161,9 +162,9 @@ def test_config_is_loadable_for_the_tests(config):
     assert load_config([config]).config.training.train_batch_size == 8
 
 
-@pytest.fixture
-def untied(make_config):
-    return make_config(
+@pytest.fixture(scope="module")
+def untied(make_module_config):
+    return make_module_config(
         "untied.yml",
         train_batch_size=8,
         train_micro_batch_size_per_gpu=4,
@@ -179,8 +180,9 @@ def untied(make_config):
     )
 
 
-@pytest.fixture
-def untied_baseline(untied, tmp_path):
+@pytest.fixture(scope="module")
+def untied_baseline(untied, tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("untied-baseline")
     train(
         untied,
         f"save={tmp_path / 'one'}",

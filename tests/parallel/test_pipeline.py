@@ -20,9 +20,9 @@ from torchneox.parallel.pipeline import rank_stage_indices, stage_layers
 from torchneox.train.trainer import Trainer
 
 
-@pytest.fixture
-def config(make_config):
-    return make_config(
+@pytest.fixture(scope="module")
+def config(make_module_config):
+    return make_module_config(
         "pp.yml",
         num_layers=4,
         train_micro_batch_size_per_gpu=2,
@@ -35,8 +35,9 @@ def config(make_config):
     )
 
 
-@pytest.fixture
-def baseline(config, tmp_path):
+@pytest.fixture(scope="module")
+def baseline(config, tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("baseline")
     train(config, f"save={tmp_path / 'one'}", "load=null")
     return reference(tmp_path / "one")
 
