@@ -144,6 +144,7 @@ class _Trace:
     rest_split: float = 0.0
     layer_weights: float = 0.0  # per micro-batch: autocast's weight copies, split by tp
     rest_weights: float = 0.0
+    vocab: int = 0  # the padded vocabulary: the logits' width
 
 
 def _trace_saved(
@@ -237,6 +238,7 @@ def trace_activations(loaded: LoadedConfig, vocab: int, precision: str) -> _Trac
         rest_split=2 * split[0] - split[1],
         layer_weights=weights[1] - weights[0],
         rest_weights=2 * weights[0] - weights[1],
+        vocab=vocab,
     )
 
 
@@ -332,14 +334,9 @@ def memory_per_rank(
             rest += trace.rest_weights / split_by
         stored_after_forward = in_flight * (stored + rest)
         parts["activations"] = stored_after_forward + recompute
-        if last:
-            vocab = (
-                next(s for n, s in params if n == "output.weight")[0]
-                if any(n == "output.weight" for n, _ in params)
-                else 0
-            )
+        if last:  # the gradient of the logits (a tied head has them too)
             seq = loaded.config.model.seq_length
-            temporary += layout.micro_batch * seq * math.ceil(vocab / layout.tp) * 4  # dlogits
+            temporary += layout.micro_batch * seq * math.ceil(trace.vocab / layout.tp) * 4
         parts["temporary"] = temporary
         parts = {key: int(v) for key, v in parts.items()}
         parts["total"] = sum(parts.values())

@@ -81,17 +81,19 @@ def assert_resumes_like_whole(
     return moved
 
 
+# the global batch every layout below trains: 8 sequences in 2 accumulation steps
+DP_KEYS = {
+    "train_batch_size": 8,
+    "gradient_accumulation_steps": 2,
+    "eval_iters": 1,
+    "hidden_dropout": 0.0,
+    "num_workers": 0,
+}
+
+
 @pytest.fixture(scope="module")
 def config(make_module_config):
-    return make_module_config(
-        train_batch_size=8,
-        train_micro_batch_size_per_gpu=2,
-        gradient_accumulation_steps=2,
-        train_iters=4,
-        eval_iters=1,
-        hidden_dropout=0.0,
-        num_workers=0,
-    )
+    return make_module_config(train_micro_batch_size_per_gpu=2, train_iters=4, **DP_KEYS)
 
 
 @pytest.fixture(scope="module")
@@ -113,16 +115,7 @@ def test_two_processes_equal_one(config, tmp_path, baseline, stage):
 def test_checkpoint_moves_from_two_sharded_processes_to_one(
     config, tmp_path, baseline, make_config
 ):
-    cfg = make_config(
-        "long.yml",
-        train_batch_size=8,
-        train_micro_batch_size_per_gpu=2,
-        gradient_accumulation_steps=2,
-        train_iters=6,
-        eval_iters=1,
-        hidden_dropout=0.0,
-        num_workers=0,
-    )
+    cfg = make_config("long.yml", train_micro_batch_size_per_gpu=2, train_iters=6, **DP_KEYS)
     one = ["train_micro_batch_size_per_gpu=4"]
     moved = assert_resumes_like_whole(cfg, tmp_path, one, ["zero_optimization.stage=3"], 2, one)
     assert checkpoint.read_meta(moved / "global_step3")["world_size"] == 2
@@ -166,13 +159,9 @@ def test_config_is_loadable_for_the_tests(config):
 def untied(make_module_config):
     return make_module_config(
         "untied.yml",
-        train_batch_size=8,
         train_micro_batch_size_per_gpu=4,
-        gradient_accumulation_steps=2,
         train_iters=4,
-        eval_iters=1,
-        hidden_dropout=0.0,
-        num_workers=0,
+        **DP_KEYS,
         no_weight_tying=True,
         activation="swiglu",
         num_kv_heads=2,
@@ -244,15 +233,7 @@ RESHARDS = {
 @pytest.mark.parametrize("move", list(RESHARDS))
 def test_tensor_parallel_checkpoints_reshard(untied, tmp_path, make_config, move):
     cfg = make_config(
-        "u6.yml",
-        train_batch_size=8,
-        train_micro_batch_size_per_gpu=4,
-        gradient_accumulation_steps=2,
-        train_iters=6,
-        eval_iters=1,
-        hidden_dropout=0.0,
-        num_workers=0,
-        no_weight_tying=True,
+        "u6.yml", train_micro_batch_size_per_gpu=4, train_iters=6, no_weight_tying=True, **DP_KEYS
     )
     (first, first_n), (then, then_n) = RESHARDS[move]
     moved = assert_resumes_like_whole(cfg, tmp_path, [], first, first_n, then, then_n)

@@ -19,20 +19,20 @@ from torchneox.models.args import model_args
 from torchneox.parallel.pipeline import rank_stage_indices, stage_layers
 from torchneox.train.trainer import Trainer
 
+PP_KEYS = {
+    "num_layers": 4,
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 4,
+    "eval_iters": 1,
+    "hidden_dropout": 0.0,
+    "num_workers": 0,
+    "no_weight_tying": True,
+}
+
 
 @pytest.fixture(scope="module")
 def config(make_module_config):
-    return make_module_config(
-        "pp.yml",
-        num_layers=4,
-        train_micro_batch_size_per_gpu=2,
-        gradient_accumulation_steps=4,
-        train_iters=3,
-        eval_iters=1,
-        hidden_dropout=0.0,
-        num_workers=0,
-        no_weight_tying=True,
-    )
+    return make_module_config("pp.yml", train_iters=3, **PP_KEYS)
 
 
 @pytest.fixture(scope="module")
@@ -77,17 +77,7 @@ def test_pipeline_layouts_equal_one_process(config, tmp_path, baseline, layout):
 
 
 def test_pipeline_checkpoint_resumes_as_data_parallel(config, tmp_path, make_config):
-    cfg = make_config(
-        "pp6.yml",
-        num_layers=4,
-        train_micro_batch_size_per_gpu=2,
-        gradient_accumulation_steps=4,
-        train_iters=6,
-        eval_iters=1,
-        hidden_dropout=0.0,
-        num_workers=0,
-        no_weight_tying=True,
-    )
+    cfg = make_config("pp6.yml", train_iters=6, **PP_KEYS)
     # two pipeline stages, then two data-parallel ranks
     assert_resumes_like_whole(
         cfg, tmp_path, [], ["pipe_parallel_size=2"], 2, ["train_micro_batch_size_per_gpu=1"], 2

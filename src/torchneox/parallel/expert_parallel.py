@@ -16,7 +16,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from torchneox.config.errors import ConfigError
 from torchneox.models.moe import MoE
 
 EXPERT_PARAMS = (
@@ -38,11 +37,6 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> list[str]:
     for module_name, module in model.named_modules():
         if not isinstance(module, MoE):
             continue
-        if module.num_experts % size:
-            raise ConfigError(
-                f"{size} does not divide moe_num_experts {module.num_experts}",
-                key="expert_parallel_size",
-            )
         local = module.num_experts // size
         for attr in EXPERT_PARAMS:
             param = getattr(module, attr)
@@ -89,17 +83,11 @@ def dispatch(rows: torch.Tensor, counts_E: torch.Tensor, group, size: int):
     send_splits = send_counts.sum(1).tolist()
     recv_splits = recv_counts.sum(1).tolist()
     received = all_to_all_single_autograd(rows, recv_splits, send_splits, group)
-    # received: by source rank, each by local expert -> regroup by local expert
-    segments = recv_counts.reshape(-1).tolist()  # (source, expert) in source-major order
-    starts = [0]
-    for n in segments:
-        starts.append(starts[-1] + n)
-    order = []
-    for e in range(local):
-        for s in range(size):
-            k = s * local + e
-            order.extend(range(starts[k], starts[k + 1]))
-    order_t = torch.tensor(order, dtype=torch.long, device=rows.device)
+    # received: by source rank, each by local expert -> regroup by local expert (stable, so
+    # each expert's rows stay in source order)
+    expert_of_row = torch.arange(local, device=rows.device).repeat(size)
+    expert_of_row = torch.repeat_interleave(expert_of_row, recv_counts.reshape(-1))
+    order_t = torch.argsort(expert_of_row, stable=True)
     per_expert = recv_counts.sum(0).tolist()
     return received[order_t], per_expert, (send_splits, recv_splits, order_t)
 

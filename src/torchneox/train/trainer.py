@@ -127,10 +127,12 @@ class Trainer:
         self.derived = d = derive(loaded, world_size=world)
         require(loaded, d)
         ep = cfg.moe.expert_parallel_size
-        if ep > 1 and (d["data_parallel_size"] % ep or cfg.moe.moe_num_experts <= 1):
+        # checked here, not in derive: a checkpoint's config must load in any layout
+        experts = cfg.moe.moe_num_experts
+        if ep > 1 and (d["data_parallel_size"] % ep or experts <= 1 or experts % ep):
             raise ConfigError(
-                f"{ep} must divide the data-parallel size {d['data_parallel_size']} and the "
-                "model needs MoE layers (moe_num_experts > 1)",
+                f"{ep} must divide the data-parallel size {d['data_parallel_size']} and "
+                f"moe_num_experts {experts} (and the model needs MoE layers)",
                 key="expert_parallel_size",
             )
         if ep > 1 and d["pipeline_stages"] > 1:
