@@ -73,17 +73,34 @@ def model_keys(layers: int, hidden: int, heads: int, seq: int) -> dict:
 
 
 def timed_run(
-    folder: Path, keys: dict, nproc: int, threads: int, steps: int, warmup: int = 2
+    folder: Path,
+    keys: dict,
+    nproc: int,
+    threads: int,
+    steps: int,
+    warmup: int = 2,
+    entry: str | None = None,
+    env: dict | None = None,
 ) -> dict:
     """Train ``steps`` steps with ``nproc`` processes of ``threads`` threads each; returns the
-    median step time and tokens/s over the steps after ``warmup``."""
+    median step time and tokens/s over the steps after ``warmup``. ``entry``: a script that
+    runs the torchneox command line, started by torchrun instead of ``torchneox --nproc``."""
     folder.mkdir(parents=True, exist_ok=True)
     config = folder / "config.yml"
     config.write_text(json.dumps(keys | {"train_iters": steps, "save": str(folder / "run")}))
-    cmd = [sys.executable, "-m", "torchneox", "train", str(config)]
-    if nproc > 1:
-        cmd += ["--nproc", str(nproc)]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TORCHNEOX_INDEX_CACHE=str(folder / "ix"))
+    if entry:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        cmd += ["--nproc-per-node", str(nproc), entry, "train", str(config)]
+    else:
+        cmd = [sys.executable, "-m", "torchneox", "train", str(config)]
+        if nproc > 1:
+            cmd += ["--nproc", str(nproc)]
+    env = dict(
+        os.environ,
+        **(env or {}),
+        OMP_NUM_THREADS=str(threads),
+        TORCHNEOX_INDEX_CACHE=str(folder / "ix"),
+    )
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if run.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{run.stderr[-3000:]}")

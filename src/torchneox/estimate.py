@@ -169,8 +169,8 @@ def _trace_on(
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from torchneox.parallel.activation_ckpt import KEPT_OPS
+    from torchneox.train.loss import lm_loss
     from torchneox.train.precision import autocast
-    from torchneox.train.trainer import lm_loss
 
     args, _ = _meta_model(loaded, vocab, layers)
     seq = loaded.config.model.seq_length
@@ -207,7 +207,7 @@ def _trace_on(
             excluded.add(StorageWeakRef(tensor.untyped_storage()).cdata)
         hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
         with hooks, KeptOps(), autocast(precision, device):
-            lm_loss(model(tokens[:, :-1]), tokens[:, 1:], None)
+            lm_loss(model(tokens[:, :-1]), tokens[:, 1:], None, blocked=False)
     replicated = sum(n for n, r in saved.values() if r)
     split = sum(n for n, r in saved.values() if not r)
     return replicated, split, kept[0]

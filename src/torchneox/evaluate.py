@@ -11,7 +11,7 @@ import torch
 from torchneox.data.gpt_dataset import GPTDataset
 from torchneox.data.indexed import DataError, IndexedDataset
 from torchneox.models.transformer import Transformer
-from torchneox.train.trainer import lm_loss
+from torchneox.train.loss import lm_loss
 
 
 @torch.no_grad()

@@ -13,7 +13,7 @@ from torchneox.config.load import load_mapping
 from torchneox.models.args import model_args
 from torchneox.models.transformer import build_model
 from torchneox.parallel.activation_ckpt import apply_activation_checkpointing
-from torchneox.train.trainer import lm_loss
+from torchneox.train.loss import lm_loss
 
 KEYS = {
     "num_layers": 4,

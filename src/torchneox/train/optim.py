@@ -63,7 +63,7 @@ def build_optimizer(model: nn.Module, cfg: NeoXConfig, device_type: str) -> torc
     params.pop("weight_decay", None)  # the top-level weight_decay wins, as in GPT-NeoX
     lr = params.pop("lr", cfg.optimizer.lr or 1e-3)
     groups = param_groups(model, cfg.optimizer.weight_decay)
-    fast = {"fused": True} if device_type == "cuda" else {"foreach": True}
+    fast = {"fused": True} if device_type in ("cuda", "cpu") else {"foreach": True}
     if _mixes_dtensors(model):  # tensor parallelism without FSDP: foreach/fused need one kind
         fast = {"foreach": False}
     if kind in ("adam", "adamw"):  # GPT-NeoX runs Adam with decoupled weight decay

@@ -19,7 +19,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
-from torch.nn import functional as F
 
 from torchneox import hardware
 from torchneox.config.derive import Derived, derive
@@ -41,22 +40,11 @@ from torchneox.parallel.expert_parallel import apply_expert_parallel, sync_exper
 from torchneox.parallel.pipeline import Pipeline, build_pipeline, evaluate_pipeline
 from torchneox.parallel.tensor_parallel import apply_tensor_parallel, loss_context
 from torchneox.train import checkpoint
+from torchneox.train.loss import lm_loss
 from torchneox.train.lr import Schedule
 from torchneox.train.metrics import MetricsLogger, Timers
 from torchneox.train.optim import build_optimizer, clip_grad_norm, shard_gradients_like_parameters
 from torchneox.train.precision import LossScaler, autocast
-
-
-def lm_loss(
-    logits_BTV: torch.Tensor, labels_BT: torch.Tensor, mask_BT: torch.Tensor | None
-) -> torch.Tensor:
-    """Mean cross-entropy over the (unmasked) tokens, computed in fp32."""
-    flat = logits_BTV.float().reshape(-1, logits_BTV.shape[-1])
-    if mask_BT is None:
-        return F.cross_entropy(flat, labels_BT.reshape(-1))
-    losses = F.cross_entropy(flat, labels_BT.reshape(-1), reduction="none")
-    mask = mask_BT.reshape(-1).float()
-    return (losses * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 def save_iterations(cfg: Any, train_iters: int) -> set[int]:

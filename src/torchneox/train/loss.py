@@ -1,0 +1,88 @@
+"""The language-model loss: mean cross-entropy over the unmasked tokens, computed in fp32.
+
+On the CPU the softmax runs over blocks of rows small enough to stay in cache, and the
+backward pass writes the gradient into the logits' own storage: ATen's log_softmax + nll_loss
+pair streams the whole logits tensor through memory six times (log-probabilities out and back,
+a zero-filled gradient, the softmax gradient), which is most of a small model's step when the
+vocabulary is 50k wide. The numbers are those of F.cross_entropy (same fp32 arithmetic, per
+row). Elsewhere, and for vocabulary-parallel (DTensor) logits, F.cross_entropy is used as is.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.nn import functional as F
+
+BLOCK_BYTES = 4 << 20  # rows of fp32 logits per block: a few MiB, the size of a core's cache
+
+
+class _BlockedCrossEntropy(torch.autograd.Function):
+    """Per-row cross-entropy [N] of logits [N, V] (any float dtype) against labels [N]."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, rows: int) -> torch.Tensor:
+        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        for start in range(0, logits.shape[0], rows):
+            block = logits[start : start + rows].float()
+            lse[start : start + rows] = torch.logsumexp(block, dim=-1)
+        picked = logits.gather(1, labels[:, None]).squeeze(1).float()
+        ctx.save_for_backward(logits, labels, lse)
+        ctx.rows = rows
+        return lse - picked
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        logits, labels, lse = ctx.saved_tensors
+        rows = ctx.rows
+        grad = grad.float()
+        # the logits are not needed after the loss: their storage becomes their gradient
+        out = logits
+        for start in range(0, logits.shape[0], rows):
+            stop = start + rows
+            block = logits[start:stop].float()  # a view when the logits are fp32
+            probs = block.sub_(lse[start:stop, None]).exp_().mul_(grad[start:stop, None])
+            if probs.data_ptr() != out.data_ptr() + start * out.stride(0) * out.element_size():
+                out[start:stop].copy_(probs)
+        out.scatter_add_(1, labels[:, None], -grad[:, None].to(out.dtype))
+        return out, None, None
+
+
+def token_losses(logits_NV: torch.Tensor, labels_N: torch.Tensor) -> torch.Tensor:
+    """fp32 cross-entropy of each row. On plain CPU tensors that are not leaves, the logits'
+    storage is overwritten by their gradient during backward (nothing reads them after; a leaf,
+or a view of one, is a caller's own tensor and is left alone)."""
+    blocked = (
+        logits_NV.device.type == "cpu"
+        and not isinstance(logits_NV, DTensor)
+        and logits_NV.requires_grad
+        and not (logits_NV if logits_NV._base is None else logits_NV._base).is_leaf
+        and logits_NV.is_contiguous()
+    )
+    if not blocked:
+        return F.cross_entropy(logits_NV.float(), labels_N, reduction="none")
+    rows = max(1, BLOCK_BYTES // (4 * logits_NV.shape[-1]))
+    return _BlockedCrossEntropy.apply(logits_NV, labels_N, rows)
+
+
+def lm_loss(
+    logits_BTV: torch.Tensor,
+    labels_BT: torch.Tensor,
+    mask_BT: torch.Tensor | None,
+    *,
+    blocked: bool = True,
+) -> torch.Tensor:
+    """Mean cross-entropy over the (unmasked) tokens, computed in fp32. `blocked=False` keeps
+    F.cross_entropy on the CPU too (the estimate traces what a GPU runs)."""
+    flat = logits_BTV.reshape(-1, logits_BTV.shape[-1])
+    if not blocked or isinstance(flat, DTensor) or flat.device.type != "cpu":
+        flat = flat.float()
+        if mask_BT is None:
+            return F.cross_entropy(flat, labels_BT.reshape(-1))
+        losses = F.cross_entropy(flat, labels_BT.reshape(-1), reduction="none")
+    else:
+        losses = token_losses(flat, labels_BT.reshape(-1))
+        if mask_BT is None:
+            return losses.mean()
+    mask = mask_BT.reshape(-1).float()
+    return (losses * mask).sum() / mask.sum().clamp(min=1.0)
