@@ -2,7 +2,10 @@
 of this machine: every layout gets the same cores (threads per rank = cores / ranks), so the
 rows compare how well each layout turns the same hardware into tokens/s.
 
-    python benchmarks/layouts.py [--cores 8] [--steps 6] [--out results.jsonl]
+    python benchmarks/layouts.py [--cores 8] [--steps 6] [--out results.jsonl] [--oversubscribe]
+
+With --oversubscribe, layouts of more ranks than cores run too (one thread per rank, several
+ranks per core, flagged): their rows compare those layouts with each other, not with the rest.
 
 What it shows on CPU (gloo, shared memory) differs from a GPU cluster, where tensor parallelism
 rides NVLink inside a node and data parallelism overlaps its all-reduce with backward; see
@@ -42,6 +45,11 @@ def main() -> None:
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--global-batch", type=int, default=32)
     parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument(
+        "--oversubscribe",
+        action="store_true",
+        help="also run the layouts with more ranks than cores (one thread each, flagged)",
+    )
     add_common_arguments(parser)
     args = parser.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="layouts-"))
@@ -49,8 +57,9 @@ def main() -> None:
     base = model_keys(args.layers, args.hidden, 8, args.seq) | {"data_path": data}
     for i, (name, (dp, tp, pp, zero)) in enumerate(LAYOUTS.items()):
         world = dp * tp * pp
-        if world > args.cores:
+        if world > args.cores and not args.oversubscribe:
             continue
+        threads = max(1, args.cores // world)
         keys = base | {
             "train_batch_size": args.global_batch,
             "gradient_accumulation_steps": args.micro_batches,
@@ -59,12 +68,13 @@ def main() -> None:
             "pipe_parallel_size": pp,
             "zero_optimization": {"stage": zero},
         }
-        got = timed_run(work / f"layout{i}", keys, world, args.cores // world, args.steps)
+        got = timed_run(work / f"layout{i}", keys, world, threads, args.steps)
         row = {
             "benchmark": "layout_throughput",
             "layout": name,
             "ranks": world,
-            "threads_per_rank": args.cores // world,
+            "threads_per_rank": threads,
+            "oversubscribed": world * threads > args.cores,
             "zero_stage": zero,
             "layers": args.layers,
             "hidden": args.hidden,

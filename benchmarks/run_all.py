@@ -30,6 +30,11 @@ BENCHMARKS = {
         ["--stages", "2", "--micro-batches", "2", "8"],
         False,
     ),
+    "pipeline_schedule": (  # any number of stages: blocks of fixed work (they sleep)
+        "pipeline_bubble.py",
+        ["--block-ms", "10", "--stages", "2", "4", "--micro-batches", "1", "4", "8"],
+        False,
+    ),
     "layouts": ("layouts.py", ["--steps", "4", "--seq", "128"], False),
     "activation_memory": ("activation_memory.py", [], False),
     "moe": ("moe.py", ["--train-steps", "20"], False),

@@ -50,8 +50,8 @@ class _BlockedCrossEntropy(torch.autograd.Function):
 
 def token_losses(logits_NV: torch.Tensor, labels_N: torch.Tensor) -> torch.Tensor:
     """fp32 cross-entropy of each row. On plain CPU tensors that are not leaves, the logits'
-    storage is overwritten by their gradient during backward (nothing reads them after; a leaf,
-or a view of one, is a caller's own tensor and is left alone)."""
+        storage is overwritten by their gradient during backward (nothing reads them after; a leaf,
+    or a view of one, is a caller's own tensor and is left alone)."""
     blocked = (
         logits_NV.device.type == "cpu"
         and not isinstance(logits_NV, DTensor)
