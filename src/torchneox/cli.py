@@ -355,9 +355,10 @@ def _launch_local(args: argparse.Namespace) -> int:
 
     from torchneox.config.derive import derive
     from torchneox.config.load import load_config
+    from torchneox.train.trainer import require
 
     loaded = load_config(args.files, args.overrides)
-    derive(loaded, world_size=args.nproc)  # config errors once, here
+    require(loaded, derive(loaded, world_size=args.nproc))  # config errors once, here
     save = loaded.config.checkpoint.save
     latest = Path(save) / "latest" if save else None
 

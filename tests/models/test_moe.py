@@ -251,3 +251,21 @@ def test_the_seed_report_config_trains_scaled_down(tmp_path, tiny_data):
     steps = [r for r in rows if "lm_loss" in r]
     assert [r["iteration"] for r in steps] == [1, 2, 3, 4, 5]  # train_iters 5, as the config says
     assert all(len(r["moe_tokens_per_expert"][0]) == 8 for r in steps)
+
+
+@pytest.mark.parametrize(
+    "nproc, overrides, says",
+    [
+        (2, ["expert_parallel_size=3"], "must divide the data-parallel size 2"),
+        (4, ["expert_parallel_size=2", "pipe_parallel_size=2"], "pipeline parallelism"),
+    ],
+)
+def test_a_bad_expert_layout_is_refused_before_any_process_starts(
+    moe_config, tmp_path, capsys, nproc, overrides, says
+):
+    batch = ["train_micro_batch_size_per_gpu=2"]
+    sets = [x for o in [f"save={tmp_path}", *batch, *overrides] for x in ("--set", o)]
+    assert main(["train", moe_config, "--nproc", str(nproc), *sets]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "expert_parallel_size" in err and says in err
+    assert len(err.splitlines()) == 1  # one line, from the launcher, not one per worker

@@ -37,27 +37,29 @@ class _BlockedCrossEntropy(torch.autograd.Function):
         rows = ctx.rows
         grad = grad.float()
         # the logits are not needed after the loss: their storage becomes their gradient
-        out = logits
         for start in range(0, logits.shape[0], rows):
             stop = start + rows
+            scale = grad[start:stop, None]
             block = logits[start:stop].float()  # a view when the logits are fp32
-            probs = block.sub_(lse[start:stop, None]).exp_().mul_(grad[start:stop, None])
-            if probs.data_ptr() != out.data_ptr() + start * out.stride(0) * out.element_size():
-                out[start:stop].copy_(probs)
-        out.scatter_add_(1, labels[:, None], -grad[:, None].to(out.dtype))
-        return out, None, None
+            block.sub_(lse[start:stop, None]).exp_().mul_(scale)  # softmax, scaled
+            block.scatter_add_(1, labels[start:stop, None], -scale)  # less the one-hot
+            if logits.dtype != torch.float32:
+                logits[start:stop].copy_(block)
+        return logits, None, None
 
 
 def token_losses(logits_NV: torch.Tensor, labels_N: torch.Tensor) -> torch.Tensor:
-    """fp32 cross-entropy of each row. On plain CPU tensors that are not leaves, the logits'
-        storage is overwritten by their gradient during backward (nothing reads them after; a leaf,
-    or a view of one, is a caller's own tensor and is left alone)."""
+    """fp32 cross-entropy of each row. On plain CPU tensors the softmax runs in blocks; with a
+    backward, the logits' storage is overwritten by their gradient (nothing reads them after);
+    a leaf that needs a gradient, or a view of one, is a caller's own tensor and is left alone."""
     blocked = (
         logits_NV.device.type == "cpu"
         and not isinstance(logits_NV, DTensor)
-        and logits_NV.requires_grad
-        and not (logits_NV if logits_NV._base is None else logits_NV._base).is_leaf
         and logits_NV.is_contiguous()
+        and not (
+            logits_NV.requires_grad
+            and (logits_NV if logits_NV._base is None else logits_NV._base).is_leaf
+        )
     )
     if not blocked:
         return F.cross_entropy(logits_NV.float(), labels_N, reduction="none")

@@ -66,6 +66,9 @@ def save_iterations(cfg: Any, train_iters: int) -> set[int]:
 
 
 def require(loaded: LoadedConfig, derived: Derived) -> None:
+    """What training needs beyond what `derive` checks (`train --nproc` runs it before it starts
+    any process). The expert layout is checked here, not in derive: a checkpoint's config must
+    derive in any layout, so that one process can export or evaluate it."""
     cfg = loaded.config
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters"):
         if cfg.get(name) is None:
@@ -77,6 +80,19 @@ def require(loaded: LoadedConfig, derived: Derived) -> None:
         )
     if derived["lr"] is None:
         raise ConfigError("training needs a learning rate (optimizer.params.lr)", key="optimizer")
+    ep, experts = cfg.moe.expert_parallel_size, cfg.moe.moe_num_experts
+    if ep > 1 and (derived["data_parallel_size"] % ep or experts <= 1 or experts % ep):
+        raise ConfigError(
+            f"{ep} must divide the data-parallel size {derived['data_parallel_size']} and "
+            f"moe_num_experts {experts} (and the model needs MoE layers)",
+            key="expert_parallel_size",
+        )
+    if ep > 1 and derived["pipeline_stages"] > 1:
+        raise ConfigError(
+            "together with pipeline parallelism is not built yet; use it with data and "
+            "tensor parallelism",
+            key="expert_parallel_size",
+        )
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -115,20 +131,6 @@ class Trainer:
         self.derived = d = derive(loaded, world_size=world)
         require(loaded, d)
         ep = cfg.moe.expert_parallel_size
-        # checked here, not in derive: a checkpoint's config must load in any layout
-        experts = cfg.moe.moe_num_experts
-        if ep > 1 and (d["data_parallel_size"] % ep or experts <= 1 or experts % ep):
-            raise ConfigError(
-                f"{ep} must divide the data-parallel size {d['data_parallel_size']} and "
-                f"moe_num_experts {experts} (and the model needs MoE layers)",
-                key="expert_parallel_size",
-            )
-        if ep > 1 and d["pipeline_stages"] > 1:
-            raise ConfigError(
-                "together with pipeline parallelism is not built yet; use it with data and "
-                "tensor parallelism",
-                key="expert_parallel_size",
-            )
         self.dims = ParallelDims(
             dp=d["data_parallel_size"],
             tp=d["model_parallel_size"],
