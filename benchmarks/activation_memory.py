@@ -22,8 +22,8 @@ from torchneox.estimate import estimate
 from torchneox.models.args import model_args
 from torchneox.models.transformer import build_model
 from torchneox.parallel.activation_ckpt import apply_activation_checkpointing
+from torchneox.train.loss import lm_loss
 from torchneox.train.precision import autocast
-from torchneox.train.trainer import lm_loss
 
 
 class LiveStorages(TorchDispatchMode):
@@ -63,7 +63,8 @@ def measure(keys: dict, precision: str, checkpoint: str | None, micro_batch: int
     tokens = torch.randint(0, 200, (micro_batch, seq + 1))
     mode = LiveStorages([*model.parameters(), *model.buffers()])
     with mode, autocast(precision, "cpu"):
-        loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:], None)
+        # F.cross_entropy, as on GPUs (what the estimate models), not the CPU's blocked loss
+        loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:], None, blocked=False)
     held = mode.bytes()
     del loss
     cfg = loaded.config
@@ -118,7 +119,8 @@ def main() -> None:
         "num_kv_heads": 2,
         "use_bias_in_attn_linear": False,
     }
-    for keys, name in ((base, "pythia-like"), (llama, "llama-like")):
+    moe = base | {"moe_num_experts": 8, "moe_top_k": 2, "moe_expert_interval": 2}
+    for keys, name in ((base, "pythia-like"), (llama, "llama-like"), (moe, "moe-8x-top2")):
         for precision in ("fp32", "bfloat16"):
             for ckpt in (None, "selective", "full"):
                 row = measure(keys, precision, ckpt, micro_batch=4) | {"model": name}

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from torchneox.config.derive import derive
+from torchneox.config.derive import check_expert_layout, derive
 from torchneox.config.errors import ConfigError
 from torchneox.config.load import LoadedConfig
 from torchneox.hardware import ACCELERATORS, Accelerator, peak_tflops
@@ -42,6 +42,7 @@ class Layout:
     every: int = 1
     sequence_parallel: bool = False
     schedule: str = "1f1b"
+    ep: int = 1  # expert parallelism: experts split over this many data-parallel ranks
 
     def changes_from(self, other: Layout) -> dict[str, Any]:
         keys = {
@@ -78,10 +79,21 @@ def _tp_dim(name: str) -> int | None:
     return None
 
 
-def _local_numel(shape: tuple[int, ...], name: str, tp: int, fsdp: int) -> int:
+_EXPERTS = ".mlp.experts_"
+
+
+def _expert_sharded(name: str, ep: int) -> bool:
+    """Expert weights under expert parallelism: split over ep, left alone by ZeRO/DDP."""
+    return ep > 1 and _EXPERTS in name
+
+
+def _local_numel(shape: tuple[int, ...], name: str, tp: int, fsdp: int, ep: int = 1) -> int:
     """Elements rank 0 holds: the tensor-parallel shard, then FSDP's dim-0 chunk of it (torch
-    chunks give rank 0 the rounded-up share)."""
+    chunks give rank 0 the rounded-up share); with expert parallelism, its share of the
+    experts instead."""
     dims = list(shape)
+    if _expert_sharded(name, ep):
+        return math.prod(dims) // dims[0] * math.ceil(dims[0] / ep)
     dim = _tp_dim(name)
     if tp > 1 and dim is not None and dim < len(dims):
         dims[dim] = math.ceil(dims[dim] / tp)
@@ -90,13 +102,14 @@ def _local_numel(shape: tuple[int, ...], name: str, tp: int, fsdp: int) -> int:
     return math.prod(dims)
 
 
-def _meta_model(loaded: LoadedConfig, vocab: int, layers: int | None = None):
+def _meta_model(loaded: LoadedConfig, vocab: int, layers: int | None = None, **changes):
     from torchneox.models.args import ModelArgs
     from torchneox.models.transformer import Transformer
 
     args = ModelArgs.from_config(loaded.config, vocab)
     if layers is not None:
-        args = dataclasses.replace(args, num_layers=layers)
+        changes["num_layers"] = layers
+    args = dataclasses.replace(args, **changes)
     with torch.device("meta"):
         return args, Transformer(args)
 
@@ -145,37 +158,64 @@ class _Trace:
     layer_weights: float = 0.0  # per micro-batch: autocast's weight copies, split by tp
     rest_weights: float = 0.0
     vocab: int = 0  # the padded vocabulary: the logits' width
+    # an MoE layer (balanced routing): attention and norms as above, and what its router and
+    # experts keep, which tensor parallelism does not split (experts are whole on every rank)
+    moe_replicated: float = 0.0
+    moe_split: float = 0.0
+    moe_kept: float = 0.0
+    moe_experts: float = 0.0
+    moe_weights: float = 0.0
+    moe_expert_weights: float = 0.0  # autocast's copies of the experts: split by ep
 
 
 def _trace_saved(
-    loaded: LoadedConfig, vocab: int, layers: int, precision: str, batch: int = 1
-) -> tuple[float, float, float]:
-    """(replicated, split, kept) bytes saved by a forward + loss on fake tensors: on (fake)
-    CUDA tensors on a GPU machine, so autocast and attention pick what training picks there,
-    else on the CPU, whose autocast keeps the same dtypes."""
+    loaded: LoadedConfig, vocab: int, layers: int, precision: str, batch: int = 1, moe: bool = False
+) -> tuple[float, float, float, float]:
+    """(replicated, split, kept, experts) bytes saved by a forward + loss on fake tensors: on
+    (fake) CUDA tensors on a GPU machine, so autocast and attention pick what training picks
+    there, else on the CPU, whose autocast keeps the same dtypes. ``moe``: every layer an MoE
+    layer with balanced routing (else every layer dense)."""
     if torch.cuda.is_available():
         try:
-            return _trace_on(loaded, vocab, layers, precision, "cuda", batch)
+            return _trace_on(loaded, vocab, layers, precision, "cuda", batch, moe)
         except Exception:  # a kernel with no fake implementation: trace on the CPU instead
             pass
-    return _trace_on(loaded, vocab, layers, precision, "cpu", batch)
+    return _trace_on(loaded, vocab, layers, precision, "cpu", batch, moe)
+
+
+def _balanced_count(self, experts: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """MoE.count for the trace: fake tensors have no values, so every expert gets an equal
+    share of the assignments (what the load-balancing loss aims for)."""
+    base, extra = divmod(experts.numel(), self.num_experts)
+    counts = [base + (e < extra) for e in range(self.num_experts)]
+    return torch.tensor(counts, device=experts.device), counts
 
 
 def _trace_on(
-    loaded: LoadedConfig, vocab: int, layers: int, precision: str, device: str, batch: int = 1
-) -> tuple[float, float, float]:
+    loaded: LoadedConfig,
+    vocab: int,
+    layers: int,
+    precision: str,
+    device: str,
+    batch: int = 1,
+    moe: bool = False,
+) -> tuple[float, float, float, float]:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from torchneox.models.moe import MoE
     from torchneox.parallel.activation_ckpt import KEPT_OPS
     from torchneox.train.loss import lm_loss
     from torchneox.train.precision import autocast
 
-    args, _ = _meta_model(loaded, vocab, layers)
+    args, _ = _meta_model(
+        loaded, vocab, layers, **({"moe_interval": 1} if moe else {"moe_num_experts": 1})
+    )
     seq = loaded.config.model.seq_length
-    saved: dict[int, tuple[int, bool]] = {}
+    saved: dict[int, tuple[int, str]] = {}
     kept = [0]
+    inside_moe = [0]
 
     excluded: set[int] = set()
 
@@ -183,10 +223,13 @@ def _trace_on(
         storage = t.untyped_storage()
         if StorageWeakRef(storage).cdata in excluded:
             return t
-        saved[StorageWeakRef(storage).cdata] = (
-            storage.nbytes(),
-            t.dim() > 0 and t.shape[-1] == args.hidden_size,
-        )
+        if inside_moe[0]:  # experts are whole on every tensor-parallel rank
+            kind = "experts"
+        elif t.dim() > 0 and t.shape[-1] == args.hidden_size:
+            kind = "replicated"
+        else:
+            kind = "split"
+        saved[StorageWeakRef(storage).cdata] = (storage.nbytes(), kind)
         return t
 
     class KeptOps(TorchDispatchMode):
@@ -198,48 +241,88 @@ def _trace_on(
 
     from torchneox.models.transformer import Transformer
 
-    with FakeTensorMode(allow_non_fake_inputs=True), torch.device(device):
-        model = Transformer(args)
-        model.train()
-        tokens = torch.zeros(batch, seq + 1, dtype=torch.long)
-        # parameters saved for backward (a matmul keeps its weight) are not activations
-        for tensor in [*model.parameters(), *model.buffers(), tokens]:
-            excluded.add(StorageWeakRef(tensor.untyped_storage()).cdata)
-        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-        with hooks, KeptOps(), autocast(precision, device):
-            lm_loss(model(tokens[:, :-1]), tokens[:, 1:], None, blocked=False)
-    replicated = sum(n for n, r in saved.values() if r)
-    split = sum(n for n, r in saved.values() if not r)
-    return replicated, split, kept[0]
+    def enter(module, inputs):
+        inside_moe[0] += 1
+
+    def leave(module, inputs, output):
+        inside_moe[0] -= 1
+
+    count = MoE.count
+    MoE.count = _balanced_count
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.device(device):
+            model = Transformer(args)
+            model.train()
+            for module in model.modules():
+                if isinstance(module, MoE):
+                    module.register_forward_pre_hook(enter)
+                    module.register_forward_hook(leave)
+            tokens = torch.zeros(batch, seq + 1, dtype=torch.long)
+            # parameters saved for backward (a matmul keeps its weight) are not activations
+            for tensor in [*model.parameters(), *model.buffers(), tokens]:
+                excluded.add(StorageWeakRef(tensor.untyped_storage()).cdata)
+            hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+            with hooks, KeptOps(), autocast(precision, device):
+                lm_loss(model(tokens[:, :-1]), tokens[:, 1:], None, blocked=False)
+    finally:
+        MoE.count = count
+
+    def total(kind: str) -> float:
+        return sum(n for n, k in saved.values() if k == kind)
+
+    return total("replicated"), total("split"), kept[0], total("experts")
+
+
+def _layer_terms(loaded: LoadedConfig, vocab: int, precision: str, moe: bool) -> dict[str, float]:
+    """Four traces (1 and 2 layers, micro-batch 1 and 2) separate what grows with the layers
+    and with the micro-batch from what does not."""
+    t = {(n, b): _trace_saved(loaded, vocab, n, precision, b, moe) for n in (1, 2) for b in (1, 2)}
+
+    def per_sample(i: int) -> list[float]:  # for 1 and 2 layers
+        return [t[(n, 2)][i] - t[(n, 1)][i] for n in (1, 2)]
+
+    def per_batch(*kinds: int) -> list[float]:  # what does not grow with the micro-batch
+        return [sum(2 * t[(n, 1)][i] - t[(n, 2)][i] for i in kinds) for n in (1, 2)]
+
+    rep, split, kept, experts = (per_sample(i) for i in range(4))
+    weights, expert_weights = per_batch(0, 1), per_batch(3)
+    return {
+        "replicated": rep[1] - rep[0],
+        "split": split[1] - split[0],
+        "kept": kept[1] - kept[0],
+        "experts": experts[1] - experts[0],
+        "weights": weights[1] - weights[0],
+        "expert_weights": expert_weights[1] - expert_weights[0],
+        "rest_replicated": 2 * rep[0] - rep[1],
+        "rest_split": 2 * split[0] - split[1],
+        "rest_weights": 2 * weights[0] - weights[1],
+    }
 
 
 def trace_activations(loaded: LoadedConfig, vocab: int, precision: str) -> _Trace:
-    """Four traces (1 and 2 layers, micro-batch 1 and 2) separate what grows with the layers
-    and with the micro-batch from what does not."""
-    t = {(n, b): _trace_saved(loaded, vocab, n, precision, b) for n in (1, 2) for b in (1, 2)}
-
-    def per_sample(n: int, i: int) -> float:
-        return t[(n, 2)][i] - t[(n, 1)][i]
-
-    def per_batch(n: int) -> float:  # what does not grow with the micro-batch, all kinds
-        return sum(2 * t[(n, 1)][i] - t[(n, 2)][i] for i in (0, 1))
-
+    """Per dense layer, per MoE layer (when the model has them) and for the rest."""
     seq, h = loaded.config.model.seq_length, loaded.config.model.hidden_size
-    rep = [per_sample(1, 0), per_sample(2, 0)]
-    split = [per_sample(1, 1), per_sample(2, 1)]
-    kept = [per_sample(1, 2), per_sample(2, 2)]
-    weights = [per_batch(1), per_batch(2)]
-    return _Trace(
-        layer_replicated=rep[1] - rep[0],
-        layer_split=split[1] - split[0],
-        layer_kept=kept[1] - kept[0],
+    dense = _layer_terms(loaded, vocab, precision, moe=False)
+    trace = _Trace(
+        layer_replicated=dense["replicated"],
+        layer_split=dense["split"],
+        layer_kept=dense["kept"],
         layer_input=seq * h * PARAM_BYTES,
-        rest_replicated=2 * rep[0] - rep[1],
-        rest_split=2 * split[0] - split[1],
-        layer_weights=weights[1] - weights[0],
-        rest_weights=2 * weights[0] - weights[1],
+        rest_replicated=dense["rest_replicated"],
+        rest_split=dense["rest_split"],
+        layer_weights=dense["weights"],
+        rest_weights=dense["rest_weights"],
         vocab=vocab,
     )
+    if loaded.config.moe.moe_num_experts > 1:
+        moe = _layer_terms(loaded, vocab, precision, moe=True)
+        trace.moe_replicated = moe["replicated"]
+        trace.moe_split = moe["split"]
+        trace.moe_kept = moe["kept"]
+        trace.moe_experts = moe["experts"]
+        trace.moe_weights = moe["weights"]
+        trace.moe_expert_weights = moe["expert_weights"]
+    return trace
 
 
 # ----------------------------------------------------------------------------- the estimate
@@ -265,17 +348,21 @@ def memory_per_rank(
     """Bytes on the most loaded rank, by part, and which stage that is."""
     opt_per_param = _optimizer_bytes_per_param(loaded)
     fsdp = layout.dp if (layout.zero > 0 or layout.tp > 1 or layout.pp > 1) else 1
+    tp, ep = layout.tp, layout.ep
+    experts, interval = loaded.config.moe.moe_num_experts, loaded.config.moe.moe_expert_interval
     worst: dict[str, Any] | None = None
     for k, params in enumerate(stages):
-        local = sum(_local_numel(s, n, layout.tp, 1) for n, s in params)
-        shard = sum(_local_numel(s, n, layout.tp, fsdp) for n, s in params)
+        local = sum(_local_numel(s, n, tp, 1, ep) for n, s in params)
+        shard = sum(_local_numel(s, n, tp, fsdp, ep) for n, s in params)
+        # what ZeRO/DDP gather or bucket: all but the expert-parallel experts
+        gathered = sum(_local_numel(s, n, tp, 1) for n, s in params if not _expert_sharded(n, ep))
         layers = sorted({int(n.split(".")[1]) for n, _ in params if n.startswith("layers.")})
         per_block = max(
             (
                 sum(
-                    _local_numel(s, n, layout.tp, 1)
+                    _local_numel(s, n, tp, 1)
                     for n, s in params
-                    if n.startswith(f"layers.{i}.")
+                    if n.startswith(f"layers.{i}.") and not _expert_sharded(n, ep)
                 )
                 for i in layers
             ),
@@ -293,50 +380,56 @@ def memory_per_rank(
         }
         temporary = 0.0
         if fsdp > 1 and layout.zero in (0, 1, 2):
-            parts["parameters"] += local * PARAM_BYTES  # kept gathered from forward to backward
+            parts["parameters"] += gathered * PARAM_BYTES  # kept gathered from forward to backward
         elif fsdp > 1:
             temporary += 2 * per_block * PARAM_BYTES  # ZeRO-3: the block in use and the next
         if fsdp > 1 and layout.gas > 1:
-            parts["gradients"] += local * PARAM_BYTES  # unsharded until the last micro-batch
+            parts["gradients"] += gathered * PARAM_BYTES  # unsharded until the last micro-batch
         if fsdp == 1 and layout.dp > 1:
-            parts["gradients"] += local * PARAM_BYTES  # DDP's gradient buckets
-        if layout.tp > 1 and fsdp == 1:
+            parts["gradients"] += gathered * PARAM_BYTES  # DDP's gradient buckets
+        if tp > 1 and fsdp == 1:
             # the vocabulary-parallel embedding's gradient arrives whole on every tensor rank
             embed = [math.prod(s) for n, s in params if n == "embed.weight"]
             temporary += (
-                sum(e - _local_numel((e,), "embed.weight", layout.tp, 1) for e in embed)
-                * PARAM_BYTES
+                sum(e - _local_numel((e,), "embed.weight", tp, 1) for e in embed) * PARAM_BYTES
             )
         # activations of the micro-batches in flight on this stage
         in_flight = 1
         if layout.pp > 1:
             in_flight = layout.gas if layout.schedule == "gpipe" else min(layout.gas, layout.pp - k)
-        split_by = layout.tp
-        rep_by = layout.tp if layout.sequence_parallel else 1
-        full_layer = trace.layer_replicated / rep_by + trace.layer_split / split_by
-        weights_layer = trace.layer_weights / split_by  # per micro-batch in flight
-        n = len(layers)
+        rep_by = tp if layout.sequence_parallel else 1
         mb = layout.micro_batch
-        if layout.checkpoint == "none":
-            stored = n * (mb * full_layer + weights_layer)
-            recompute = 0.0
-        else:
-            wrapped = len(range(0, n, layout.every))
-            kept = trace.layer_input / rep_by
+        dense = (
+            mb * (trace.layer_replicated / rep_by + trace.layer_split / tp),
+            trace.layer_weights / tp,  # per micro-batch in flight
+            trace.layer_kept / tp,
+        )
+        moe = (
+            mb * (trace.moe_replicated / rep_by + trace.moe_split / tp + trace.moe_experts),
+            trace.moe_weights / tp + trace.moe_expert_weights / ep,
+            trace.moe_kept / tp,
+        )
+        stored = recompute = 0.0
+        for position, layer in enumerate(layers):
+            acts, weights, kept = moe if experts > 1 and layer % interval == 0 else dense
+            checkpointed = layout.checkpoint != "none" and position % layout.every == 0
+            if not checkpointed:
+                stored += acts + weights
+                continue
+            stored += mb * trace.layer_input / rep_by
             if layout.checkpoint == "selective":
-                kept += trace.layer_kept / split_by
-            stored = wrapped * mb * kept + (n - wrapped) * (mb * full_layer + weights_layer)
-            recompute = mb * full_layer + weights_layer  # one block rebuilt in its backward
+                stored += mb * kept
+            recompute = max(recompute, acts + weights)  # one block rebuilt in its backward
         last = k == len(stages) - 1
         rest = 0.0
         if last:
-            rest = mb * (trace.rest_replicated / rep_by + trace.rest_split / split_by)
-            rest += trace.rest_weights / split_by
+            rest = mb * (trace.rest_replicated / rep_by + trace.rest_split / tp)
+            rest += trace.rest_weights / tp
         stored_after_forward = in_flight * (stored + rest)
         parts["activations"] = stored_after_forward + recompute
         if last:  # the gradient of the logits (a tied head has them too)
             seq = loaded.config.model.seq_length
-            temporary += layout.micro_batch * seq * math.ceil(trace.vocab / layout.tp) * 4
+            temporary += mb * seq * math.ceil(trace.vocab / tp) * 4
         parts["temporary"] = temporary
         parts = {key: int(v) for key, v in parts.items()}
         parts["total"] = sum(parts.values())
@@ -388,13 +481,8 @@ def estimate(
     if not 0 < mfu <= 1:
         raise ConfigError(f"--mfu {mfu} must be in (0, 1]")
     cfg = loaded.config
-    if cfg.moe.moe_num_experts > 1:
-        raise ConfigError(
-            "memory estimates for MoE models are not built yet (their routing has no fixed "
-            "shapes to trace; config explain gives their total and active parameters and FLOPs)",
-            key="moe_num_experts",
-        )
     d = derive(loaded, world_size=gpus)
+    check_expert_layout(cfg, d)
     acc = ACCELERATORS[gpu]
     precision = d["precision"]
     peak = peak_tflops(acc, precision)
@@ -411,6 +499,7 @@ def estimate(
         every=t.checkpoint_num_layers,
         sequence_parallel=cfg.parallel.sequence_parallel and d["model_parallel_size"] > 1,
         schedule=d["pipeline_schedule"] or "1f1b",
+        ep=cfg.moe.expert_parallel_size,
     )
     method = cfg.parallel.pipe_partition_method
     vocab = d["padded_vocab_size"]
@@ -500,6 +589,8 @@ def _alternatives(
                 continue
             if (tp > 1 or pp > 1) and not cfg.model.no_weight_tying:
                 continue  # tied embeddings are refused with tp/pp
+            if cfg.moe.moe_num_experts > 1 and (pp > 1 or dp % layout.ep):
+                continue  # MoE runs without pipelines; the expert axis must divide dp
             cand = dataclasses.replace(
                 layout, tp=tp, pp=pp, dp=dp, zero=zero, checkpoint=ckpt, micro_batch=mb, gas=gas
             )
@@ -530,12 +621,19 @@ def render(est: dict[str, Any]) -> str:
     lay = est["layout"]
     mem = est["memory_per_rank_bytes"]
     lines = [
-        f"model: {est['num_parameters']:,} parameters ({est['embedding_parameters']:,} in embeddings)",
+        f"model: {est['num_parameters']:,} parameters ({est['embedding_parameters']:,} in embeddings"
+        + (
+            f"; {est['active_parameters']:,} reach each token)"
+            if est["active_parameters"] != est["num_parameters"]
+            else ")"
+        ),
         "  per pipeline stage: " + ", ".join(f"{p:,}" for p in est["parameters_per_stage"]),
         f"compute: {est['flops_per_token'] / 1e9:,.2f} GFLOP per token, "
         f"{est['flops_per_step'] / 1e15:,.2f} PFLOP per step of {est['tokens_per_step']:,} tokens",
         f"layout: {lay['gpus']} x {est['device']['name']} on {lay['nodes']} node(s): "
-        f"data {lay['dp']} x tensor {lay['tp']} x pipeline {lay['pp']}, ZeRO-{lay['zero']}, "
+        f"data {lay['dp']} x tensor {lay['tp']} x pipeline {lay['pp']}"
+        + (f" (experts split over {lay['ep']} of the data ranks)" if lay["ep"] > 1 else "")
+        + f", ZeRO-{lay['zero']}, "
         f"micro-batch {lay['micro_batch']} x {lay['gas']} accumulation steps, "
         f"activation checkpointing {lay['checkpoint']}, {est['precision']}",
         f"memory on the most loaded rank (pipeline stage {est['heaviest_stage']}):",

@@ -75,3 +75,58 @@ def test_text_output_and_bad_arguments(capsys):
     assert main(["estimate", NEOX_20B, "--gpus", "96", "--gpu", "tpu-v9"]) == 2
     assert "--gpu 'tpu-v9' is not one of" in capsys.readouterr().err
     assert main(["estimate", NEOX_20B, "--gpus", "10", "--nodes", "4"]) == 2
+
+
+MOE = {
+    "num_layers": 4,
+    "hidden_size": 256,
+    "num_attention_heads": 4,
+    "seq_length": 512,
+    "pos_emb": "rotary",
+    "no_weight_tying": True,
+    "padded_vocab_size": 1024,
+    "moe_num_experts": 8,
+    "moe_top_k": 2,
+    "moe_expert_interval": 2,
+    "train_micro_batch_size_per_gpu": 4,
+    "precision": "bfloat16",
+}
+
+
+def moe_config(tmp_path, **changes) -> str:
+    path = tmp_path / ("moe" + "".join(f"-{k}-{v}" for k, v in changes.items()) + ".yml")
+    path.write_text(json.dumps(MOE | changes))
+    return str(path)
+
+
+def moe_estimate(tmp_path, **changes):
+    return estimate(load_config([moe_config(tmp_path, **changes)]), gpus=4, gpu="h100")
+
+
+def test_moe_models_are_estimated(tmp_path, capsys):
+    from torchneox.estimate import _meta_model
+
+    est = moe_estimate(tmp_path)
+    _, model = _meta_model(load_config([moe_config(tmp_path)]), 1024)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts_" in n)
+    assert est["num_parameters"] == sum(p.numel() for p in model.parameters())
+    # each token reaches top_k of the 8 experts
+    assert est["active_parameters"] == est["num_parameters"] - experts * (8 - 2) // 8
+
+    # expert parallelism over 2 of the 4 data ranks halves the expert weights each holds (DDP)
+    ep = moe_estimate(tmp_path, expert_parallel_size=2)
+    saved = est["resident_bytes"]["parameter_shard"] - ep["resident_bytes"]["parameter_shard"]
+    assert saved == experts // 2 * 4
+
+    # experts process tokens x top_k rows: top-2 holds more activations than top-1, and a dense
+    # model less than either
+    top1 = moe_estimate(tmp_path, moe_top_k=1)["activations_after_forward_bytes"]
+    dense = moe_estimate(tmp_path, moe_num_experts=1)["activations_after_forward_bytes"]
+    assert dense < top1 < est["activations_after_forward_bytes"]
+
+    assert main(["estimate", moe_config(tmp_path), "--gpus", "4"]) == 0
+    assert "reach each token" in capsys.readouterr().out
+    bad = ["--set", "pipe_parallel_size=2"]
+    assert main(["estimate", moe_config(tmp_path), "--gpus", "4", *bad]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "moe_num_experts:" in err and "pipeline" in err and len(err.splitlines()) == 1

@@ -254,18 +254,27 @@ def test_the_seed_report_config_trains_scaled_down(tmp_path, tiny_data):
 
 
 @pytest.mark.parametrize(
-    "nproc, overrides, says",
+    "nproc, overrides, key, says",
     [
-        (2, ["expert_parallel_size=3"], "must divide the data-parallel size 2"),
-        (4, ["expert_parallel_size=2", "pipe_parallel_size=2"], "pipeline parallelism"),
+        (
+            2,
+            ["expert_parallel_size=3", "train_micro_batch_size_per_gpu=2"],
+            "expert_parallel_size",
+            "must divide the data-parallel",
+        ),
+        (
+            2,
+            ["pipe_parallel_size=2", "train_micro_batch_size_per_gpu=4"],
+            "moe_num_experts",
+            "with pipeline parallelism",
+        ),
     ],
 )
 def test_a_bad_expert_layout_is_refused_before_any_process_starts(
-    moe_config, tmp_path, capsys, nproc, overrides, says
+    moe_config, tmp_path, capsys, nproc, overrides, key, says
 ):
-    batch = ["train_micro_batch_size_per_gpu=2"]
-    sets = [x for o in [f"save={tmp_path}", *batch, *overrides] for x in ("--set", o)]
+    sets = [x for o in [f"save={tmp_path}", *overrides] for x in ("--set", o)]
     assert main(["train", moe_config, "--nproc", str(nproc), *sets]) == 2
     err = capsys.readouterr().err.strip()
-    assert "expert_parallel_size" in err and says in err
+    assert f"{key}:" in err and says in err
     assert len(err.splitlines()) == 1  # one line, from the launcher, not one per worker

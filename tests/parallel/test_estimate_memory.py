@@ -1,5 +1,6 @@
 """The estimator's parameter, gradient and optimizer bytes per rank equal what training
-processes hold, for data, tensor and combined layouts and each ZeRO stage."""
+processes hold, for data, tensor and combined layouts and each ZeRO stage, and for
+mixture-of-experts models with and without expert parallelism."""
 
 from __future__ import annotations
 
@@ -16,12 +17,19 @@ from torchneox.estimate import estimate
 
 PROBE = Path(__file__).with_name("memory_probe.py")
 
+MOE = ["moe_num_experts=4", "moe_top_k=2", "moe_expert_interval=2"]
 LAYOUTS = {
     "dp2-zero0": (2, ["zero_optimization.stage=0"]),
     "dp2-zero1": (2, ["zero_optimization.stage=1"]),
     "dp2-zero3": (2, ["zero_optimization.stage=3"]),
     "tp2": (2, ["model_parallel_size=2", "train_micro_batch_size_per_gpu=4"]),
     "dp2-tp2-zero1": (4, ["model_parallel_size=2", "zero_optimization.stage=1"]),
+    # mixture of experts: experts sharded by ZeRO like any weight, or split over the expert
+    # axis and left alone by ZeRO/DDP, or whole on every tensor rank
+    "moe-dp2-zero1": (2, [*MOE, "zero_optimization.stage=1"]),
+    "moe-dp2-ep2": (2, [*MOE, "expert_parallel_size=2"]),
+    "moe-dp2-ep2-zero3": (2, [*MOE, "expert_parallel_size=2", "zero_optimization.stage=3"]),
+    "moe-tp2": (2, [*MOE, "model_parallel_size=2", "train_micro_batch_size_per_gpu=4"]),
 }
 
 

@@ -28,6 +28,25 @@ from torchneox.config.vocab import GPT2_VOCAB, tokenizer_vocab_size
 MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
 
 
+def check_expert_layout(cfg: NeoXConfig, derived: Derived) -> None:
+    """The expert-parallel layout a run (or an estimate of one) needs. Not part of `derive`: a
+    checkpoint's saved config must derive in any layout, so that one process can export or
+    evaluate it."""
+    ep, experts = cfg.moe.expert_parallel_size, cfg.moe.moe_num_experts
+    if ep > 1 and (derived["data_parallel_size"] % ep or experts <= 1 or experts % ep):
+        raise ConfigError(
+            f"{ep} must divide the data-parallel size {derived['data_parallel_size']} and "
+            f"moe_num_experts {experts} (and the model needs MoE layers)",
+            key="expert_parallel_size",
+        )
+    if experts > 1 and derived["pipeline_stages"] > 1:
+        raise ConfigError(
+            "mixture-of-experts layers together with pipeline parallelism are not built yet; "
+            "use data, tensor and expert parallelism",
+            key="moe_num_experts",
+        )
+
+
 def derive(
     loaded: LoadedConfig,
     world_size: int | None = None,

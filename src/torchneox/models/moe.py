@@ -122,6 +122,12 @@ class MoE(nn.Module):
             run = expert_loop
         return run(hidden, down_w, counts, local(self.experts_down_bias))
 
+    def count(self, experts: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """Assignments per expert, as a tensor and as the list the expert GEMMs split by (the
+        estimator swaps in a balanced count: fake tensors have no values)."""
+        counts_t = torch.bincount(experts, minlength=self.num_experts)
+        return counts_t, counts_t.tolist()
+
     def route(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(experts [T, k], gates [T, k], router probabilities [T, E])."""
         if self.training and self.jitter:
@@ -148,8 +154,7 @@ class MoE(nn.Module):
         # every (token, choice) pair, sorted by expert
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts_t = torch.bincount(flat, minlength=self.num_experts)
-        counts = counts_t.tolist()
+        counts_t, counts = self.count(flat)
         token_of_row = order // self.top_k
         rows = x_TH[token_of_row]
         route = None

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from torchneox import hardware
-from torchneox.config.derive import Derived, derive
+from torchneox.config.derive import Derived, check_expert_layout, derive
 from torchneox.config.errors import ConfigError
 from torchneox.config.load import LoadedConfig
 from torchneox.config.report import render_yaml
@@ -67,8 +67,7 @@ def save_iterations(cfg: Any, train_iters: int) -> set[int]:
 
 def require(loaded: LoadedConfig, derived: Derived) -> None:
     """What training needs beyond what `derive` checks (`train --nproc` runs it before it starts
-    any process). The expert layout is checked here, not in derive: a checkpoint's config must
-    derive in any layout, so that one process can export or evaluate it."""
+    any process)."""
     cfg = loaded.config
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters"):
         if cfg.get(name) is None:
@@ -80,19 +79,7 @@ def require(loaded: LoadedConfig, derived: Derived) -> None:
         )
     if derived["lr"] is None:
         raise ConfigError("training needs a learning rate (optimizer.params.lr)", key="optimizer")
-    ep, experts = cfg.moe.expert_parallel_size, cfg.moe.moe_num_experts
-    if ep > 1 and (derived["data_parallel_size"] % ep or experts <= 1 or experts % ep):
-        raise ConfigError(
-            f"{ep} must divide the data-parallel size {derived['data_parallel_size']} and "
-            f"moe_num_experts {experts} (and the model needs MoE layers)",
-            key="expert_parallel_size",
-        )
-    if ep > 1 and derived["pipeline_stages"] > 1:
-        raise ConfigError(
-            "together with pipeline parallelism is not built yet; use it with data and "
-            "tensor parallelism",
-            key="expert_parallel_size",
-        )
+    check_expert_layout(cfg, derived)
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -223,11 +210,6 @@ class Trainer:
         if cfg.training.eod_mask_loss:
             raise ConfigError(
                 "is not supported with pipe_parallel_size >= 2 yet", key="eod_mask_loss"
-            )
-        if cfg.moe.moe_num_experts > 1:
-            raise ConfigError(
-                "mixture-of-experts layers with pipe_parallel_size >= 2 are not built yet",
-                key="moe_num_experts",
             )
         if cfg.parallel.sequence_parallel and self.tensor_parallel:
             raise ConfigError(
