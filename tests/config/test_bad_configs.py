@@ -255,6 +255,25 @@ CASES = [
         [],
         ["attention_config: describes 3 layers but num_layers is 4"],
     ),
+    # found by the fuzzer: per-layer lists were built before anything bounded the count
+    (
+        "layers-beyond-reason",
+        {"a.yml": "{num_layers: 304553684}"},
+        [],
+        ["num_layers: 304,553,684 layers is more than 100,000; is it a typo?"],
+    ),
+    (
+        "attention-count-beyond-layers",
+        {"a.yml": "{attention_config: [[[global], 1099511627776]]}"},
+        [],
+        ["attention_config: describes more than 100,000 layers (num_layers is unset)"],
+    ),
+    (
+        "attention-count-over",
+        {"a.yml": "{num_layers: 4, attention_config: [[[global], 2], [[flash], 3]]}"},
+        [],
+        ["attention_config: describes more than 4 layers but num_layers is 4"],
+    ),
     ("unsupported-mup", {"a.yml": "{use_mup: true}"}, [], ["use_mup: muP is not supported"]),
     (
         "unsupported-rpe",

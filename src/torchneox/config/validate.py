@@ -123,10 +123,15 @@ def validate(config: NeoXConfig, origin: dict[str, str]) -> None:
     _check_textgen(check)
 
 
+MAX_LAYERS = 100_000  # per-layer lists are built from num_layers; far past any real model
+
+
 def _check_model(ch: _Checker) -> None:
     m = ch.c.model
     for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "num_kv_heads"):
         ch.positive(k)
+    if m.num_layers and m.num_layers > MAX_LAYERS:
+        ch.fail("num_layers", f"{m.num_layers:,} layers is more than {MAX_LAYERS:,}; is it a typo?")
     for k in ("max_position_embeddings", "intermediate_size", "sliding_window_width"):
         ch.positive(k)
     for k in (
@@ -212,6 +217,11 @@ def layer_attention_types(config: NeoXConfig, origin: dict[str, str] | None = No
             count = m.num_layers // len(kinds)
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             fail(f"layer count must be a positive integer or 'all', got {count!r}")
+        if len(types_per_layer) + count > (m.num_layers or MAX_LAYERS):
+            fail(
+                f"describes more than {m.num_layers or MAX_LAYERS:,} layers "
+                + (f"but num_layers is {m.num_layers}" if m.num_layers else "(num_layers is unset)")
+            )
         types_per_layer.extend(kinds * (count // len(kinds)) + kinds[: count % len(kinds)])
     if m.num_layers and len(types_per_layer) != m.num_layers:
         fail(f"describes {len(types_per_layer)} layers but num_layers is {m.num_layers}")
