@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ import torch
 from torchneox.config.derive import check_expert_layout, derive
 from torchneox.config.errors import ConfigError
 from torchneox.config.load import LoadedConfig
+from torchneox.config.sizes import is_moe_layer
 from torchneox.hardware import ACCELERATORS, Accelerator, peak_tflops
 
 GIB = 2**30
@@ -79,12 +81,11 @@ def _tp_dim(name: str) -> int | None:
     return None
 
 
-_EXPERTS = ".mlp.experts_"
-
-
 def _expert_sharded(name: str, ep: int) -> bool:
     """Expert weights under expert parallelism: split over ep, left alone by ZeRO/DDP."""
-    return ep > 1 and _EXPERTS in name
+    from torchneox.parallel.expert_parallel import EXPERT_PARAMS
+
+    return ep > 1 and name.rsplit(".", 1)[-1] in EXPERT_PARAMS
 
 
 def _local_numel(shape: tuple[int, ...], name: str, tp: int, fsdp: int, ep: int = 1) -> int:
@@ -247,25 +248,21 @@ def _trace_on(
     def leave(module, inputs, output):
         inside_moe[0] -= 1
 
-    count = MoE.count
-    MoE.count = _balanced_count
-    try:
-        with FakeTensorMode(allow_non_fake_inputs=True), torch.device(device):
-            model = Transformer(args)
-            model.train()
-            for module in model.modules():
-                if isinstance(module, MoE):
-                    module.register_forward_pre_hook(enter)
-                    module.register_forward_hook(leave)
-            tokens = torch.zeros(batch, seq + 1, dtype=torch.long)
-            # parameters saved for backward (a matmul keeps its weight) are not activations
-            for tensor in [*model.parameters(), *model.buffers(), tokens]:
-                excluded.add(StorageWeakRef(tensor.untyped_storage()).cdata)
-            hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-            with hooks, KeptOps(), autocast(precision, device):
-                lm_loss(model(tokens[:, :-1]), tokens[:, 1:], None, blocked=False)
-    finally:
-        MoE.count = count
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.device(device):
+        model = Transformer(args)
+        model.train()
+        for module in model.modules():
+            if isinstance(module, MoE):
+                module.count = types.MethodType(_balanced_count, module)
+                module.register_forward_pre_hook(enter)
+                module.register_forward_hook(leave)
+        tokens = torch.zeros(batch, seq + 1, dtype=torch.long)
+        # parameters saved for backward (a matmul keeps its weight) are not activations
+        for tensor in [*model.parameters(), *model.buffers(), tokens]:
+            excluded.add(StorageWeakRef(tensor.untyped_storage()).cdata)
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        with hooks, KeptOps(), autocast(precision, device):
+            lm_loss(model(tokens[:, :-1]), tokens[:, 1:], None, blocked=False)
 
     def total(kind: str) -> float:
         return sum(n for n, k in saved.values() if k == kind)
@@ -349,7 +346,6 @@ def memory_per_rank(
     opt_per_param = _optimizer_bytes_per_param(loaded)
     fsdp = layout.dp if (layout.zero > 0 or layout.tp > 1 or layout.pp > 1) else 1
     tp, ep = layout.tp, layout.ep
-    experts, interval = loaded.config.moe.moe_num_experts, loaded.config.moe.moe_expert_interval
     worst: dict[str, Any] | None = None
     for k, params in enumerate(stages):
         local = sum(_local_numel(s, n, tp, 1, ep) for n, s in params)
@@ -411,7 +407,7 @@ def memory_per_rank(
         )
         stored = recompute = 0.0
         for position, layer in enumerate(layers):
-            acts, weights, kept = moe if experts > 1 and layer % interval == 0 else dense
+            acts, weights, kept = moe if is_moe_layer(loaded.config, layer) else dense
             checkpointed = layout.checkpoint != "none" and position % layout.every == 0
             if not checkpointed:
                 stored += acts + weights

@@ -48,11 +48,11 @@ class _BlockedCrossEntropy(torch.autograd.Function):
         return logits, None, None
 
 
-def token_losses(logits_NV: torch.Tensor, labels_N: torch.Tensor) -> torch.Tensor:
-    """fp32 cross-entropy of each row. On plain CPU tensors the softmax runs in blocks; with a
-    backward, the logits' storage is overwritten by their gradient (nothing reads them after);
-    a leaf that needs a gradient, or a view of one, is a caller's own tensor and is left alone."""
-    blocked = (
+def _blockable(logits_NV: torch.Tensor) -> bool:
+    """Plain contiguous CPU logits; with a backward, the logits' storage becomes their gradient
+    (nothing reads them after the loss), so a leaf that needs a gradient, or a view of one, is
+    a caller's own tensor and takes F.cross_entropy instead."""
+    return (
         logits_NV.device.type == "cpu"
         and not isinstance(logits_NV, DTensor)
         and logits_NV.is_contiguous()
@@ -61,10 +61,6 @@ def token_losses(logits_NV: torch.Tensor, labels_N: torch.Tensor) -> torch.Tenso
             and (logits_NV if logits_NV._base is None else logits_NV._base).is_leaf
         )
     )
-    if not blocked:
-        return F.cross_entropy(logits_NV.float(), labels_N, reduction="none")
-    rows = max(1, BLOCK_BYTES // (4 * logits_NV.shape[-1]))
-    return _BlockedCrossEntropy.apply(logits_NV, labels_N, rows)
 
 
 def lm_loss(
@@ -77,14 +73,15 @@ def lm_loss(
     """Mean cross-entropy over the (unmasked) tokens, computed in fp32. `blocked=False` keeps
     F.cross_entropy on the CPU too (the estimate traces what a GPU runs)."""
     flat = logits_BTV.reshape(-1, logits_BTV.shape[-1])
-    if not blocked or isinstance(flat, DTensor) or flat.device.type != "cpu":
-        flat = flat.float()
-        if mask_BT is None:
-            return F.cross_entropy(flat, labels_BT.reshape(-1))
-        losses = F.cross_entropy(flat, labels_BT.reshape(-1), reduction="none")
-    else:
-        losses = token_losses(flat, labels_BT.reshape(-1))
+    labels = labels_BT.reshape(-1)
+    if blocked and _blockable(flat):
+        rows = max(1, BLOCK_BYTES // (4 * flat.shape[-1]))
+        losses = _BlockedCrossEntropy.apply(flat, labels, rows)
         if mask_BT is None:
             return losses.mean()
+    else:
+        if mask_BT is None:
+            return F.cross_entropy(flat.float(), labels)
+        losses = F.cross_entropy(flat.float(), labels, reduction="none")
     mask = mask_BT.reshape(-1).float()
     return (losses * mask).sum() / mask.sum().clamp(min=1.0)
