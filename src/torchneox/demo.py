@@ -24,7 +24,7 @@ def run_demo(folder: Path, overrides: list[str]) -> int:
     document_prefix = Path(f"{data_prefix}_text_document")
     if not Path(f"{document_prefix}.idx").is_file():
         print(
-            "== 1. the built-in corpus: Python's standard-library docstrings, byte-level tokens",
+            "== 1. the built-in corpus (frozen Python 3.11 docstrings), byte-level tokens",
             flush=True,
         )
         source = folder / "data" / "pydocs.jsonl"

@@ -187,6 +187,8 @@ def _non_default(spec) -> Any:
         )
     if typing.get_origin(base) is dict:
         return {"enabled": True}
+    if base is Any:
+        return "something"
     raise AssertionError(f"no sample value for {spec.name}")
 
 
@@ -218,7 +220,7 @@ def test_json_has_the_stable_keys(write, capsys):
                 str(write("a.yml", MODEL)),
                 "--json",
                 "--set",
-                "bias_gelu_fusion=true",
+                "bias_dropout_fusion=true",
             ]
         )
         == 0
@@ -240,7 +242,7 @@ def test_json_has_the_stable_keys(write, capsys):
         "reasons",
     }
     assert required <= set(data)
-    assert data["no_effect_keys"] == ["bias_gelu_fusion"]
+    assert data["no_effect_keys"] == ["bias_dropout_fusion"]
     assert isinstance(data["pipeline_schedule_runs"], bool)
     assert set(data["reasons"]) >= required - {"no_effect_keys", "reasons"}
 

@@ -10,8 +10,9 @@ import pytest
 from tests.conftest import shared_dir
 from torchneox.config.derive import derive
 from torchneox.config.errors import ConfigError
-from torchneox.config.load import load_config, read_file
-from torchneox.config.schema import KEYS
+from torchneox.config.fields import Status
+from torchneox.config.load import load_config, load_mapping, read_file
+from torchneox.config.schema import KEYS, NeoXConfig
 
 SHARED = shared_dir()
 CONFIG_DIR = SHARED / "neox_configs" if SHARED else None
@@ -27,6 +28,29 @@ REFUSED = {
     "sparse.yml": (
         "attention_config",
         "'local' attention (DeepSpeed block-sparse attention) is not supported",
+    ),
+    # post-training is not built yet (its issue): each names the objective or its data
+    "post-training/llama3-8b-sft.yml": (
+        "train_label_data_paths",
+        "label datasets are not supported",
+    ),
+    "post-training/llama3-8b-kto.yml": (
+        "train_label_data_paths",
+        "label datasets are not supported",
+    ),
+    "post-training/llama3-8b-dpo.yml": ("train_impl", "'dpo' training is not supported"),
+    "post-training/benchmarking/llama-13b-dpo.yml": (
+        "train_impl",
+        "'dpo' training is not supported",
+    ),
+    "post-training/benchmarking/mistral-dpo.yml": (
+        "train_impl",
+        "'dpo' training is not supported",
+    ),
+    "post-training/llama3-8b-rm.yml": ("train_impl", "'rm' training is not supported"),
+    "post-training/llama3-8b-reinforce.yml": (
+        "train_impl",
+        "'reinforce' (online REINFORCE) is not supported: it needs a generation server",
     ),
 }
 
@@ -60,12 +84,72 @@ def test_every_neox_config_explains_or_names_the_unsupported_feature(name, with_
     assert derived["pipeline_schedule_runs"] is False  # none of these configs has pp >= 2
 
 
+def neox_keys() -> list[list[str]]:
+    """The rows (key, group, type, default) of every config key of GPT-NeoX's newest commit."""
+    lines = (CONFIG_DIR / "neox_keys_ea7aefd.tsv").read_text().splitlines()
+    rows = [line.split("\t") for line in lines if line and not line.startswith("#")]
+    assert rows[0] == ["key", "group", "type", "default"]
+    return rows[1:]
+
+
 @needs_shared
-def test_every_documented_neox_key_is_in_the_schema():
-    text = (CONFIG_DIR / "neox_arguments.md").read_text()
-    documented = set(re.findall(r"^- \*\*(\w+)\*\*", text, re.M))
-    assert len(documented) > 250
-    assert documented - set(KEYS) == set()
+def test_every_key_of_the_newest_neox_has_a_status_here():
+    rows = neox_keys()
+    assert (
+        len({name for name, *_ in rows}) == 318
+    )  # two keys are listed twice (two groups declare them)
+    unknown = [name for name, *_ in rows if name not in KEYS]
+    assert unknown == []
+    # a GPT-NeoX key is never a torchneox extension, and each one that does nothing says why
+    for name, *_ in rows:
+        info = KEYS[name].info
+        assert info.status is not Status.EXTENSION, name
+        if info.status in (Status.NO_EFFECT, Status.UNSUPPORTED):
+            assert info.why, name
+
+
+@needs_shared
+def test_the_schema_defaults_are_the_newest_neox_defaults():
+    import ast
+
+    config = NeoXConfig()
+    differ = {}
+    for name, _, _, default in neox_keys():
+        try:
+            theirs = ast.literal_eval(default)
+        except (ValueError, SyntaxError):
+            continue  # computed at launch (git_hash)
+        if config.get(name) != theirs:
+            differ[name] = (theirs, config.get(name))
+    assert differ == {}
+
+
+@needs_shared
+@pytest.mark.parametrize(
+    "name",
+    [
+        "train_impl",
+        "pack_impl",
+        "dataset_impl",
+        "te_fp8_format",
+        "kl_impl",
+        "precision",
+        "norm",
+        "activation",
+        "pos_emb",
+    ],
+)
+def test_every_choice_of_a_neox_key_is_known(name):
+    """Each value GPT-NeoX's Literal type allows is accepted or refused by name, never 'not one
+    of' the choices."""
+    (row,) = [r for r in neox_keys() if r[0] == name]
+    choices = re.findall(r"'([^']+)'", row[2])
+    assert choices
+    for choice in choices:
+        try:
+            load_mapping({name: choice}, "x.yml")
+        except ConfigError as e:
+            assert "is not one of" not in str(e), (name, choice, str(e))
 
 
 def seed_config(tmp_path: Path) -> Path:

@@ -111,9 +111,7 @@ def corpus(tmp_path, tiny_data):
     return prefix
 
 
-@pytest.mark.parametrize(
-    "fault", ["truncated-bin", "idx-of-another-dataset", "empty-split", "tiny-validation-split"]
-)
+@pytest.mark.parametrize("fault", ["truncated-bin", "idx-of-another-dataset", "empty-split"])
 def test_bad_data_is_refused_before_the_first_step(make_config, tmp_path, capsys, corpus, fault):
     extra = {}
     if fault == "truncated-bin":
@@ -124,15 +122,8 @@ def test_bad_data_is_refused_before_the_first_step(make_config, tmp_path, capsys
             other.add_document(np.arange(n + 5) % 200)
         other.finish()
         named = _idx_from_another_dataset(corpus, tmp_path / "other")
-    elif fault == "empty-split":
-        extra = {"split": "0,50,50"}  # nothing to train on
-        named = str(corpus)
     else:
-        few = IndexedDatasetWriter(tmp_path / "few", np.dtype(np.uint16))
-        for n in range(3):
-            few.add_document(np.arange(200) % 90 + n)
-        few.finish()
-        corpus = tmp_path / "few"  # 3 documents: the 8% validation split gets none
+        extra = {"split": "0,50,50"}  # nothing to train on
         named = str(corpus)
     capsys.readouterr()
     cfg = make_config(data_path=str(corpus), save=str(tmp_path / "r"), load=None, **extra)
@@ -143,6 +134,30 @@ def test_bad_data_is_refused_before_the_first_step(make_config, tmp_path, capsys
         not (tmp_path / "r" / "metrics.jsonl").exists()
         or not (tmp_path / "r" / "metrics.jsonl").read_text()
     )
+
+
+def test_an_evaluation_split_without_documents_is_skipped_as_gpt_neox_skips_it(
+    make_config, tmp_path, capsys
+):
+    few = IndexedDatasetWriter(tmp_path / "few", np.dtype(np.uint16))
+    for n in range(3):
+        few.add_document(np.arange(200) % 90 + n)
+    few.finish()  # 3 documents: the 8% validation split and the 2% test split get none
+    cfg = make_config(
+        data_path=str(tmp_path / "few"), save=str(tmp_path / "r"), load=None, split="90,8,2"
+    )
+    capsys.readouterr()
+    assert main(["train", cfg]) == 0
+    out = capsys.readouterr().out
+    notes = [line for line in out.splitlines() if "none of the 3 documents" in line]
+    assert notes == [
+        f"{tmp_path / 'few'}: split '90,8,2' gives the {name} split none of the 3 documents; "
+        f"{name} is not evaluated (as in GPT-NeoX)"
+        for name in ("valid", "test")
+    ]
+    rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["iteration"] == 6 and "lm_loss" in rows[-1]
+    assert not any("valid_lm_loss" in r or "test_lm_loss" in r for r in rows)
 
 
 # ------------------------------------------------------------------------ preprocess killed

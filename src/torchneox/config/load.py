@@ -20,7 +20,7 @@ import yaml
 from torchneox.config.errors import ConfigError, did_you_mean
 from torchneox.config.fields import Status
 from torchneox.config.schema import KEYS, NeoXConfig
-from torchneox.config.validate import validate
+from torchneox.config.validate import REINFORCE_NEEDS, validate
 
 OVERRIDE = "--set"
 
@@ -83,8 +83,11 @@ def read_file(path: str | Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot read config file ({e})", source=source) from None
     data = parse_yaml(text, source)
-    if data is None:
-        return {}
+    if data is None or data == {}:
+        raise ConfigError(
+            "the config file is empty (no keys); give it GPT-NeoX keys, or leave it out",
+            source=source,
+        )
     if not isinstance(data, dict):
         raise ConfigError(
             f"a config file must be a mapping of keys to values, not a {type(data).__name__}",
@@ -332,6 +335,7 @@ def _is_unset(value: Any, default: Any) -> bool:
 
 def build(values: dict[str, Any], origin: dict[str, str]) -> NeoXConfig:
     config = NeoXConfig()
+    refused: ConfigError | None = None
     for name, value in values.items():
         source = origin.get(name, OVERRIDE)
         if name not in KEYS:
@@ -339,8 +343,13 @@ def build(values: dict[str, Any], origin: dict[str, str]) -> NeoXConfig:
         converted = convert(name, value, source)
         spec = KEYS[name]
         if spec.info.status is Status.UNSUPPORTED and not _is_unset(converted, spec.default):
-            raise ConfigError(spec.info.why, source=source, key=name)
+            refused = refused or ConfigError(spec.info.why, source=source, key=name)
         config.set(name, converted)
+    if config.training.train_impl == "reinforce":  # the feature, not one of its keys, is named
+        source = origin.get("train_impl", OVERRIDE)
+        raise ConfigError(REINFORCE_NEEDS, source=source, key="train_impl")
+    if refused is not None:
+        raise refused
     return config
 
 

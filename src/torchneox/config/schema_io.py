@@ -12,7 +12,6 @@ NOT_PAIRS = "preference-pair training is not supported (train_impl 'dpo'/'kto' a
 LAUNCH = "torchneox is launched with torchrun; this describes DeepSpeed's launcher"
 DS_ONLY = "a DeepSpeed setting with no counterpart in a PyTorch-native trainer"
 WANDB = "only used with use_wandb"
-COMET = "Comet logging is not supported (use_comet is refused)"
 
 
 @dataclass
@@ -39,8 +38,10 @@ class DataConfig:
     pack_impl: Literal["packed", "pack_until_overflow", "unpacked"] = key(
         "packed", "How documents fill samples; only packed is built."
     )
-    dataset_impl: Literal["gpt2", "pairwise"] = key(
-        "gpt2", "Dataset kind; only gpt2 (packed language modelling) is built."
+    dataset_impl: Literal["gpt2", "pairwise", "online"] = key(
+        "gpt2",
+        "Dataset kind; only gpt2 (packed language modelling) is built (pairwise and "
+        "online are refused).",
     )
     allow_chopped: bool = no_effect(
         True,
@@ -134,6 +135,7 @@ class LoggingConfig:
     wandb_group: str | None = key(None, "W&B run group.")
     wandb_team: str | None = key(None, "W&B entity.")
     wandb_host: str = key("https://api.wandb.ai", "W&B server.")
+    wandb_run_name: str | None = key(None, "W&B run name; unset lets W&B pick one.")
     wandb_init_all_ranks: bool = no_effect(
         False,
         "Start W&B on every rank, not only rank 0.",
@@ -172,16 +174,25 @@ class LoggingConfig:
         "Keep noise-scale buffers on the CPU.",
         "the gradient noise scale is not measured yet",
     )
-    use_comet: bool | None = unsupported(
-        None, "Log to Comet.", "Comet logging is not supported; use use_wandb or tensorboard_dir"
+    use_comet: bool | None = key(
+        None,
+        "Log to Comet (needs the comet_ml package; COMET_API_KEY, or COMET_MODE=offline for a "
+        "local archive).",
     )
-    comet_workspace: str | None = no_effect(None, "Comet workspace.", COMET)
-    comet_project: str | None = no_effect(None, "Comet project.", COMET)
-    comet_experiment_name: str | None = no_effect(None, "Comet experiment name.", COMET)
-    comet_tags: list[str] | None = no_effect(None, "Comet tags.", COMET)
-    comet_others: dict[str, Any] | None = no_effect(None, "Comet metadata.", COMET)
+    comet_workspace: str | None = key(None, "Comet workspace.")
+    comet_project: str | None = key(None, "Comet project.")
+    comet_experiment_name: str | None = key(None, "Comet experiment name.")
+    comet_tags: list[str] | None = key(None, "Comet tags.")
+    comet_others: dict[str, Any] | None = key(
+        None, "Other metadata logged to the Comet experiment."
+    )
+    comet_experiment: Any = no_effect(
+        None,
+        "GPT-NeoX's live Comet experiment object.",
+        "GPT-NeoX fills it in at launch with the experiment it started; a config value is not read",
+    )
     git_hash: str | None = derived(None, "Git commit of the code that ran.")
-    peak_theoretical_tflops: float | None = extension(
+    peak_theoretical_tflops: float | None = key(
         None,
         "Peak TFLOP/s of one device for MFU; unset: the accelerator table, or measured on CPU.",
     )

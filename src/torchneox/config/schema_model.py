@@ -13,6 +13,18 @@ FUSED = (
 MAMBA = (
     "configures mamba layers, which torchneox does not build (attention_config 'mamba' is refused)"
 )
+TE_LAYER = (
+    "selects TransformerEngine's fused module for the same layer; torchneox computes that "
+    "layer with torch's own kernels (the same numbers in fp32/bf16)"
+)
+TE_FP8 = (
+    "only read by TransformerEngine's fp8 recipe, which GPT-NeoX builds only for te_fp8_mha "
+    "(refused until torchneox's fp8 path exists)"
+)
+ONLINE = (
+    "only used by GPT-NeoX's online REINFORCE setup (serve_model_weights, dataset_impl "
+    "'online'), which torchneox does not build"
+)
 RWKV = "configures RWKV layers, which torchneox does not build (attention_config 'rwkv' is refused)"
 
 INIT_METHODS = (
@@ -204,11 +216,10 @@ class ModelConfig:
         False, "Fused causal mask + softmax kernel.", FUSED
     )
     scaled_masked_softmax_fusion: bool = no_effect(False, "Fused mask + softmax kernel.", FUSED)
-    bias_gelu_fusion: bool = no_effect(
+    bias_gelu_fusion: bool = key(
         False,
-        "Fused bias + gelu kernel.",
-        FUSED
-        + "; note that GPT-NeoX's fused kernel uses tanh-approximated gelu, torchneox exact gelu",
+        "GPT-NeoX's fused bias + gelu kernel, which computes the tanh approximation of gelu "
+        "(constant 0.79788456); with activation gelu, true means the tanh gelu, as in GPT-NeoX.",
     )
     bias_dropout_fusion: bool = no_effect(False, "Fused bias + dropout + add kernel.", FUSED)
     rope_fusion: bool = no_effect(False, "Fused rotary embedding kernel.", FUSED)
@@ -224,6 +235,46 @@ class ModelConfig:
     mamba_selective_fp32_params: bool = no_effect(True, "Keep mamba's A and D in fp32.", MAMBA)
     mamba_use_bias_in_conv: bool = no_effect(True, "Bias in mamba's conv1d.", MAMBA)
     mamba_use_bias_in_linears: bool = no_effect(False, "Bias in mamba's projections.", MAMBA)
+    te_columnparallel: bool = no_effect(
+        False, "TransformerEngine's column-parallel linear.", TE_LAYER
+    )
+    te_rowparallel: bool = no_effect(False, "TransformerEngine's row-parallel linear.", TE_LAYER)
+    te_layernorm_mlp: bool = no_effect(
+        False, "TransformerEngine's fused layernorm + MLP.", TE_LAYER
+    )
+    te_mha: bool = no_effect(False, "TransformerEngine's multi-head attention.", TE_LAYER)
+    te_fp8_mha: bool = unsupported(
+        False,
+        "fp8 attention through TransformerEngine (GPT-NeoX's only switch that enables fp8).",
+        "fp8 training (TransformerEngine's te_fp8_mha) is not built yet; remove te_fp8_mha "
+        "or set it to false to train in bf16/fp16",
+    )
+    te_fp8_format: Literal["e4m3", "hybrid"] = no_effect(
+        "hybrid", "fp8 format: e4m3, or hybrid (e4m3 forward, e5m2 backward).", TE_FP8
+    )
+    te_fp8_wgrad: bool = no_effect(True, "Weight gradients in fp8 too.", TE_FP8)
+    te_fp8_amax_history_len: int = no_effect(1, "Length of the fp8 amax history.", TE_FP8)
+    te_fp8_amax_compute_algo: str = no_effect(
+        "most_recent",
+        "How the fp8 scale's amax is taken from its history (max, most_recent).",
+        TE_FP8,
+    )
+    te_fp8_margin: int = no_effect(0, "Margin of the fp8 scaling factor.", TE_FP8)
+    serve_model_weights: bool = unsupported(
+        False,
+        "Serve the weights over a socket to an online data server (GPT-NeoX's online REINFORCE).",
+        "serving weights to an online generation server (serve_model_weights) is not built: "
+        "torchneox has no online RL; remove serve_model_weights",
+    )
+    weight_server_port: int | list[int] = no_effect(
+        6000, "Port(s) the weights are served on.", ONLINE
+    )
+    online_dataserver_ips: str | list[str] = no_effect(
+        "localhost", "Addresses of the online data servers.", ONLINE
+    )
+    online_dataserver_ports: int | list[int] = no_effect(
+        10000, "Ports of the online data servers.", ONLINE
+    )
     dim_att: int | None = no_effect(None, "RWKV attention width.", RWKV)
     head_size: int | None = no_effect(None, "RWKV head size.", RWKV)
     ffn_dim: int | None = no_effect(None, "RWKV feed-forward width.", RWKV)
@@ -239,7 +290,12 @@ class MoEConfig:
     moe_router_type: Literal["sinkhorn", "topk"] = key(
         "sinkhorn", "Routing: sinkhorn (balanced, for training) or topk."
     )
-    moe_lbl_in_fp32: bool = key(False, "Compute the load-balancing loss in fp32.")
+    moe_lbl_in_fp32: bool = no_effect(
+        False,
+        "Compute the load-balancing loss in fp32.",
+        "GPT-NeoX reads it nowhere; torchneox computes router probabilities and the "
+        "load-balancing loss in fp32 always",
+    )
     moe_jitter_eps: float | None = key(
         None, "Multiplicative noise on router inputs while training; unset means none."
     )
@@ -249,6 +305,7 @@ class MoEConfig:
         "size); tokens reach their experts by all-to-all.",
     )
     moe_aux_loss_coeff: float = extension(
-        0.01,
-        "Weight of the load-balancing loss (Switch Transformer's) added to the training loss.",
+        0.0,
+        "Weight of Switch Transformer's load-balancing loss added to the training loss; 0 (the "
+        "default) adds none, as GPT-NeoX adds none; it is logged as moe_aux_loss either way.",
     )

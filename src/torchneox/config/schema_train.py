@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 from torchneox.config.fields import derived, extension, key, no_effect, unsupported
 
+REINFORCE = "only used by train_impl 'reinforce', which is refused (it needs online generation)"
+
 CKPT_SAME = "torch's activation checkpointing needs no such tuning"
 DEEPSPEED_ZERO = "DeepSpeed ZeRO tuning; the ZeRO stage comes from zero_optimization.stage"
 
@@ -225,9 +227,29 @@ class TrainingConfig:
     short_seq_prob: float = no_effect(
         0.1, "Chance of a short sample (BERT-era Megatron).", "GPT samples are always full length"
     )
-    train_impl: Literal["normal", "dpo", "rm", "kto"] = key(
+    train_impl: Literal["normal", "dpo", "rm", "kto", "reinforce"] = key(
         "normal",
-        "Training objective; only normal language modelling is built (dpo, rm, kto are refused).",
+        "Training objective; only normal language modelling is built (dpo, rm, kto and "
+        "reinforce are refused).",
+    )
+    z_loss: float = no_effect(
+        0.0,
+        "Z-loss weight; GPT-NeoX applies it to reward-model training only (the squared rewards).",
+        "GPT-NeoX applies z_loss only with train_impl 'rm', which is refused here; for PaLM's "
+        "logit z-loss on language modelling set the torchneox key lm_z_loss",
+    )
+    lm_z_loss: float = extension(
+        0.0,
+        "Weight of PaLM's logit z-loss (mean over tokens of logsumexp(logits)^2) added to the "
+        "language-model loss and logged as z_loss; 0 adds nothing (GPT-NeoX has no such term).",
+    )
+    fp32_reinforce: bool = no_effect(True, "REINFORCE loss in fp32.", REINFORCE)
+    kl_impl: Literal["abs", "mse", "kl", "full"] = no_effect(
+        "mse", "KL estimate of REINFORCE's penalty: abs, mse, kl or full.", REINFORCE
+    )
+    kl_div_beta: float = no_effect(0.1, "Weight of REINFORCE's KL penalty.", REINFORCE)
+    reinforce_leave_one_out: bool = no_effect(
+        False, "REINFORCE leave-one-out baseline (RLOO).", REINFORCE
     )
     dpo_fp32: bool = no_effect(
         True, "DPO loss in fp32.", "only used by train_impl 'dpo', which is refused"

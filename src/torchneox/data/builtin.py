@@ -1,59 +1,54 @@
-"""The built-in demo corpus: English prose that every Python installation carries.
+"""The built-in demo corpus, shipped with the package.
 
-``pydocs`` is the docstrings of the standard library's pure-Python modules, one document per
-module (its docstring and those of its classes and functions, in source order). It needs no
-download, so ``make demo`` can train on real text on a fresh machine. It is a demo corpus:
-its content depends on the Python version, and it is small (a few MB).
+``pydocs`` is the docstrings of Python 3.11's pure-Python standard-library modules (PSF
+licence), cut into 754 documents of at most 4 KiB; ``tools/make_pydocs_corpus.py`` made it
+once. It is frozen: every machine reads the same bytes whatever Python it runs, so ``make demo``
+trains on the same tokens everywhere and needs no download.
 """
 
 from __future__ import annotations
 
-import ast
+import hashlib
 import json
-import sysconfig
+import lzma
 from collections.abc import Iterator
 from pathlib import Path
 
 from torchneox.data.indexed import DataError
 
-SKIP = {
-    "test",
-    "tests",
-    "idlelib",
-    "site-packages",
-    "dist-packages",
-    "lib2to3",
-    "turtledemo",
-    "__pycache__",
+FOLDER = Path(__file__).resolve().parent / "corpora"
+CORPORA = {
+    "pydocs": (
+        "docstrings of Python 3.11's standard library, 754 documents (frozen)",
+        "pydocs.jsonl.xz",
+        "79be29d24f8f3ca1404a49ff91c9eac22c0367473f3307ebcf15c55fec379804",
+    )
 }
-CORPORA = {"pydocs": "docstrings of the Python standard library, one document per module"}
 
 
-def _docstrings(path: Path) -> str:
+def _lines(name: str) -> list[str]:
+    if name not in CORPORA:
+        raise DataError(f"no built-in corpus {name!r}; there is: {', '.join(CORPORA)}")
+    _, file, sha256 = CORPORA[name]
+    path = FOLDER / file
     try:
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-    except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
-        return ""
-    parts = []
-    for node in [tree, *ast.walk(tree)]:
-        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
-            doc = ast.get_docstring(node)
-            if doc and len(doc) > 40:
-                parts.append(doc.strip())
-    return "\n\n".join(dict.fromkeys(parts))
+        packed = path.read_bytes()
+    except OSError as e:
+        raise DataError(
+            f"{path}: the built-in corpus is missing ({e.strerror}); reinstall torchneox"
+        ) from None
+    if hashlib.sha256(packed).hexdigest() != sha256:
+        raise DataError(
+            f"{path}: the built-in corpus is damaged (checksum differs); reinstall torchneox"
+        )
+    return lzma.decompress(packed).decode("utf-8").splitlines()
 
 
 def documents(name: str, max_bytes: int | None = None) -> Iterator[str]:
-    if name not in CORPORA:
-        raise DataError(f"no built-in corpus {name!r}; there is: {', '.join(CORPORA)}")
-    root = Path(sysconfig.get_paths()["stdlib"])
+    """The corpus's documents in their fixed order; stops once ``max_bytes`` of text is out."""
     total = 0
-    for path in sorted(root.rglob("*.py")):
-        if SKIP & set(path.relative_to(root).parts):
-            continue
-        text = _docstrings(path)
-        if not text:
-            continue
+    for line in _lines(name):
+        text = json.loads(line)["text"]
         yield text
         total += len(text.encode("utf-8"))
         if max_bytes is not None and total >= max_bytes:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -26,6 +26,8 @@ class Splits:
     train: Samples | None
     valid: Samples | None
     test: Samples | None
+    notes: list[str] = field(default_factory=list)
+    """What was left out and why (an evaluation split with no documents), for the run's log."""
 
     def get(self, name: str) -> Samples | None:
         return getattr(self, name)
@@ -73,15 +75,13 @@ def build_splits(cfg: NeoXConfig, train_batch_size: int, vocab_size: int | None 
         if out["train"] is None:
             raise DataError(f"{d.data_path}: split {d.split!r} leaves no training documents")
         shares = split_shares(d.split)
-        for i, name in enumerate(SPLITS):
-            if shares[i] > 0 and counts[name] > 0 and out[name] is None:
-                # GPT-NeoX silently runs without it; a run that asked for it should know
-                raise DataError(
-                    f"{d.data_path}: split {d.split!r} gives the {name} split none of the "
-                    f"{len(ds)} documents; use more data, or a split that gives {name} 0 to "
-                    "run without it"
-                )
-        return Splits(**out)
+        notes = [
+            f"{d.data_path}: split {d.split!r} gives the {name} split none of the {len(ds)} "
+            f"documents; {name} is not evaluated (as in GPT-NeoX)"
+            for i, name in enumerate(SPLITS)
+            if i and shares[i] > 0 and counts[name] > 0 and out[name] is None
+        ]
+        return Splits(**out, notes=notes)
     if not d.train_data_paths:
         raise DataError("no data: set data_path or train_data_paths")
     for name in SPLITS:

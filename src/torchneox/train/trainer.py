@@ -238,6 +238,7 @@ class Trainer:
     def _build_loaders(self) -> None:
         d, cfg = self.derived, self.cfg
         splits = build_splits(cfg, d["train_batch_size"], d["padded_vocab_size"])
+        self.data_notes = splits.notes
         share = {"dp_rank": self.dims.dp_rank, "dp_size": self.dims.dp}
         self.train_loader = BatchLoader(
             splits.train,
@@ -605,6 +606,8 @@ class Trainer:
             f"{self.train_iters} steps of {self.derived['train_batch_size']} x {self.seq_length} tokens; "
             f"MFU against {self.peak_source}"
         )
+        for note in self.data_notes:
+            self.logger.line(note)
         if self.iteration == 0 and 0 in self.save_at:
             self.save()
         tokens_per_step = self.derived["train_batch_size"] * self.seq_length
