@@ -254,6 +254,7 @@ def _trace_on(
         for module in model.modules():
             if isinstance(module, MoE):
                 module.count = types.MethodType(_balanced_count, module)
+                module.sinkhorn_tol = None  # no early stop: fake tensors cannot be compared
                 module.register_forward_pre_hook(enter)
                 module.register_forward_hook(leave)
         tokens = torch.zeros(batch, seq + 1, dtype=torch.long)

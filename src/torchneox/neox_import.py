@@ -278,6 +278,8 @@ def optimizer_state(
 ) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
     """Adam moments by torchneox parameter name, and the step count."""
     opt = rank_states[0].get("optimizer")
+    if isinstance(opt, dict) and opt.get("state") == {} and "param_groups" in opt:
+        return {}, 0  # saved before the first step (extra_save_iters 0): a fresh optimizer
     if not isinstance(opt, dict) or not isinstance(opt.get("state"), dict) or not opt["state"]:
         raise NeoXCheckpointError(
             "keeps no optimizer state in mp_rank_00_model_states.pt (ZeRO stages 1-3 write it to "
@@ -385,20 +387,21 @@ def convert(
     meta: dict[str, Any] = {"converted_from": f"GPT-NeoX {step_dir}", "iteration": iteration}
     if with_optimizer:
         moments, opt_step = optimizer_state(states, layout, layers, args)
-        optimizer = build_optimizer(model, cfg, "cpu")
-        osd = get_optimizer_state_dict(model, optimizer)
-        for name, entry in osd["state"].items():
-            entry["exp_avg"].copy_(moments[name]["exp_avg"])
-            entry["exp_avg_sq"].copy_(moments[name]["exp_avg_sq"])
-            entry["step"].fill_(float(opt_step))
-        state["optimizer"] = osd
+        if moments:  # else the optimizer never stepped: the run continues with a fresh one
+            optimizer = build_optimizer(model, cfg, "cpu")
+            osd = get_optimizer_state_dict(model, optimizer)
+            for name, entry in osd["state"].items():
+                entry["exp_avg"].copy_(moments[name]["exp_avg"])
+                entry["exp_avg_sq"].copy_(moments[name]["exp_avg_sq"])
+                entry["step"].fill_(float(opt_step))
+            state["optimizer"] = osd
         rng = states[0].get("torch_rng_state")
         if isinstance(rng, torch.Tensor):
             state["rng"] = {"torch": rng}
         tbs = derived["train_batch_size"]
         t = cfg.training
         meta |= {
-            "has_optimizer": True,
+            "has_optimizer": "optimizer" in state,
             "has_rng": "rng" in state,
             "loaders": {
                 "train": {"consumed_samples": iteration * tbs},

@@ -193,6 +193,53 @@ CASES = [
         ["params.beta is not a parameter of Adam; did you mean betas?"],
     ),
     (
+        "adam-without-bias-correction",
+        {"a.yml": "{optimizer: {type: Adam, params: {lr: 0.1, bias_correction: false}}}"},
+        [],
+        ["optimizer: params.bias_correction: false (Adam without bias correction) is not built"],
+    ),
+    (
+        "empty-file",
+        {"a.yml": "# nothing but a comment\n"},
+        [],
+        ["a.yml: the config file is empty (no keys)"],
+    ),
+    (
+        "mamba-named-before-its-sizes",
+        {
+            "a.yml": "{hidden_size: 2048, num_attention_heads: 12, num_layers: 2, "
+            "attention_config: [[[mamba], all]]}"
+        },
+        [],
+        ["attention_config: 'mamba' attention (mamba layers) is not supported"],
+    ),
+    (
+        "reinforce",
+        {"a.yml": "{train_impl: reinforce, serve_model_weights: true}"},
+        [],
+        [
+            "train_impl: 'reinforce' (online REINFORCE) is not supported: it needs a generation server"
+        ],
+    ),
+    (
+        "fp8-attention",
+        {"a.yml": "{te_fp8_mha: true}"},
+        [],
+        ["te_fp8_mha: fp8 training (TransformerEngine's te_fp8_mha) is not built yet"],
+    ),
+    (
+        "z-loss-with-tensor-parallelism",
+        {"a.yml": "{lm_z_loss: 0.001, model_parallel_size: 2}"},
+        [],
+        ["lm_z_loss: is not built for tensor or pipeline parallelism yet"],
+    ),
+    (
+        "tanh-and-onnx-gelu",
+        {"a.yml": "{bias_gelu_fusion: true, onnx_safe: true}"},
+        [],
+        ["bias_gelu_fusion: cannot be set together with onnx_safe"],
+    ),
+    (
         "optimizer-betas",
         {"a.yml": "{optimizer: {type: Adam, params: {lr: 0.1, betas: [0.9]}}}"},
         [],

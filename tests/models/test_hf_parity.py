@@ -59,6 +59,12 @@ CASES = {
     ),
     "full-rotary": (transformers.GPTNeoXForCausalLM, lambda: pythia(2, 128, 4, rotary_pct=1.0)),
     "tied": (transformers.GPTNeoXForCausalLM, lambda: pythia(2, 128, 4, tie_word_embeddings=True)),
+    # the tanh gelu: GPT-NeoX's gelu under bias_gelu_fusion (Pythia's, GPT-J's gelu_new)
+    "gelu-new": (transformers.GPTNeoXForCausalLM, lambda: pythia(2, 128, 4, hidden_act="gelu_new")),
+    "gelu-pytorch-tanh": (
+        transformers.GPTNeoXForCausalLM,
+        lambda: pythia(2, 128, 4, hidden_act="gelu_pytorch_tanh"),
+    ),
     "llama-gqa": (transformers.LlamaForCausalLM, llama),
     "llama-tied": (
         transformers.LlamaForCausalLM,
@@ -108,7 +114,7 @@ def test_logits_equal_transformers(tmp_path, name):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["pythia-14m", "tied", "llama-gqa", "mistral-window"])
+@pytest.mark.parametrize("name", ["pythia-14m", "tied", "gelu-new", "llama-gqa", "mistral-window"])
 def test_round_trip_gives_identical_tensors(tmp_path, name):
     hf_model, folder = _hf_model(tmp_path, name)
     convert.from_hf(folder, tmp_path / "ckpt")
@@ -144,6 +150,25 @@ def test_greedy_generation_equals_transformers(tmp_path, name):
         )[0, 12:].tolist()
     got = generate(ours, [prompt[0].tolist()], Sampling(maximum_tokens=20))[0]
     assert got == expected
+
+
+def test_tanh_gelu_reads_as_bias_gelu_fusion_and_exports_as_gelu_new(tmp_path):
+    """A torchneox model trained with bias_gelu_fusion (GPT-NeoX's tanh gelu) exports with the
+    hidden_act that computes the same function in transformers."""
+    import json
+
+    _, folder = _hf_model(tmp_path, "gelu-pytorch-tanh")
+    convert.from_hf(folder, tmp_path / "ckpt")
+    loaded, ours = convert.load_model(tmp_path / "ckpt")
+    assert loaded.config.model.bias_gelu_fusion is True and ours.args.activation == "gelu_tanh"
+    convert.to_hf(tmp_path / "ckpt", tmp_path / "back")
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["hidden_act"] == "gelu_new"
+    reloaded = transformers.GPTNeoXForCausalLM.from_pretrained(tmp_path / "back").eval()
+    tokens = torch.randint(0, VOCAB_20B, (2, 30), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            ours.eval()(tokens), reloaded(tokens).logits, atol=1e-5, rtol=1e-5
+        )
 
 
 def test_reads_pytorch_model_bin_folders(tmp_path):

@@ -155,3 +155,36 @@ def test_top_k_and_top_p_filters():
     assert torch.isinf(filter_logits(logits, 0, 0.8)).tolist() == [[False, False, True, True]]
     assert torch.isinf(filter_logits(logits, 0, 0.81)).tolist() == [[False, False, False, True]]
     assert torch.isinf(filter_logits(logits, 0, 0.1)).tolist() == [[False, True, True, True]]
+
+
+def test_gpt_neox_gelus():
+    """bias_gelu_fusion: GPT-NeoX's bias_gelu (tanh, its constant, its hand-written derivative);
+    onnx_safe: erf with a rounded sqrt(2). Both differ from the exact gelu."""
+    from torch.nn import functional as F
+
+    from torchneox.models.mlp import onnx_gelu, tanh_gelu
+
+    x = torch.linspace(-6, 6, 2001, dtype=torch.float64, requires_grad=True)
+    y = tanh_gelu(x)
+    torch.testing.assert_close(y, F.gelu(x, approximate="tanh"), rtol=1e-8, atol=1e-9)
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    t = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
+    want = 0.5 * x * ((1 - t * t) * (0.79788456 + 0.1070322243 * x * x)) + 0.5 * (1 + t)
+    torch.testing.assert_close(grad, want.detach(), rtol=0, atol=0)
+    assert (y - F.gelu(x)).abs().max() > 1e-4
+    torch.testing.assert_close(onnx_gelu(x), x * 0.5 * (torch.erf(x / 1.41421) + 1.0))
+    assert (onnx_gelu(x) - F.gelu(x)).abs().max() > 1e-7
+
+
+def test_activation_follows_gpt_neox_switches():
+    from torchneox.config.load import load_mapping
+    from torchneox.models.args import model_args
+
+    base = {"num_layers": 1, "hidden_size": 8, "num_attention_heads": 2, "seq_length": 4}
+    for extra, want in [
+        ({}, "gelu"),
+        ({"bias_gelu_fusion": True}, "gelu_tanh"),
+        ({"onnx_safe": True}, "gelu_onnx"),
+        ({"bias_gelu_fusion": True, "activation": "swiglu"}, "swiglu"),
+    ]:
+        assert model_args(load_mapping(base | extra, "x")).activation == want

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -108,6 +109,52 @@ def test_sinkhorn_balances_skewed_scores():
     skewed = torch.bincount(logits.argmax(-1), minlength=8)
     balanced = torch.bincount(sinkhorn(logits).argmax(-1), minlength=8)
     assert skewed.max() > 300 and balanced.max() < 2 * 512 / 8
+
+
+def gpt_neox_sinkhorn(cost: np.ndarray, tol: float = 1e-4, max_iter: int = 3) -> np.ndarray:
+    """GPT-NeoX's SinkhornRouter.sinkhorn (megatron/model/router.py at ea7aefd), in numpy."""
+    cost = np.exp(cost)
+    d0 = np.ones(cost.shape[0], dtype=cost.dtype)
+    d1 = 1 / (cost.shape[1] * cost.sum(0))
+    d1_old = d1
+    for _ in range(max_iter):
+        d0 = (1 / d0.shape[0]) / ((d1 * cost).sum(1) + 1e-8)
+        d1 = (1 / d1.shape[0]) / ((d0[:, None] * cost).sum(0) + 1e-8)
+        error = np.abs(d1_old - d1).mean()
+        d1_old = d1
+        if error < tol:
+            break
+    return d1 * cost * d0[:, None]
+
+
+@pytest.mark.parametrize("scale", [0.01, 1.0, 3.0])  # near-uniform logits stop after one round
+def test_sinkhorn_is_gpt_neox_sinkhorn(scale):
+    logits = torch.randn(64, 8, generator=torch.Generator().manual_seed(1)) * scale
+    want = gpt_neox_sinkhorn(logits.numpy().astype(np.float32))
+    np.testing.assert_allclose(sinkhorn(logits).numpy(), want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_sinkhorn_router_scores_as_gpt_neox(k):
+    """k = 1 weighs the chosen expert by the sigmoid of its logit, k > 1 by the softmax; in
+    training the choice comes from the balanced logits, in evaluation from the scores."""
+    moe = moe_model(moe_router_type="sinkhorn", moe_top_k=k).layers["0"].mlp
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(2))
+    logits = moe.router(x).float()
+    scores = torch.sigmoid(logits) if k == 1 else logits.softmax(-1)
+    for training in (True, False):
+        moe.train(training)
+        experts, gates, _ = moe.route(x)
+        chooser = sinkhorn(logits.detach()) if training else scores
+        assert torch.equal(experts, chooser.topk(k, dim=-1).indices)
+        torch.testing.assert_close(gates, scores.gather(-1, experts))
+
+
+def test_jitter_is_only_for_the_topk_router():
+    moe = moe_model(moe_router_type="sinkhorn", moe_jitter_eps=0.5).layers["0"].mlp
+    moe.train()
+    x = torch.randn(64, 64)
+    assert torch.equal(moe.route(x)[0], moe.route(x)[0])  # GPT-NeoX's Sinkhorn has no jitter
 
 
 @pytest.fixture(scope="module")

@@ -56,8 +56,12 @@ def assert_same_training(out, baseline) -> None:
     for k in got:
         assert got[k] == pytest.approx(one_losses[k], rel=1e-5, abs=1e-6), k
         assert norms[k] == pytest.approx(one_norms[k], rel=1e-4, abs=1e-6), k
+    # Adam's first update is lr * g / (|g| + eps) per element: where a gradient is float noise
+    # (~1e-9) the layouts' different summation orders can move that element by up to ~lr * 1e-2
     for name, tensor in weights(out).items():
-        torch.testing.assert_close(tensor, one_weights[name], rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(
+            tensor, one_weights[name], rtol=1e-4, atol=5e-5, msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
 def assert_resumes_like_whole(

@@ -7,7 +7,7 @@ import torch
 from torch.nn import functional as F
 
 from torchneox.train import loss as loss_module
-from torchneox.train.loss import lm_loss
+from torchneox.train.loss import lm_loss, lm_loss_and_z
 
 
 def reference(logits, labels, mask):
@@ -82,3 +82,27 @@ def test_another_reader_of_the_logits_is_never_misled(other_first):
         assert "modified by an inplace operation" in str(error)
     else:
         torch.testing.assert_close(have, want)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("block_bytes", [4 << 20, 3 * 4 * 1000])
+def test_z_loss_and_its_gradient_equal_a_plain_autograd_reference(masked, block_bytes, monkeypatch):
+    """lm_z_loss: PaLM's z-loss, the mean of logsumexp(logits)^2, through the blocked loss."""
+    monkeypatch.setattr(loss_module, "BLOCK_BYTES", block_bytes)
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 7, 16)
+    weight = torch.randn(1000, 16, requires_grad=True)
+    labels = torch.randint(0, 1000, (2, 7))
+    mask = torch.rand(2, 7) > 0.3 if masked else None
+    logits = hidden @ weight.t()
+    lse = torch.logsumexp(logits.reshape(-1, 1000), -1).square()
+    m = torch.ones(14) if mask is None else mask.reshape(-1).float()
+    want_z = (lse * m).sum() / m.sum()
+    want = reference(logits, labels, mask) + 1e-3 * want_z
+    (want_grad,) = torch.autograd.grad(want, weight)
+
+    ce, z = lm_loss_and_z(hidden @ weight.t(), labels, mask)
+    (have_grad,) = torch.autograd.grad(ce + 1e-3 * z, weight)
+    assert z.item() == pytest.approx(want_z.item(), rel=1e-6)
+    assert ce.item() == pytest.approx(reference(logits, labels, mask).item(), rel=1e-6)
+    torch.testing.assert_close(have_grad, want_grad, rtol=1e-5, atol=1e-6)

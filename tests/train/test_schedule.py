@@ -14,7 +14,7 @@ from torchneox.train.lr import Schedule
 def test_formulas_at_chosen_steps():
     peak, low = 1e-3, 1e-4
     cos = Schedule(peak, low, warmup_iters=10, decay_iters=110, style="cosine")
-    assert cos.lr_at(0) == 0.0
+    assert cos.lr_at(0) == pytest.approx(1e-4)  # GPT-NeoX #1379: max(1, step) / warmup
     assert cos.lr_at(5) == pytest.approx(5e-4)
     assert cos.lr_at(10) == pytest.approx(peak)
     assert cos.lr_at(60) == pytest.approx(low + (peak - low) / 2 * (math.cos(math.pi * 0.5) + 1))
@@ -31,8 +31,23 @@ def test_formulas_at_chosen_steps():
 
 def test_update_of_step_k_uses_the_rate_after_k_minus_1_steps():
     s = Schedule(1e-3, 0.0, warmup_iters=2, decay_iters=20, style="cosine")
-    assert s.lr_for_update(1) == 0.0  # as GPT-NeoX: its scheduler starts at step 0
+    # GPT-NeoX's scheduler starts at step 0, and warms up from max(1, step) since its #1379
+    assert s.lr_for_update(1) == pytest.approx(5e-4)
     assert s.lr_for_update(2) == pytest.approx(5e-4)
+    assert s.lr_for_update(3) == pytest.approx(1e-3)
+
+
+@pytest.mark.skipif(shared_dir() is None, reason="../shared is not on this machine")
+def test_rates_of_each_update_equal_the_ones_gpt_neox_used():
+    """The golden run of GPT-NeoX ea7aefd (warmup 2 of 20 steps): the rate each optimizer step
+    used, from its log (its first update uses peak / warmup, not 0)."""
+    path = shared_dir() / "golden/neox_runs/gelu_tanh_pp1/losses.json"
+    rows = json.loads(path.read_text())["gelu_tanh_pp1"]["train"]
+    s = Schedule(6e-4, 6e-5, warmup_iters=0.1 * 20, decay_iters=20, style="cosine")
+    assert [r["iteration"] for r in rows] == list(range(1, 21))
+    for row in rows:
+        assert s.lr_for_update(row["iteration"]) == pytest.approx(row["lr_used_in_step"], rel=1e-6)
+        assert s.lr_at(row["iteration"]) == pytest.approx(row["learning_rate"], rel=1e-6)
 
 
 @pytest.mark.skipif(shared_dir() is None, reason="../shared is not on this machine")

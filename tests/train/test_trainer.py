@@ -125,6 +125,70 @@ def test_every_optimizer_trains(make_config, tmp_path, opt):
     assert la[10] < la[1]
 
 
+OPTIMIZERS = {
+    "Adam": {"lr": 0.003, "betas": [0.9, 0.95], "eps": 1.0e-8},
+    "AdamW": {"lr": 0.003},
+    "SGD": {"lr": 0.3, "momentum": 0.9, "dampening": 0.1},
+    "Lion": {"lr": 0.0003},
+}
+
+
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+def test_saving_never_changes_what_is_trained(make_config, tmp_path, opt):
+    """Pythia's extra_save_iters [0, 1, 2, 4, ...]: a checkpoint before the first step used to
+    create the optimizer's state with a step counted; every later update was then off."""
+    trained = {}
+    for name, extra in (("saves", [0, 1, 2, 4]), ("end", [])):
+        cfg = make_config(
+            f"{name}.yml",
+            optimizer={"type": opt, "params": OPTIMIZERS[opt]},
+            extra_save_iters=extra,
+            save=str(tmp_path / name),
+            load=None,
+        )
+        trained[name] = run(cfg)
+    assert {p.name for p in (tmp_path / "saves").glob("global_step*")} == {
+        f"global_step{i}" for i in (0, 1, 2, 4, 6)
+    }
+    assert losses(tmp_path / "saves") == losses(tmp_path / "end")  # bitwise
+    for p, q in zip(
+        trained["saves"].model.parameters(), trained["end"].model.parameters(), strict=True
+    ):
+        assert torch.equal(p, q)
+
+
+def test_a_run_resumed_from_its_iteration_0_checkpoint_equals_the_whole_run(make_config, tmp_path):
+    whole = make_config("whole.yml", extra_save_iters=[0], save=str(tmp_path / "w"), load=None)
+    run(whole)
+    assert (tmp_path / "w" / "global_step0").is_dir()
+    resumed = make_config("resumed.yml", save=str(tmp_path / "r"), load=str(tmp_path / "w"))
+    trainer = Trainer(load_config([resumed]), device="cpu", load_step=0)
+    assert trainer.iteration == 0
+    trainer.run()
+    assert losses(tmp_path / "r") == losses(tmp_path / "w")
+
+
+def test_a_weights_only_checkpoint_starts_a_run_at_step_0(make_config, tmp_path, capsys):
+    """What `convert from-hf` and a weights-only `convert from-gpt-neox` write: weights and a
+    config, no optimizer or data position."""
+    first = run(make_config(train_iters=2, save=str(tmp_path / "p")))
+    sd = {k: v.clone() for k, v in first.model.state_dict().items()}
+    checkpoint.save_checkpoint(
+        tmp_path / "weights", 0, {"model": sd}, "{}", {"converted_from": "a test"}
+    )
+    capsys.readouterr()
+    cfg = make_config(
+        "w.yml", train_iters=2, save=str(tmp_path / "w"), load=str(tmp_path / "weights")
+    )
+    trainer = Trainer(load_config([cfg]), device="cpu")
+    assert trainer.iteration == 0 and not trainer.optimizer.state
+    for p, q in zip(first.model.parameters(), trainer.model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert "starting at step 0 from the weights of" in capsys.readouterr().out
+    trainer.run()
+    assert sorted(losses(tmp_path / "w")) == [1, 2]
+
+
 @pytest.mark.parametrize("precision", ["bfloat16", "fp16"])
 def test_mixed_precision_trains_with_fp32_master_weights(make_config, tmp_path, precision):
     trainer = run(make_config(precision=precision, train_iters=8, save=str(tmp_path / precision)))
@@ -323,6 +387,35 @@ def test_tensorboard_wandb_offline_timers_and_profiler(make_config, tmp_path, mo
     assert list((tmp_path / "r" / "wandb").glob("offline-run-*"))
 
 
+def test_wandb_run_name_and_comet_offline(make_config, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    pytest.importorskip("comet_ml")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("COMET_START_ONLINE", "false")
+    monkeypatch.chdir(tmp_path)
+    cfg = make_config(
+        train_iters=3,
+        save=str(tmp_path / "r"),
+        use_wandb=True,
+        wandb_project="torchneox-test",
+        wandb_run_name="pythia-rerun",
+        use_comet=True,
+        comet_project="torchneox-test",
+        comet_experiment_name="pythia-rerun",
+        comet_tags=["a", "b"],
+    )
+    run(cfg)
+    (wandb_run,) = (tmp_path / "r" / "wandb").glob("offline-run-*")
+    assert b"pythia-rerun" in b"".join(f.read_bytes() for f in wandb_run.rglob("*.wandb"))
+    (archive,) = (tmp_path / "r" / "comet").glob("*.zip")
+    import zipfile
+
+    with zipfile.ZipFile(archive) as z:
+        text = b"".join(z.read(n) for n in z.namelist()).decode("utf-8", "replace")
+    assert "pythia-rerun" in text and "lm_loss" in text and "num_layers" in text
+
+
 def test_missing_optional_packages_are_one_line_errors(make_config, tmp_path, monkeypatch, capsys):
     import builtins
 
@@ -384,3 +477,14 @@ def test_use_checkpoint_lr_scheduler_keeps_the_saved_schedule(make_config, tmp_p
     assert changed.schedule.peak == pytest.approx(0.003)
     plain = Trainer(load_config([cfg], ["optimizer.params.lr=0.5"]), device="cpu")
     assert plain.schedule.peak == pytest.approx(0.5)
+
+
+def test_z_loss_is_logged_and_changes_training(make_config, tmp_path):
+    run(make_config(save=str(tmp_path / "plain"), load=None))
+    run(make_config(lm_z_loss=0.01, save=str(tmp_path / "z"), load=None))
+    rows = [json.loads(x) for x in (tmp_path / "z" / "metrics.jsonl").read_text().splitlines()]
+    z = [r["z_loss"] for r in rows if "z_loss" in r]
+    assert len(z) == 6 and all(v > 0 for v in z)
+    plain, with_z = losses(tmp_path / "plain"), losses(tmp_path / "z")
+    assert plain[1] == with_z[1]  # the same first forward
+    assert plain[6] != with_z[6]  # a different objective from then on

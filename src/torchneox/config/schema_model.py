@@ -209,8 +209,10 @@ class ModelConfig:
         "Initialise weights on the CPU.",
         "weights are built on the meta device and initialised in place, the same on every device",
     )
-    onnx_safe: bool = no_effect(
-        False, "Avoid ops that break the ONNX exporter.", "torchneox does not export to ONNX"
+    onnx_safe: bool = key(
+        False,
+        "GPT-NeoX's ONNX-safe gelu: x/2 (1 + erf(x / 1.41421)), with its rounded sqrt(2); only "
+        "changes the gelu activation.",
     )
     scaled_upper_triang_masked_softmax_fusion: bool = no_effect(
         False, "Fused causal mask + softmax kernel.", FUSED

@@ -198,6 +198,12 @@ def _check_model(ch: _Checker) -> None:
     ):
         ch.positive(k)
     ch.positive("expansion_factor")
+    if m.activation == "gelu" and m.onnx_safe and m.bias_gelu_fusion:
+        ch.fail(
+            "bias_gelu_fusion",
+            "cannot be set together with onnx_safe for activation gelu (GPT-NeoX refuses the "
+            "pair too); choose one gelu",
+        )
     ch.within("hidden_dropout", 0.0, 1.0, high_open=True)
     ch.within("attention_dropout", 0.0, 1.0, high_open=True)
     if m.hidden_size and m.num_attention_heads and m.hidden_size % m.num_attention_heads:
@@ -420,6 +426,12 @@ def _optimizer_param(ch: _Checker, name: str, value: Any) -> Any:
     if name in ("amsgrad", "nesterov", "bias_correction"):
         if not isinstance(value, bool):
             ch.fail("optimizer", f"params.{name} must be true or false, got {value!r}")
+        if name == "bias_correction" and not value:
+            ch.fail(
+                "optimizer",
+                "params.bias_correction: false (Adam without bias correction) is not built: "
+                "torch's Adam always corrects its moments; remove it or set it to true",
+            )
         return value
     result = number(value)
     if result < 0 or (name == "lr" and result == 0):
@@ -528,6 +540,15 @@ def _check_training(ch: _Checker) -> None:
             "batch_size",
             f"{t.batch_size} contradicts train_micro_batch_size_per_gpu "
             f"{t.train_micro_batch_size_per_gpu}; give one of them",
+        )
+    ch.positive("lm_z_loss", allow_zero=True)
+    if t.lm_z_loss and (
+        ch.c.parallel.model_parallel_size > 1 or ch.c.parallel.pipe_parallel_size > 1
+    ):
+        ch.fail(
+            "lm_z_loss",
+            "is not built for tensor or pipeline parallelism yet; train with data parallelism "
+            "(any ZeRO stage), or leave lm_z_loss at 0",
         )
     ch.positive("checkpoint_factor")
     ch.positive("keep_last_n_checkpoints")

@@ -47,7 +47,6 @@ class ModelArgs:
     moe_interval: int = 1
     moe_router_type: str = "topk"
     moe_jitter_eps: float | None = None
-    moe_lbl_in_fp32: bool = False
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe_num_experts > 1 and layer % self.moe_interval == 0
@@ -77,7 +76,7 @@ class ModelArgs:
             head_dim=head_dim(cfg),
             mlp_width=widths.down,
             gated=widths.gated,
-            activation=m.activation,
+            activation=activation(cfg),
             norm=norm,
             norm_eps=eps,
             norm_bias=m.use_bias_in_norms,
@@ -102,8 +101,17 @@ class ModelArgs:
             moe_interval=cfg.moe.moe_expert_interval,
             moe_router_type=cfg.moe.moe_router_type,
             moe_jitter_eps=cfg.moe.moe_jitter_eps,
-            moe_lbl_in_fp32=cfg.moe.moe_lbl_in_fp32,
         )
+
+
+def activation(cfg: NeoXConfig) -> str:
+    """The activation GPT-NeoX computes: its plain gelu is the tanh approximation under
+    bias_gelu_fusion (every Pythia config sets it) and erf with a rounded sqrt(2) under
+    onnx_safe; other activations ignore both switches."""
+    m = cfg.model
+    if m.activation != "gelu":
+        return m.activation
+    return "gelu_onnx" if m.onnx_safe else "gelu_tanh" if m.bias_gelu_fusion else "gelu"
 
 
 def model_args(loaded: LoadedConfig) -> ModelArgs:

@@ -17,9 +17,21 @@ from torchneox.config.errors import ConfigError
 from torchneox.models.args import ModelArgs
 
 ARCHITECTURES = ("GPTNeoXForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
-HF_ACTIVATIONS = {
+# Hugging Face hidden_act -> GPT-NeoX config keys. The tanh gelus (gelu_new, gelu_fast,
+# gelu_pytorch_tanh: the same function) are GPT-NeoX's gelu under bias_gelu_fusion.
+HF_ACTIVATIONS: dict[str, dict[str, Any]] = {
+    "gelu": {"activation": "gelu"},
+    "gelu_new": {"activation": "gelu", "bias_gelu_fusion": True},
+    "gelu_fast": {"activation": "gelu", "bias_gelu_fusion": True},
+    "gelu_pytorch_tanh": {"activation": "gelu", "bias_gelu_fusion": True},
+    "relu": {"activation": "relu"},
+    "silu": {"activation": "silu"},
+    "mish": {"activation": "mish"},
+}
+# ModelArgs.activation -> the hidden_act that computes it in transformers
+TO_HF_ACTIVATIONS = {
     "gelu": "gelu",
-    "gelu_new": "gelu",
+    "gelu_tanh": "gelu_new",
     "relu": "relu",
     "silu": "silu",
     "mish": "mish",
@@ -112,10 +124,10 @@ def neox_config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     if arch == "GPTNeoXForCausalLM":
         if act not in HF_ACTIVATIONS:
             raise HFError(f"hidden_act {act!r} is not supported", key="hidden_act")
+        cfg.update(HF_ACTIVATIONS[act])
         cfg.update(
             norm="layernorm",
             layernorm_epsilon=hf.get("layer_norm_eps", 1e-5),
-            activation=HF_ACTIVATIONS[act],
             intermediate_size=hf["intermediate_size"],
             mlp_multiple_of=1,
             gpt_j_residual=hf.get("use_parallel_residual", True),
@@ -253,9 +265,10 @@ def export_architecture(args: ModelArgs) -> str:
             )
         elif not args.norm_bias:
             problems.append("use_bias_in_norms: false with layernorm (GPTNeoX's norms have biases)")
-        if args.gated or args.activation not in HF_ACTIVATIONS:
+        if args.gated or args.activation not in TO_HF_ACTIVATIONS:
             problems.append(
-                f"activation {args.activation!r} (GPTNeoX takes gelu, relu, silu or mish)"
+                f"activation {args.activation!r} (GPTNeoX takes gelu, tanh gelu, relu, silu or "
+                "mish; onnx_safe's gelu has none)"
             )
         if not args.mlp_bias:
             problems.append("use_bias_in_mlp: false (GPTNeoX's MLP has biases)")
@@ -296,7 +309,7 @@ def hf_config(arch: str, args: ModelArgs, eod_id: int | None = None) -> dict[str
         return common | {
             "model_type": "gpt_neox",
             "intermediate_size": args.mlp_width,
-            "hidden_act": args.activation,
+            "hidden_act": TO_HF_ACTIVATIONS[args.activation],
             "layer_norm_eps": args.norm_eps,
             "use_parallel_residual": args.parallel_residual,
             "attention_bias": args.attn_bias,

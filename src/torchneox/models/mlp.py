@@ -15,9 +15,41 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-# GPT-NeoX's names; the gated ones apply the function to the gate half.
+SQRT_2_OVER_PI = 0.79788456  # GPT-NeoX's constant, as it writes it (fp32 rounds it as sqrt(2/pi))
+
+
+class _TanhGelu(torch.autograd.Function):
+    """GPT-NeoX's fused bias_gelu (``bias_gelu_fusion: true``): the tanh approximation of gelu,
+    x/2 (1 + tanh(0.79788456 x (1 + 0.044715 x^2))), with GPT-NeoX's hand-written derivative."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * 0.5 * (1.0 + torch.tanh(SQRT_2_OVER_PI * x * (1 + 0.044715 * x * x)))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        t = torch.tanh(SQRT_2_OVER_PI * x * (1 + 0.044715 * x * x))
+        slope = 0.5 * x * ((1 - t * t) * (SQRT_2_OVER_PI + 0.1070322243 * x * x)) + 0.5 * (1 + t)
+        return slope * grad
+
+
+def tanh_gelu(x: torch.Tensor) -> torch.Tensor:
+    return _TanhGelu.apply(x)
+
+
+def onnx_gelu(x: torch.Tensor) -> torch.Tensor:
+    """GPT-NeoX's gelu under ``onnx_safe: true``: erf with its rounded sqrt(2), 1.41421."""
+    return x * 0.5 * (torch.erf(x / 1.41421) + 1.0)
+
+
+# GPT-NeoX's names; the gated ones apply the function to the gate half. gelu_tanh and
+# gelu_onnx are GPT-NeoX's gelu under bias_gelu_fusion and onnx_safe (ModelArgs picks them).
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
+    "gelu_tanh": tanh_gelu,
+    "gelu_onnx": onnx_gelu,
     "relu": F.relu,
     "softsign": F.softsign,
     "swish": F.silu,

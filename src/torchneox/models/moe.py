@@ -8,9 +8,9 @@ reference, one matmul per expert; a test holds them equal. The router's load-bal
 1.0 when balanced) is kept in ``aux_loss`` for the trainer to add, and the tokens each expert
 received in ``tokens_per_expert``.
 
-Routing (GPT-NeoX's ``moe_router_type``): ``topk`` takes the k largest router probabilities;
-``sinkhorn`` (training) picks experts from the Sinkhorn-balanced router scores and weights them
-by the sigmoid of the router logits; in evaluation it picks by the logits.
+Routing is GPT-NeoX's ``moe_router_type`` (see ``MoE.route``). GPT-NeoX adds no
+load-balancing loss; torchneox computes it always (it is logged) and adds it with the weight
+``moe_aux_loss_coeff``, 0 by default.
 """
 
 from __future__ import annotations
@@ -23,15 +23,23 @@ from torchneox.models.args import ModelArgs
 from torchneox.models.mlp import ACTIVATIONS
 
 
-def sinkhorn(cost_NE: torch.Tensor, iterations: int = 8, eps: float = 1e-8) -> torch.Tensor:
-    """Scale exp(cost) so that rows and columns sum evenly: a balanced soft assignment."""
-    cost = torch.exp(cost_NE - cost_NE.max())
+def sinkhorn(cost_NE: torch.Tensor, tol: float | None = 1e-4, max_iter: int = 3) -> torch.Tensor:
+    """GPT-NeoX's Sinkhorn balancing of exp(cost): at most ``max_iter`` rounds of row and
+    column scaling, stopping early once the column scales move by less than ``tol`` on
+    average (the same starting scales, epsilon and stopping rule as its SinkhornRouter);
+    ``tol=None`` always runs ``max_iter`` rounds."""
+    eps = 1e-8
+    cost = torch.exp(cost_NE)
     d0 = torch.ones(cost.shape[0], device=cost.device, dtype=cost.dtype)
-    d1 = torch.ones(cost.shape[1], device=cost.device, dtype=cost.dtype)
-    for _ in range(iterations):
-        d0 = (1.0 / d0.shape[0]) / ((cost * d1[None, :]).sum(1) + eps)
-        d1 = (1.0 / d1.shape[0]) / ((cost * d0[:, None]).sum(0) + eps)
-    return d0[:, None] * cost * d1[None, :]
+    d1 = 1 / (cost.shape[1] * cost.sum(0))
+    d1_old = d1
+    for _ in range(max_iter):
+        d0 = (1 / d0.shape[0]) * 1 / ((d1 * cost).sum(1) + eps)
+        d1 = (1 / d1.shape[0]) * 1 / ((d0[:, None] * cost).sum(0) + eps)
+        if tol is not None and (d1_old - d1).abs().mean() < tol:
+            break
+        d1_old = d1
+    return d1 * cost * d0[:, None]
 
 
 def expert_loop(
@@ -72,6 +80,9 @@ class MoE(nn.Module):
     """The MLP of an MoE layer. State dict: router.weight [E, H]; experts_up, experts_gate
     [E, H, F]; experts_down [E, F, H]; and their biases when the model's MLPs have them."""
 
+    sinkhorn_tol: float | None = 1e-4
+    """GPT-NeoX's early-stopping tolerance of the Sinkhorn rounds (None: always all three)."""
+
     grouped: bool | None = None
     """True: F.grouped_mm; False: the per-expert loop; None: grouped on GPUs, and on CPUs from
     16 experts up (below that the loop is faster there: benchmarks/moe.py)."""
@@ -82,7 +93,6 @@ class MoE(nn.Module):
         self.num_experts, self.top_k = e, args.moe_top_k
         self.router_type = args.moe_router_type
         self.jitter = args.moe_jitter_eps
-        self.lbl_fp32 = args.moe_lbl_in_fp32
         self.act = ACTIVATIONS[args.activation]
         self.router = nn.Linear(h, e, bias=False)
         self.experts_up = nn.Parameter(torch.empty(e, h, w))
@@ -129,19 +139,24 @@ class MoE(nn.Module):
         return counts_t, counts_t.tolist()
 
     def route(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(experts [T, k], gates [T, k], router probabilities [T, E])."""
-        if self.training and self.jitter:
+        """(experts [T, k], gates [T, k], router probabilities [T, E]), as GPT-NeoX routes:
+        ``topk`` takes the k largest softmax probabilities (jittered inputs while training);
+        ``sinkhorn`` scores experts by the sigmoid of the logits (k = 1) or their softmax
+        (k > 1), and while training picks them from the Sinkhorn-balanced logits."""
+        if self.training and self.jitter and self.router_type == "topk":
             noise = torch.empty_like(x_TH).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
             x_TH = x_TH * noise
         logits = self.router(x_TH)
-        if self.lbl_fp32:
-            logits = logits.float()
         probs = logits.float().softmax(-1)
         if self.router_type == "sinkhorn":
-            with torch.no_grad():
-                chooser = sinkhorn(logits.detach().float()) if self.training else logits.float()
-                experts = chooser.topk(self.top_k, dim=-1).indices
-            gates = torch.sigmoid(logits.float()).gather(-1, experts)
+            scores = torch.sigmoid(logits.float()) if self.top_k == 1 else probs
+            if self.training:
+                with torch.no_grad():
+                    balanced = sinkhorn(logits.detach().float(), self.sinkhorn_tol)
+                    experts = balanced.topk(self.top_k, dim=-1).indices
+                gates = scores.gather(-1, experts)
+            else:
+                gates, experts = scores.topk(self.top_k, dim=-1)
         else:
             gates, experts = probs.topk(self.top_k, dim=-1)
         return experts, gates, probs

@@ -18,34 +18,40 @@ BLOCK_BYTES = 4 << 20  # rows of fp32 logits per block: a few MiB, the size of a
 
 
 class _BlockedCrossEntropy(torch.autograd.Function):
-    """Per-row cross-entropy [N] of logits [N, V] (any float dtype) against labels [N]."""
+    """Per-row cross-entropy [N] and logsumexp [N] of logits [N, V] (any float dtype) against
+    labels [N]."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, rows: int) -> torch.Tensor:
+    def forward(
+        ctx, logits: torch.Tensor, labels: torch.Tensor, rows: int, with_z: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         for start in range(0, logits.shape[0], rows):
             block = logits[start : start + rows].float()
             lse[start : start + rows] = torch.logsumexp(block, dim=-1)
         picked = logits.gather(1, labels[:, None]).squeeze(1).float()
         ctx.save_for_backward(logits, labels, lse)
-        ctx.rows = rows
-        return lse - picked
+        ctx.rows, ctx.with_z = rows, with_z
+        return lse - picked, lse
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(
+        ctx, grad: torch.Tensor, grad_lse: torch.Tensor
+    ) -> tuple[torch.Tensor, None, None, None]:
         logits, labels, lse = ctx.saved_tensors
         rows = ctx.rows
         grad = grad.float()
+        # d lse / d logits is the softmax, d loss / d logits the softmax less the one-hot
+        total = grad + grad_lse.float() if ctx.with_z else grad
         # the logits are not needed after the loss: their storage becomes their gradient
         for start in range(0, logits.shape[0], rows):
             stop = start + rows
-            scale = grad[start:stop, None]
             block = logits[start:stop].float()  # a view when the logits are fp32
-            block.sub_(lse[start:stop, None]).exp_().mul_(scale)  # softmax, scaled
-            block.scatter_add_(1, labels[start:stop, None], -scale)  # less the one-hot
+            block.sub_(lse[start:stop, None]).exp_().mul_(total[start:stop, None])
+            block.scatter_add_(1, labels[start:stop, None], -grad[start:stop, None])
             if logits.dtype != torch.float32:
                 logits[start:stop].copy_(block)
-        return logits, None, None
+        return logits, None, None, None
 
 
 def _blockable(logits_NV: torch.Tensor) -> bool:
@@ -63,6 +69,25 @@ def _blockable(logits_NV: torch.Tensor) -> bool:
     )
 
 
+def _token_terms(
+    flat_NV: torch.Tensor, labels_N: torch.Tensor, blocked: bool, with_z: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token cross-entropy and (``with_z``) logsumexp, in fp32."""
+    if blocked and _blockable(flat_NV):
+        rows = max(1, BLOCK_BYTES // (4 * flat_NV.shape[-1]))
+        losses, lse = _BlockedCrossEntropy.apply(flat_NV, labels_N, rows, with_z)
+        return losses, lse if with_z else None
+    losses = F.cross_entropy(flat_NV.float(), labels_N, reduction="none")
+    return losses, torch.logsumexp(flat_NV.float(), dim=-1) if with_z else None
+
+
+def _mean(values_N: torch.Tensor, mask_BT: torch.Tensor | None) -> torch.Tensor:
+    if mask_BT is None:
+        return values_N.mean()
+    mask = mask_BT.reshape(-1).float()
+    return (values_N * mask).sum() / mask.sum().clamp(min=1.0)
+
+
 def lm_loss(
     logits_BTV: torch.Tensor,
     labels_BT: torch.Tensor,
@@ -74,14 +99,18 @@ def lm_loss(
     F.cross_entropy on the CPU too (the estimate traces what a GPU runs)."""
     flat = logits_BTV.reshape(-1, logits_BTV.shape[-1])
     labels = labels_BT.reshape(-1)
-    if blocked and _blockable(flat):
-        rows = max(1, BLOCK_BYTES // (4 * flat.shape[-1]))
-        losses = _BlockedCrossEntropy.apply(flat, labels, rows)
-        if mask_BT is None:
-            return losses.mean()
-    else:
-        if mask_BT is None:
-            return F.cross_entropy(flat.float(), labels)
-        losses = F.cross_entropy(flat.float(), labels, reduction="none")
-    mask = mask_BT.reshape(-1).float()
-    return (losses * mask).sum() / mask.sum().clamp(min=1.0)
+    if not (blocked and _blockable(flat)) and mask_BT is None:
+        return F.cross_entropy(flat.float(), labels)
+    losses, _ = _token_terms(flat, labels, blocked, with_z=False)
+    return _mean(losses, mask_BT)
+
+
+def lm_loss_and_z(
+    logits_BTV: torch.Tensor, labels_BT: torch.Tensor, mask_BT: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean cross-entropy and PaLM's z-loss term, the mean of logsumexp(logits)^2 over the
+    same tokens (``lm_z_loss`` weighs it into the objective)."""
+    flat = logits_BTV.reshape(-1, logits_BTV.shape[-1])
+    losses, lse = _token_terms(flat, labels_BT.reshape(-1), True, with_z=True)
+    assert lse is not None
+    return _mean(losses, mask_BT), _mean(lse.square(), mask_BT)

@@ -5,7 +5,9 @@ Past ``lr_decay_iters`` the rate stays where the decay ended; GPT-NeoX keeps eva
 formula there, so its cosine climbs back up, which no one wants.
 
 GPT-NeoX steps its scheduler after each optimizer step, so the update of iteration k uses
-``lr_at(k - 1)`` (0 on the first step when there is warmup) and its log shows ``lr_at(k)``.
+``lr_at(k - 1)`` and its log shows ``lr_at(k)``. Since its #1379 (in the ea7aefd target)
+warmup is ``peak * max(1, step) / warmup``: the first update already moves the weights, with
+the rate of the second (before, it used 0 and changed nothing).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ class Schedule:
 
     def lr_at(self, step: int) -> float:
         if self.warmup_iters > 0 and step <= self.warmup_iters:
-            return self.peak * step / self.warmup_iters
+            return self.peak * max(1, step) / self.warmup_iters
         # past decay_iters the rate stays at its end value (GPT-NeoX's cosine would rise again)
         done = min(step, self.decay_iters) - self.warmup_iters
         span = self.decay_iters - self.warmup_iters

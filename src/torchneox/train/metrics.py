@@ -1,4 +1,4 @@
-"""What a run reports: console lines, metrics.jsonl, TensorBoard, W&B, and timers."""
+"""What a run reports: console lines, metrics.jsonl, TensorBoard, W&B, Comet, and timers."""
 
 from __future__ import annotations
 
@@ -47,8 +47,33 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
+def _start_comet(lg: Any, log_dir: Path | None, resolved: dict[str, Any]) -> Any:
+    """A Comet experiment as GPT-NeoX starts one (workspace, project, name, tags, others, the
+    resolved config as parameters). comet_ml's own settings apply: COMET_API_KEY, and
+    COMET_START_ONLINE=false for an offline archive (written to log_dir/comet)."""
+    try:
+        import comet_ml
+    except ImportError:
+        raise ConfigError(
+            "needs the comet_ml package (pip install 'torchneox[comet]')", key="use_comet"
+        ) from None
+    settings = comet_ml.ExperimentConfig(
+        auto_output_logging=False,
+        name=lg.comet_experiment_name,
+        tags=list(lg.comet_tags or []) or None,
+        offline_directory=str(log_dir / "comet") if log_dir else None,
+    )
+    experiment = comet_ml.start(
+        workspace=lg.comet_workspace, project=lg.comet_project, experiment_config=settings
+    )
+    experiment.log_parameters(resolved)
+    if lg.comet_others:
+        experiment.log_others(lg.comet_others)
+    return experiment
+
+
 class MetricsLogger:
-    """metrics.jsonl always; TensorBoard and W&B when the config asks for them."""
+    """metrics.jsonl always; TensorBoard, W&B and Comet when the config asks for them."""
 
     def __init__(
         self, cfg: NeoXConfig, log_dir: Path | None, resolved: dict[str, Any], rank0: bool = True
@@ -58,6 +83,7 @@ class MetricsLogger:
         self.file = None
         self.tb = None
         self.wandb = None
+        self.comet = None
         if not rank0:
             return
         if log_dir is not None:
@@ -86,9 +112,12 @@ class MetricsLogger:
                 project=lg.wandb_project,
                 group=lg.wandb_group,
                 entity=lg.wandb_team,
+                name=lg.wandb_run_name,
                 config=resolved,
                 dir=str(log_dir) if log_dir else None,
             )
+        if lg.use_comet:
+            self.comet = _start_comet(lg, log_dir, resolved)
 
     def record(self, row: dict[str, Any]) -> None:
         if not self.rank0:
@@ -107,6 +136,11 @@ class MetricsLogger:
                     self.tb.add_scalar(name, value, step)
         if self.wandb:
             self.wandb.log({k: v for k, v in clean.items() if k != "iteration"}, step=step)
+        if self.comet:
+            numbers = {
+                k: v for k, v in clean.items() if k != "iteration" and isinstance(v, int | float)
+            }
+            self.comet.log_metrics(numbers, step=step)
 
     def step_text(self, row: dict[str, Any], total: int, eta_s: float) -> str:
         parts = [
@@ -117,6 +151,8 @@ class MetricsLogger:
         ]
         if row.get("loss_scale") is not None:
             parts.append(f"scale {row['loss_scale']:g}")
+        if row.get("z_loss") is not None:
+            parts.append(f"z {row['z_loss']:.3f}")
         if row.get("moe_aux_loss") is not None:
             counts = [c for layer in row["moe_tokens_per_expert"] for c in layer]
             mean = sum(counts) / max(len(counts), 1)
@@ -145,6 +181,9 @@ class MetricsLogger:
     def close(self) -> None:
         if self.file:
             self.file.close()
+        if self.comet:
+            self.comet.end()
+            self.comet = None
         if self.tb:
             self.tb.close()
         if self.wandb:

@@ -67,7 +67,7 @@ def build_optimizer(model: nn.Module, cfg: NeoXConfig, device_type: str) -> torc
     if _mixes_dtensors(model):  # tensor parallelism without FSDP: foreach/fused need one kind
         fast = {"foreach": False}
     if kind in ("adam", "adamw"):  # GPT-NeoX runs Adam with decoupled weight decay
-        params.pop("bias_correction", None)
+        params.pop("bias_correction", None)  # true (validation refuses false): torch's way
         return torch.optim.AdamW(groups, lr=lr, **params, **fast)
     if kind == "sgd":
         return torch.optim.SGD(groups, lr=lr, **params, foreach=fast.get("foreach", True))

@@ -40,7 +40,7 @@ from torchneox.parallel.expert_parallel import apply_expert_parallel, sync_exper
 from torchneox.parallel.pipeline import Pipeline, build_pipeline, evaluate_pipeline
 from torchneox.parallel.tensor_parallel import apply_tensor_parallel, loss_context
 from torchneox.train import checkpoint
-from torchneox.train.loss import lm_loss
+from torchneox.train.loss import lm_loss, lm_loss_and_z
 from torchneox.train.lr import Schedule
 from torchneox.train.metrics import MetricsLogger, Timers
 from torchneox.train.optim import build_optimizer, clip_grad_norm, shard_gradients_like_parameters
@@ -138,6 +138,7 @@ class Trainer:
         )
         self.scaler = LossScaler.from_config(cfg, self.precision)
         self.clip = d["gradient_clipping"]
+        self.z_weight = cfg.training.lm_z_loss
         self.eod_id = build_tokenizer(cfg).eod_id if cfg.training.eod_mask_loss else None
         self._build_loaders()
         self.iteration = 0
@@ -288,11 +289,18 @@ class Trainer:
             step = int(newest.name.removeprefix("global_step"))
         step_dir = checkpoint.resolve(load_dir, step)
         ck = self.cfg.checkpoint
-        if ck.finetune:
-            checkpoint.load_model_weights(step_dir, self.model)
-            self.logger.line(f"finetuning from the weights of {step_dir} (step 0, fresh optimizer)")
-            return
         meta = checkpoint.read_meta(step_dir)
+        if ck.finetune or "loaders" not in meta:
+            checkpoint.load_model_weights(step_dir, self.model)
+            why = (
+                "finetune is set"
+                if ck.finetune
+                else f"it holds weights only ({meta.get('converted_from') or 'no training state'})"
+            )
+            self.logger.line(
+                f"starting at step 0 from the weights of {step_dir}, with a fresh optimizer: {why}"
+            )
+            return
         checkpoint.load_model_weights(step_dir, self.model)
         state: dict[str, Any] = {}
         if not ck.no_load_optim and meta.get("has_optimizer", False):
@@ -332,8 +340,14 @@ class Trainer:
         set_gradient_sync(self.module, last)
         with loss_context(self.tensor_parallel):
             with self.timers("forward"), autocast(self.precision, self.device.type):
-                loss = lm_loss(self.module(inputs), labels, mask)
-                objective = loss
+                logits = self.module(inputs)
+                if self.z_weight:
+                    loss, z = lm_loss_and_z(logits, labels, mask)
+                    objective = loss + self.z_weight * z
+                    self._z_loss += z.detach()
+                else:
+                    loss = objective = lm_loss(logits, labels, mask)
+                del logits
                 if self.moe_layers:
                     aux = torch.stack([m.aux_loss for m in self.moe_layers]).mean()
                     weighted = self.cfg.moe.moe_aux_loss_coeff * aux
@@ -359,6 +373,7 @@ class Trainer:
             total = self._pipeline_step(micro_batches, train=True) * self.grad_accum
         else:
             total = torch.zeros((), device=self.device)
+        self._z_loss = torch.zeros((), device=self.device)
         if self.moe_layers:
             self._moe_aux = torch.zeros((), device=self.device)
             self._moe_counts = [
@@ -378,6 +393,8 @@ class Trainer:
         out = {"lm_loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": float(skipped)}
         if self.moe_layers:
             out["moe_aux_loss"] = self._mean_over_ranks(self._moe_aux / self.grad_accum).item()
+        if self.z_weight:
+            out["z_loss"] = self._mean_over_ranks(self._z_loss / self.grad_accum).item()
         return out
 
     def _pipeline_step(self, micro_batches: list[torch.Tensor], train: bool) -> torch.Tensor:
@@ -535,7 +552,10 @@ class Trainer:
             return None
         ck = self.cfg.checkpoint
         state: dict[str, Any] = {"model": get_model_state_dict(self.model)}
-        if not ck.no_save_optim:
+        # an optimizer that never stepped has no state to save; asking torch for its state
+        # dict would create it with a zero-rate step counted (Adam's bias correction would
+        # then be one step off for the rest of the run), so saving never changes training
+        if not ck.no_save_optim and self.optimizer.state:
             state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
         if not ck.no_save_rng:
             state["rng"] = {"torch": torch.get_rng_state()}
@@ -678,6 +698,8 @@ class Trainer:
         }
         if self.precision == "fp16":
             row["loss_scale"] = self.scaler.scale
+        if "z_loss" in out:
+            row["z_loss"] = out["z_loss"]
         if "moe_aux_loss" in out:
             row["moe_aux_loss"] = out["moe_aux_loss"]
             counts = torch.stack(self._moe_counts)
