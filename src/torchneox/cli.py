@@ -276,7 +276,13 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         from torchneox import neox_import
 
         step = neox_import.convert(
-            args.neox_dir, args.out_dir, args.config, args.overrides, args.step, args.with_optimizer
+            args.neox_dir,
+            args.out_dir,
+            args.config,
+            args.overrides,
+            args.step,
+            args.with_optimizer,
+            progress=True,
         )
     else:
         step = convert.to_hf(args.checkpoint, args.out_dir)
