@@ -4,8 +4,8 @@ checkpoints: the loss of every iteration, warmup and the save at iteration 0 inc
 from __future__ import annotations
 
 import json
-import shutil
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
