@@ -458,7 +458,7 @@ def zero_partitions(layout: NeoXLayout, states: list[dict], rank: int) -> dict |
     for group, group_shapes in enumerate(shapes):
         for name, shape in group_shapes.items():
             entry: dict[str, Any] = {}
-            for kind in ("exp_avg", "exp_avg_sq"):
+            for kind in ("exp_avg", "exp_avg_sq", "fp32"):  # fp32: the master weights
                 pieces = []
                 for _, osd in parts:
                     where = osd["param_slice_mappings"][group].get(name)
@@ -466,7 +466,11 @@ def zero_partitions(layout: NeoXLayout, states: list[dict], rank: int) -> dict |
                         continue
                     start = int(where.field("start", 1))
                     numel = int(where.field("numel", 0))
-                    flat = osd["base_optimizer_state"]["state"][group][kind]
+                    flat = (
+                        osd["single_partition_of_fp32_groups"][group]
+                        if kind == "fp32"
+                        else osd["base_optimizer_state"]["state"][group][kind]
+                    )
                     pieces.append(flat[start : start + numel])
                 joined = torch.cat(pieces) if pieces else torch.empty(0)
                 if joined.numel() != torch.Size(shape).numel():
@@ -525,7 +529,10 @@ def optimizer_state(
                 f"optimizer entry {index} is {saved_name}, the model's is {layer}.{name}",
                 source=str(layout.step_dir),
             )
-        for kind in ("exp_avg", "exp_avg_sq"):
+        kinds = ["exp_avg", "exp_avg_sq"]
+        if all("fp32" in o["state"][index] for o in opts):
+            kinds.append("fp32")
+        for kind in kinds:
             merged = _merge(name, [o["state"][index][kind] for o in opts], args)
             for ours, tensor in _to_ours(layer, name, merged, args).items():
                 moments.setdefault(ours, {})[kind] = tensor
@@ -597,12 +604,14 @@ def convert(
     iteration = int(states[0].get("iteration") or 0) if states else 0
     if states:
         _check_schedule(states[0].get("lr_scheduler"), derived)
-    state: dict[str, Any] = {"model": weights}
+    state: dict[str, Any] = {"model": _fp32(weights)}
     meta: dict[str, Any] = {"converted_from": f"GPT-NeoX {step_dir}", "iteration": iteration}
     if with_optimizer:
         moments, opt_step = optimizer_state(states, layout, layers, args)
         del layers
         if moments:  # else the optimizer never stepped: the run continues with a fresh one
+            _use_master_weights(weights, moments, bias_factor, args)
+            state["model"] = weights = _fp32(weights)
             state["optimizer"] = _optimizer_state_dict(weights, moments, opt_step, args, cfg)
         rng = states[0].get("torch_rng_state")
         if isinstance(rng, torch.Tensor):
@@ -652,6 +661,27 @@ def _checked_model_state(
         )
         raise NeoXCheckpointError(f"weights do not match the config: {what}", source=str(step_dir))
     return {k: weights[k].contiguous() for k in expected}
+
+
+def _fp32(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """torchneox keeps fp32 weights (bf16/fp16 run under autocast)."""
+    return {k: v.float() for k, v in weights.items()}
+
+
+def _use_master_weights(
+    weights: dict[str, torch.Tensor], moments: dict, bias_factor: float, args: ModelArgs
+) -> None:
+    """ZeRO keeps fp32 master weights beside the (fp16/bf16) module weights: a continued run
+    takes the masters, as DeepSpeed's optimizer steps them. In fp32 runs they are the weights."""
+    scaled = {
+        f"layers.{i}.{n}.bias" for i in range(args.num_layers) for n in ("attention.wo", "mlp.down")
+    }
+    for name, entry in moments.items():
+        master = entry.pop("fp32", None)
+        if master is None or weights[name].dtype == torch.float32:
+            continue
+        factor = bias_factor if name in scaled else 1.0
+        weights[name] = master * factor
 
 
 def _optimizer_state_dict(

@@ -256,3 +256,28 @@ def test_malformed_checkpoints_are_one_line_naming_the_file(tmp_path, capsys, da
     assert len(errors) == 1 and "Traceback" not in err, err
     assert named in errors[0] and str(step) in errors[0], err
     assert not (tmp_path / "o").exists()
+
+
+def test_zero_master_weights_are_cut_back_per_parameter_and_win_over_half_weights(tmp_path):
+    """ZeRO keeps fp32 master weights in the partitions. In this fp32 run they equal the layer
+    files; a copy whose layer files are rounded to fp16 (as an fp16 run writes them) imports
+    with the fp32 masters, not the rounded weights."""
+    step = copy_step("zero1_dp2", "global_step10", tmp_path, "run20/ckpt")
+    whole = tmp_path / "fp32"
+    assert main(["convert", "from-gpt-neox", str(step), str(whole), "--with-optimizer"]) == 0
+    for path in step.glob("layer_*"):
+        tensors = torch.load(path, weights_only=False)
+        torch.save({k: v.half() for k, v in tensors.items()}, path)
+    rounded = tmp_path / "weights-only"
+    assert main(["convert", "from-gpt-neox", str(step), str(rounded)]) == 0
+    masters = tmp_path / "masters"
+    assert main(["convert", "from-gpt-neox", str(step), str(masters), "--with-optimizer"]) == 0
+    _, a = load_model(whole)
+    _, b = load_model(masters)
+    _, c = load_model(rounded)
+    for (name, x), (_, y), (_, z) in zip(
+        a.state_dict().items(), b.state_dict().items(), c.state_dict().items(), strict=True
+    ):
+        assert torch.equal(x, y), name
+        assert torch.equal(z, x.half().float()), name
+    assert any(not torch.equal(x, z) for x, z in zip(a.parameters(), c.parameters(), strict=True))

@@ -19,7 +19,10 @@ def test_formulas_at_chosen_steps():
     assert cos.lr_at(10) == pytest.approx(peak)
     assert cos.lr_at(60) == pytest.approx(low + (peak - low) / 2 * (math.cos(math.pi * 0.5) + 1))
     assert cos.lr_at(110) == pytest.approx(low)
-    assert cos.lr_at(500) == pytest.approx(low)  # clipped at min_lr past the end
+    # past the end GPT-NeoX keeps evaluating the cosine (it climbs back), unless held
+    assert cos.lr_at(160) == pytest.approx(low + (peak - low) / 2 * (math.cos(math.pi * 1.5) + 1))
+    held = Schedule(peak, low, warmup_iters=10, decay_iters=110, style="cosine", hold=True)
+    assert held.lr_at(160) == pytest.approx(low) and held.lr_at(500) == pytest.approx(low)
     lin = Schedule(peak, 0.0, warmup_iters=0, decay_iters=100, style="linear")
     assert lin.lr_at(25) == pytest.approx(0.75e-3)
     assert Schedule(peak, low, 0, 100, "linear").lr_at(99) == pytest.approx(low)  # min_lr floor

@@ -325,7 +325,7 @@ def test_lr_in_metrics_follows_the_schedule(make_config, tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "l" / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "lr" in r]
     assert [r["lr"] for r in rows] == [trainer.schedule.lr_for_update(k) for k in range(1, 7)]
-    assert rows[0]["lr"] == 0.0
+    assert rows[0]["lr"] == pytest.approx(0.003 / 1.2)  # warmup 0.2 x 6 steps: max(1, 0) / 1.2
 
 
 def test_eod_mask_loss_changes_the_loss(make_config, tmp_path):

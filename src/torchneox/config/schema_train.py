@@ -122,6 +122,11 @@ class LRConfig:
     use_checkpoint_lr_scheduler: bool = key(
         False, "On resume, take the schedule from the checkpoint, not the config."
     )
+    hold_lr_after_decay: bool = extension(
+        False,
+        "Past lr_decay_iters, keep the rate where the decay ended; false (GPT-NeoX): keep "
+        "evaluating the decay formula (cosine climbs back up, exponential falls to min_lr).",
+    )
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """GPT-NeoX's learning-rate schedule (its AnnealingLR): linear warmup, then constant, linear,
 cosine or exponential decay, never below min_lr.
 
-Past ``lr_decay_iters`` the rate stays where the decay ended; GPT-NeoX keeps evaluating the
-formula there, so its cosine climbs back up, which no one wants.
+Past ``lr_decay_iters`` GPT-NeoX keeps evaluating the formula (its cosine climbs back up, its
+exponential keeps falling to min_lr); so does torchneox by default, and ``hold_lr_after_decay``
+keeps the rate where the decay ended instead.
 
 GPT-NeoX steps its scheduler after each optimizer step, so the update of iteration k uses
 ``lr_at(k - 1)`` and its log shows ``lr_at(k)``. Since its #1379 (in the ea7aefd target)
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -23,12 +25,26 @@ class Schedule:
     warmup_iters: float
     decay_iters: int
     style: str
+    hold: bool = False
+    """Past decay_iters, stay at the rate the decay ended on (GPT-NeoX: False)."""
+
+    @classmethod
+    def from_config(cls, cfg: Any, derived: Any) -> Schedule:
+        """The schedule of a config and its derived values (peak, warmup and decay steps)."""
+        lr = cfg.lr
+        return cls(
+            derived["lr"],
+            lr.min_lr,
+            derived["warmup_iters"],
+            derived["lr_decay_iters"],
+            lr.lr_decay_style,
+            lr.hold_lr_after_decay,
+        )
 
     def lr_at(self, step: int) -> float:
         if self.warmup_iters > 0 and step <= self.warmup_iters:
             return self.peak * max(1, step) / self.warmup_iters
-        # past decay_iters the rate stays at its end value (GPT-NeoX's cosine would rise again)
-        done = min(step, self.decay_iters) - self.warmup_iters
+        done = (min(step, self.decay_iters) if self.hold else step) - self.warmup_iters
         span = self.decay_iters - self.warmup_iters
         if self.style == "linear":
             lr = self.peak * (span - done) / span

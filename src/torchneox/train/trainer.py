@@ -133,9 +133,7 @@ class Trainer:
         self.grad_accum = d["gradient_accumulation_steps"]
         self.train_iters = cfg.training.train_iters
         self._build_model()
-        self.schedule = Schedule(
-            d["lr"], cfg.lr.min_lr, d["warmup_iters"], d["lr_decay_iters"], cfg.lr.lr_decay_style
-        )
+        self.schedule = Schedule.from_config(cfg, d)
         self.scaler = LossScaler.from_config(cfg, self.precision)
         self.clip = d["gradient_clipping"]
         self.z_weight = cfg.training.lm_z_loss
@@ -317,10 +315,7 @@ class Trainer:
         if self.cfg.lr.use_checkpoint_lr_scheduler:
             saved = checkpoint.checkpoint_config(step_dir)
             sd = derive(saved, world_size=self.dims.world_size)
-            lr = saved.config.lr
-            self.schedule = Schedule(
-                sd["lr"], lr.min_lr, sd["warmup_iters"], sd["lr_decay_iters"], lr.lr_decay_style
-            )
+            self.schedule = Schedule.from_config(saved.config, sd)
             self.logger.line(
                 "learning-rate schedule taken from the checkpoint (use_checkpoint_lr_scheduler)"
             )
