@@ -149,6 +149,13 @@ def test_learning_rate_and_schedule(write):
     assert d["warmup_iters"] == pytest.approx(5.0)
     d = derive(load_config([write("b.yml", MODEL)], ["lr_decay_fraction=0.5"]))
     assert d["lr_decay_iters"] == 50
+    # GPT-NeoX: lr_decay_iters wins over lr_decay_fraction
+    both = ["lr_decay_fraction=0.5", "lr_decay_iters=80"]
+    assert derive(load_config([write("c.yml", MODEL)], both))["lr_decay_iters"] == 80
+    # a warmup shorter than one step makes the first update larger than lr, as in GPT-NeoX
+    d = derive(load_config([write("d.yml", MODEL)], ["warmup=0.005"]))
+    assert d["warmup_iters"] == pytest.approx(0.5)
+    assert "the first update uses lr / 0.5 = 2 x lr" in d.reasons["warmup_iters"]
 
 
 def test_weight_decay_from_top_level_key_like_neox(write):

@@ -281,3 +281,17 @@ def test_zero_master_weights_are_cut_back_per_parameter_and_win_over_half_weight
         assert torch.equal(x, y), name
         assert torch.equal(z, x.half().float()), name
     assert any(not torch.equal(x, z) for x, z in zip(a.parameters(), c.parameters(), strict=True))
+
+
+def test_a_weights_only_conversion_trains_from_step_0(tmp_path, capsys):
+    """`convert from-gpt-neox` without --with-optimizer, then `train --set load=DIR`: the run
+    starts at step 0 from those weights (and says so); from GPT-NeoX's iteration-0 weights and
+    a fresh optimizer that is GPT-NeoX's own run."""
+    cfg = config_for("gelu_tanh_pp1", "gelu_tanh_pp1.yml", tmp_path)
+    source = str(RUNS / "gelu_tanh_pp1" / "ckpt")
+    assert main(["convert", "from-gpt-neox", source, str(tmp_path / "ckpt"), "--step", "0"]) == 0
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--set", "tensorboard_dir=null"]) == 0
+    assert "starting at step 0 from the weights of" in capsys.readouterr().out
+    ours, _ = logged(tmp_path)
+    assert_losses_equal(ours, golden("gelu_tanh_pp1", "gelu_tanh_pp1")["train"], rel=1e-6)

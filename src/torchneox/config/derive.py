@@ -6,6 +6,7 @@ trainer, the estimator and the launcher read it.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -410,16 +411,25 @@ def _schedule(cfg: NeoXConfig, out: Derived) -> None:
     if t.train_iters is None:
         out.put("lr_decay_iters", None, "unknown: train_iters is not set")
         return
-    if lr.lr_decay_fraction is not None:
-        iters = max(1, int(t.train_iters * lr.lr_decay_fraction))
+    # GPT-NeoX's order: lr_decay_iters, then lr_decay_fraction, then train_iters; at least 1
+    if lr.lr_decay_iters is not None:
+        iters, why = max(1, lr.lr_decay_iters), f"{lr.lr_decay_iters}, as given"
+        if lr.lr_decay_fraction is not None:
+            why += " (it wins over lr_decay_fraction, as in GPT-NeoX)"
+    elif lr.lr_decay_fraction is not None:
+        iters = max(1, math.floor(t.train_iters * lr.lr_decay_fraction))
         why = f"{iters} = train_iters {t.train_iters} x lr_decay_fraction {lr.lr_decay_fraction}"
-    elif lr.lr_decay_iters is not None:
-        iters, why = lr.lr_decay_iters, f"{lr.lr_decay_iters}, as given"
     else:
-        iters, why = t.train_iters, f"{t.train_iters}, defaults to train_iters"
+        iters, why = max(1, t.train_iters), f"{t.train_iters}, defaults to train_iters"
     out.put("lr_decay_iters", iters, why)
     warm = lr.warmup * iters
-    out.put("warmup_iters", warm, f"{warm:g} = warmup {lr.warmup} x lr_decay_iters {iters}")
+    why = f"{warm:g} = warmup {lr.warmup} x lr_decay_iters {iters}"
+    if 0 < warm < 1:
+        why += (
+            f"; less than one step, so the first update uses lr / {warm:g} = {1 / warm:.3g} x "
+            "lr (GPT-NeoX's formula, max(1, step) / warmup); raise warmup or set it to 0"
+        )
+    out.put("warmup_iters", warm, why)
     peak = out.get("lr")
     shape = {
         "constant": "stays at the peak",

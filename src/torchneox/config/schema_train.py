@@ -111,7 +111,7 @@ class LRConfig:
     )
     lr_decay_iters: int | None = key(None, "Steps the decay spans; defaults to train_iters.")
     lr_decay_fraction: float | None = key(
-        None, "Decay over this fraction of train_iters (wins over lr_decay_iters)."
+        None, "Decay over this fraction of train_iters (lr_decay_iters wins when both are set)."
     )
     min_lr: float = key(0.0, "Floor of the learning rate.")
     warmup: float = key(0.01, "Linear warmup over this fraction of the decay steps.")
