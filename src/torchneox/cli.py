@@ -60,6 +60,9 @@ def _config_verbs(verbs: argparse._SubParsersAction) -> None:
     keys.add_argument("--markdown", action="store_true", help="as the Markdown of docs/config.md")
 
 
+FORCE_HELP = "replace OUT_DIR if it holds anything (it is refused otherwise)"
+
+
 def _convert_verbs(verbs: argparse._SubParsersAction) -> None:
     convert = verbs.add_parser(
         "convert", help="convert checkpoints: Hugging Face both ways, GPT-NeoX in"
@@ -73,11 +76,13 @@ def _convert_verbs(verbs: argparse._SubParsersAction) -> None:
     )
     from_hf.add_argument("hf_dir", metavar="HF_DIR")
     from_hf.add_argument("out_dir", metavar="OUT_DIR")
+    from_hf.add_argument("--force", action="store_true", help=FORCE_HELP)
     to_hf = convert_verbs.add_parser(
         "to-hf", help="a torchneox checkpoint -> a Hugging Face folder"
     )
     to_hf.add_argument("checkpoint", metavar="CHECKPOINT")
     to_hf.add_argument("out_dir", metavar="OUT_DIR")
+    to_hf.add_argument("--force", action="store_true", help=FORCE_HELP)
 
     neox = convert_verbs.add_parser(
         "from-gpt-neox", help="a GPT-NeoX (DeepSpeed) checkpoint -> a torchneox checkpoint"
@@ -88,6 +93,7 @@ def _convert_verbs(verbs: argparse._SubParsersAction) -> None:
         help="a save dir (with 'latest') or a global_stepN dir",
     )
     neox.add_argument("out_dir", metavar="OUT_DIR")
+    neox.add_argument("--force", action="store_true", help=FORCE_HELP)
     neox.add_argument(
         "--config",
         nargs="+",
@@ -236,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="torchneox",
         description="Train GPT-NeoX-style language models from GPT-NeoX configs, on PyTorch alone.",
     )
+    from torchneox import __version__
+
+    parser.add_argument("--version", action="version", version=f"torchneox {__version__}")
     verbs = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
     verbs.required = True
     for add in (_config_verbs, _convert_verbs, _generate_verb, _train_verbs, _data_and_eval_verbs):
@@ -271,7 +280,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from torchneox import convert
 
     if args.convert_verb == "from-hf":
-        step = convert.from_hf(args.hf_dir, args.out_dir)
+        step = convert.from_hf(args.hf_dir, args.out_dir, force=args.force)
     elif args.convert_verb == "from-gpt-neox":
         from torchneox import neox_import
 
@@ -283,9 +292,10 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             args.step,
             args.with_optimizer,
             progress=True,
+            force=args.force,
         )
     else:
-        step = convert.to_hf(args.checkpoint, args.out_dir)
+        step = convert.to_hf(args.checkpoint, args.out_dir, force=args.force)
     print(f"wrote {step}")
     return 0
 

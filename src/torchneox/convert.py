@@ -18,18 +18,18 @@ from torchneox.models.transformer import Transformer, build_model
 from torchneox.train import checkpoint
 
 
-def _tokenizer_keys(hf_dir: Path, out_dir: Path) -> dict[str, str]:
-    """Copy the HF folder's tokenizer files into out_dir; the config keys that name them."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+def _tokenizer_keys(hf_dir: Path, write_dir: Path, out_dir: Path) -> dict[str, str]:
+    """Copy the HF folder's tokenizer files into write_dir (which becomes out_dir); the config
+    keys that name them where they will be."""
+    final = out_dir.resolve()
     if (hf_dir / "tokenizer.json").is_file():
-        target = out_dir / "tokenizer.json"
-        shutil.copyfile(hf_dir / "tokenizer.json", target)
-        return {"tokenizer_type": "HFTokenizer", "vocab_file": str(target.resolve())}
+        shutil.copyfile(hf_dir / "tokenizer.json", write_dir / "tokenizer.json")
+        return {"tokenizer_type": "HFTokenizer", "vocab_file": str(final / "tokenizer.json")}
     if (hf_dir / "vocab.json").is_file() and (hf_dir / "merges.txt").is_file():
         keys = {"tokenizer_type": "GPT2BPETokenizer"}
         for name, key in (("vocab.json", "vocab_file"), ("merges.txt", "merge_file")):
-            shutil.copyfile(hf_dir / name, out_dir / name)
-            keys[key] = str((out_dir / name).resolve())
+            shutil.copyfile(hf_dir / name, write_dir / name)
+            keys[key] = str(final / name)
         return keys
     return {}
 
@@ -63,13 +63,18 @@ def _read_hf(
     return loaded, sd
 
 
-def from_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
+def from_hf(hf_dir: str | Path, out_dir: str | Path, force: bool = False) -> Path:
     """A local GPTNeoX/Llama/Mistral folder -> a torchneox checkpoint (global_step0)."""
     src, out = Path(hf_dir), Path(out_dir)
-    loaded, sd = _read_hf(src, _tokenizer_keys(src, out))
-    yaml_text = render_yaml(loaded, derive(loaded))
-    arch = hf.architecture_of(hf.read_config(src))
-    return checkpoint.save_checkpoint(out, 0, {"model": sd}, yaml_text, {"converted_from": arch})
+    hf.read_config(src)  # not a model folder: say so before anything is written
+    with checkpoint.new_output_dir(out, force, "convert from-hf") as tmp:
+        loaded, sd = _read_hf(src, _tokenizer_keys(src, tmp, out))
+        yaml_text = render_yaml(loaded, derive(loaded))
+        arch = hf.architecture_of(hf.read_config(src))
+        step = checkpoint.save_checkpoint(
+            tmp, 0, {"model": sd}, yaml_text, {"converted_from": arch}
+        )
+    return out / step.name
 
 
 def load_hf_model(hf_dir: str | Path, device: str = "cpu") -> tuple[LoadedConfig, Transformer]:
@@ -106,7 +111,7 @@ def load_model(
     return loaded, model
 
 
-def to_hf(ckpt: str | Path, out_dir: str | Path) -> Path:
+def to_hf(ckpt: str | Path, out_dir: str | Path, force: bool = False) -> Path:
     """A torchneox checkpoint -> a Hugging Face folder (safetensors, config.json, tokenizer)."""
     from safetensors.torch import save_file
 
@@ -116,11 +121,12 @@ def to_hf(ckpt: str | Path, out_dir: str | Path) -> Path:
     arch = hf.export_architecture(args)
     _, model = load_model(step_dir)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = hf.state_dict_to_hf(arch, model.state_dict(), args)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    eod = _copy_tokenizer(loaded, out)
-    (out / "config.json").write_text(json.dumps(hf.hf_config(arch, args, eod), indent=2) + "\n")
+    with checkpoint.new_output_dir(out, force, "convert to-hf") as tmp:
+        tensors = hf.state_dict_to_hf(arch, model.state_dict(), args)
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        eod = _copy_tokenizer(loaded, tmp)
+        config = json.dumps(hf.hf_config(arch, args, eod), indent=2) + "\n"
+        (tmp / "config.json").write_text(config)
     return out
 
 

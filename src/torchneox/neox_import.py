@@ -580,8 +580,10 @@ def convert(
     step: int | None = None,
     with_optimizer: bool = False,
     progress: bool = False,
+    force: bool = False,
 ) -> Path:
     step_dir = resolve_step(Path(folder), step)
+    checkpoint.refuse_non_empty(Path(out_dir), force, "convert from-gpt-neox")  # before reading
     loaded = neox_config(step_dir, config_files or [], overrides or [])
     cfg = loaded.config
     layout = NeoXLayout.read(step_dir)
@@ -629,7 +631,10 @@ def convert(
     else:
         meta["iteration"] = 0  # weights only: a fresh run starts from them
     yaml_text = render_yaml(loaded, derived)
-    return checkpoint.save_checkpoint(Path(out_dir), meta["iteration"], state, yaml_text, meta)
+    out = Path(out_dir)
+    with checkpoint.new_output_dir(out, force, "convert from-gpt-neox") as tmp:
+        step = checkpoint.save_checkpoint(tmp, meta["iteration"], state, yaml_text, meta)
+    return out / step.name
 
 
 def _checked_model_state(

@@ -355,3 +355,44 @@ def test_weights_by_num_documents():
     raw = [t[0] / sum(t) * 0.1, t[1] / sum(t) * 0.9]
     assert w == pytest.approx([raw[0] / sum(raw), raw[1] / sum(raw)])
     assert w[1] > w[0]  # the small dataset is sampled more than its share
+
+
+def _corpus(prefix, lengths):
+    writer = IndexedDatasetWriter(prefix, np.dtype(np.uint16))
+    for i, n in enumerate(lengths):
+        writer.add_document((np.arange(n) + i) % 200 + 1)
+    writer.finish()
+    return IndexedDataset(prefix)
+
+
+@pytest.mark.parametrize("second", ["same-count", "fewer-documents"])
+def test_index_caches_are_rebuilt_when_the_data_under_them_changes(tmp_path, second):
+    """A corpus preprocessed again to the same prefix: the cached sample index of the old one
+    must not be used (it read the wrong spans, or failed with an IndexError)."""
+    prefix = tmp_path / "x"
+    rng = np.random.default_rng(0)
+    first = _corpus(prefix, rng.integers(5, 60, 100))
+    old = GPTDataset(first, "train", np.arange(100, dtype=np.int32), 50, 16, 1234)
+    old_samples = [old[i].copy() for i in range(len(old))]
+    lengths = rng.integers(5, 60, 100 if second == "same-count" else 40)
+    changed = _corpus(prefix, lengths)
+    docs = np.arange(len(lengths), dtype=np.int32)
+    again = GPTDataset(changed, "train", docs, 50, 16, 1234)
+    # what a fresh cache gives for the new corpus
+    fresh = GPTDataset(changed, "fresh", docs, 50, 16, 1234)
+    assert len(again) == len(fresh)
+    for i in range(len(fresh)):
+        assert np.array_equal(again[i], fresh[i])
+    assert any(not np.array_equal(a, b) for a, b in zip(old_samples, again, strict=False))
+
+
+def test_index_caches_without_a_source_record_are_used_when_they_fit(tmp_path):
+    """GPT-NeoX's own caches (no source record beside them) stay interchangeable."""
+    prefix = tmp_path / "x"
+    ds = _corpus(prefix, np.random.default_rng(0).integers(5, 60, 100))
+    built = GPTDataset(ds, "train", np.arange(100, dtype=np.int32), 50, 16, 1234)
+    (record,) = built.index_files["doc_idx"].parent.glob("*.source.json")
+    record.unlink()
+    stamp = built.index_files["doc_idx"].stat().st_mtime_ns
+    again = GPTDataset(ds, "train", np.arange(100, dtype=np.int32), 50, 16, 1234)
+    assert again.index_files["doc_idx"].stat().st_mtime_ns == stamp  # not rebuilt

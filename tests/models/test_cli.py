@@ -179,3 +179,14 @@ def test_generate_interactive_reads_prompts_until_an_empty_line(tmp_path, monkey
     captured = capsys.readouterr()
     assert "Type a prompt" in captured.err
     assert len(captured.out.splitlines()) >= 2
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+
+    from torchneox.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"torchneox {version('torchneox')}"

@@ -181,3 +181,29 @@ def test_reads_pytorch_model_bin_folders(tmp_path):
     tokens = torch.randint(0, 512, (1, 16))
     with torch.no_grad():
         torch.testing.assert_close(ours.eval()(tokens), model(tokens).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_conversions_never_write_over_what_is_there(tmp_path, capsys):
+    """convert from-hf into a run's folder used to repoint its latest; to-hf into a folder
+    with files left a stale pytorch_model.bin beside the new weights."""
+    from torchneox.cli import main
+
+    _, folder = _hf_model(tmp_path, "tied")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "latest").write_text("global_step100\n")
+    capsys.readouterr()
+    assert main(["convert", "from-hf", str(folder), str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{run}: is not empty" in err and "--force" in err
+    assert (run / "latest").read_text() == "global_step100\n"
+    assert main(["convert", "from-hf", str(folder), str(tmp_path / "ckpt")]) == 0
+    stale = tmp_path / "export"
+    stale.mkdir()
+    (stale / "pytorch_model.bin").write_bytes(b"old weights")
+    assert main(["convert", "to-hf", str(tmp_path / "ckpt"), str(stale)]) == 2
+    assert (stale / "pytorch_model.bin").read_bytes() == b"old weights"
+    assert main(["convert", "to-hf", str(tmp_path / "ckpt"), str(stale), "--force"]) == 0
+    assert sorted(p.name for p in stale.iterdir()) == ["config.json", "model.safetensors"]
+    assert not list(tmp_path.glob(".*partial*")) and not list(tmp_path.glob(".*old*"))
+    transformers.GPTNeoXForCausalLM.from_pretrained(stale)

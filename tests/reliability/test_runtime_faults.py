@@ -200,3 +200,30 @@ def test_killed_preprocess_never_leaves_a_pair_that_loads(tmp_path):
             ds = IndexedDataset(str(idx)[:-4])
             assert len(ds) == len(reference)
             assert np.array_equal(ds.sizes, reference.sizes)
+
+
+def test_a_run_whose_stdout_goes_away_saves_and_fails(make_config, tmp_path):
+    """`torchneox train c.yml | head -1`: the pipe closes after the first line. The run must not
+    end as a success with nothing saved: it saves at the end of the step and exits non-zero."""
+    cfg = make_config(train_iters=200, save=str(tmp_path / "r"), load=str(tmp_path / "r"))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torchneox", "train", cfg],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    while b"step 2/" not in proc.stdout.readline():
+        pass
+    proc.stdout.close()  # as `| head` does
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 1, err
+    lines = [x for x in err.splitlines() if x.startswith("torchneox: error:")]
+    assert len(lines) == 1 and "standard output went away" in lines[0], err
+    assert "Traceback" not in err
+    latest = (tmp_path / "r" / "latest").read_text().strip()
+    step = int(latest.removeprefix("global_step"))
+    assert 2 <= step < 200 and f"step {step} is saved" in lines[0]
+    # and the run resumes from there
+    resumed = Trainer(load_config([cfg]), device="cpu")
+    assert resumed.iteration == step

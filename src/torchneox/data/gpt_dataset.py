@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +108,12 @@ def _cache_dir(prefix: str) -> Path:
     return Path.home() / ".cache" / "torchneox" / "index" / digest
 
 
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".partial-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _save_atomic(path: Path, array: np.ndarray) -> None:
     tmp = path.with_name(path.name + f".partial-{os.getpid()}")
     with open(tmp, "wb") as f:
@@ -133,13 +140,15 @@ class GPTDataset:
         )
         folder = _cache_dir(self.indexed.prefix)
         files = {k: folder / v for k, v in names.items()}
-        if not all(f.is_file() for f in files.values()):
+        stem = names["doc_idx"].removesuffix("_doc_idx.npy")
+        source = folder / f"{stem}.source.json"
+        fingerprint = self._fingerprint()
+        if not self._cache_valid(files, source, fingerprint):
             folder.mkdir(parents=True, exist_ok=True)
             # one process builds; the others wait on the lock, then map what it wrote
-            lock_path = folder / (names["doc_idx"].removesuffix("_doc_idx.npy") + ".lock")
-            with open(lock_path, "w") as lock:
+            with open(folder / f"{stem}.lock", "w") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
-                if not all(f.is_file() for f in files.values()):
+                if not self._cache_valid(files, source, fingerprint):
                     arrays = build_indices(
                         self.indexed.sizes,
                         self.documents,
@@ -151,10 +160,55 @@ class GPTDataset:
                         ("doc_idx", "sample_idx", "shuffle_idx"), arrays, strict=True
                     ):
                         _save_atomic(files[kind], array)
+                    _write_atomic(source, json.dumps(fingerprint))
         self.doc_idx = np.load(files["doc_idx"], mmap_mode="r")
         self.sample_idx = np.load(files["sample_idx"], mmap_mode="r")
         self.shuffle_idx = np.load(files["shuffle_idx"], mmap_mode="r")
         self.index_files = files
+
+    def _fingerprint(self) -> dict[str, object]:
+        """What the index arrays depend on: the documents' sizes (so a corpus preprocessed again
+        to the same prefix is noticed), the documents of this split, and the settings."""
+        digest = hashlib.sha256()
+        digest.update(np.ascontiguousarray(self.indexed.sizes).tobytes())
+        digest.update(np.ascontiguousarray(self.documents, dtype=np.int64).tobytes())
+        return {
+            "sizes_and_documents_sha256": digest.hexdigest(),
+            "documents": len(self.documents),
+            "num_samples": self.num_samples,
+            "seq_length": self.seq_length,
+            "seed": self.seed,
+        }
+
+    def _cache_valid(self, files: dict[str, Path], source: Path, fingerprint: dict) -> bool:
+        """Cached arrays built from this data. Caches without a source record (GPT-NeoX's own)
+        are used when their shapes fit the data; a record that differs means a rebuild."""
+        if not all(f.is_file() for f in files.values()):
+            return False
+        if source.is_file():
+            try:
+                return json.loads(source.read_text()) == fingerprint
+            except (OSError, ValueError):
+                return False
+        try:
+            doc_idx = np.load(files["doc_idx"], mmap_mode="r")
+            sample_idx = np.load(files["sample_idx"], mmap_mode="r")
+            shuffle_idx = np.load(files["shuffle_idx"], mmap_mode="r")
+        except (OSError, ValueError):
+            return False
+        epochs, extra = divmod(len(doc_idx), max(len(self.documents), 1))
+        return (
+            extra == 0
+            and len(sample_idx) == len(shuffle_idx) + 1
+            and np.array_equal(np.unique(doc_idx), np.unique(self.documents))
+            and int(sample_idx[-1][0]) < len(doc_idx)
+            and epochs
+            == num_epochs(
+                int(self.indexed.sizes[self.documents].sum(dtype=np.int64)),
+                self.seq_length,
+                self.num_samples,
+            )
+        )
 
     def __len__(self) -> int:
         return len(self.shuffle_idx) - 1

@@ -168,15 +168,31 @@ class MetricsLogger:
         ]
         return " | ".join(parts)
 
+    stdout_lost = False
+    """Set when standard output went away (a closed pipe, a dropped terminal): the trainer then
+    saves and stops, as for SIGTERM, instead of running on unseen or dying mid-step."""
+
+    def _print(self, text: str, end: str = "\n") -> None:
+        if self.stdout_lost:
+            return
+        try:
+            print(text, end=end, flush=True)
+        except (BrokenPipeError, OSError):
+            self.stdout_lost = True
+            # later prints (and the interpreter's final flush) must not fail again
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+
     def live(self, text: str) -> None:
         """A progress line that the next one overwrites (terminals only)."""
         if self.rank0 and self.tty:
-            print("\r" + text + "\x1b[K", end="", flush=True)
+            self._print("\r" + text + "\x1b[K", end="")
 
     def line(self, text: str) -> None:
         """A permanent line (replacing any live one)."""
         if self.rank0:
-            print(("\r" if self.tty else "") + text + ("\x1b[K" if self.tty else ""), flush=True)
+            self._print(("\r" if self.tty else "") + text + ("\x1b[K" if self.tty else ""))
 
     def close(self) -> None:
         if self.file:

@@ -586,7 +586,9 @@ class Trainer:
     # -------------------------------------------------------------------------- run
 
     def _stop_agreed(self) -> bool:
-        """Whether any rank was asked to stop (ranks may see a signal at different steps)."""
+        """Whether any rank was asked to stop (ranks may see a signal at different steps), or
+        rank 0's standard output went away."""
+        self.stop_requested |= self.logger.stdout_lost
         if not self.dims.distributed:
             return self.stop_requested
         flag = torch.tensor(float(self.stop_requested), device=self.device)
@@ -600,9 +602,22 @@ class Trainer:
         )
 
     def run(self) -> dict[str, Any]:
-        old = {s: signal.signal(s, self._request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+        stops = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGHUP: the terminal went away
+        old = {s: signal.signal(s, self._request_stop) for s in stops}
         try:
-            return self._loop()
+            summary = self._loop()
+            if self.logger.stdout_lost:
+                saved = f"step {self.iteration} is saved" if self.save_dir else "no save is set"
+                then = (
+                    "training finished"
+                    if self.iteration >= self.train_iters
+                    else "rerun the same command to resume"
+                )
+                raise TrainingStopped(
+                    f"standard output went away (a closed pipe or terminal) during training; "
+                    f"{saved}; {then}"
+                )
+            return summary
         except RuntimeError as e:
             if not _is_lost_rank(e):
                 raise
