@@ -558,7 +558,7 @@ def _cmd_checkpoint_verify(args: argparse.Namespace) -> int:
     steps = [p for _, p in checkpoint.step_dirs(root)] or [root]
     bad = 0
     for step in steps:
-        problems = checkpoint.verify(step)
+        problems = checkpoint.verify(step, content=True)
         bad += bool(problems)
         print(f"{step}: " + ("complete" if not problems else "; ".join(problems)))
     latest = root / "latest"

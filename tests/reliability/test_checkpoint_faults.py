@@ -136,3 +136,24 @@ def test_verify_passes_complete_checkpoints(make_config, tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.count(": complete") == 2 and "latest: global_step4" in out
     assert main(["checkpoint", "verify", str(folder / "global_step2")]) == 0
+
+
+@pytest.mark.parametrize("where", [0.0, 0.5, 1.0])
+def test_checkpoint_verify_finds_a_byte_flipped_anywhere(
+    make_config, tmp_path, capsys, monkeypatch, where
+):
+    """Large shards are checksummed by content (crc32) too: a shard damaged in place, same size,
+    used to pass verify and load NaN weights."""
+    from torchneox.train import checkpoint
+
+    monkeypatch.setattr(checkpoint, "CHECKSUMMED_BELOW", 0)  # every file counts as large here
+    _, folder = two_checkpoints(make_config, tmp_path)
+    shard = max((folder / "global_step4").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[min(int(where * len(data)), len(data) - 1)] ^= 0x01
+    shard.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(["checkpoint", "verify", str(folder)]) == 1
+    out = capsys.readouterr().out
+    assert f"{shard} does not match its checksum" in out
+    assert f"{folder / 'global_step2'}: complete" in out
