@@ -31,7 +31,7 @@ import torch
 
 from torchneox.config.derive import derive
 from torchneox.config.errors import ConfigError
-from torchneox.config.load import LoadedConfig, load_config
+from torchneox.config.load import LoadedConfig, load_config, with_absolute_paths
 from torchneox.config.report import render_yaml
 from torchneox.models.args import ModelArgs
 from torchneox.models.hf import _split_qkv
@@ -630,7 +630,7 @@ def convert(
         }
     else:
         meta["iteration"] = 0  # weights only: a fresh run starts from them
-    yaml_text = render_yaml(loaded, derived)
+    yaml_text = render_yaml(with_absolute_paths(loaded), derived)
     out = Path(out_dir)
     with checkpoint.new_output_dir(out, force, "convert from-gpt-neox") as tmp:
         step = checkpoint.save_checkpoint(tmp, meta["iteration"], state, yaml_text, meta)

@@ -488,3 +488,25 @@ def test_z_loss_is_logged_and_changes_training(make_config, tmp_path):
     plain, with_z = losses(tmp_path / "plain"), losses(tmp_path / "z")
     assert plain[1] == with_z[1]  # the same first forward
     assert plain[6] != with_z[6]  # a different objective from then on
+
+
+def test_a_checkpoint_keeps_the_paths_it_was_given_absolute(make_config, tmp_path, monkeypatch):
+    """A run trained with --set vocab_file=relative/path must generate, eval and export from any
+    other folder: the checkpoint's config names its files by absolute paths."""
+    from torchneox.convert import load_model
+
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "vocab.txt").write_text("")  # any file: CharLevelTokenizer ignores it
+    monkeypatch.chdir(work)
+    cfg = make_config(train_iters=1, save="run", load=None, vocab_file="vocab.txt")
+    run(cfg)
+    monkeypatch.chdir(tmp_path)
+    loaded, _ = load_model(work / "run")
+    assert loaded.config.tokenizer.vocab_file == str(work / "vocab.txt")
+    assert loaded.config.checkpoint.save == str(work / "run")
+
+
+def test_a_run_without_save_says_nothing_is_kept(make_config, capsys):
+    run(make_config(train_iters=1, save=None, load=None))
+    assert "warning: no save is set, so nothing of this run is kept" in capsys.readouterr().out

@@ -7,7 +7,9 @@ files, and dotted keys reach into dicts (``optimizer.params.lr=3e-4``).
 
 from __future__ import annotations
 
+import copy
 import math
+import os
 import types
 import typing
 from collections.abc import Iterable, Sequence
@@ -363,6 +365,49 @@ def load_mapping(
     config = build(values, origin)
     validate(config, origin)
     return LoadedConfig(config, origin, [source])
+
+
+DATA_PATH_KEYS = tuple(
+    f"{side}{split}_{label}data_paths"
+    for side in ("", "pos_", "neg_")
+    for split in ("train", "valid", "test")
+    for label in ("", "label_")
+) + tuple(f"{split}_reward_data_paths" for split in ("train", "valid", "test"))
+PATH_KEYS = (
+    "save",
+    "load",
+    "data_path",
+    *DATA_PATH_KEYS,
+    "vocab_file",
+    "merge_file",
+    "log_dir",
+    "tensorboard_dir",
+    "memory_profiling_path",
+    "sample_input_file",
+    "sample_output_file",
+    "eval_tasks_include_path",
+    "hostfile",
+)
+
+
+def with_absolute_paths(loaded: LoadedConfig) -> LoadedConfig:
+    """The same config with every file and folder it was given made absolute (relative to the
+    current directory, which is what they meant): a checkpoint's config then works from any
+    folder (generate, eval, convert to-hf with its tokenizer)."""
+
+    def absolute(value: Any) -> Any:
+        if isinstance(value, str) and value and "://" not in value:
+            return os.path.abspath(os.path.expanduser(value))
+        return value
+
+    config = copy.deepcopy(loaded.config)
+    for name in PATH_KEYS:
+        if name in loaded.origin:
+            value = config.get(name)
+            config.set(
+                name, [absolute(v) for v in value] if isinstance(value, list) else absolute(value)
+            )
+    return LoadedConfig(config, dict(loaded.origin), list(loaded.files))
 
 
 def load_config(paths: Sequence[str | Path], overrides: Iterable[str] = ()) -> LoadedConfig:

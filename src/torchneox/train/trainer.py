@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from torchneox import hardware
 from torchneox.config.derive import Derived, check_expert_layout, derive
 from torchneox.config.errors import ConfigError
-from torchneox.config.load import LoadedConfig
+from torchneox.config.load import LoadedConfig, with_absolute_paths
 from torchneox.config.report import render_yaml
 from torchneox.data.datasets import build_splits
 from torchneox.data.loader import BatchLoader
@@ -563,7 +563,7 @@ class Trainer:
             "has_optimizer": "optimizer" in state,
             "has_rng": "rng" in state,
         }
-        yaml_text = render_yaml(self.loaded, self.derived)
+        yaml_text = render_yaml(with_absolute_paths(self.loaded), self.derived)
         try:
             path = checkpoint.save_checkpoint(self.save_dir, self.iteration, state, yaml_text, meta)
         except checkpoint.CheckpointWriteError as e:
@@ -638,6 +638,11 @@ class Trainer:
         )
         for note in self.data_notes:
             self.logger.line(note)
+        if self.save_dir is None:
+            self.logger.line(
+                "warning: no save is set, so nothing of this run is kept (no checkpoint); set "
+                "save to keep it"
+            )
         if self.iteration == 0 and 0 in self.save_at:
             self.save()
         tokens_per_step = self.derived["train_batch_size"] * self.seq_length
