@@ -78,15 +78,17 @@ def generate(
         generator = torch.Generator(device=device).manual_seed(s.seed)
     longest = max(len(p) for p in prompts)
     limit = model.args.max_positions
-    if longest + s.maximum_tokens > limit:
+    if longest >= limit:
         raise ConfigError(
-            f"the prompt ({longest} tokens) + {s.maximum_tokens} new tokens exceed the model's "
-            f"{limit} positions; ask for at most {max(limit - longest, 0)}",
+            f"a prompt of {longest} tokens leaves no room in the model's {limit} positions; "
+            "shorten it (TextGenerator cuts such prompts from the left)",
             key="maximum_tokens",
         )
+    # as GPT-NeoX: never past the model's last position, whatever maximum_tokens asks
+    steps = min(s.maximum_tokens, limit - longest)
     b = len(prompts)
     pads = torch.tensor([longest - len(p) for p in prompts], device=device)
-    tokens = torch.full((b, longest + s.maximum_tokens), pad_id, dtype=torch.long, device=device)
+    tokens = torch.full((b, longest + steps), pad_id, dtype=torch.long, device=device)
     for i, p in enumerate(prompts):
         tokens[i, longest - len(p) : longest] = torch.tensor(p, device=device)
     index = torch.arange(tokens.shape[1], device=device)
@@ -102,7 +104,7 @@ def generate(
     stop = torch.tensor(sorted(s.stop_ids), dtype=torch.long, device=device)
     end = longest
     begin = 0
-    for _ in range(s.maximum_tokens):
+    for _ in range(steps):
         logits = model(
             tokens[:, begin:end],
             positions_BT=positions[:, begin:end],
@@ -137,7 +139,19 @@ class TextGenerator:
     sampling: Sampling
 
     def complete(self, texts: list[str]) -> list[str]:
+        """The continuations of ``texts``. A prompt that fills the model's positions keeps its
+        last half (GPT-NeoX's advice: a context of at most half the sequence), with a warning;
+        the others are not affected."""
         prompts = [self.tokenizer.encode(t) or [self.tokenizer.eod_id] for t in texts]
+        limit = self.model.args.max_positions
+        for i, ids in enumerate(prompts):
+            if len(ids) >= limit:
+                prompts[i] = ids[-(limit // 2) :]
+                print(
+                    f"warning: prompt {i + 1} has {len(ids)} tokens, the model {limit} positions: "
+                    f"it keeps its last {limit // 2}",
+                    file=sys.stderr,
+                )
         pad = self.tokenizer.pad_id if self.tokenizer.pad_id is not None else self.tokenizer.eod_id
         outputs = generate(self.model, prompts, self.sampling, pad_id=pad)
         return [self.tokenizer.decode(ids) for ids in outputs]

@@ -190,3 +190,28 @@ def test_version(capsys):
         main(["--version"])
     assert done.value.code == 0
     assert capsys.readouterr().out.strip() == f"torchneox {version('torchneox')}"
+
+
+def test_generate_fits_the_model_and_cuts_prompts_that_fill_it(tmp_path, capsys):
+    """The default 64 new tokens on a 64-position model stop at its last position (as
+    GPT-NeoX); a prompt that fills the model keeps its last half, with a warning, and the
+    other prompts of the file are completed as usual."""
+    from torchneox.data.tokenizers import CharLevelTokenizer
+    from torchneox.generate import Sampling, TextGenerator
+
+    _, model = char_checkpoint(tmp_path)
+    gen = TextGenerator(model, CharLevelTokenizer(512), Sampling(maximum_tokens=64))
+    short, long_ = "Hi", "x" * 100
+    texts = gen.complete([short, long_])
+    assert len(texts[0].encode()) <= 64 - 2 and len(texts[1].encode()) <= 64 - 32
+    assert "prompt 2 has 100 tokens, the model 64 positions: it keeps its last 32" in (
+        capsys.readouterr().err
+    )
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(f"first\n{long_}\nthird\n")
+    out = tmp_path / "out.jsonl"
+    args = ["generate", "--checkpoint", str(tmp_path / "ckpt"), "--text-gen-type", "input-file"]
+    args += ["--sample-input-file", str(prompts), "--sample-output-file", str(out)]
+    assert main(args) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["context"] for r in rows] == ["first", long_, "third"]

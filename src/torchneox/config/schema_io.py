@@ -210,7 +210,9 @@ class TextGenConfig:
     top_p: float = key(
         0.0, "Sample among the most likely tokens covering this probability; 0 means off."
     )
-    maximum_tokens: int = key(64, "Most tokens generated per prompt.")
+    maximum_tokens: int = key(
+        64, "Most tokens generated per prompt; never past the model's last position (as GPT-NeoX)."
+    )
     prompt_end: str = key("\n", "What ends one prompt in interactive and input-file modes.")
     sample_input_file: str | None = key(None, "Prompts, one per line (input-file mode).")
     sample_output_file: str = key("samples.txt", "Where generations are written.")
