@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from torchneox.config.errors import ConfigError
 from torchneox.config.load import load_config
@@ -24,6 +25,35 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise ConfigError(f"{self.prog}: {message} (see --help)")
+
+
+def _number(
+    kind: type, low: float | None = None, high: float | None = None, *, above: bool = False
+) -> Callable[[str], Any]:
+    """An argparse type: a finite int or float in [low, high] (``above``: strictly > low)."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if kind is int else 'a number'}, got {text!r}"
+            ) from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        if low is not None and (value < low or (above and value == low)):
+            raise argparse.ArgumentTypeError(
+                f"must be {'>' if above else '>='} {low:g}, got {text}"
+            )
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be <= {high:g}, got {text}")
+        return value
+
+    return parse
+
+
+POSITIVE = _number(int, 1)
+COUNT = _number(int, 0)
 
 
 def _add_config_inputs(p: argparse.ArgumentParser) -> None:
@@ -47,7 +77,7 @@ def _config_verbs(verbs: argparse._SubParsersAction) -> None:
         "explain", help="load configs and show every derived value with its reason"
     )
     _add_config_inputs(explain)
-    explain.add_argument("--world-size", type=int, help="number of processes to plan for")
+    explain.add_argument("--world-size", type=POSITIVE, help="number of processes to plan for")
     fmt = explain.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="one JSON object (stable keys)")
     fmt.add_argument(
@@ -102,7 +132,7 @@ def _convert_verbs(verbs: argparse._SubParsersAction) -> None:
         help="default: the checkpoint's configs/ folder",
     )
     neox.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    neox.add_argument("--step", type=int, help="convert global_stepN instead of latest")
+    neox.add_argument("--step", type=COUNT, help="convert global_stepN instead of latest")
     neox.add_argument(
         "--with-optimizer",
         action="store_true",
@@ -125,15 +155,15 @@ def _generate_verb(verbs: argparse._SubParsersAction) -> None:
     source.add_argument("--hf", metavar="DIR", help="a local Hugging Face model folder")
     gen.add_argument("--prompt", help="complete this text and print the continuation")
     gen.add_argument("--text-gen-type", choices=("unconditional", "input-file", "interactive"))
-    gen.add_argument("--temperature", type=float, help="0 means greedy")
-    gen.add_argument("--top-k", type=int)
-    gen.add_argument("--top-p", type=float)
-    gen.add_argument("--maximum-tokens", type=int)
+    gen.add_argument("--temperature", type=_number(float, 0), help="0 means greedy")
+    gen.add_argument("--top-k", type=COUNT, help="0 means no limit")
+    gen.add_argument("--top-p", type=_number(float, 0, 1), help="0 means off")
+    gen.add_argument("--maximum-tokens", type=POSITIVE)
     gen.add_argument("--sample-input-file")
     gen.add_argument("--sample-output-file")
-    gen.add_argument("--num-samples", type=int)
+    gen.add_argument("--num-samples", type=POSITIVE)
     gen.add_argument("--recompute", action="store_true", default=None, help="no KV cache")
-    gen.add_argument("--seed", type=int, help="seed for sampling")
+    gen.add_argument("--seed", type=COUNT, help="seed for sampling")
     gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
 
 
@@ -141,9 +171,9 @@ def _train_verbs(verbs: argparse._SubParsersAction) -> None:
     train = verbs.add_parser("train", help="train a model from GPT-NeoX configs")
     _add_config_inputs(train)
     train.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    train.add_argument("--load-step", type=int, help="resume from global_stepN instead of latest")
+    train.add_argument("--load-step", type=COUNT, help="resume from global_stepN instead of latest")
     train.add_argument(
-        "--nproc", type=int, help="start this many local processes (torchrun --standalone)"
+        "--nproc", type=POSITIVE, help="start this many local processes (torchrun --standalone)"
     )
 
     pre = verbs.add_parser("preprocess", help="jsonl/text -> GPT-NeoX .bin/.idx token datasets")
@@ -162,15 +192,15 @@ def _train_verbs(verbs: argparse._SubParsersAction) -> None:
         "--append-eod", action="store_true", help="end every document with end-of-text"
     )
     pre.add_argument("--jsonl-keys", nargs="+", default=["text"], metavar="KEY")
-    pre.add_argument("--workers", type=int, default=1)
-    pre.add_argument("--log-interval", type=int, default=10000, metavar="DOCS")
+    pre.add_argument("--workers", type=POSITIVE, default=1)
+    pre.add_argument("--log-interval", type=POSITIVE, default=10000, metavar="DOCS")
 
     tok = verbs.add_parser(
         "train-tokenizer", help="train a byte-level BPE tokenizer.json on local text"
     )
     tok.add_argument("--input", nargs="+", required=True, metavar="FILE")
     tok.add_argument("--output", required=True, metavar="tokenizer.json")
-    tok.add_argument("--vocab-size", type=int, default=50257)
+    tok.add_argument("--vocab-size", type=POSITIVE, default=50257)
     tok.add_argument("--jsonl-keys", nargs="+", default=["text"], metavar="KEY")
 
 
@@ -181,7 +211,7 @@ def _data_and_eval_verbs(verbs: argparse._SubParsersAction) -> None:
     batch = data_verbs.add_parser("batch", help="the global batch a training step sees")
     _add_config_inputs(batch)
     batch.add_argument(
-        "--iteration", type=int, required=True, help="training step (the first is 1)"
+        "--iteration", type=POSITIVE, required=True, help="training step (the first is 1)"
     )
     batch.add_argument(
         "--out", metavar="FILE.npy", help="write token ids [batch, seq+1] instead of text"
@@ -197,22 +227,29 @@ def _data_and_eval_verbs(verbs: argparse._SubParsersAction) -> None:
     ev.add_argument("--data-path", metavar="PREFIX", help="perplexity on PREFIX.bin/.idx")
     ev.add_argument("--tasks", help="lm-evaluation-harness tasks, comma-separated")
     ev.add_argument("--include-path", metavar="DIR", help="folder of extra lm-eval task YAML files")
-    ev.add_argument("--limit", type=float, help="documents per task (a fraction if < 1)")
-    ev.add_argument("--num-fewshot", type=int)
-    ev.add_argument("--iters", type=int, default=20, help="batches to evaluate")
-    ev.add_argument("--batch-size", type=int, default=8)
+    ev.add_argument(
+        "--limit", type=_number(float, 0, above=True), help="documents per task (a fraction if < 1)"
+    )
+    ev.add_argument("--num-fewshot", type=COUNT)
+    ev.add_argument("--iters", type=POSITIVE, default=20, help="batches to evaluate")
+    ev.add_argument("--batch-size", type=POSITIVE, default=8)
     ev.add_argument("--device")
 
     est = verbs.add_parser(
         "estimate", help="parameters, FLOPs, memory per GPU, fit and step time of a config"
     )
     _add_config_inputs(est)
-    est.add_argument("--gpus", type=int, required=True, help="GPUs in all")
-    est.add_argument("--nodes", type=int, default=1)
+    est.add_argument("--gpus", type=POSITIVE, required=True, help="GPUs in all")
+    est.add_argument("--nodes", type=POSITIVE, default=1)
     est.add_argument(
         "--gpu", default="h100", help="accelerator (see the table in docs/estimate.md)"
     )
-    est.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation to assume")
+    est.add_argument(
+        "--mfu",
+        type=_number(float, 0, 1, above=True),
+        default=0.4,
+        help="model FLOPs utilisation to assume",
+    )
     est.add_argument("--json", action="store_true", help="print one JSON object")
 
     bench = verbs.add_parser(
