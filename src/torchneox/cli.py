@@ -52,6 +52,30 @@ def _number(
     return parse
 
 
+def _device_name(text: str) -> str:
+    """An argparse type: a device this machine has (cpu, cuda, cuda:N, mps)."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device (cpu, cuda, cuda:N)") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise argparse.ArgumentTypeError(
+                f"{text}: this machine has no CUDA device (torch is {build}); use --device cpu"
+            )
+        if device.index is not None and device.index >= count:
+            raise argparse.ArgumentTypeError(f"{text}: there are only {count} CUDA devices")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: this machine has no MPS device")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        raise argparse.ArgumentTypeError(f"{text}: only cpu, cuda and mps are supported")
+    return text
+
+
 POSITIVE = _number(int, 1)
 COUNT = _number(int, 0)
 
@@ -164,13 +188,20 @@ def _generate_verb(verbs: argparse._SubParsersAction) -> None:
     gen.add_argument("--num-samples", type=POSITIVE)
     gen.add_argument("--recompute", action="store_true", default=None, help="no KV cache")
     gen.add_argument("--seed", type=COUNT, help="seed for sampling")
-    gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    gen.add_argument(
+        "--device",
+        type=_device_name,
+        default=None,
+        help="cpu or cuda (default: cuda when available)",
+    )
 
 
 def _train_verbs(verbs: argparse._SubParsersAction) -> None:
     train = verbs.add_parser("train", help="train a model from GPT-NeoX configs")
     _add_config_inputs(train)
-    train.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    train.add_argument(
+        "--device", type=_device_name, help="cpu or cuda (default: cuda when available)"
+    )
     train.add_argument("--load-step", type=COUNT, help="resume from global_stepN instead of latest")
     train.add_argument(
         "--nproc", type=POSITIVE, help="start this many local processes (torchrun --standalone)"
@@ -233,7 +264,7 @@ def _data_and_eval_verbs(verbs: argparse._SubParsersAction) -> None:
     ev.add_argument("--num-fewshot", type=COUNT)
     ev.add_argument("--iters", type=POSITIVE, default=20, help="batches to evaluate")
     ev.add_argument("--batch-size", type=POSITIVE, default=8)
-    ev.add_argument("--device")
+    ev.add_argument("--device", type=_device_name)
 
     est = verbs.add_parser(
         "estimate", help="parameters, FLOPs, memory per GPU, fit and step time of a config"
@@ -511,7 +542,10 @@ def _cmd_data_batch(args: argparse.Namespace) -> int:
     start = (args.iteration - 1) * tbs
     batch = np.stack([samples[i] for i in range(start, start + tbs)])
     if args.out:
-        np.save(args.out, batch)
+        from torchneox.config.paths import atomic_output
+
+        with atomic_output(args.out, "--out file") as tmp, open(tmp, "wb") as f:
+            np.save(f, batch)
         print(f"wrote {args.out}: token ids {list(batch.shape)} of step {args.iteration}")
         return 0
     tokenizer = build_tokenizer(loaded.config)

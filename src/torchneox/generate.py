@@ -11,6 +11,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from torchneox.config.errors import ConfigError
+from torchneox.config.paths import atomic_output
 from torchneox.config.schema_io import TextGenConfig
 from torchneox.data.tokenizers import Tokenizer
 from torchneox.models.attention import KVCache
@@ -178,7 +179,10 @@ def run_mode(gen: TextGenerator, cfg: TextGenConfig, batch_size: int = 8) -> Non
     """GPT-NeoX's text_gen_type modes: unconditional, input-file, interactive."""
     mode = cfg.text_gen_type or "interactive"
     if mode == "unconditional":
-        with open(cfg.sample_output_file, "w") as out:
+        with (
+            atomic_output(cfg.sample_output_file, "sample_output_file") as tmp,
+            open(tmp, "w") as out,
+        ):
             for start in range(0, cfg.num_samples, batch_size):
                 for text in gen.unconditional(min(batch_size, cfg.num_samples - start)):
                     out.write(json.dumps({"context": "", "text": text}) + "\n")
@@ -197,7 +201,10 @@ def run_mode(gen: TextGenerator, cfg: TextGenConfig, batch_size: int = 8) -> Non
                 source=cfg.sample_input_file,
             ) from None
         prompts = [p for p in text.split(cfg.prompt_end) if p.strip()]
-        with open(cfg.sample_output_file, "w") as out:
+        with (
+            atomic_output(cfg.sample_output_file, "sample_output_file") as tmp,
+            open(tmp, "w") as out,
+        ):
             for start in range(0, len(prompts), batch_size):
                 chunk = prompts[start : start + batch_size]
                 for prompt, cont in zip(chunk, gen.complete(chunk), strict=True):

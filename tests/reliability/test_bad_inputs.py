@@ -139,3 +139,68 @@ def test_bad_options_are_one_line_and_write_nothing(case, tmp_path, monkeypatch,
     assert words in captured.err, captured.err
     assert "Traceback" not in captured.err and captured.out == ""
     assert list(tmp_path.iterdir()) == []
+
+
+def test_output_files_in_missing_folders_are_made_whole(tmp_path, make_config, capsys):
+    """plot --out, data batch --out: the folder is made and the file appears whole."""
+    cfg = make_config(train_iters=2, save=str(tmp_path / "r"), load=None)
+    assert main(["train", cfg]) == 0
+    pytest.importorskip("matplotlib")
+    assert main(["plot", str(tmp_path / "r"), "--out", str(tmp_path / "new" / "loss.png")]) == 0
+    assert (tmp_path / "new" / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    out = tmp_path / "deeper" / "still" / "b"
+    assert main(["data", "batch", cfg, "--iteration", "1", "--out", str(out)]) == 0
+    import numpy as np
+
+    assert np.load(out).shape[0] == 4
+    assert not list(tmp_path.rglob(".*partial*"))
+
+
+def test_a_metrics_file_cut_by_a_kill_still_plots_and_resumes_cleanly(tmp_path, make_config):
+    import json
+
+    cfg = make_config(train_iters=2, save=str(tmp_path / "r"), load=str(tmp_path / "r"))
+    assert main(["train", cfg]) == 0
+    metrics = tmp_path / "r" / "metrics.jsonl"
+    metrics.write_bytes(metrics.read_bytes() + b'{"iteration": 3, "lm_lo')  # killed mid-line
+    pytest.importorskip("matplotlib")
+    assert main(["plot", str(tmp_path / "r"), "--out", str(tmp_path / "a.png")]) == 0
+    assert main(["train", cfg, "--set", "train_iters=3"]) == 0  # resumes, appends
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]  # every line whole
+    assert [r["iteration"] for r in rows if "lm_loss" in r] == [1, 2, 3]
+
+
+def test_tokenizer_files_of_the_wrong_kind_and_unknown_types(tmp_path, capsys):
+    (tmp_path / "a.jsonl").write_text('{"text": "hello"}\n')
+    (tmp_path / "tok.json").write_text("not json at all")
+    base = [
+        "preprocess",
+        "--input",
+        str(tmp_path / "a.jsonl"),
+        "--output-prefix",
+        str(tmp_path / "o"),
+    ]
+    for extra, words in [
+        (
+            ["--tokenizer-type", "HFTokenizr"],
+            "unknown tokenizer type 'HFTokenizr'; did you mean HFTokenizer?",
+        ),
+        (
+            ["--tokenizer-type", "HFTokenizer", "--vocab-file", str(tmp_path / "tok.json")],
+            "cannot be read as a tokenizer.json",
+        ),
+    ]:
+        assert main([*base, *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err and "Traceback" not in err, err
+    assert not list(tmp_path.glob("o*"))
+
+
+def test_a_device_this_machine_lacks_is_one_line(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert main(["generate", "--checkpoint", "x", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "--device: cuda: this machine has no CUDA device" in err and err.count("\n") == 1

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from torchneox.config.errors import ConfigError
+from torchneox.config.errors import ConfigError, did_you_mean
 from torchneox.config.schema import NeoXConfig
 
 END_OF_TEXT = "<|endoftext|>"
@@ -75,19 +77,56 @@ def build_tokenizer(cfg: NeoXConfig) -> Tokenizer:
         return CharLevelTokenizer()
     if kind == "HFTokenizer":
         path = _need_file(tok.vocab_file, "vocab_file", kind)
-        return HFTokenizer(Backend.from_file(str(path)), str(path))
+        with _reading(path, "a tokenizer.json (the `tokenizers` library's format)"):
+            backend = Backend.from_file(str(path))
+        return HFTokenizer(backend, str(path))
     if kind in ("GPT2BPETokenizer", "HFGPT2Tokenizer"):
         vocab = _need_file(tok.vocab_file, "vocab_file", kind)
         merges = _need_file(tok.merge_file, "merge_file", kind)
-        backend = Backend(models.BPE.from_file(str(vocab), str(merges)))
+        with _reading(vocab, f"GPT-2's vocab.json with {merges.name} as its merges"):
+            backend = Backend(models.BPE.from_file(str(vocab), str(merges)))
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         backend.decoder = decoders.ByteLevel()
         return HFTokenizer(backend, str(vocab))
     if kind == "SPMTokenizer":
-        return SentencePieceTokenizer(_need_file(tok.vocab_file, "vocab_file", kind))
+        path = _need_file(tok.vocab_file, "vocab_file", kind)
+        with _reading(path, "a sentencepiece model"):
+            return SentencePieceTokenizer(path)
     if kind == "TiktokenTokenizer":
-        return TiktokenTokenizer(_need_file(tok.vocab_file, "vocab_file", kind))
-    raise AssertionError(f"unvalidated tokenizer_type {kind}")
+        path = _need_file(tok.vocab_file, "vocab_file", kind)
+        with _reading(path, "a tiktoken rank file"):
+            return TiktokenTokenizer(path)
+    raise ConfigError(
+        f"unknown tokenizer type {kind!r}{did_you_mean(str(kind), TOKENIZER_TYPES)}; one of "
+        + ", ".join(TOKENIZER_TYPES),
+        key="tokenizer_type",
+    )
+
+
+TOKENIZER_TYPES = (
+    "HFTokenizer",
+    "GPT2BPETokenizer",
+    "HFGPT2Tokenizer",
+    "SPMTokenizer",
+    "CharLevelTokenizer",
+    "TiktokenTokenizer",
+)
+
+
+@contextmanager
+def _reading(path: Path, what: str) -> Iterator[None]:
+    """A tokenizer file the library cannot read is one line naming it, not a traceback."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(
+            f"cannot be read as {what} ({first}); is it the right file for this tokenizer_type?",
+            source=str(path),
+            key="vocab_file",
+        ) from None
 
 
 class SentencePieceTokenizer:

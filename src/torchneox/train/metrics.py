@@ -47,6 +47,19 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
+def _drop_cut_line(path: Path) -> None:
+    """A run killed while writing metrics.jsonl can leave its last line cut; a resumed run must
+    not append after it (the file would stay unreadable there for good)."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with open(path, "rb+") as f:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) == b"\n":
+            return
+        f.seek(0)
+        f.truncate(f.read().rfind(b"\n") + 1)
+
+
 def _start_comet(lg: Any, log_dir: Path | None, resolved: dict[str, Any]) -> Any:
     """A Comet experiment as GPT-NeoX starts one (workspace, project, name, tags, others, the
     resolved config as parameters). comet_ml's own settings apply: COMET_API_KEY, and
@@ -88,7 +101,9 @@ class MetricsLogger:
             return
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
-            self.file = open(log_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
+            path = log_dir / "metrics.jsonl"
+            _drop_cut_line(path)
+            self.file = open(path, "a")  # noqa: SIM115 - closed in close()
         lg = cfg.logging
         if lg.tensorboard_dir:
             try:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from torchneox.config.errors import ConfigError
+from torchneox.config.paths import atomic_output
 
 
 def read_metrics(run: Path) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
@@ -13,8 +14,16 @@ def read_metrics(run: Path) -> tuple[list[tuple[int, float]], list[tuple[int, fl
     if not path.is_file():
         raise ConfigError("no metrics.jsonl here (is it a run's save or log_dir?)", source=str(run))
     train, valid = [], []
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
+    lines = path.read_text().splitlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            if number == len(lines):  # cut by a kill during a write: what came before stands
+                continue
+            raise ConfigError(f"line {number} is not JSON", source=str(path)) from None
         if row.get("lm_loss") is not None:
             train.append((row["iteration"], row["lm_loss"]))
         if row.get("valid_lm_loss") is not None:
@@ -45,5 +54,6 @@ def plot_runs(runs: list[Path], out: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out)
+    with atomic_output(out, "plot") as tmp:
+        fig.savefig(tmp, format=Path(out).suffix[1:] or "png")
     plt.close(fig)
