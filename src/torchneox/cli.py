@@ -185,6 +185,7 @@ def _generate_verb(verbs: argparse._SubParsersAction) -> None:
     gen.add_argument("--maximum-tokens", type=POSITIVE)
     gen.add_argument("--sample-input-file")
     gen.add_argument("--sample-output-file")
+    gen.add_argument("--force", action="store_true", help="replace an existing output file")
     gen.add_argument("--num-samples", type=POSITIVE)
     gen.add_argument("--recompute", action="store_true", default=None, help="no KV cache")
     gen.add_argument("--seed", type=COUNT, help="seed for sampling")
@@ -225,6 +226,7 @@ def _train_verbs(verbs: argparse._SubParsersAction) -> None:
     pre.add_argument("--jsonl-keys", nargs="+", default=["text"], metavar="KEY")
     pre.add_argument("--workers", type=POSITIVE, default=1)
     pre.add_argument("--log-interval", type=POSITIVE, default=10000, metavar="DOCS")
+    pre.add_argument("--force", action="store_true", help="replace existing .bin/.idx files")
 
     tok = verbs.add_parser(
         "train-tokenizer", help="train a byte-level BPE tokenizer.json on local text"
@@ -233,6 +235,7 @@ def _train_verbs(verbs: argparse._SubParsersAction) -> None:
     tok.add_argument("--output", required=True, metavar="tokenizer.json")
     tok.add_argument("--vocab-size", type=POSITIVE, default=50257)
     tok.add_argument("--jsonl-keys", nargs="+", default=["text"], metavar="KEY")
+    tok.add_argument("--force", action="store_true", help="replace an existing --output")
 
 
 def _data_and_eval_verbs(verbs: argparse._SubParsersAction) -> None:
@@ -247,6 +250,7 @@ def _data_and_eval_verbs(verbs: argparse._SubParsersAction) -> None:
     batch.add_argument(
         "--out", metavar="FILE.npy", help="write token ids [batch, seq+1] instead of text"
     )
+    batch.add_argument("--force", action="store_true", help="replace an existing --out file")
 
     ev = verbs.add_parser(
         "eval",
@@ -299,6 +303,7 @@ def _data_and_eval_verbs(verbs: argparse._SubParsersAction) -> None:
     plot = verbs.add_parser("plot", help="draw loss curves of runs to a PNG")
     plot.add_argument("runs", nargs="+", metavar="RUN_DIR", help="folders with a metrics.jsonl")
     plot.add_argument("--out", default="loss.png")
+    plot.add_argument("--force", action="store_true", help="replace an existing --out file")
 
     demo = verbs.add_parser("demo", help="what `make demo` shows: preprocess, train, generate")
     demo.add_argument("--dir", default="runs/demo", help="where the demo's data and checkpoints go")
@@ -411,6 +416,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.prompt is not None:
         print(generator.complete([args.prompt])[0])
         return 0
+    mode = settings.textgen.text_gen_type or "interactive"
+    if mode in ("unconditional", "input-file"):
+        from torchneox.config.paths import refuse_existing
+
+        output = Path(settings.textgen.sample_output_file)
+        refuse_existing([output], args.force, f"generate ({mode})")
     run_mode(generator, settings.textgen)
     return 0
 
@@ -484,9 +495,22 @@ def _launch_local(args: argparse.Namespace) -> int:
 def _cmd_preprocess(args: argparse.Namespace) -> int:
     import tempfile
 
+    from torchneox.config.paths import refuse_existing
     from torchneox.data import builtin
     from torchneox.data.preprocess import PreprocessArgs, preprocess
 
+    outputs = [
+        Path(f"{args.output_prefix}_{key}_document{ext}")
+        for key in args.jsonl_keys
+        for ext in (".bin", ".idx")
+    ]
+    refuse_existing(outputs, args.force, "preprocess")
+    if args.tokenizer_type == "CharLevelTokenizer" and (args.vocab_file or args.merge_file):
+        print(
+            "warning: CharLevelTokenizer reads no files (a token is a byte): --vocab-file and "
+            "--merge-file are not used",
+            file=sys.stderr,
+        )
     with tempfile.TemporaryDirectory() as tmp:
         inputs = args.input
         if args.builtin:
@@ -513,8 +537,10 @@ def _cmd_preprocess(args: argparse.Namespace) -> int:
 
 
 def _cmd_train_tokenizer(args: argparse.Namespace) -> int:
+    from torchneox.config.paths import refuse_existing
     from torchneox.data.tokenizers import train_bpe
 
+    refuse_existing([Path(args.output)], args.force, "train-tokenizer")
     size = train_bpe(args.input, args.output, args.vocab_size, tuple(args.jsonl_keys))
     print(f"wrote {args.output} ({size} tokens)")
     return 0
@@ -525,9 +551,12 @@ def _cmd_data_batch(args: argparse.Namespace) -> int:
 
     from torchneox.config.derive import derive
     from torchneox.config.load import load_config
+    from torchneox.config.paths import refuse_existing
     from torchneox.data.datasets import build_splits
     from torchneox.data.tokenizers import build_tokenizer
 
+    if args.out:
+        refuse_existing([Path(args.out)], args.force, "data batch --out")
     loaded = load_config(args.files, args.overrides)
     tbs = derive(loaded, world_size=1)["train_batch_size"]
     if tbs is None:
@@ -642,8 +671,10 @@ def _cmd_checkpoint_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
+    from torchneox.config.paths import refuse_existing
     from torchneox.train.plot import plot_runs
 
+    refuse_existing([Path(args.out)], args.force, "plot")
     plot_runs([Path(r) for r in args.runs], Path(args.out))
     print(f"wrote {args.out}")
     return 0
@@ -696,5 +727,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("torchneox: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
+    except BrokenPipeError:  # `torchneox config keys | head`: the reader had enough
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # and the interpreter's last flush must not fail
+        os.close(devnull)
         return 0
+    except Exception as e:  # a bug: a short report, the traceback only when asked
+        if os.environ.get("TORCHNEOX_TRACEBACK"):
+            raise
+        print(_internal_error_report(e, argv), file=sys.stderr)
+        return EXIT_INTERNAL_ERROR
+
+
+EXIT_INTERNAL_ERROR = 3
+
+
+def _internal_error_report(error: Exception, argv: list[str]) -> str:
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    ours = [f for f in frames if "torchneox" in f.filename] or frames
+    where = f"{Path(ours[-1].filename).name}:{ours[-1].lineno}" if ours else "?"
+    first = (str(error).strip().splitlines() or [""])[0][:300]
+    return (
+        f"torchneox: internal error: {type(error).__name__}: {first} (at {where}, in "
+        f"`torchneox {' '.join(argv[:2])}`). This is a bug in torchneox, not in what you typed: "
+        "please report it with the command you ran; TORCHNEOX_TRACEBACK=1 shows the traceback."
+    )

@@ -342,7 +342,7 @@ def test_concurrent_processes_build_the_index_once(tmp_path):
     with multiprocessing.get_context("spawn").Pool(3) as pool:
         results = pool.map(_build_in_process, [(str(tmp_path / "d"), str(cache))] * 3)
     assert results[0] == results[1] == results[2]
-    assert sorted(p.suffix for p in cache.iterdir()) == [".lock", ".npy", ".npy", ".npy"]
+    assert sorted(p.suffix for p in cache.iterdir()) == [".json", ".lock", ".npy", ".npy", ".npy"]
 
 
 def test_weights_by_num_documents():

@@ -204,3 +204,156 @@ def test_a_device_this_machine_lacks_is_one_line(capsys):
     assert main(["generate", "--checkpoint", "x", "--device", "cuda"]) == 2
     err = capsys.readouterr().err
     assert "--device: cuda: this machine has no CUDA device" in err and err.count("\n") == 1
+
+
+def test_an_internal_error_is_a_short_report_not_a_traceback(monkeypatch, capsys, tmp_path):
+    from torchneox.config import report
+
+    def broken(*args, **kwargs):
+        raise KeyError("nobody expected this")
+
+    monkeypatch.setattr(report, "keys_text", broken)
+    assert main(["config", "keys"]) == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "torchneox: internal error: KeyError: 'nobody expected this'" in err
+    assert "This is a bug in torchneox" in err and "TORCHNEOX_TRACEBACK=1" in err
+    monkeypatch.setenv("TORCHNEOX_TRACEBACK", "1")
+    with pytest.raises(KeyError):
+        main(["config", "keys"])
+
+
+def test_a_corpus_far_too_small_for_train_iters_is_refused_with_the_numbers(
+    tmp_path, make_config, capsys
+):
+    """It used to die in a 24 GiB numpy allocation."""
+    cfg = make_config(train_iters=10**9, save=None, load=None)
+    assert main(["data", "batch", cfg, "--iteration", "5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "samples of 32 tokens need" in err and "epochs of it" in err
+    assert "lower train_iters (or the batch size, eval_iters), or add data" in err
+
+
+# ------------------------------------------------------------------------------- preprocess
+
+
+def _preprocess(tmp_path, *extra, inputs=("a.jsonl",)):
+    argv = ["preprocess", "--input", *[str(tmp_path / i) for i in inputs]]
+    argv += [
+        "--output-prefix",
+        str(tmp_path / "out" / "x"),
+        "--tokenizer-type",
+        "CharLevelTokenizer",
+    ]
+    return main([*argv, "--append-eod", *extra])
+
+
+def _one_error(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("torchneox: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "words"),
+    [
+        ("a.csv", "id,text\n1,hello\n", "'.csv' is none of them"),
+        ("a", "hello\n", "'no suffix' is none of them"),
+        ("a.jsonl", '{"text": ""}\n{"text": ""}\n', "every document is empty"),
+        ("a.jsonl.zst", "this is not zstd", "not a readable .zst file"),
+    ],
+    ids=["csv", "no-suffix", "only-empty-documents", "bad-zst"],
+)
+def test_preprocess_inputs_it_cannot_use(tmp_path, capsys, name, content, words):
+    pytest.importorskip("zstandard")
+    (tmp_path / name).write_text(content)
+    assert _preprocess(tmp_path, inputs=(name,)) == 2
+    assert words in _one_error(capsys)
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+def test_preprocess_refuses_to_replace_a_dataset_without_force(tmp_path, capsys):
+    (tmp_path / "a.jsonl").write_text('{"text": "one"}\n')
+    assert _preprocess(tmp_path) == 0
+    before = (tmp_path / "out" / "x_text_document.bin").read_bytes()
+    (tmp_path / "a.jsonl").write_text('{"text": "another"}\n')
+    capsys.readouterr()
+    assert _preprocess(tmp_path) == 2
+    assert "x_text_document.bin: already exists; preprocess would replace it" in _one_error(capsys)
+    assert (tmp_path / "out" / "x_text_document.bin").read_bytes() == before
+    assert _preprocess(tmp_path, "--force") == 0
+    assert (tmp_path / "out" / "x_text_document.bin").read_bytes() != before
+
+
+def test_preprocess_into_a_folder_it_cannot_write(tmp_path, capsys):
+    import os
+
+    if os.geteuid() == 0:  # root writes anywhere: block the folder with a file instead
+        (tmp_path / "out").write_text("a file where the folder should be")
+    else:
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out").chmod(0o500)
+    (tmp_path / "a.jsonl").write_text('{"text": "one"}\n')
+    assert _preprocess(tmp_path) == 2
+    assert "cannot write the dataset there" in _one_error(capsys)
+
+
+def test_preprocess_on_a_full_disk_leaves_nothing_behind(tmp_path):
+    """The partial .bin used to stay and fill the disk (its cleanup failed on the full disk)."""
+    import os
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    with open(tmp_path / "a.jsonl", "w") as f:
+        for i in range(3000):
+            f.write('{"text": "%s"}\n' % ("words and more words " * 20))
+
+    def small_files() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+
+    argv = [sys.executable, "-m", "torchneox", "preprocess", "--input", str(tmp_path / "a.jsonl")]
+    argv += [
+        "--output-prefix",
+        str(tmp_path / "out" / "x"),
+        "--tokenizer-type",
+        "CharLevelTokenizer",
+    ]
+    run = subprocess.run(
+        argv, capture_output=True, text=True, preexec_fn=small_files, timeout=300, check=False
+    )
+    assert run.returncode == 2, run.stderr[-2000:]
+    lines = [x for x in run.stderr.splitlines() if x.startswith("torchneox: error:")]
+    assert len(lines) == 1 and "Traceback" not in run.stderr
+    assert "writing the dataset failed" in lines[0] and "partial files are removed" in lines[0]
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_train_tokenizer_on_an_empty_file_and_over_an_existing_one(tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("")
+    argv = [
+        "train-tokenizer",
+        "--input",
+        str(tmp_path / "empty.txt"),
+        "--output",
+        str(tmp_path / "t.json"),
+    ]
+    assert main(argv) == 2
+    assert "no text to learn a tokenizer from" in _one_error(capsys)
+    assert not (tmp_path / "t.json").exists()
+    (tmp_path / "t.json").write_text("mine")
+    (tmp_path / "words.txt").write_text("some words to learn from\n" * 20)
+    argv[2] = str(tmp_path / "words.txt")
+    assert main([*argv, "--vocab-size", "300"]) == 2
+    assert "t.json: already exists; train-tokenizer would replace it" in _one_error(capsys)
+    assert (tmp_path / "t.json").read_text() == "mine"
+
+
+def test_a_vocab_file_given_to_the_byte_tokenizer_is_warned_about(tmp_path, capsys):
+    (tmp_path / "a.jsonl").write_text('{"text": "one"}\n')
+    assert _preprocess(tmp_path, "--vocab-file", str(tmp_path / "a.jsonl")) == 0
+    assert "CharLevelTokenizer reads no files" in capsys.readouterr().err

@@ -30,3 +30,13 @@ def atomic_output(path: str | Path, what: str = "output") -> Iterator[Path]:
         raise ConfigError(f"cannot write it ({e.strerror})", source=str(target)) from None
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def refuse_existing(paths: list[Path], force: bool, what: str) -> None:
+    """Nothing is written over without asking: an existing output is refused unless --force."""
+    there = [p for p in map(Path, paths) if p.exists()]
+    if there and not force:
+        raise ConfigError(
+            f"already exists; {what} would replace it: name another, or pass --force",
+            source=str(there[0]),
+        )

@@ -76,11 +76,41 @@ def build_shuffle_idx(size: int, rng: np.random.RandomState) -> np.ndarray:
     return idx
 
 
+def _memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 40
+
+
+def check_index_fits(
+    tokens_per_epoch: int, documents: int, num_samples: int, seq_length: int, name: str
+) -> int:
+    """The epochs the samples need; refused with the numbers when their index arrays would
+    take more than half of this machine's memory (a corpus far too small for train_iters)."""
+    epochs = num_epochs(tokens_per_epoch, seq_length, num_samples)
+    count = (epochs * tokens_per_epoch - 1) // seq_length
+    needed = epochs * documents * 4 + (count + 1) * 2 * 8 + count * 8
+    if needed > _memory_bytes() // 2:
+        raise DataError(
+            f"the {name} split has {tokens_per_epoch:,} tokens: {num_samples:,} samples of "
+            f"{seq_length} tokens need {epochs:,} epochs of it, whose sample index would take "
+            f"{needed / 2**30:.1f} GiB (this machine has {_memory_bytes() / 2**30:.0f}); lower "
+            "train_iters (or the batch size, eval_iters), or add data"
+        )
+    return epochs
+
+
 def build_indices(
-    sizes: np.ndarray, documents: np.ndarray, num_samples: int, seq_length: int, seed: int
+    sizes: np.ndarray,
+    documents: np.ndarray,
+    num_samples: int,
+    seq_length: int,
+    seed: int,
+    name: str = "train",
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     tokens_per_epoch = int(sizes[documents].sum(dtype=np.int64))
-    epochs = num_epochs(tokens_per_epoch, seq_length, num_samples)
+    epochs = check_index_fits(tokens_per_epoch, len(documents), num_samples, seq_length, name)
     rng = np.random.RandomState(seed)
     doc_idx = build_doc_idx(documents, epochs, rng)
     count = (epochs * tokens_per_epoch - 1) // seq_length
@@ -155,6 +185,7 @@ class GPTDataset:
                         self.num_samples,
                         self.seq_length,
                         self.seed,
+                        self.name,
                     )
                     for kind, array in zip(
                         ("doc_idx", "sample_idx", "shuffle_idx"), arrays, strict=True

@@ -16,6 +16,7 @@ Preprocessing writes one sequence per document, so sequences and documents coinc
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 from pathlib import Path
@@ -134,8 +135,14 @@ class IndexedDatasetWriter:
         suffix = f".partial-{os.getpid()}"
         self._bin_tmp = self.bin_path.with_name(self.bin_path.name + suffix)
         self._idx_tmp = self.idx_path.with_name(self.idx_path.name + suffix)
-        self.bin_path.parent.mkdir(parents=True, exist_ok=True)
-        self._bin = open(self._bin_tmp, "wb")  # noqa: SIM115 - closed in finish/abort
+        try:
+            self.bin_path.parent.mkdir(parents=True, exist_ok=True)
+            self._bin = open(self._bin_tmp, "wb")  # noqa: SIM115 - closed in finish/abort
+        except OSError as e:
+            raise DataError(
+                f"{self.bin_path.parent}: cannot write the dataset there ({e.strerror}); choose "
+                "another --output-prefix or fix the folder's permissions"
+            ) from None
         self.sizes: list[int] = []
         self.doc_idx: list[int] = [0]
 
@@ -170,6 +177,8 @@ class IndexedDatasetWriter:
         os.replace(self._idx_tmp, self.idx_path)
 
     def abort(self) -> None:
-        self._bin.close()
+        """Remove what was written; works on a full disk too (closing may fail to flush)."""
+        with contextlib.suppress(OSError):
+            self._bin.close()
         for p in (self._bin_tmp, self._idx_tmp):
             p.unlink(missing_ok=True)

@@ -8,6 +8,7 @@ input order.
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import multiprocessing
@@ -70,6 +71,12 @@ def read_lines(inputs: list[str]) -> Iterator[_Line]:
         if not path.is_file():
             raise DataError(f"{name}: no such file")
         is_json = ".json" in path.name
+        if not is_json and not path.name.endswith((".txt", ".txt.zst")):
+            raise DataError(
+                f"{name}: preprocess reads .jsonl (one JSON object per line), .jsonl.zst and .txt "
+                f"(one document per line); '{''.join(path.suffixes) or 'no suffix'}' is none of "
+                "them: convert it, or rename a plain-text file to .txt"
+            )
         try:
             with _open_text(path) as f:
                 for number, line in enumerate(f, start=1):
@@ -80,6 +87,10 @@ def read_lines(inputs: list[str]) -> Iterator[_Line]:
             raise DataError(f"{name}: not UTF-8 text ({e.reason} at byte {e.start})") from None
         except OSError as e:
             raise DataError(f"{name}: cannot read ({e.strerror or e})") from None
+        except Exception as e:  # zstandard's own errors: a file that is not zstd at all
+            if type(e).__module__.startswith("zstandard"):
+                raise DataError(f"{name}: not a readable .zst file ({e})") from None
+            raise
 
 
 _TOKENIZERS: dict[tuple[str, str | None, str | None], Tokenizer] = {}
@@ -192,17 +203,35 @@ def preprocess(args: PreprocessArgs) -> list[Path]:
             if pool
             else map(encoder.encode, read_lines(args.inputs))
         )
-        for encoded, size in results:
-            if isinstance(encoded, str):
-                raise DataError(encoded)
-            for writer, ids in zip(writers, encoded, strict=True):
-                if ids:
-                    writer.add_document(ids)
-            progress.update(sum(len(ids) for ids in encoded), size)
-        if progress.docs == 0:
-            raise DataError(f"{', '.join(args.inputs)}: no documents found (empty input)")
-        for writer in writers:
-            writer.finish()
+        try:
+            for encoded, size in results:
+                if isinstance(encoded, str):
+                    raise DataError(encoded)
+                for writer, ids in zip(writers, encoded, strict=True):
+                    if ids:
+                        writer.add_document(ids)
+                progress.update(sum(len(ids) for ids in encoded), size)
+            if progress.docs == 0:
+                raise DataError(f"{', '.join(args.inputs)}: no documents found (empty input)")
+            empty = [w for w, key in zip(writers, args.jsonl_keys, strict=True) if not w.sizes]
+            if empty:
+                raise DataError(
+                    f"{', '.join(args.inputs)}: every document is empty"
+                    + (
+                        f" under key {args.jsonl_keys[writers.index(empty[0])]!r}"
+                        if len(writers) > 1
+                        else ""
+                    )
+                    + "; there is nothing to train on"
+                )
+            for writer in writers:
+                writer.finish()
+        except OSError as e:
+            what = "the disk is full" if e.errno == errno.ENOSPC else e.strerror or str(e)
+            raise DataError(
+                f"{writers[0].bin_path.parent}: writing the dataset failed ({what}); nothing was "
+                "written and the partial files are removed"
+            ) from None
     except BaseException:
         for writer in writers:
             writer.abort()

@@ -195,20 +195,29 @@ class TiktokenTokenizer:
         return self._enc.decode(ids)
 
 
-def _texts(paths: list[str], keys: tuple[str, ...]):
+def _texts(paths: list[str], keys: tuple[str, ...], seen: list[int]):
+    """The texts under ``keys`` of each input, read as preprocess reads them; counts them in
+    ``seen``. A record that is not what preprocess takes is one line naming it."""
     import json
 
-    for name in paths:
-        with open(name, encoding="utf-8") as f:
-            for line in f:
-                if not line.strip():
-                    continue
-                if ".json" in name:
-                    record = json.loads(line)
-                    for key in keys:
-                        yield record[key]
-                else:
-                    yield line.rstrip("\n")
+    from torchneox.data.indexed import DataError
+    from torchneox.data.preprocess import read_lines
+
+    for line in read_lines(paths):
+        if not line.is_json:
+            seen[0] += 1
+            yield line.text
+            continue
+        try:
+            record = json.loads(line.text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{line.source}:{line.number}: invalid JSON ({e.msg})") from None
+        for key in keys:
+            if not isinstance(record, dict) or not isinstance(record.get(key), str):
+                raise DataError(f"{line.source}:{line.number}: no text under key {key!r}")
+            if record[key]:
+                seen[0] += 1
+                yield record[key]
 
 
 def train_bpe(
@@ -230,7 +239,14 @@ def train_bpe(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    backend.train_from_iterator(_texts(inputs, keys), trainer=trainer)
-    Path(output).parent.mkdir(parents=True, exist_ok=True)
-    backend.save(output)
+    seen = [0]
+    backend.train_from_iterator(_texts(inputs, keys, seen), trainer=trainer)
+    if seen[0] == 0:
+        from torchneox.data.indexed import DataError
+
+        raise DataError(f"{', '.join(inputs)}: no text to learn a tokenizer from (empty input)")
+    from torchneox.config.paths import atomic_output
+
+    with atomic_output(output, "--output tokenizer") as tmp:
+        backend.save(str(tmp))
     return backend.get_vocab_size()
