@@ -302,14 +302,13 @@ def test_preprocess_into_a_folder_it_cannot_write(tmp_path, capsys):
 
 def test_preprocess_on_a_full_disk_leaves_nothing_behind(tmp_path):
     """The partial .bin used to stay and fill the disk (its cleanup failed on the full disk)."""
-    import os
     import resource
     import signal
     import subprocess
     import sys
 
     with open(tmp_path / "a.jsonl", "w") as f:
-        for i in range(3000):
+        for _ in range(3000):
             f.write('{"text": "%s"}\n' % ("words and more words " * 20))
 
     def small_files() -> None:
