@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,10 @@ import pytest
 from torchneox.data.preprocess import PreprocessArgs, preprocess
 
 REPO = Path(__file__).resolve().parents[1]
+# the CPU's matmul peak (for MFU) is measured once per test session, not into the user's cache
+os.environ.setdefault(
+    "TORCHNEOX_CPU_PEAK_CACHE", str(Path(tempfile.mkdtemp(prefix="torchneox-peak-")) / "peak.json")
+)
 
 
 def shared_dir() -> Path | None:

@@ -510,3 +510,24 @@ def test_a_checkpoint_keeps_the_paths_it_was_given_absolute(make_config, tmp_pat
 def test_a_run_without_save_says_nothing_is_kept(make_config, capsys):
     run(make_config(train_iters=1, save=None, load=None))
     assert "warning: no save is set, so nothing of this run is kept" in capsys.readouterr().out
+
+
+def test_mfu_is_against_a_peak_measured_once_and_never_above_100(make_config, tmp_path, monkeypatch):
+    """The CPU's peak used to be measured at every start-up and moved 30x with the load; MFU
+    above 100% followed."""
+    from torchneox import hardware
+
+    monkeypatch.setenv(hardware.CPU_PEAK_ENV, str(tmp_path / "peak.json"))
+    first = hardware.cpu_peak_tflops("fp32")
+    measured = []
+    monkeypatch.setattr(hardware, "measure_cpu_tflops", lambda *a, **k: measured.append(1) or 1.0)
+    assert hardware.cpu_peak_tflops("fp32") == first and measured == []  # cached
+    hardware.raise_cpu_peak("fp32", 1e-9)  # an old, far too low figure is replaced by a higher one
+    assert hardware.cpu_peak_tflops("fp32") == first
+    # a run whose steps beat the cached peak: MFU stops at 100% and the peak goes up
+    data = json.loads((tmp_path / "peak.json").read_text())
+    (tmp_path / "peak.json").write_text(json.dumps(dict.fromkeys(data, 1e-6)))
+    run(make_config(train_iters=2, save=str(tmp_path / "r"), load=None))
+    rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["mfu"] <= 1.0 for r in rows if "mfu" in r)
+    assert max(json.loads((tmp_path / "peak.json").read_text()).values()) > 1e-6

@@ -273,8 +273,8 @@ class Trainer:
             peak = hardware.peak_tflops(acc, self.precision)
             return peak, f"{acc.name} {self.precision} peak {peak:g} TFLOP/s"
         if self.device.type == "cpu":
-            peak = hardware.measure_cpu_tflops()
-            return peak, f"this CPU's measured fp32 matmul rate {peak:.3g} TFLOP/s"
+            peak = hardware.cpu_peak_tflops(self.precision)
+            return peak, f"this CPU's measured {self.precision} matmul peak {peak:.3g} TFLOP/s"
         return None, "unknown device: set peak_theoretical_tflops for MFU"
 
     def _resume(self, load_dir: Path, step: int | None) -> None:
@@ -707,7 +707,7 @@ class Trainer:
             "grad_norm": out["grad_norm"],
             "tokens_per_sec": tokens_per_sec,
             "tflops": tflops,
-            "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
+            "mfu": self._mfu(tflops),
             "step_time_s": seconds,
             "skipped_steps": self.scaler.skipped,
         }
@@ -722,6 +722,24 @@ class Trainer:
                 dist.all_reduce(counts, group=self.dims.mesh["dp"].get_group())
             row["moe_tokens_per_expert"] = counts.tolist()  # [MoE layer][expert], this step
         return row
+
+    def _mfu(self, tflops: float) -> float | None:
+        """Model FLOPs utilisation against the stated peak; never above 1: a measured CPU peak
+        that a step beat was too low, and is raised (and cached) to what the step achieved."""
+        if not self.peak_tflops:
+            return None
+        if (
+            tflops > self.peak_tflops
+            and self.device.type == "cpu"
+            and not self.cfg.logging.peak_theoretical_tflops
+        ):
+            hardware.raise_cpu_peak(self.precision, tflops)
+            self.logger.line(
+                f"a step ran at {tflops:.3g} TFLOP/s, above the measured peak "
+                f"{self.peak_tflops:.3g}: the peak is raised to it"
+            )
+            self.peak_tflops = tflops
+        return min(tflops / self.peak_tflops, 1.0)
 
     def _dump_memory_snapshot(self) -> None:
         lg = self.cfg.logging
