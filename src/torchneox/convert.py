@@ -58,7 +58,21 @@ def _read_hf(
         hf.neox_config_from_hf(hf_cfg) | tokenizer_keys, str(hf_dir / "config.json")
     )
     args = model_args(loaded)
-    sd = hf.state_dict_from_hf(hf.architecture_of(hf_cfg), hf.read_state_dict(hf_dir), args)
+    tensors = hf.read_state_dict(hf_dir)
+    try:
+        sd = hf.state_dict_from_hf(hf.architecture_of(hf_cfg), tensors, args)
+    except KeyError as e:
+        raise ConfigError(
+            f"the weights have no tensor {e.args[0]}, which config.json's model needs; do the "
+            "weights belong to this config.json?",
+            source=str(hf_dir),
+        ) from None
+    except RuntimeError as e:  # a reshape of a tensor whose size config.json does not give
+        raise ConfigError(
+            f"the weights do not match config.json ({str(e).splitlines()[0]}); do they belong "
+            "to this config.json?",
+            source=str(hf_dir),
+        ) from None
     _check_shapes(args, sd, str(hf_dir))
     return loaded, sd
 

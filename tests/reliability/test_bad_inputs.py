@@ -356,3 +356,64 @@ def test_a_vocab_file_given_to_the_byte_tokenizer_is_warned_about(tmp_path, caps
     (tmp_path / "a.jsonl").write_text('{"text": "one"}\n')
     assert _preprocess(tmp_path, "--vocab-file", str(tmp_path / "a.jsonl")) == 0
     assert "CharLevelTokenizer reads no files" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ convert
+
+
+@pytest.fixture
+def hf_folder(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    cfg = transformers.GPTNeoXConfig(
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=256,
+        max_position_embeddings=64,
+        rotary_pct=0.25,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    transformers.GPTNeoXForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    return tmp_path / "hf"
+
+
+def _edit_config(folder, **changes):
+    import json
+
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | changes))
+
+
+@pytest.mark.parametrize(
+    ("damage", "words"),
+    [
+        ("truncated-safetensors", "cannot be read as safetensors"),
+        ("config-wider-than-weights", "the weights do not match config.json"),
+        ("config-deeper-than-weights", "weights do not match the config (missing layers.2"),
+        ("config-not-json", "config.json is not valid JSON"),
+        ("no-config", "no config.json: not a Hugging Face model folder"),
+        ("no-weights", "no model.safetensors or pytorch_model.bin found"),
+    ],
+)
+def test_from_hf_folders_that_do_not_hold_together(hf_folder, tmp_path, capsys, damage, words):
+    weights = hf_folder / "model.safetensors"
+    if damage == "truncated-safetensors":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif damage == "config-wider-than-weights":
+        _edit_config(hf_folder, hidden_size=128)
+    elif damage == "config-deeper-than-weights":
+        _edit_config(hf_folder, num_hidden_layers=3)
+    elif damage == "config-not-json":
+        (hf_folder / "config.json").write_text("{not json")
+    elif damage == "no-config":
+        (hf_folder / "config.json").unlink()
+    else:
+        weights.unlink()
+    assert main(["convert", "from-hf", str(hf_folder), str(tmp_path / "out")]) == 2
+    assert words in _one_error(capsys)
+    assert not (tmp_path / "out").exists()
+    assert not list(tmp_path.glob(".out*"))

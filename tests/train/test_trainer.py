@@ -512,7 +512,9 @@ def test_a_run_without_save_says_nothing_is_kept(make_config, capsys):
     assert "warning: no save is set, so nothing of this run is kept" in capsys.readouterr().out
 
 
-def test_mfu_is_against_a_peak_measured_once_and_never_above_100(make_config, tmp_path, monkeypatch):
+def test_mfu_is_against_a_peak_measured_once_and_never_above_100(
+    make_config, tmp_path, monkeypatch
+):
     """The CPU's peak used to be measured at every start-up and moved 30x with the load; MFU
     above 100% followed."""
     from torchneox import hardware

@@ -55,16 +55,33 @@ def read_config(folder: Path) -> dict[str, Any]:
         raise HFError(f"config.json is not valid JSON ({e})", source=str(folder)) from None
 
 
-def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a local HF folder: model.safetensors, sharded safetensors, or .bin."""
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
+    try:
+        return load_file(path)
+    except FileNotFoundError:
+        raise HFError("is missing (the index names it)", source=str(path)) from None
+    except Exception as e:  # a truncated or foreign file
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise HFError(
+            f"cannot be read as safetensors ({first}); is it truncated? download it again",
+            source=str(path),
+        ) from None
+
+
+def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a local HF folder: model.safetensors, sharded safetensors, or .bin."""
+    load_file = _load_safetensors
     single = folder / "model.safetensors"
     index = folder / "model.safetensors.index.json"
     if single.is_file():
         return load_file(single)
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, AttributeError):
+            raise HFError("is not a safetensors index (no weight_map)", source=str(index)) from None
         out: dict[str, torch.Tensor] = {}
         for name in files:
             out.update(load_file(folder / name))
@@ -73,7 +90,13 @@ def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     if bins:
         out = {}
         for path in bins:
-            out.update(torch.load(path, map_location="cpu", weights_only=True))
+            try:
+                out.update(torch.load(path, map_location="cpu", weights_only=True))
+            except Exception as e:
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise HFError(
+                    f"cannot be read as torch weights ({first})", source=str(path)
+                ) from None
         return out
     raise HFError("no model.safetensors or pytorch_model.bin found", source=str(folder))
 
