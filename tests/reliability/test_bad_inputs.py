@@ -417,3 +417,137 @@ def test_from_hf_folders_that_do_not_hold_together(hf_folder, tmp_path, capsys, 
     assert words in _one_error(capsys)
     assert not (tmp_path / "out").exists()
     assert not list(tmp_path.glob(".out*"))
+
+
+# ------------------------------------------------------------------ one table, every verb
+
+# (argv, words of the one line); paths are relative to an empty folder the test runs in
+VERB_CASES = {
+    "train-no-such-config": (["train", "nope.yml"], "nope.yml: no such config file"),
+    "train-config-is-a-folder": (["train", "."], "is a directory, not a config file"),
+    "train-empty-config": (["train", "empty.yml"], "empty.yml: the config file is empty"),
+    "train-bad-set": (
+        ["train", "model.yml", "--set", "num_layers"],
+        "--set: 'num_layers' is not KEY=VALUE",
+    ),
+    "explain-unknown-key": (
+        ["config", "explain", "typo.yml"],
+        "hiden_size: unknown key; did you mean hidden_size?",
+    ),
+    "explain-bad-format": (["config", "explain", "typo.yml", "--format", "xml"], "--format"),
+    "generate-no-checkpoint": (
+        ["generate", "--checkpoint", "missing", "--prompt", "hi"],
+        "missing: no such checkpoint directory",
+    ),
+    "generate-not-a-checkpoint": (
+        ["generate", "--checkpoint", ".", "--prompt", "hi"],
+        "not a torchneox checkpoint",
+    ),
+    "generate-hf-not-a-folder": (
+        ["generate", "--hf", "missing", "--prompt", "hi"],
+        "no config.json",
+    ),
+    "generate-both-sources": (
+        ["generate", "--checkpoint", "a", "--hf", "b"],
+        "not allowed with argument",
+    ),
+    "generate-no-source": (
+        ["generate", "--prompt", "hi"],
+        "one of the arguments --checkpoint --hf is required",
+    ),
+    "generate-bad-mode": (
+        ["generate", "--checkpoint", "a", "--text-gen-type", "chat"],
+        "invalid choice: 'chat'",
+    ),
+    "eval-nothing-to-do": (["eval", "--checkpoint", "missing"], "give --tasks T1,T2"),
+    "eval-no-checkpoint": (
+        ["eval", "--checkpoint", "missing", "--data-path", "d"],
+        "missing: no such checkpoint directory",
+    ),
+    "plot-no-metrics": (["plot", "."], "no metrics.jsonl here"),
+    "plot-no-run": (["plot", "missing"], "no metrics.jsonl here"),
+    "verify-no-dir": (["checkpoint", "verify", "missing"], "missing: no such checkpoint directory"),
+    "to-hf-not-a-checkpoint": (["convert", "to-hf", ".", "out"], "not a torchneox checkpoint"),
+    "to-hf-no-checkpoint": (
+        ["convert", "to-hf", "missing", "out"],
+        "missing: no such checkpoint directory",
+    ),
+    "from-hf-no-folder": (["convert", "from-hf", "missing", "out"], "no config.json"),
+    "from-neox-no-folder": (
+        ["convert", "from-gpt-neox", "missing", "out"],
+        "missing: no such directory",
+    ),
+    "from-neox-not-neox": (["convert", "from-gpt-neox", ".", "out"], "not a GPT-NeoX checkpoint"),
+    "from-neox-no-step": (
+        ["convert", "from-gpt-neox", ".", "out", "--step", "5"],
+        "has no global_step5",
+    ),
+    "preprocess-no-input": (
+        [
+            "preprocess",
+            "--input",
+            "nope.jsonl",
+            "--output-prefix",
+            "o",
+            "--tokenizer-type",
+            "CharLevelTokenizer",
+        ],
+        "nope.jsonl: no such file",
+    ),
+    "preprocess-no-tokenizer-file": (
+        [
+            "preprocess",
+            "--input",
+            "empty.yml",
+            "--output-prefix",
+            "o",
+            "--tokenizer-type",
+            "HFTokenizer",
+        ],
+        "vocab_file",
+    ),
+    "preprocess-unknown-builtin": (
+        [
+            "preprocess",
+            "--builtin",
+            "wiki",
+            "--output-prefix",
+            "o",
+            "--tokenizer-type",
+            "CharLevelTokenizer",
+        ],
+        "no built-in corpus 'wiki'",
+    ),
+    "train-tokenizer-no-input": (
+        ["train-tokenizer", "--input", "nope.txt", "--output", "t.json"],
+        "nope.txt: no such file",
+    ),
+    "data-batch-no-config": (
+        ["data", "batch", "nope.yml", "--iteration", "1"],
+        "nope.yml: no such config file",
+    ),
+    "estimate-unknown-gpu": (["estimate", "model.yml", "--gpus", "8", "--gpu", "tpu9"], "tpu9"),
+    "unknown-verb": (["trian", "c.yml"], "invalid choice: 'trian'"),
+    "no-verb": ([], "the following arguments are required"),
+}
+
+
+@pytest.mark.parametrize("case", list(VERB_CASES))
+def test_every_verb_names_the_mistake_in_one_line(case, tmp_path, monkeypatch, capsys):
+    argv, words = VERB_CASES[case]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty.yml").write_text("# nothing\n")
+    (tmp_path / "typo.yml").write_text("{hiden_size: 64}\n")
+    (tmp_path / "model.yml").write_text(
+        "{num_layers: 2, hidden_size: 64, num_attention_heads: 4, seq_length: 32,"
+        " train_micro_batch_size_per_gpu: 2}\n"
+    )
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and captured.err.startswith("torchneox: error: "), (
+        captured.err
+    )
+    assert words in captured.err, captured.err
+    assert "Traceback" not in captured.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
