@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -147,6 +148,12 @@ def to_hf(ckpt: str | Path, out_dir: str | Path, force: bool = False) -> Path:
 def _copy_tokenizer(loaded: LoadedConfig, out: Path) -> int | None:
     tok = loaded.config.tokenizer
     if tok.vocab_file is None or not Path(tok.vocab_file).is_file():
+        if tok.vocab_file is not None:
+            print(
+                f"warning: the checkpoint's tokenizer file {tok.vocab_file} is not there: the "
+                "export has no tokenizer and no bos/eos ids (copy it into the export yourself)",
+                file=sys.stderr,
+            )
         return None
     if tok.tokenizer_type == "HFTokenizer":
         shutil.copyfile(tok.vocab_file, out / "tokenizer.json")

@@ -69,6 +69,12 @@ def new_output_dir(out: Path, force: bool, verb: str) -> Iterator[Path]:
             os.replace(out, old)
         os.replace(tmp, out)
         shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:  # a full disk, a folder made read-only meanwhile
+        raise ConfigError(
+            f"writing it failed ({e.strerror or e}); nothing was written and what was there "
+            "is unchanged",
+            source=str(out),
+        ) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
