@@ -10,6 +10,9 @@ import pytest
 
 from torchneox.cli import main
 
+PREPROCESS = ["preprocess", "--input", "a.jsonl", "--output-prefix", "o"]
+PREPROCESS += ["--tokenizer-type", "CharLevelTokenizer"]
+
 # (verb and arguments, words the one line must contain)
 OPTION_CASES = {
     "train-nproc-0": (["train", "c.yml", "--nproc", "0"], "argument --nproc: must be >= 1, got 0"),
@@ -64,31 +67,11 @@ OPTION_CASES = {
         "--seed: expected an integer",
     ),
     "preprocess-workers-0": (
-        [
-            "preprocess",
-            "--input",
-            "a.jsonl",
-            "--output-prefix",
-            "o",
-            "--tokenizer-type",
-            "CharLevelTokenizer",
-            "--workers",
-            "0",
-        ],
+        [*PREPROCESS, "--workers", "0"],
         "--workers: must be >= 1, got 0",
     ),
     "preprocess-log-interval-0": (
-        [
-            "preprocess",
-            "--input",
-            "a.jsonl",
-            "--output-prefix",
-            "o",
-            "--tokenizer-type",
-            "CharLevelTokenizer",
-            "--log-interval",
-            "0",
-        ],
+        [*PREPROCESS, "--log-interval", "0"],
         "--log-interval: must be >= 1",
     ),
     "train-tokenizer-vocab-0": (

@@ -361,12 +361,20 @@ def test_training_needs_its_keys(tmp_path, capsys):
     assert "train_iters: training needs it" in capsys.readouterr().err
 
 
-def test_tensorboard_wandb_offline_timers_and_profiler(make_config, tmp_path, monkeypatch, capsys):
-    pytest.importorskip("tensorboard")
+@pytest.fixture
+def offline_loggers(tmp_path, monkeypatch):
+    """W&B and Comet write locally; the run's working folder is tmp_path."""
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("COMET_START_ONLINE", "false")
     monkeypatch.chdir(tmp_path)
+
+
+def test_tensorboard_wandb_offline_timers_and_profiler(
+    make_config, tmp_path, offline_loggers, capsys
+):
+    pytest.importorskip("tensorboard")
     cfg = make_config(
         train_iters=4,
         save=str(tmp_path / "r"),
@@ -387,13 +395,8 @@ def test_tensorboard_wandb_offline_timers_and_profiler(make_config, tmp_path, mo
     assert list((tmp_path / "r" / "wandb").glob("offline-run-*"))
 
 
-def test_wandb_run_name_and_comet_offline(make_config, tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
+def test_wandb_run_name_and_comet_offline(make_config, tmp_path, offline_loggers):
     pytest.importorskip("comet_ml")
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setenv("COMET_START_ONLINE", "false")
-    monkeypatch.chdir(tmp_path)
     cfg = make_config(
         train_iters=3,
         save=str(tmp_path / "r"),
