@@ -55,9 +55,13 @@ def _read_hf(
     hf_dir: Path, tokenizer_keys: dict[str, str]
 ) -> tuple[LoadedConfig, dict[str, torch.Tensor]]:
     hf_cfg = hf.read_config(hf_dir)
-    loaded = load_mapping(
-        hf.neox_config_from_hf(hf_cfg) | tokenizer_keys, str(hf_dir / "config.json")
-    )
+    try:
+        keys = hf.neox_config_from_hf(hf_cfg)
+    except hf.HFError as e:
+        if e.source is not None:
+            raise
+        raise hf.HFError(e.message, source=str(hf_dir / "config.json"), key=e.key) from None
+    loaded = load_mapping(keys | tokenizer_keys, str(hf_dir / "config.json"))
     args = model_args(loaded)
     tensors = hf.read_state_dict(hf_dir)
     try:

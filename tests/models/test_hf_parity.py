@@ -207,3 +207,33 @@ def test_conversions_never_write_over_what_is_there(tmp_path, capsys):
     assert sorted(p.name for p in stale.iterdir()) == ["config.json", "model.safetensors"]
     assert not list(tmp_path.glob(".*partial*")) and not list(tmp_path.glob(".*old*"))
     transformers.GPTNeoXForCausalLM.from_pretrained(stale)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+        {"rope_scaling": {"type": "dynamic", "factor": 2.0}},
+        {
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0},
+            "rope_parameters": {"rope_type": "default"},
+        },
+    ],
+    ids=["linear", "dynamic-old-spelling", "scaling-beside-default-parameters"],
+)
+def test_rope_scaling_is_refused_not_dropped(tmp_path, capsys, extra):
+    """A config.json with rope_scaling beside a default rope_parameters converted with exit 0
+    and gave logits 0.16 away from transformers'."""
+    import json
+
+    from torchneox.cli import main
+
+    _, folder = _hf_model(tmp_path, "llama-gqa")
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    (folder / "config.json").write_text(json.dumps(config | extra))
+    assert main(["convert", "from-hf", str(folder), str(tmp_path / "out")]) == 2
+    errors = [x for x in capsys.readouterr().err.splitlines() if x.startswith("torchneox:")]
+    assert len(errors) == 1 and "rope scaling" in errors[0] and "not supported yet" in errors[0]
+    assert str(folder / "config.json") in errors[0]
+    assert not (tmp_path / "out").exists()

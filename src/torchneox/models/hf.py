@@ -104,12 +104,17 @@ def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
 def _rope(hf: dict[str, Any]) -> tuple[float, float]:
     """(theta, partial rotary factor) from old-style or rope_parameters-style configs."""
     params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling")
-    kind = (
-        params.get("rope_type") or (scaling or {}).get("rope_type") or (scaling or {}).get("type")
-    )
-    if kind not in (None, "default"):
-        raise HFError(f"rope scaling {kind!r} is not supported", key="rope_parameters")
+    scaling = hf.get("rope_scaling") or {}
+    # either may ask for scaling (transformers applies rope_scaling over a default
+    # rope_parameters): a model converted without it would compute other logits
+    for key, spec in (("rope_parameters", params), ("rope_scaling", scaling)):
+        kind = spec.get("rope_type") or spec.get("type") if isinstance(spec, dict) else spec
+        if kind not in (None, "default"):
+            raise HFError(
+                f"rope scaling {kind!r} is not supported yet; the model would compute other "
+                "logits without it",
+                key=key,
+            )
     theta = params.get("rope_theta", hf.get("rope_theta", hf.get("rotary_emb_base", 10000.0)))
     pct = params.get(
         "partial_rotary_factor", hf.get("partial_rotary_factor", hf.get("rotary_pct", 1.0))
