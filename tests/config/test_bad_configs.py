@@ -240,6 +240,20 @@ CASES = [
         ["bias_gelu_fusion: cannot be set together with onnx_safe"],
     ),
     (
+        "rope-scaling-not-built",
+        {"a.yml": "{rope_scaling: {type: yarn, factor: 4}}"},
+        [],
+        [
+            "rope_scaling: type 'yarn' is not built; torchneox scales rotary frequencies as linear or llama3"
+        ],
+    ),
+    (
+        "rope-scaling-missing-field",
+        {"a.yml": "{rope_scaling: {type: llama3, factor: 8}}"},
+        [],
+        ["rope_scaling: llama3 scaling needs low_freq_factor > 0, got None"],
+    ),
+    (
         "optimizer-betas",
         {"a.yml": "{optimizer: {type: Adam, params: {lr: 0.1, betas: [0.9]}}}"},
         [],
@@ -388,7 +402,7 @@ CASES = [
         [],
         ["gpt_j_tied: only means something with gpt_j_residual: true"],
     ),
-    ("world-size-flag", {"a.yml": BASE}, ["--world-size", "0"], ["--world-size must be >= 1"]),
+    ("world-size-flag", {"a.yml": BASE}, ["--world-size", "0"], ["--world-size: must be >= 1, got 0"]),
 ]
 
 

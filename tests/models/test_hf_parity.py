@@ -66,6 +66,28 @@ CASES = {
         lambda: pythia(2, 128, 4, hidden_act="gelu_pytorch_tanh"),
     ),
     "llama-gqa": (transformers.LlamaForCausalLM, llama),
+    # Llama 3.1-3.3 (rope_scaling llama3), and linear scaling on both layouts
+    "llama3-rope": (
+        transformers.LlamaForCausalLM,
+        lambda: llama(
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            rope_theta=500000.0,
+        ),
+    ),
+    "llama-linear-rope": (
+        transformers.LlamaForCausalLM,
+        lambda: llama(rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    ),
+    "pythia-linear-rope": (
+        transformers.GPTNeoXForCausalLM,
+        lambda: pythia(2, 128, 4, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    ),
     "llama-tied": (
         transformers.LlamaForCausalLM,
         lambda: llama(tie_word_embeddings=True, num_key_value_heads=8),
@@ -114,7 +136,9 @@ def test_logits_equal_transformers(tmp_path, name):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["pythia-14m", "tied", "gelu-new", "llama-gqa", "mistral-window"])
+@pytest.mark.parametrize(
+    "name", ["pythia-14m", "tied", "gelu-new", "llama-gqa", "llama3-rope", "mistral-window"]
+)
 def test_round_trip_gives_identical_tensors(tmp_path, name):
     hf_model, folder = _hf_model(tmp_path, name)
     convert.from_hf(folder, tmp_path / "ckpt")
@@ -212,16 +236,15 @@ def test_conversions_never_write_over_what_is_there(tmp_path, capsys):
 @pytest.mark.parametrize(
     "extra",
     [
-        {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
         {"rope_scaling": {"type": "dynamic", "factor": 2.0}},
         {
-            "rope_scaling": {"rope_type": "llama3", "factor": 8.0},
+            "rope_scaling": {"rope_type": "yarn", "factor": 4.0},
             "rope_parameters": {"rope_type": "default"},
         },
     ],
-    ids=["linear", "dynamic-old-spelling", "scaling-beside-default-parameters"],
+    ids=["dynamic-old-spelling", "yarn-beside-default-parameters"],
 )
-def test_rope_scaling_is_refused_not_dropped(tmp_path, capsys, extra):
+def test_rope_scaling_not_built_is_refused_not_dropped(tmp_path, capsys, extra):
     """A config.json with rope_scaling beside a default rope_parameters converted with exit 0
     and gave logits 0.16 away from transformers'."""
     import json

@@ -107,6 +107,12 @@ class ModelConfig:
         1.0, "Fraction of each head's dimensions that rotary embeddings rotate."
     )
     rotary_emb_base: int = key(10000, "Base of the rotary frequencies.")
+    rope_scaling: dict[str, Any] | None = extension(
+        None,
+        "Rotary frequency scaling, as Hugging Face's rope_scaling: {type: linear, factor: F} "
+        "or {type: llama3, factor, low_freq_factor, high_freq_factor, "
+        "original_max_position_embeddings} (Llama 3.1-3.3); unset: none.",
+    )
     rotary_save_freqs_buffer: bool = no_effect(
         False,
         "Store rotary inverse frequencies in checkpoints.",

@@ -114,6 +114,7 @@ def validate(config: NeoXConfig, origin: dict[str, str]) -> None:
     check = _Checker(config, origin)
     _check_refused(check)  # a feature that is not built is named before any check trips on it
     _check_model(check)
+    _check_rope_scaling(check)
     _check_moe(check)
     _check_parallel(check)
     _check_optimizer(check)
@@ -288,6 +289,37 @@ def layer_attention_types(config: NeoXConfig, origin: dict[str, str] | None = No
     if m.num_layers and len(types_per_layer) != m.num_layers:
         fail(f"describes {len(types_per_layer)} layers but num_layers is {m.num_layers}")
     return types_per_layer
+
+
+ROPE_SCALING_FIELDS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+def _check_rope_scaling(ch: _Checker) -> None:
+    spec = ch.c.model.rope_scaling
+    if spec is None:
+        return
+    kind = spec.get("type", spec.get("rope_type"))
+    if kind not in ROPE_SCALING_FIELDS:
+        ch.fail(
+            "rope_scaling",
+            f"type {kind!r} is not built; torchneox scales rotary frequencies as "
+            + " or ".join(ROPE_SCALING_FIELDS),
+        )
+    fields = ROPE_SCALING_FIELDS[kind]
+    extra = sorted(set(spec) - {"type", "rope_type", *fields})
+    if extra:
+        ch.fail(
+            "rope_scaling", f"{extra[0]!r} is not a field of {kind} scaling ({', '.join(fields)})"
+        )
+    for name in fields:
+        value = spec.get(name)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            ch.fail("rope_scaling", f"{kind} scaling needs {name} > 0, got {value!r}")
+    if kind == "llama3" and spec["high_freq_factor"] <= spec["low_freq_factor"]:
+        ch.fail("rope_scaling", "llama3 scaling needs high_freq_factor > low_freq_factor")
 
 
 def _check_moe(ch: _Checker) -> None:

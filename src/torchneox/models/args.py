@@ -42,6 +42,8 @@ class ModelArgs:
     init_method: str
     output_init_method: str
     init_std: float
+    rope_scaling: tuple[tuple[str, float], ...] = ()
+    """(("type", ...), (field, value), ...): rotary frequency scaling, empty for none."""
     moe_num_experts: int = 1
     moe_top_k: int = 1
     moe_interval: int = 1
@@ -85,6 +87,7 @@ class ModelArgs:
             pos_emb=m.pos_emb,
             rotary_dims=rotary_dims(cfg),
             rotary_base=float(m.rotary_emb_base),
+            rope_scaling=_rope_scaling(m.rope_scaling),
             max_positions=m.max_position_embeddings or m.seq_length,
             pos_offset=m.opt_pos_emb_offset,
             tied_embeddings=not m.no_weight_tying,
@@ -102,6 +105,16 @@ class ModelArgs:
             moe_router_type=cfg.moe.moe_router_type,
             moe_jitter_eps=cfg.moe.moe_jitter_eps,
         )
+
+
+def _rope_scaling(spec: dict | None) -> tuple[tuple[str, float], ...]:
+    if not spec:
+        return ()
+    kind = spec.get("type", spec.get("rope_type"))
+    return (
+        ("type", kind),
+        *sorted((k, float(v)) for k, v in spec.items() if k not in ("type", "rope_type")),
+    )
 
 
 def activation(cfg: NeoXConfig) -> str:

@@ -101,25 +101,36 @@ def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     raise HFError("no model.safetensors or pytorch_model.bin found", source=str(folder))
 
 
-def _rope(hf: dict[str, Any]) -> tuple[float, float]:
-    """(theta, partial rotary factor) from old-style or rope_parameters-style configs."""
+SCALED_ROPE = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, float, dict[str, Any] | None]:
+    """(theta, partial rotary factor, rope_scaling key or None) from old-style or
+    rope_parameters-style configs."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
+    chosen: dict[str, Any] | None = None
     # either may ask for scaling (transformers applies rope_scaling over a default
     # rope_parameters): a model converted without it would compute other logits
     for key, spec in (("rope_parameters", params), ("rope_scaling", scaling)):
-        kind = spec.get("rope_type") or spec.get("type") if isinstance(spec, dict) else spec
-        if kind not in (None, "default"):
+        kind = (spec.get("rope_type") or spec.get("type")) if isinstance(spec, dict) else spec
+        if kind in (None, "default"):
+            continue
+        if kind not in SCALED_ROPE:
             raise HFError(
-                f"rope scaling {kind!r} is not supported yet; the model would compute other "
-                "logits without it",
+                f"rope scaling {kind!r} is not supported yet (torchneox maps "
+                f"{', '.join(SCALED_ROPE)}); the model would compute other logits without it",
                 key=key,
             )
+        chosen = {"type": kind} | {name: spec[name] for name in SCALED_ROPE[kind] if name in spec}
     theta = params.get("rope_theta", hf.get("rope_theta", hf.get("rotary_emb_base", 10000.0)))
     pct = params.get(
         "partial_rotary_factor", hf.get("partial_rotary_factor", hf.get("rotary_pct", 1.0))
     )
-    return float(theta), float(pct)
+    return float(theta), float(pct), chosen
 
 
 def neox_config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
@@ -130,7 +141,7 @@ def neox_config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
             f"architecture {arch!r} is not supported; torchneox reads {', '.join(ARCHITECTURES)}",
             key="architectures",
         )
-    theta, pct = _rope(hf)
+    theta, pct, scaling = _rope(hf)
     h, heads = hf["hidden_size"], hf["num_attention_heads"]
     if hf.get("head_dim") not in (None, h // heads):
         raise HFError(f"head_dim {hf['head_dim']} differs from hidden_size / heads", key="head_dim")
@@ -148,6 +159,8 @@ def neox_config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "make_vocab_size_divisible_by": 1,
         "attention_dropout": float(hf.get("attention_dropout", 0.0)),
     }
+    if scaling is not None:
+        cfg["rope_scaling"] = scaling
     act = hf.get("hidden_act", "gelu")
     if arch == "GPTNeoXForCausalLM":
         if act not in HF_ACTIVATIONS:
@@ -316,7 +329,13 @@ def export_architecture(args: ModelArgs) -> str:
 
 
 def hf_config(arch: str, args: ModelArgs, eod_id: int | None = None) -> dict[str, Any]:
-    rope = {"rope_theta": args.rotary_base, "rope_type": "default"}
+    scaling = dict(args.rope_scaling)
+    kind = scaling.pop("type", "default")
+    if "original_max_position_embeddings" in scaling:
+        scaling["original_max_position_embeddings"] = int(
+            scaling["original_max_position_embeddings"]
+        )
+    rope = {"rope_theta": args.rotary_base, "rope_type": kind, **scaling}
     common: dict[str, Any] = {
         "architectures": [arch],
         "vocab_size": args.vocab_size,
@@ -332,6 +351,8 @@ def hf_config(arch: str, args: ModelArgs, eod_id: int | None = None) -> dict[str
     }
     if eod_id is not None:
         common.update(bos_token_id=eod_id, eos_token_id=eod_id)
+    if scaling:  # transformers < 5 reads rope_scaling
+        common["rope_scaling"] = {"rope_type": kind, "type": kind, **scaling}
     if arch == "GPTNeoXForCausalLM":
         pct = args.rotary_dims / args.head_dim
         return common | {

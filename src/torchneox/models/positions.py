@@ -11,14 +11,35 @@ import math
 import torch
 
 
-def rotary_inv_freq(dims: int, base: float) -> torch.Tensor:
-    return 1.0 / (base ** (torch.arange(0, dims, 2, dtype=torch.float64) / dims)).float()
+def rotary_inv_freq(dims: int, base: float, scaling: tuple = ()) -> torch.Tensor:
+    inv = 1.0 / (base ** (torch.arange(0, dims, 2, dtype=torch.float64) / dims)).float()
+    return scale_inv_freq(inv, dict(scaling)) if scaling else inv
 
 
-def rotary_tables(dims: int, base: float, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def scale_inv_freq(inv_freq: torch.Tensor, spec: dict) -> torch.Tensor:
+    """Rotary frequencies under Hugging Face's rope scaling. ``linear``: every frequency divided
+    by the factor (positions stretched). ``llama3`` (Llama 3.1): wavelengths longer than
+    original_max_position_embeddings / low_freq_factor divided by the factor, shorter than
+    .. / high_freq_factor kept, the ones between blended smoothly."""
+    factor = spec["factor"]
+    if spec["type"] == "linear":
+        return inv_freq / factor
+    low, high = spec["low_freq_factor"], spec["high_freq_factor"]
+    context = spec["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= context / high) & (wavelen <= context / low)
+    return torch.where(medium, blended, scaled)
+
+
+def rotary_tables(
+    dims: int, base: float, length: int, scaling: tuple = ()
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin, [length, dims], for positions 0..length-1 (each frequency used twice)."""
     t = torch.arange(length, dtype=torch.float32)
-    freqs = torch.outer(t, rotary_inv_freq(dims, base))
+    freqs = torch.outer(t, rotary_inv_freq(dims, base, scaling))
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
 

@@ -84,7 +84,7 @@ class Transformer(nn.Module):
     def _make_buffers(self, device: torch.device | None) -> None:
         a = self.args
         if a.pos_emb == "rotary":
-            cos, sin = rotary_tables(a.rotary_dims, a.rotary_base, a.max_positions)
+            cos, sin = rotary_tables(a.rotary_dims, a.rotary_base, a.max_positions, a.rope_scaling)
             self.register_buffer("rope_cos", cos.to(device), persistent=False)
             self.register_buffer("rope_sin", sin.to(device), persistent=False)
         elif a.pos_emb == "sinusoidal":
