@@ -402,7 +402,12 @@ CASES = [
         [],
         ["gpt_j_tied: only means something with gpt_j_residual: true"],
     ),
-    ("world-size-flag", {"a.yml": BASE}, ["--world-size", "0"], ["--world-size: must be >= 1, got 0"]),
+    (
+        "world-size-flag",
+        {"a.yml": BASE},
+        ["--world-size", "0"],
+        ["--world-size: must be >= 1, got 0"],
+    ),
 ]
 
 

@@ -66,6 +66,17 @@ CASES = {
         lambda: pythia(2, 128, 4, hidden_act="gelu_pytorch_tanh"),
     ),
     "llama-gqa": (transformers.LlamaForCausalLM, llama),
+    # Qwen2 / Qwen2.5: biases on q, k and v only; small ones tie their embeddings
+    "qwen2": (
+        transformers.Qwen2ForCausalLM,
+        lambda: transformers.Qwen2Config(**(llama().to_dict() | {"model_type": "qwen2"})),
+    ),
+    "qwen2-tied": (
+        transformers.Qwen2ForCausalLM,
+        lambda: transformers.Qwen2Config(
+            **(llama().to_dict() | {"model_type": "qwen2", "tie_word_embeddings": True})
+        ),
+    ),
     # Llama 3.1-3.3 (rope_scaling llama3), and linear scaling on both layouts
     "llama3-rope": (
         transformers.LlamaForCausalLM,
@@ -112,9 +123,9 @@ def _hf_model(tmp_path, name):
     cls, make = CASES[name]
     torch.manual_seed(0)
     model = cls(make()).eval()
-    with torch.no_grad():  # norms start at 1/0: randomise them so they are really compared
+    with torch.no_grad():  # norms and biases start at 1/0: randomise them so they count
         for pname, p in model.named_parameters():
-            if "norm" in pname:
+            if "norm" in pname or pname.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
     folder = tmp_path / "hf"
     model.save_pretrained(folder)
@@ -137,7 +148,17 @@ def test_logits_equal_transformers(tmp_path, name):
 
 
 @pytest.mark.parametrize(
-    "name", ["pythia-14m", "tied", "gelu-new", "llama-gqa", "llama3-rope", "mistral-window"]
+    "name",
+    [
+        "pythia-14m",
+        "tied",
+        "gelu-new",
+        "llama-gqa",
+        "llama3-rope",
+        "qwen2",
+        "qwen2-tied",
+        "mistral-window",
+    ],
 )
 def test_round_trip_gives_identical_tensors(tmp_path, name):
     hf_model, folder = _hf_model(tmp_path, name)
@@ -260,3 +281,16 @@ def test_rope_scaling_not_built_is_refused_not_dropped(tmp_path, capsys, extra):
     assert len(errors) == 1 and "rope scaling" in errors[0] and "not supported yet" in errors[0]
     assert str(folder / "config.json") in errors[0]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama3-rope", "pythia-linear-rope"])
+def test_explain_counts_the_converted_model(tmp_path, name):
+    """config explain (and estimate, which shares the count) on the config a conversion wrote."""
+    from torchneox.config.derive import derive
+    from torchneox.config.load import load_config
+
+    _, folder = _hf_model(tmp_path, name)
+    convert.from_hf(folder, tmp_path / "ckpt")
+    loaded, ours = convert.load_model(tmp_path / "ckpt")
+    counted = derive(load_config([tmp_path / "ckpt" / "global_step0" / "config.yml"]))
+    assert counted["num_parameters"] == sum(p.numel() for p in ours.parameters())

@@ -99,6 +99,11 @@ class ModelConfig:
     use_bias_in_attn_linear: bool = key(
         True, "Give the QKV and attention output projections biases."
     )
+    attention_output_bias: bool | None = extension(
+        None,
+        "Give the attention output projection a bias; unset follows use_bias_in_attn_linear "
+        "(Qwen2 has biases on q, k and v only: use_bias_in_attn_linear true, this false).",
+    )
     use_bias_in_mlp: bool = key(True, "Give the MLP projections biases.")
     pos_emb: Literal["learned", "rotary", "sinusoidal", "rpe", "alibi", "none"] = key(
         "learned", "Position scheme: learned, rotary, sinusoidal, alibi or none (rpe is refused)."

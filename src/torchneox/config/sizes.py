@@ -104,7 +104,8 @@ def count(config: NeoXConfig, vocab: int) -> ModelCounts:
     kv_width = kv_heads(config) * d
     attn_bias = m.use_bias_in_attn_linear
     qkv = h * (h + 2 * kv_width) + (h + 2 * kv_width if attn_bias else 0)
-    dense = h * h + (h if attn_bias else 0)
+    out_bias = attn_bias if m.attention_output_bias is None else m.attention_output_bias
+    dense = h * h + (h if out_bias else 0)
     attention_matmul = h * (h + 2 * kv_width) + h * h
     widths = mlp_widths(config)
     mlp_matmul = h * widths.up + widths.down * h

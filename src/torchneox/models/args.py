@@ -42,6 +42,8 @@ class ModelArgs:
     init_method: str
     output_init_method: str
     init_std: float
+    attn_out_bias: bool = True
+    """The attention output projection's bias (Qwen2: none, while q, k, v have one)."""
     rope_scaling: tuple[tuple[str, float], ...] = ()
     """(("type", ...), (field, value), ...): rotary frequency scaling, empty for none."""
     moe_num_experts: int = 1
@@ -83,6 +85,11 @@ class ModelArgs:
             norm_eps=eps,
             norm_bias=m.use_bias_in_norms,
             attn_bias=m.use_bias_in_attn_linear,
+            attn_out_bias=(
+                m.use_bias_in_attn_linear
+                if m.attention_output_bias is None
+                else m.attention_output_bias
+            ),
             mlp_bias=m.use_bias_in_mlp,
             pos_emb=m.pos_emb,
             rotary_dims=rotary_dims(cfg),

@@ -65,7 +65,7 @@ class Attention(nn.Module):
         self.wq = nn.Linear(h, q_width, bias=bias)
         self.wk = nn.Linear(h, kv_width, bias=bias)
         self.wv = nn.Linear(h, kv_width, bias=bias)
-        self.wo = nn.Linear(q_width, h, bias=bias)
+        self.wo = nn.Linear(q_width, h, bias=args.attn_out_bias)
 
     def forward(
         self,

@@ -16,7 +16,12 @@ import torch
 from torchneox.config.errors import ConfigError
 from torchneox.models.args import ModelArgs
 
-ARCHITECTURES = ("GPTNeoXForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
+ARCHITECTURES = (
+    "GPTNeoXForCausalLM",
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+)
 # Hugging Face hidden_act -> GPT-NeoX config keys. The tanh gelus (gelu_new, gelu_fast,
 # gelu_pytorch_tanh: the same function) are GPT-NeoX's gelu under bias_gelu_fusion.
 HF_ACTIVATIONS: dict[str, dict[str, Any]] = {
@@ -197,6 +202,13 @@ def neox_config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
             use_bias_in_mlp=hf.get("mlp_bias", False),
             num_kv_heads=hf.get("num_key_value_heads", heads),
         )
+        if arch == "Qwen2ForCausalLM":  # biases on q, k and v, none on the output
+            if hf.get("use_sliding_window"):
+                raise HFError(
+                    "Qwen2's per-layer sliding window (use_sliding_window) is not supported",
+                    key="use_sliding_window",
+                )
+            cfg.update(use_bias_in_attn_linear=True, attention_output_bias=False)
         window = hf.get("sliding_window") if arch == "MistralForCausalLM" else None
         if window:
             cfg["sliding_window_width"] = window
@@ -323,8 +335,21 @@ def export_architecture(args: ModelArgs) -> str:
         raise HFError(
             "cannot be exported to Hugging Face without changing the model: " + "; ".join(problems)
         )
+    qkv_bias_only = args.attn_bias and not args.attn_out_bias
+    if args.attn_out_bias and not args.attn_bias:
+        problems.append("an attention output bias without q/k/v biases")
+    if qkv_bias_only and not llama_like:
+        problems.append("q/k/v biases without an output bias with the GPTNeoX layout")
+    if qkv_bias_only and args.sliding_window:
+        problems.append("q/k/v biases only with a sliding window (Qwen2 has no such layout)")
+    if problems:
+        raise HFError(
+            "cannot be exported to Hugging Face without changing the model: " + "; ".join(problems)
+        )
     if not llama_like:
         return "GPTNeoXForCausalLM"
+    if qkv_bias_only:
+        return "Qwen2ForCausalLM"
     return "MistralForCausalLM" if args.sliding_window else "LlamaForCausalLM"
 
 
@@ -382,6 +407,9 @@ def hf_config(arch: str, args: ModelArgs, eod_id: int | None = None) -> dict[str
     }
     if arch == "MistralForCausalLM":
         out["sliding_window"] = args.sliding_window
+    if arch == "Qwen2ForCausalLM":
+        del out["attention_bias"], out["mlp_bias"]
+        out |= {"model_type": "qwen2", "use_sliding_window": False, "sliding_window": None}
     return out
 
 
