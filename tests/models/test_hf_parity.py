@@ -291,6 +291,6 @@ def test_explain_counts_the_converted_model(tmp_path, name):
 
     _, folder = _hf_model(tmp_path, name)
     convert.from_hf(folder, tmp_path / "ckpt")
-    loaded, ours = convert.load_model(tmp_path / "ckpt")
+    _, ours = convert.load_model(tmp_path / "ckpt")
     counted = derive(load_config([tmp_path / "ckpt" / "global_step0" / "config.yml"]))
     assert counted["num_parameters"] == sum(p.numel() for p in ours.parameters())
