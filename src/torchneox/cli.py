@@ -728,9 +728,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("torchneox: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `torchneox config keys | head`: the reader had enough
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())  # and the interpreter's last flush must not fail
-        os.close(devnull)
+        from torchneox.train.metrics import silence_stdout
+
+        silence_stdout()
         return 0
     except Exception as e:  # a bug: a short report, the traceback only when asked
         if os.environ.get("TORCHNEOX_TRACEBACK"):

@@ -12,6 +12,7 @@ import torch
 from torchneox.config.derive import derive
 from torchneox.config.errors import ConfigError
 from torchneox.config.load import LoadedConfig, load_mapping
+from torchneox.config.paths import new_output_dir
 from torchneox.config.report import render_yaml
 from torchneox.models import hf
 from torchneox.models.args import ModelArgs, model_args
@@ -86,7 +87,7 @@ def from_hf(hf_dir: str | Path, out_dir: str | Path, force: bool = False) -> Pat
     """A local GPTNeoX/Llama/Mistral folder -> a torchneox checkpoint (global_step0)."""
     src, out = Path(hf_dir), Path(out_dir)
     hf.read_config(src)  # not a model folder: say so before anything is written
-    with checkpoint.new_output_dir(out, force, "convert from-hf") as tmp:
+    with new_output_dir(out, force, "convert from-hf") as tmp:
         loaded, sd = _read_hf(src, _tokenizer_keys(src, tmp, out))
         yaml_text = render_yaml(loaded, derive(loaded))
         arch = hf.architecture_of(hf.read_config(src))
@@ -140,7 +141,7 @@ def to_hf(ckpt: str | Path, out_dir: str | Path, force: bool = False) -> Path:
     arch = hf.export_architecture(args)
     _, model = load_model(step_dir)
     out = Path(out_dir)
-    with checkpoint.new_output_dir(out, force, "convert to-hf") as tmp:
+    with new_output_dir(out, force, "convert to-hf") as tmp:
         tensors = hf.state_dict_to_hf(arch, model.state_dict(), args)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         eod = _copy_tokenizer(loaded, tmp)

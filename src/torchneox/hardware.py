@@ -98,17 +98,21 @@ def _cpu_key(precision: str) -> str:
     return f"{model} | {torch.get_num_threads()} threads | torch {torch.__version__} | {precision}"
 
 
+def _cached_peaks() -> dict:
+    try:
+        cached = json.loads(_cpu_peak_file().read_text())
+    except (OSError, ValueError):
+        return {}
+    return cached if isinstance(cached, dict) else {}
+
+
 def cpu_peak_tflops(precision: str) -> float:
     """This CPU's matmul peak in ``precision``, measured once (the best of several timings of
     a 1024 x 1024 GEMM) and cached per CPU model, thread count and torch version, so that MFU
     is measured against the same figure every run."""
-    path, key = _cpu_peak_file(), _cpu_key(precision)
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    if isinstance(cached.get(key), int | float) and cached[key] > 0:
-        return float(cached[key])
+    cached = _cached_peaks().get(_cpu_key(precision))
+    if isinstance(cached, int | float) and cached > 0:
+        return float(cached)
     peak = measure_cpu_tflops(DTYPES.get(precision, torch.float32), 1024, 0.2, trials=5)
     raise_cpu_peak(precision, peak)
     return peak
@@ -117,12 +121,7 @@ def cpu_peak_tflops(precision: str) -> float:
 def raise_cpu_peak(precision: str, tflops: float) -> None:
     """Record a higher peak than the cached one (a step ran faster than the measured peak)."""
     path, key = _cpu_peak_file(), _cpu_key(precision)
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    if not isinstance(cached, dict):
-        cached = {}
+    cached = _cached_peaks()
     cached[key] = max(float(cached.get(key) or 0.0), tflops)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,7 @@ import torch
 from torchneox.config.derive import derive
 from torchneox.config.errors import ConfigError
 from torchneox.config.load import LoadedConfig, load_config, with_absolute_paths
+from torchneox.config.paths import new_output_dir, refuse_non_empty
 from torchneox.config.report import render_yaml
 from torchneox.models.args import ModelArgs
 from torchneox.models.hf import _split_qkv
@@ -583,7 +584,7 @@ def convert(
     force: bool = False,
 ) -> Path:
     step_dir = resolve_step(Path(folder), step)
-    checkpoint.refuse_non_empty(Path(out_dir), force, "convert from-gpt-neox")  # before reading
+    refuse_non_empty(Path(out_dir), force, "convert from-gpt-neox")  # before reading
     loaded = neox_config(step_dir, config_files or [], overrides or [])
     cfg = loaded.config
     layout = NeoXLayout.read(step_dir)
@@ -632,7 +633,7 @@ def convert(
         meta["iteration"] = 0  # weights only: a fresh run starts from them
     yaml_text = render_yaml(with_absolute_paths(loaded), derived)
     out = Path(out_dir)
-    with checkpoint.new_output_dir(out, force, "convert from-gpt-neox") as tmp:
+    with new_output_dir(out, force, "convert from-gpt-neox") as tmp:
         step = checkpoint.save_checkpoint(tmp, meta["iteration"], state, yaml_text, meta)
     return out / step.name
 

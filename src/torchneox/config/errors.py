@@ -34,3 +34,9 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """'; did you mean X?' when a close choice exists, else ''."""
     match = closest(word, choices)
     return f"; did you mean {match}?" if match else ""
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of a foreign exception's message (its type when it has none), for a
+    one-line error that names what failed."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]

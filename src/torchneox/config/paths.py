@@ -1,10 +1,12 @@
-"""Files a verb writes for the user (a plot, a batch, generated samples): the folder is made
-when missing, and the file appears whole or not at all (a temporary name beside it, renamed at
-the end), so a failed or interrupted write never leaves a half file or breaks an old one."""
+"""Outputs a verb writes for the user (a plot, a batch, generated samples, a converted model
+folder): never over an existing one without --force, the folder made when missing, and the
+output appearing whole or not at all (a temporary name beside it, renamed at the end), so a
+failed or interrupted write never leaves a half file or breaks an old one."""
 
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,3 +42,45 @@ def refuse_existing(paths: list[Path], force: bool, what: str) -> None:
             f"already exists; {what} would replace it: name another, or pass --force",
             source=str(there[0]),
         )
+
+
+def refuse_non_empty(out: Path, force: bool, verb: str) -> None:
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"is a file; {verb} writes a folder there", source=str(out))
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ConfigError(
+            f"is not empty; {verb} writes a new folder: name another, or pass --force to "
+            "replace it",
+            source=str(out),
+        )
+
+
+@contextmanager
+def new_output_dir(out: Path, force: bool, verb: str) -> Iterator[Path]:
+    """A folder a verb writes whole: refused when ``out`` holds anything (unless ``force``),
+    written under a temporary name beside it and renamed into place at the end, so a failed or
+    interrupted write leaves what was there before and nothing half-written."""
+    out = Path(out)
+    refuse_non_empty(out, force, verb)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise ConfigError(f"cannot write here ({e.strerror})", source=str(out)) from None
+    try:
+        yield tmp
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        if out.exists():
+            os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:  # a full disk, a folder made read-only meanwhile
+        raise ConfigError(
+            f"writing it failed ({e.strerror or e}); nothing was written and what was there "
+            "is unchanged",
+            source=str(out),
+        ) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from torchneox.config.errors import ConfigError, did_you_mean
+from torchneox.config.errors import ConfigError, did_you_mean, first_line
 from torchneox.config.schema import NeoXConfig
 
 END_OF_TEXT = "<|endoftext|>"
@@ -121,7 +121,7 @@ def _reading(path: Path, what: str) -> Iterator[None]:
     except ConfigError:
         raise
     except Exception as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        first = first_line(e)
         raise ConfigError(
             f"cannot be read as {what} ({first}); is it the right file for this tokenizer_type?",
             source=str(path),

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from torchneox.config.errors import ConfigError
+from torchneox.config.errors import ConfigError, first_line
 from torchneox.models.args import ModelArgs
 
 ARCHITECTURES = (
@@ -68,7 +68,7 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     except FileNotFoundError:
         raise HFError("is missing (the index names it)", source=str(path)) from None
     except Exception as e:  # a truncated or foreign file
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        first = first_line(e)
         raise HFError(
             f"cannot be read as safetensors ({first}); is it truncated? download it again",
             source=str(path),
@@ -98,7 +98,7 @@ def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
             try:
                 out.update(torch.load(path, map_location="cpu", weights_only=True))
             except Exception as e:
-                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                first = first_line(e)
                 raise HFError(
                     f"cannot be read as torch weights ({first})", source=str(path)
                 ) from None

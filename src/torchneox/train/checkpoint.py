@@ -16,8 +16,6 @@ import os
 import shutil
 import warnings
 import zlib
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,48 +33,6 @@ CONFIG_FILE = "config.yml"
 META_FILE = "meta.json"
 MANIFEST_FILE = "manifest.json"
 CHECKSUMMED_BELOW = 1 << 20  # files smaller than this (metadata, config) get a sha256
-
-
-def refuse_non_empty(out: Path, force: bool, verb: str) -> None:
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"is a file; {verb} writes a folder there", source=str(out))
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise ConfigError(
-            f"is not empty; {verb} writes a new folder: name another, or pass --force to "
-            "replace it",
-            source=str(out),
-        )
-
-
-@contextmanager
-def new_output_dir(out: Path, force: bool, verb: str) -> Iterator[Path]:
-    """A folder a verb writes whole: refused when ``out`` holds anything (unless ``force``),
-    written under a temporary name beside it and renamed into place at the end, so a failed or
-    interrupted write leaves what was there before and nothing half-written."""
-    out = Path(out)
-    refuse_non_empty(out, force, verb)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    except OSError as e:
-        raise ConfigError(f"cannot write here ({e.strerror})", source=str(out)) from None
-    try:
-        yield tmp
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        if out.exists():
-            os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    except OSError as e:  # a full disk, a folder made read-only meanwhile
-        raise ConfigError(
-            f"writing it failed ({e.strerror or e}); nothing was written and what was there "
-            "is unchanged",
-            source=str(out),
-        ) from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def step_dir_name(iteration: int) -> str:

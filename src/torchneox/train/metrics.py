@@ -47,6 +47,14 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
+def silence_stdout() -> None:
+    """Standard output went away: later prints, and the interpreter's final flush, must not
+    fail again (they go to /dev/null)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 def _drop_cut_line(path: Path) -> None:
     """A run killed while writing metrics.jsonl can leave its last line cut; a resumed run must
     not append after it (the file would stay unreadable there for good)."""
@@ -194,10 +202,7 @@ class MetricsLogger:
             print(text, end=end, flush=True)
         except (BrokenPipeError, OSError):
             self.stdout_lost = True
-            # later prints (and the interpreter's final flush) must not fail again
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            os.close(devnull)
+            silence_stdout()
 
     def live(self, text: str) -> None:
         """A progress line that the next one overwrites (terminals only)."""

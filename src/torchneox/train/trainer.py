@@ -144,6 +144,8 @@ class Trainer:
         if self.save_dir is not None:
             checkpoint.ensure_writable(self.save_dir)
         self.save_at = save_iterations(cfg, self.train_iters)
+        # what every checkpoint records of the config: its paths absolute, so it loads anywhere
+        self.config_yaml = render_yaml(with_absolute_paths(loaded), d)
         log_dir = cfg.logging.log_dir or cfg.checkpoint.save
         self.logger = MetricsLogger(
             cfg, Path(log_dir) if log_dir else None, cfg.to_flat(), rank0=self.dims.is_rank0
@@ -368,7 +370,8 @@ class Trainer:
             total = self._pipeline_step(micro_batches, train=True) * self.grad_accum
         else:
             total = torch.zeros((), device=self.device)
-        self._z_loss = torch.zeros((), device=self.device)
+        if self.z_weight:
+            self._z_loss = torch.zeros((), device=self.device)
         if self.moe_layers:
             self._moe_aux = torch.zeros((), device=self.device)
             self._moe_counts = [
@@ -563,9 +566,10 @@ class Trainer:
             "has_optimizer": "optimizer" in state,
             "has_rng": "rng" in state,
         }
-        yaml_text = render_yaml(with_absolute_paths(self.loaded), self.derived)
         try:
-            path = checkpoint.save_checkpoint(self.save_dir, self.iteration, state, yaml_text, meta)
+            path = checkpoint.save_checkpoint(
+                self.save_dir, self.iteration, state, self.config_yaml, meta
+            )
         except checkpoint.CheckpointWriteError as e:
             raise TrainingStopped(str(e)) from None
         self._rotate()
