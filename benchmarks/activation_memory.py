@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchneox.config.load import load_mapping
-from torchneox.estimate import estimate
+from torchneox.estimate.search import estimate
 from torchneox.models.args import model_args
 from torchneox.models.transformer import build_model
 from torchneox.parallel.activation_ckpt import apply_activation_checkpointing

@@ -14,7 +14,7 @@ import time
 import torch
 
 from torchneox.config.load import load_mapping
-from torchneox.generate import Sampling, generate
+from torchneox.inference.generate import Sampling, generate
 from torchneox.models.args import model_args
 from torchneox.models.transformer import build_model
 

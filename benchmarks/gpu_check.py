@@ -20,9 +20,9 @@ import torch
 
 from torchneox.config.load import load_mapping
 from torchneox.data.indexed import IndexedDatasetWriter
-from torchneox.estimate import estimate
-from torchneox.generate import Sampling, generate
-from torchneox.hardware import ACCELERATORS, detect
+from torchneox.estimate.search import estimate
+from torchneox.inference.generate import Sampling, generate
+from torchneox.train.hardware import ACCELERATORS, detect
 from torchneox.train.trainer import Trainer
 
 SHAPES = {

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO
+from torchneox.base.errors import ConfigError
 from torchneox.cli import main
 from torchneox.config.derive import derive
-from torchneox.config.errors import ConfigError
 from torchneox.config.fields import Status
 from torchneox.config.load import load_config
 from torchneox.config.report import keys_markdown, resolved_config

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import shared_dir
+from torchneox.base.errors import ConfigError
 from torchneox.config.derive import derive
-from torchneox.config.errors import ConfigError
 from torchneox.config.fields import Status
 from torchneox.config.load import load_config, load_mapping, read_file
 from torchneox.config.schema import KEYS, NeoXConfig

@@ -8,10 +8,11 @@ import struct
 import numpy as np
 import pytest
 
+from torchneox.base.errors import DataError
 from torchneox.cli import main
 from torchneox.data import builtin
 from torchneox.data.gpt_dataset import GPTDataset, build_indices, num_epochs
-from torchneox.data.indexed import DataError, IndexedDataset, IndexedDatasetWriter
+from torchneox.data.indexed import IndexedDataset, IndexedDatasetWriter
 from torchneox.data.loader import BatchLoader
 from torchneox.data.preprocess import PreprocessArgs, preprocess
 from torchneox.data.tokenizers import CharLevelTokenizer

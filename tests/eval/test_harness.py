@@ -16,9 +16,9 @@ pytest.importorskip("lm_eval")
 
 from tests.conftest import shared_dir
 from torchneox.cli import main
-from torchneox.convert import load_model
 from torchneox.data.tokenizers import build_tokenizer
-from torchneox.harness import make_adapter
+from torchneox.train.checkpoint import load_model
+from torchneox.train.lm_eval import make_adapter
 
 QUESTIONS = [
     ("the cat sat on the", ["mat", "zebra quantum"], 0),
@@ -95,7 +95,7 @@ def test_rolling_loglikelihood_is_the_sum_over_the_text(trained):
 
 
 def test_generate_until_is_greedy_generation_cut_at_the_stop(trained):
-    from torchneox.generate import Sampling, generate
+    from torchneox.inference.generate import Sampling, generate
 
     _, model, tok = trained
     ids = generate(model, [tok.encode("the ")], Sampling(maximum_tokens=20, stop_ids={tok.eod_id}))

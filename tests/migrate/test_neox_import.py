@@ -11,7 +11,7 @@ import torch
 
 from tests.conftest import shared_dir
 from torchneox.cli import main
-from torchneox.convert import load_model
+from torchneox.train.checkpoint import load_model
 
 SHARED = shared_dir()
 pytestmark = pytest.mark.skipif(SHARED is None, reason="../shared is not on this machine")

@@ -197,7 +197,7 @@ def test_generate_fits_the_model_and_cuts_prompts_that_fill_it(tmp_path, capsys)
     GPT-NeoX); a prompt that fills the model keeps its last half, with a warning, and the
     other prompts of the file are completed as usual."""
     from torchneox.data.tokenizers import CharLevelTokenizer
-    from torchneox.generate import Sampling, TextGenerator
+    from torchneox.inference.generate import Sampling, TextGenerator
 
     _, model = char_checkpoint(tmp_path)
     gen = TextGenerator(model, CharLevelTokenizer(512), Sampling(maximum_tokens=64))

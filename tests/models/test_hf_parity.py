@@ -6,8 +6,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from torchneox import convert
-from torchneox.generate import Sampling, generate
+from torchneox.inference.generate import Sampling, generate
+from torchneox.interop import huggingface as convert
+from torchneox.train.checkpoint import load_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -136,7 +137,7 @@ def _hf_model(tmp_path, name):
 def test_logits_equal_transformers(tmp_path, name):
     hf_model, folder = _hf_model(tmp_path, name)
     convert.from_hf(folder, tmp_path / "ckpt")
-    _, ours = convert.load_model(tmp_path / "ckpt")
+    _, ours = load_model(tmp_path / "ckpt")
     ours.eval()
     tokens = torch.randint(
         0, hf_model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1)
@@ -182,7 +183,7 @@ def test_round_trip_gives_identical_tensors(tmp_path, name):
 def test_greedy_generation_equals_transformers(tmp_path, name):
     hf_model, folder = _hf_model(tmp_path, name)
     convert.from_hf(folder, tmp_path / "ckpt")
-    _, ours = convert.load_model(tmp_path / "ckpt")
+    _, ours = load_model(tmp_path / "ckpt")
     prompt = torch.randint(0, 1000, (1, 12), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = hf_model.generate(
@@ -204,7 +205,7 @@ def test_tanh_gelu_reads_as_bias_gelu_fusion_and_exports_as_gelu_new(tmp_path):
 
     _, folder = _hf_model(tmp_path, "gelu-pytorch-tanh")
     convert.from_hf(folder, tmp_path / "ckpt")
-    loaded, ours = convert.load_model(tmp_path / "ckpt")
+    loaded, ours = load_model(tmp_path / "ckpt")
     assert loaded.config.model.bias_gelu_fusion is True and ours.args.activation == "gelu_tanh"
     convert.to_hf(tmp_path / "ckpt", tmp_path / "back")
     assert json.loads((tmp_path / "back" / "config.json").read_text())["hidden_act"] == "gelu_new"
@@ -291,6 +292,6 @@ def test_explain_counts_the_converted_model(tmp_path, name):
 
     _, folder = _hf_model(tmp_path, name)
     convert.from_hf(folder, tmp_path / "ckpt")
-    _, ours = convert.load_model(tmp_path / "ckpt")
+    _, ours = load_model(tmp_path / "ckpt")
     counted = derive(load_config([tmp_path / "ckpt" / "global_step0" / "config.yml"]))
     assert counted["num_parameters"] == sum(p.numel() for p in ours.parameters())

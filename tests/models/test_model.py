@@ -9,7 +9,7 @@ import torch
 from torchneox.config.derive import derive
 from torchneox.config.load import load_mapping
 from torchneox.config.sizes import count
-from torchneox.generate import Sampling, filter_logits, generate
+from torchneox.inference.generate import Sampling, filter_logits, generate
 from torchneox.models.args import model_args
 from torchneox.models.transformer import build_model
 

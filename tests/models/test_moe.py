@@ -16,7 +16,7 @@ from torchneox.cli import main
 from torchneox.config.derive import derive
 from torchneox.config.load import load_mapping
 from torchneox.models.args import model_args
-from torchneox.models.moe import MoE, expert_grouped, expert_loop, sinkhorn
+from torchneox.models.moe import MoE, balancing_loss, expert_grouped, expert_loop, sinkhorn
 from torchneox.models.transformer import build_model
 
 KEYS = {
@@ -74,7 +74,7 @@ def test_every_token_reaches_its_experts(router, activation):
     moe.eval()
     x = torch.randn(3, 10, 64)
     with torch.no_grad():
-        out = moe(x)
+        out, stats = moe(x)
         experts, gates, _ = moe.route(x.reshape(-1, 64))
         want = torch.zeros(30, 64)
         for t, row in enumerate(x.reshape(-1, 64)):
@@ -87,21 +87,22 @@ def test_every_token_reaches_its_experts(router, activation):
                     h = moe.act(up)
                 want[t] += gates[t, k] * (h @ moe.experts_down[e] + moe.experts_down_bias[e])
     torch.testing.assert_close(out.reshape(-1, 64), want, rtol=1e-4, atol=1e-5)
-    assert int(moe.tokens_per_expert.sum()) == 30 * moe.top_k  # nothing dropped
+    assert int(stats.tokens_per_expert.sum()) == 30 * moe.top_k  # nothing dropped
 
 
 def test_load_balancing_loss_is_switch_s():
     moe = moe_model(moe_router_type="topk").layers["0"].mlp
     with torch.no_grad():
         moe.router.weight.zero_()  # uniform probabilities: balanced in expectation
-    moe(torch.randn(4, 16, 64))
+    _, stats = moe(torch.randn(4, 16, 64))
     # E x sum_e share_e x 1/E = sum_e share_e = 1
-    assert moe.aux_loss.item() == pytest.approx(1.0)
+    assert balancing_loss(stats).item() == pytest.approx(1.0)
     x = torch.randn(64, 64)
-    moe(x)
+    _, stats = moe(x)
     probs = moe.router(x).softmax(-1)
-    share = moe.tokens_per_expert.float() / (64 * moe.top_k)
-    assert moe.aux_loss.item() == pytest.approx(8 * (share * probs.mean(0)).sum().item(), rel=1e-5)
+    share = stats.tokens_per_expert.float() / (64 * moe.top_k)
+    want = 8 * (share * probs.mean(0)).sum().item()
+    assert balancing_loss(stats).item() == pytest.approx(want, rel=1e-5)
 
 
 def test_sinkhorn_balances_skewed_scores():

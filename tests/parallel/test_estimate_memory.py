@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from torchneox.config.load import load_config
-from torchneox.estimate import estimate
+from torchneox.estimate.search import estimate
 
 PROBE = Path(__file__).with_name("memory_probe.py")
 

@@ -14,9 +14,9 @@ from tests.parallel.test_data_parallel import (
 )
 from torchneox.cli import main
 from torchneox.config.load import load_config
-from torchneox.convert import load_model
 from torchneox.models.args import model_args
 from torchneox.parallel.pipeline import rank_stage_indices, stage_layers
+from torchneox.train.checkpoint import load_model
 from torchneox.train.trainer import Trainer
 
 PP_KEYS = {

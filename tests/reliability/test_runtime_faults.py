@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from tests.train.test_trainer import _poison
+from torchneox.base.errors import TrainingStopped
 from torchneox.cli import main
 from torchneox.config.load import load_config
 from torchneox.data.indexed import IndexedDataset, IndexedDatasetWriter, paths
-from torchneox.errors import TrainingStopped
 from torchneox.train.trainer import Trainer
 
 

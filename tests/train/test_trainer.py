@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from torchneox.base.errors import TrainingStopped
 from torchneox.cli import main
 from torchneox.config.load import load_config
-from torchneox.errors import TrainingStopped
 from torchneox.train import checkpoint
 from torchneox.train.trainer import Trainer, save_iterations
 
@@ -496,7 +496,7 @@ def test_z_loss_is_logged_and_changes_training(make_config, tmp_path):
 def test_a_checkpoint_keeps_the_paths_it_was_given_absolute(make_config, tmp_path, monkeypatch):
     """A run trained with --set vocab_file=relative/path must generate, eval and export from any
     other folder: the checkpoint's config names its files by absolute paths."""
-    from torchneox.convert import load_model
+    from torchneox.train.checkpoint import load_model
 
     work = tmp_path / "work"
     work.mkdir()
@@ -520,7 +520,7 @@ def test_mfu_is_against_a_peak_measured_once_and_never_above_100(
 ):
     """The CPU's peak used to be measured at every start-up and moved 30x with the load; MFU
     above 100% followed."""
-    from torchneox import hardware
+    from torchneox.train import hardware
 
     monkeypatch.setenv(hardware.CPU_PEAK_ENV, str(tmp_path / "peak.json"))
     first = hardware.cpu_peak_tflops("fp32")

@@ -12,9 +12,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from torchneox.base.errors import ConfigError
 from torchneox.config import sizes
 from torchneox.config.derived import Derived
-from torchneox.config.errors import ConfigError
 from torchneox.config.fields import Status
 from torchneox.config.load import LoadedConfig
 from torchneox.config.schema import KEYS, NeoXConfig

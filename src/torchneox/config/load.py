@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import yaml
 
-from torchneox.config.errors import ConfigError, did_you_mean
+from torchneox.base.errors import ConfigError, did_you_mean
 from torchneox.config.fields import Status
 from torchneox.config.schema import KEYS, NeoXConfig
 from torchneox.config.validate import REINFORCE_NEEDS, validate

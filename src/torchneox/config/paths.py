@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from torchneox.config.errors import ConfigError
+from torchneox.base.errors import ConfigError
 
 
 @contextmanager

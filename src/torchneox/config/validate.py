@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchneox.config.errors import ConfigError, did_you_mean
+from torchneox.base.errors import ConfigError, did_you_mean
 from torchneox.config.schema import NeoXConfig
 
 SUPPORTED_OPTIMIZERS = ("adam", "adamw", "sgd", "lion")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchneox.config.errors import ConfigError
+from torchneox.base.errors import ConfigError
 from torchneox.config.schema import NeoXConfig
 
 GPT2_VOCAB = 50257

@@ -14,7 +14,7 @@ import lzma
 from collections.abc import Iterator
 from pathlib import Path
 
-from torchneox.data.indexed import DataError
+from torchneox.base.errors import DataError
 
 FOLDER = Path(__file__).resolve().parent / "corpora"
 CORPORA = {

@@ -7,10 +7,11 @@ from typing import Protocol
 
 import numpy as np
 
+from torchneox.base.errors import DataError
 from torchneox.config.schema import NeoXConfig
 from torchneox.data.blend import BlendedDataset, samples_per_dataset, weights_by_num_documents
 from torchneox.data.gpt_dataset import GPTDataset, split_ranges, split_shares
-from torchneox.data.indexed import DataError, IndexedDataset
+from torchneox.data.indexed import IndexedDataset
 
 SPLITS = ("train", "valid", "test")
 

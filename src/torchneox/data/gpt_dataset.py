@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from torchneox.data.indexed import DataError, IndexedDataset
+from torchneox.base.errors import DataError
+from torchneox.data.indexed import IndexedDataset
 
 INDEX_CACHE_ENV = "TORCHNEOX_INDEX_CACHE"
 

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from torchneox.base.errors import DataError
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 DTYPES: dict[int, type] = {
@@ -36,10 +38,6 @@ DTYPES: dict[int, type] = {
     8: np.uint16,
 }
 CODES = {np.dtype(v): k for k, v in DTYPES.items()}
-
-
-class DataError(ValueError):
-    """A dataset that cannot be read or written; the message names the file."""
 
 
 def best_dtype(vocab_size: int) -> np.dtype:

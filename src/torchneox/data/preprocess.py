@@ -18,8 +18,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from torchneox.base.errors import DataError
 from torchneox.config.schema import NeoXConfig
-from torchneox.data.indexed import DataError, IndexedDatasetWriter, best_dtype
+from torchneox.data.indexed import IndexedDatasetWriter, best_dtype
 from torchneox.data.tokenizers import Tokenizer, build_tokenizer
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from torchneox.config.errors import ConfigError, did_you_mean, first_line
+from torchneox.base.errors import ConfigError, did_you_mean, first_line
 from torchneox.config.schema import NeoXConfig
 
 END_OF_TEXT = "<|endoftext|>"
@@ -200,7 +200,7 @@ def _texts(paths: list[str], keys: tuple[str, ...], seen: list[int]):
     ``seen``. A record that is not what preprocess takes is one line naming it."""
     import json
 
-    from torchneox.data.indexed import DataError
+    from torchneox.base.errors import DataError
     from torchneox.data.preprocess import read_lines
 
     for line in read_lines(paths):
@@ -242,7 +242,7 @@ def train_bpe(
     seen = [0]
     backend.train_from_iterator(_texts(inputs, keys, seen), trainer=trainer)
     if seen[0] == 0:
-        from torchneox.data.indexed import DataError
+        from torchneox.base.errors import DataError
 
         raise DataError(f"{', '.join(inputs)}: no text to learn a tokenizer from (empty input)")
     from torchneox.config.paths import atomic_output

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torchneox.base.errors import ConfigError
 from torchneox.config.derive import derive
-from torchneox.config.errors import ConfigError
 from torchneox.config.load import LoadedConfig
 from torchneox.config.schema import NeoXConfig
 from torchneox.config.sizes import head_dim, kv_heads, mlp_widths, rotary_dims

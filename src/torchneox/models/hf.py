@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from torchneox.config.errors import ConfigError, first_line
+from torchneox.base.errors import HFError, first_line
 from torchneox.models.args import ModelArgs
 
 ARCHITECTURES = (
@@ -41,10 +41,6 @@ TO_HF_ACTIVATIONS = {
     "silu": "silu",
     "mish": "mish",
 }
-
-
-class HFError(ConfigError):
-    """A Hugging Face folder or an export that cannot be done."""
 
 
 # ---------------------------------------------------------------------------- reading

@@ -3,10 +3,14 @@ token reaches its experts (dropless: no capacity factor, nothing dropped).
 
 The experts' weights are stacked ([experts, in, out]); tokens are sorted by expert and the
 experts run as grouped GEMMs (``F.grouped_mm``, one kernel for all experts) or, as the
-reference, one matmul per expert; a test holds them equal. The router's load-balancing loss
-(Switch Transformer's: experts x sum over experts of token share x mean router probability,
-1.0 when balanced) is kept in ``aux_loss`` for the trainer to add, and the tokens each expert
-received in ``tokens_per_expert``.
+reference, one matmul per expert; a test holds them equal.
+
+The layer is written for one device. It always hands its rows to a token dispatcher: the
+default, ``LocalTokenDispatcher``, does no communication; expert parallelism swaps in an
+all-to-all one from ``parallel/expert_parallel.py``. ``forward`` returns the output and the
+router's statistics (``RouterStats``); the training side sums them over the ranks that split
+the batch and turns them into Switch Transformer's load-balancing loss (``balancing_loss``:
+experts x sum over experts of token share x mean router probability, 1.0 when balanced).
 
 Routing is GPT-NeoX's ``moe_router_type`` (see ``MoE.route``). GPT-NeoX adds no
 load-balancing loss; torchneox computes it always (it is logged) and adds it with the weight
@@ -14,6 +18,8 @@ load-balancing loss; torchneox computes it always (it is logged) and adds it wit
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -76,6 +82,46 @@ def expert_grouped(
     return y
 
 
+class RouterStats(NamedTuple):
+    """What one MoE layer's router did with one forward's tokens."""
+
+    tokens_per_expert: torch.Tensor  # [E] assignments (long, no gradient)
+    prob_sum: torch.Tensor  # [E] router probabilities summed over the tokens (fp32, with grad)
+    tokens: int
+    top_k: int
+
+
+def balancing_loss(stats: RouterStats) -> torch.Tensor:
+    """Switch Transformer's load-balancing loss: E x sum_e (share of assignments to e) x (mean
+    probability of e); ``stats`` summed over every rank that holds part of the batch."""
+    experts, tokens = stats.tokens_per_expert.numel(), float(stats.tokens)
+    share = stats.tokens_per_expert.float() / max(tokens * stats.top_k, 1.0)
+    return experts * (share * stats.prob_sum / max(tokens, 1.0)).sum()
+
+
+class LocalTokenDispatcher:
+    """Every expert on this device: rows go to them as they are, with nothing sent."""
+
+    def count(self, experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
+        """Assignments per expert, as a tensor and as the list the expert GEMMs split by."""
+        counts_t = torch.bincount(experts, minlength=num_experts)
+        return counts_t, counts_t.tolist()
+
+    def dispatch(
+        self, rows: torch.Tensor, counts_t: torch.Tensor, counts: list[int]
+    ) -> tuple[torch.Tensor, list[int], object]:
+        """Expert-sorted rows -> (the rows this device's experts take, per-expert counts, what
+        ``combine`` needs to send the results back)."""
+        return rows, counts, None
+
+    def combine(self, out_rows: torch.Tensor, route: object) -> torch.Tensor:
+        return out_rows
+
+    def local(self, weight: torch.Tensor | None) -> torch.Tensor | None:
+        """This device's part of an expert weight."""
+        return weight
+
+
 class MoE(nn.Module):
     """The MLP of an MoE layer. State dict: router.weight [E, H]; experts_up, experts_gate
     [E, H, F]; experts_down [E, F, H]; and their biases when the model's MLPs have them."""
@@ -102,18 +148,11 @@ class MoE(nn.Module):
         self.experts_up_bias = nn.Parameter(torch.empty(e, w)) if bias else None
         self.experts_gate_bias = nn.Parameter(torch.empty(e, w)) if bias and args.gated else None
         self.experts_down_bias = nn.Parameter(torch.empty(e, h)) if bias else None
-        self.aux_loss: torch.Tensor | None = None
-        self.tokens_per_expert: torch.Tensor | None = None
-        self.ep_group = None  # set by parallel.expert_parallel: the experts are split over it
-        self.ep_size = 1
-        self.balance_group = None  # set by the trainer: the ranks that split the batch
+        self.dispatcher = LocalTokenDispatcher()
 
     def _experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Rows sorted by (this rank's) expert through their experts' MLPs."""
-
-        def local(t: torch.Tensor | None) -> torch.Tensor | None:
-            return t.to_local() if t is not None and hasattr(t, "to_local") else t
-
+        """Rows sorted by (this device's) expert through their experts' MLPs."""
+        local = self.dispatcher.local
         up_w, gate_w, down_w = (
             local(self.experts_up),
             local(self.experts_gate),
@@ -131,12 +170,6 @@ class MoE(nn.Module):
         if not grouped_fits(hidden, down_w):
             run = expert_loop
         return run(hidden, down_w, counts, local(self.experts_down_bias))
-
-    def count(self, experts: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        """Assignments per expert, as a tensor and as the list the expert GEMMs split by (the
-        estimator swaps in a balanced count: fake tensors have no values)."""
-        counts_t = torch.bincount(experts, minlength=self.num_experts)
-        return counts_t, counts_t.tolist()
 
     def route(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(experts [T, k], gates [T, k], router probabilities [T, E]), as GPT-NeoX routes:
@@ -161,39 +194,19 @@ class MoE(nn.Module):
             gates, experts = probs.topk(self.top_k, dim=-1)
         return experts, gates, probs
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
         shape = x.shape
         x_TH = x.reshape(-1, shape[-1])
-        t = x_TH.shape[0]
         experts, gates, probs = self.route(x_TH)
         # every (token, choice) pair, sorted by expert
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts_t, counts = self.count(flat)
+        counts_t, counts = self.dispatcher.count(flat, self.num_experts)
         token_of_row = order // self.top_k
-        rows = x_TH[token_of_row]
-        route = None
-        if self.ep_size > 1:  # to the ranks holding the experts, and back after
-            from torchneox.parallel.expert_parallel import combine, dispatch
-
-            rows, counts, route = dispatch(rows, counts_t, self.ep_group, self.ep_size)
-        out_rows = self._experts(rows, counts)
-        if route is not None:
-            out_rows = combine(out_rows, route, self.ep_group)
+        rows, counts, route = self.dispatcher.dispatch(x_TH[token_of_row], counts_t, counts)
+        out_rows = self.dispatcher.combine(self._experts(rows, counts), route)
         weighted = out_rows * gates.reshape(-1)[order, None].to(out_rows.dtype)
-        out = torch.zeros(t, shape[-1], dtype=weighted.dtype, device=x.device)
+        out = torch.zeros(x_TH.shape[0], shape[-1], dtype=weighted.dtype, device=x.device)
         out.index_add_(0, token_of_row, weighted)
-        # Switch's load-balancing loss: E x sum_e (share of assignments to e) x (mean prob of e),
-        # over the whole batch: summed over the data-parallel ranks when they split it, so any
-        # layout adds the loss one process would (and its gradient, through the all-reduce)
-        counts_f, prob_sum, tokens = counts_t.float(), probs.sum(0), float(t)
-        if self.balance_group is not None:
-            from torch.distributed.nn.functional import all_reduce
-
-            counts_f = all_reduce(counts_f.detach(), group=self.balance_group)
-            prob_sum = all_reduce(prob_sum, group=self.balance_group)
-            tokens *= torch.distributed.get_world_size(self.balance_group)
-        share = counts_f / max(tokens * self.top_k, 1.0)
-        self.aux_loss = self.num_experts * (share * prob_sum / max(tokens, 1.0)).sum()
-        self.tokens_per_expert = counts_t.detach()
-        return out.reshape(shape).to(x.dtype)
+        stats = RouterStats(counts_t.detach(), probs.sum(0), x_TH.shape[0], self.top_k)
+        return out.reshape(shape).to(x.dtype), stats

@@ -22,7 +22,7 @@ from torchneox.models.args import ModelArgs
 from torchneox.models.attention import Attention, AttentionBias, KVCache
 from torchneox.models.init import init_function
 from torchneox.models.mlp import MLP
-from torchneox.models.moe import MoE
+from torchneox.models.moe import MoE, RouterStats
 from torchneox.models.norms import RMSNorm, ScaleNorm, build_norm
 from torchneox.models.positions import alibi_slopes, rotary_tables, sinusoidal_table
 
@@ -42,7 +42,8 @@ class Block(nn.Module):
             if args.shared_norm
             else build_norm(args.norm, args.hidden_size, args.norm_eps, args.norm_bias)
         )
-        self.mlp = MoE(args) if args.is_moe_layer(layer) else MLP(args)
+        self.is_moe = args.is_moe_layer(layer)
+        self.mlp = MoE(args) if self.is_moe else MLP(args)
         self.dropout = nn.Dropout(args.hidden_dropout)
 
     def forward(
@@ -51,14 +52,21 @@ class Block(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor] | None,
         bias: AttentionBias,
         cache: KVCache | None = None,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, RouterStats | None]:
+        """The block's output, and its router's statistics when its MLP is an MoE layer."""
         normed = self.attention_norm(x)
         attn = self.dropout(self.attention(normed, rope, bias, cache))
         if self.parallel_residual:
-            mlp_in = normed if self.mlp_norm is None else self.mlp_norm(x)
-            return x + attn + self.dropout(self.mlp(mlp_in))
+            mlp_out, stats = self._mlp(normed if self.mlp_norm is None else self.mlp_norm(x))
+            return x + attn + self.dropout(mlp_out), stats
         x = x + attn
-        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+        mlp_out, stats = self._mlp(self.mlp_norm(x))
+        return x + self.dropout(mlp_out), stats
+
+    def _mlp(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterStats | None]:
+        if self.is_moe:
+            return self.mlp(x)
+        return self.mlp(x), None
 
 
 class Transformer(nn.Module):
@@ -167,9 +175,12 @@ class Transformer(nn.Module):
         positions_BT: torch.Tensor | None = None,
         key_valid_BS: torch.Tensor | None = None,
         cache: KVCache | None = None,
-    ) -> torch.Tensor:
-        """Logits [B, T, vocab]. ``positions_BT`` default to 0.. (after the cache's length);
-        ``key_valid_BS`` marks the keys (cache + new tokens) that are real, not padding."""
+        router_stats: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, list[RouterStats]]:
+        """Logits [B, T, vocab] (a middle pipeline stage: hidden states), and with
+        ``router_stats`` each MoE layer's ``RouterStats`` too. ``positions_BT`` default to 0..
+        (after the cache's length); ``key_valid_BS`` marks the keys (cache + new tokens) that
+        are real, not padding."""
         t = tokens_BT.shape[1]
         start = cache.length if cache is not None else 0
         if self.embed is None:  # a later pipeline stage: the input is hidden states
@@ -178,10 +189,17 @@ class Transformer(nn.Module):
             x = self._embed(tokens_BT, positions_BT, start, t)
         rope = self._rope(positions_BT, start, t)
         bias = self._attention_bias(t, start, key_valid_BS, x.device)
+        stats = []
         for block in self.layers.values():
-            x = block(x, rope, bias, cache)
+            x, layer_stats = block(x, rope, bias, cache)
+            if layer_stats is not None:
+                stats.append(layer_stats)
         if cache is not None:
             cache.length += t
+        out = self._head(x)
+        return (out, stats) if router_stats else out
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
         if self.final_norm is None:  # an earlier pipeline stage: hand on the hidden states
             return x
         x = self.final_norm(x)

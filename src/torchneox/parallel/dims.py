@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from torchneox.config.errors import ConfigError
+from torchneox.base.errors import ConfigError
 
 
 @dataclass

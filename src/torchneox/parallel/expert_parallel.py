@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from torchneox.models.moe import MoE
+from torchneox.models.moe import LocalTokenDispatcher, MoE
 
 EXPERT_PARAMS = (
     "experts_up",
@@ -49,8 +49,7 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> list[str]:
                 nn.Parameter(DTensor.from_local(shard, ep_mesh, [Shard(0)], run_check=False)),
             )
             names.append(f"{module_name}.{attr}")
-        module.ep_group = ep_mesh.get_group()
-        module.ep_size = size
+        module.dispatcher = AllToAllTokenDispatcher(ep_mesh.get_group(), size)
     return names
 
 
@@ -70,9 +69,26 @@ def sync_expert_gradients(model: nn.Module, mesh: DeviceMesh, dp_size: int) -> N
             local.div_(dp_size)
 
 
-def dispatch(rows: torch.Tensor, counts_E: torch.Tensor, group, size: int):
+class AllToAllTokenDispatcher(LocalTokenDispatcher):
+    """Each rank holds ``num_experts / size`` experts: rows go to the rank holding their expert
+    (all-to-all over ``group``) and their results come back the same way."""
+
+    def __init__(self, group: dist.ProcessGroup, size: int):
+        self.group, self.size = group, size
+
+    def dispatch(self, rows: torch.Tensor, counts_t: torch.Tensor, counts: list[int]):
+        return _send_to_experts(rows, counts_t, self.group, self.size)
+
+    def combine(self, out_rows: torch.Tensor, route) -> torch.Tensor:
+        return _send_back(out_rows, route, self.group)
+
+    def local(self, weight: torch.Tensor | None) -> torch.Tensor | None:
+        return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+def _send_to_experts(rows: torch.Tensor, counts_E: torch.Tensor, group, size: int):
     """Send expert-sorted rows to the ranks holding their experts. Returns the received rows
-    sorted by local expert, the tokens per local expert, and what ``combine`` needs to send
+    sorted by local expert, the tokens per local expert, and what ``_send_back`` needs to send
     the results back (the split sizes both ways and the local sort)."""
     from torch.distributed._functional_collectives import all_to_all_single_autograd
 
@@ -92,8 +108,8 @@ def dispatch(rows: torch.Tensor, counts_E: torch.Tensor, group, size: int):
     return received[order_t], per_expert, (send_splits, recv_splits, order_t)
 
 
-def combine(out_rows: torch.Tensor, route, group) -> torch.Tensor:
-    """Undo ``dispatch``: back to source-major order, then to the ranks the rows came from."""
+def _send_back(out_rows: torch.Tensor, route, group) -> torch.Tensor:
+    """Undo ``_send_to_experts``: back to source-major order, then to the ranks the rows came from."""
     from torch.distributed._functional_collectives import all_to_all_single_autograd
 
     send_splits, recv_splits, order = route

@@ -27,7 +27,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
-from torchneox.config.errors import ConfigError
+from torchneox.base.errors import ConfigError
 from torchneox.models.args import ModelArgs
 from torchneox.models.transformer import Transformer
 

@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from torchneox.config.errors import ConfigError
+from torchneox.base.errors import ConfigError
 from torchneox.models.moe import MoE
 from torchneox.models.transformer import Transformer
 

@@ -24,9 +24,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from torchneox.config.errors import ConfigError
+from torchneox.base.errors import CheckpointWriteError, ConfigError
+from torchneox.base.faults import fault_point
 from torchneox.config.load import LoadedConfig, load_config
-from torchneox.faults import fault_point
+from torchneox.models.args import model_args
+from torchneox.models.transformer import Transformer, build_model
 
 FORMAT = "torchneox-checkpoint-2"  # 2: with manifest.json
 CONFIG_FILE = "config.yml"
@@ -179,10 +181,6 @@ def save_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointWriteError(_write_failure(root, final, e)) from None
     return final
-
-
-class CheckpointWriteError(RuntimeError):
-    """A save failed (disk full, unwritable directory); the previous checkpoint is untouched."""
 
 
 def _write_failure(root: Path, final: Path, error: BaseException) -> str:
@@ -339,3 +337,18 @@ def load_model_weights(step_dir: Path, model: torch.nn.Module) -> None:
             )
     load_state(step_dir, {"model": sd})
     model.load_state_dict(sd)
+
+
+def load_model(
+    ckpt: str | Path,
+    overrides: list[str] | None = None,
+    device: str = "cpu",
+    step: int | None = None,
+) -> tuple[LoadedConfig, Transformer]:
+    """The model a checkpoint holds (its step, or the latest), on ``device``, with its config
+    (``overrides`` applied): the one way every verb turns a checkpoint into a model."""
+    step_dir = resolve(ckpt, step)
+    loaded = checkpoint_config(step_dir, overrides)
+    model = build_model(model_args(loaded), device=device)
+    load_model_weights(step_dir, model)
+    return loaded, model

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from torchneox.config.errors import ConfigError
+from torchneox.base.errors import ConfigError
 from torchneox.config.paths import atomic_output
 
 

@@ -20,26 +20,25 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from torchneox import hardware
+from torchneox.base.errors import ConfigError, TrainingStopped
+from torchneox.base.faults import fault_point
 from torchneox.config.derive import Derived, check_expert_layout, derive
-from torchneox.config.errors import ConfigError
 from torchneox.config.load import LoadedConfig, with_absolute_paths
 from torchneox.config.report import render_yaml
 from torchneox.data.datasets import build_splits
 from torchneox.data.loader import BatchLoader
 from torchneox.data.tokenizers import build_tokenizer
-from torchneox.errors import TrainingStopped
-from torchneox.faults import fault_point
 from torchneox.models.args import ModelArgs
-from torchneox.models.moe import MoE
+from torchneox.models.moe import MoE, balancing_loss
 from torchneox.models.transformer import Transformer, build_model
 from torchneox.parallel.activation_ckpt import apply_activation_checkpointing, compile_blocks
+from torchneox.parallel.collectives import sum_router_stats
 from torchneox.parallel.data_parallel import apply_data_parallel, set_gradient_sync
 from torchneox.parallel.dims import ParallelDims, init_distributed
 from torchneox.parallel.expert_parallel import apply_expert_parallel, sync_expert_gradients
 from torchneox.parallel.pipeline import Pipeline, build_pipeline, evaluate_pipeline
 from torchneox.parallel.tensor_parallel import apply_tensor_parallel, loss_context
-from torchneox.train import checkpoint
+from torchneox.train import checkpoint, hardware
 from torchneox.train.loss import lm_loss, lm_loss_and_z
 from torchneox.train.lr import Schedule
 from torchneox.train.metrics import MetricsLogger, Timers
@@ -173,9 +172,6 @@ class Trainer:
             self.module: torch.nn.Module = self._prepare(self.model)
         self.optimizer = build_optimizer(self.model, cfg, self.device.type)
         self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoE)]
-        if self.dims.dp > 1:
-            for m in self.moe_layers:  # the load-balancing loss sees the whole batch
-                m.balance_group = self.dims.mesh["dp"].get_group()
 
     def _prepare(self, model: Transformer) -> torch.nn.Module:
         """Parallelism from outside, in torchtitan's order: tensor parallel, activation
@@ -337,7 +333,10 @@ class Trainer:
         set_gradient_sync(self.module, last)
         with loss_context(self.tensor_parallel):
             with self.timers("forward"), autocast(self.precision, self.device.type):
-                logits = self.module(inputs)
+                if self.moe_layers:
+                    logits, stats = self.module(inputs, router_stats=True)
+                else:
+                    logits = self.module(inputs)
                 if self.z_weight:
                     loss, z = lm_loss_and_z(logits, labels, mask)
                     objective = loss + self.z_weight * z
@@ -346,14 +345,19 @@ class Trainer:
                     loss = objective = lm_loss(logits, labels, mask)
                 del logits
                 if self.moe_layers:
-                    aux = torch.stack([m.aux_loss for m in self.moe_layers]).mean()
+                    # the load-balancing loss sees the whole batch: the router statistics
+                    # summed over the ranks that split it (one process's loss, in any layout)
+                    whole = stats
+                    if self.dims.dp > 1:
+                        whole = [sum_router_stats(s, self.dims.mesh["dp"]) for s in stats]
+                    aux = torch.stack([balancing_loss(s) for s in whole]).mean()
                     weighted = self.cfg.moe.moe_aux_loss_coeff * aux
                     if isinstance(loss, DTensor):  # a vocabulary-parallel loss: same placement
                         weighted = DTensor.from_local(weighted, loss.device_mesh, loss.placements)
                     objective = loss + weighted
                     self._moe_aux += aux.detach().float()
-                    for i, m in enumerate(self.moe_layers):
-                        self._moe_counts[i] += m.tokens_per_expert
+                    for i, s in enumerate(stats):
+                        self._moe_counts[i] += s.tokens_per_expert
             with self.timers("backward"):
                 (objective * (self.scaler.scale / self.grad_accum)).backward()
         return _plain(loss.detach())
@@ -513,7 +517,7 @@ class Trainer:
     def _harness(self):
         """The lm-eval adapter for eval_tasks, checked at start-up rather than at the first
         evaluation."""
-        from torchneox.harness import make_adapter
+        from torchneox.train.lm_eval import make_adapter
 
         if self.pipeline is not None:
             raise ConfigError(
@@ -529,7 +533,7 @@ class Trainer:
         requests (sharded weights need every rank's forward), rank 0 reports."""
         if self.harness is None:
             return None
-        from torchneox.harness import run_tasks
+        from torchneox.train.lm_eval import run_tasks
 
         tg = self.cfg.textgen
         limit = tg.eval_tasks_limit

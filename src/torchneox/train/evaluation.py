@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from torchneox.base.errors import DataError
 from torchneox.data.gpt_dataset import GPTDataset
-from torchneox.data.indexed import DataError, IndexedDataset
+from torchneox.data.indexed import IndexedDataset
 from torchneox.models.transformer import Transformer
 from torchneox.train.loss import lm_loss
 

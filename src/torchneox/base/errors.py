@@ -1,4 +1,7 @@
-"""The one exception type for mistakes in a config."""
+"""Every error type a user can cause, and the helpers that keep their messages one line.
+
+The CLI catches these (and only these) as user mistakes: exit 2, one line, no traceback.
+``TrainingStopped`` is the one fault of a run itself (exit 1)."""
 
 from __future__ import annotations
 
@@ -18,6 +21,29 @@ class ConfigError(ValueError):
         self.key = key
         parts = [p for p in (source, key) if p]
         super().__init__(": ".join([*parts, message]))
+
+
+class DataError(ValueError):
+    """A dataset that cannot be read or written; the message names the file."""
+
+
+class HFError(ConfigError):
+    """A Hugging Face folder or an export that cannot be done."""
+
+
+class NeoXCheckpointError(ConfigError):
+    """A GPT-NeoX checkpoint folder that cannot be imported."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A save failed (disk full, unwritable directory); the previous checkpoint is untouched."""
+
+
+class TrainingStopped(RuntimeError):
+    """A run that cannot go on (a non-finite loss, say); the message says why and what is kept."""
+
+
+USER_ERRORS = (ConfigError, DataError)
 
 
 def closest(word: str, choices: Iterable[str], cutoff: float = 0.6) -> str | None:

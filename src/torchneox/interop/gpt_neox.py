@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
+from torchneox.base.errors import NeoXCheckpointError
 from torchneox.config.derive import derive
-from torchneox.config.errors import ConfigError
 from torchneox.config.load import LoadedConfig, load_config, with_absolute_paths
 from torchneox.config.paths import new_output_dir, refuse_non_empty
 from torchneox.config.report import render_yaml
@@ -51,10 +51,6 @@ SPLIT_ROWS = (
     "mlp.linear1.bias",
 )
 SPLIT_COLUMNS = ("attention.dense.weight", "mlp.linear2.weight")
-
-
-class NeoXCheckpointError(ConfigError):
-    pass
 
 
 class Foreign:

@@ -13,17 +13,17 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import types
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from torchneox.base.errors import ConfigError
 from torchneox.config.derive import check_expert_layout, derive
-from torchneox.config.errors import ConfigError
 from torchneox.config.load import LoadedConfig
 from torchneox.config.sizes import is_moe_layer
-from torchneox.hardware import ACCELERATORS, Accelerator, peak_tflops
+from torchneox.models.moe import LocalTokenDispatcher
+from torchneox.train.hardware import ACCELERATORS, Accelerator, peak_tflops
 
 GIB = 2**30
 PARAM_BYTES = 4  # parameters, gradients and optimizer moments are fp32 (autocast does the rest)
@@ -184,12 +184,14 @@ def _trace_saved(
     return _trace_on(loaded, vocab, layers, precision, "cpu", batch, moe)
 
 
-def _balanced_count(self, experts: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-    """MoE.count for the trace: fake tensors have no values, so every expert gets an equal
+class _BalancedCounts(LocalTokenDispatcher):
+    """The trace's dispatcher: fake tensors have no values, so every expert gets an equal
     share of the assignments (what the load-balancing loss aims for)."""
-    base, extra = divmod(experts.numel(), self.num_experts)
-    counts = [base + (e < extra) for e in range(self.num_experts)]
-    return torch.tensor(counts, device=experts.device), counts
+
+    def count(self, experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
+        base, extra = divmod(experts.numel(), num_experts)
+        counts = [base + (e < extra) for e in range(num_experts)]
+        return torch.tensor(counts, device=experts.device), counts
 
 
 def _trace_on(
@@ -253,7 +255,7 @@ def _trace_on(
         model.train()
         for module in model.modules():
             if isinstance(module, MoE):
-                module.count = types.MethodType(_balanced_count, module)
+                module.dispatcher = _BalancedCounts()
                 module.sinkhorn_tol = None  # no early stop: fake tensors cannot be compared
                 module.register_forward_pre_hook(enter)
                 module.register_forward_hook(leave)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from torchneox.config.errors import ConfigError
+from torchneox.base.errors import ConfigError
 from torchneox.config.paths import atomic_output
 from torchneox.config.schema_io import TextGenConfig
 from torchneox.data.tokenizers import Tokenizer

@@ -12,10 +12,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from torchneox.config.errors import ConfigError
+from torchneox.base.errors import ConfigError, DataError, TrainingStopped
 from torchneox.config.load import load_config
-from torchneox.data.indexed import DataError
-from torchneox.errors import TrainingStopped
 
 EXIT_USER_ERROR = 2
 
@@ -350,14 +348,14 @@ def _cmd_config_keys(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from torchneox import convert
+    from torchneox.interop import huggingface
 
     if args.convert_verb == "from-hf":
-        step = convert.from_hf(args.hf_dir, args.out_dir, force=args.force)
+        step = huggingface.from_hf(args.hf_dir, args.out_dir, force=args.force)
     elif args.convert_verb == "from-gpt-neox":
-        from torchneox import neox_import
+        from torchneox.interop import gpt_neox
 
-        step = neox_import.convert(
+        step = gpt_neox.convert(
             args.neox_dir,
             args.out_dir,
             args.config,
@@ -368,7 +366,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             force=args.force,
         )
     else:
-        step = convert.to_hf(args.checkpoint, args.out_dir, force=args.force)
+        step = huggingface.to_hf(args.checkpoint, args.out_dir, force=args.force)
     print(f"wrote {step}")
     return 0
 
@@ -389,17 +387,19 @@ GEN_FLAGS = (
 def _cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from torchneox import convert
     from torchneox.config.load import load_config
     from torchneox.data.tokenizers import build_tokenizer
-    from torchneox.generate import TextGenerator, run_mode, sampling_from
+    from torchneox.inference.generate import TextGenerator, run_mode, sampling_from
+    from torchneox.train import checkpoint
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model_overrides = [] if args.files else args.overrides
     if args.hf:
-        loaded, model = convert.load_hf_model(args.hf, device=device)
+        from torchneox.interop.huggingface import load_hf_model
+
+        loaded, model = load_hf_model(args.hf, device=device)
     else:
-        loaded, model = convert.load_model(args.checkpoint, model_overrides, device=device)
+        loaded, model = checkpoint.load_model(args.checkpoint, model_overrides, device=device)
     settings = load_config(args.files, args.overrides).config if args.files else loaded.config
     for name in GEN_FLAGS:
         if getattr(args, name) is not None:
@@ -594,18 +594,18 @@ def _cmd_data_batch(args: argparse.Namespace) -> int:
 def _cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
-    from torchneox import convert
-    from torchneox.evaluate import perplexity
+    from torchneox.train import checkpoint
+    from torchneox.train.evaluation import perplexity
 
     if not args.data_path and not args.tasks:
         raise ConfigError("give --tasks T1,T2 (lm-evaluation-harness) or --data-path PREFIX")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     overrides = [] if args.files else args.overrides
-    loaded, model = convert.load_model(args.checkpoint, overrides, device=device)
+    loaded, model = checkpoint.load_model(args.checkpoint, overrides, device=device)
     cfg = load_config(args.files, args.overrides).config if args.files else loaded.config
     if args.tasks:
         from torchneox.data.tokenizers import build_tokenizer
-        from torchneox.harness import evaluate_checkpoint
+        from torchneox.train.lm_eval import evaluate_checkpoint
 
         limit = args.limit if args.limit is None or args.limit < 1 else int(args.limit)
         results = evaluate_checkpoint(
@@ -628,7 +628,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
     from torchneox.config.load import load_config
-    from torchneox.estimate import estimate, render
+    from torchneox.estimate.search import estimate, render
 
     loaded = load_config(args.files, args.overrides)
     est = estimate(loaded, args.gpus, args.gpu.lower(), args.nodes, args.mfu)
@@ -681,7 +681,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from torchneox.demo import run_demo
+    from torchneox.cli.demo import run_demo
 
     return run_demo(Path(args.dir), args.overrides)
 

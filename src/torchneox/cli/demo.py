@@ -15,9 +15,9 @@ PROMPTS = ["Return the ", "This module provides ", "The default value is "]
 
 def run_demo(folder: Path, overrides: list[str]) -> int:
     from torchneox.config.load import load_config
-    from torchneox.convert import load_model
     from torchneox.data.tokenizers import build_tokenizer
-    from torchneox.generate import Sampling, TextGenerator
+    from torchneox.inference.generate import Sampling, TextGenerator
+    from torchneox.train.checkpoint import load_model
     from torchneox.train.trainer import Trainer
 
     data_prefix = folder / "data" / "pydocs"

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import torch
 
+from torchneox.base.errors import ConfigError
 from torchneox.config.derive import derive
-from torchneox.config.errors import ConfigError
 from torchneox.config.load import LoadedConfig, load_mapping
 from torchneox.config.paths import new_output_dir
 from torchneox.config.report import render_yaml
 from torchneox.models import hf
 from torchneox.models.args import ModelArgs, model_args
-from torchneox.models.transformer import Transformer, build_model
+from torchneox.models.transformer import Transformer
 from torchneox.train import checkpoint
 
 
@@ -118,19 +118,6 @@ def load_hf_model(hf_dir: str | Path, device: str = "cpu") -> tuple[LoadedConfig
     return loaded, model
 
 
-def load_model(
-    ckpt: str | Path,
-    overrides: list[str] | None = None,
-    device: str = "cpu",
-    step: int | None = None,
-) -> tuple[LoadedConfig, Transformer]:
-    step_dir = checkpoint.resolve(ckpt, step)
-    loaded = checkpoint.checkpoint_config(step_dir, overrides)
-    model = build_model(model_args(loaded), device=device)
-    checkpoint.load_model_weights(step_dir, model)
-    return loaded, model
-
-
 def to_hf(ckpt: str | Path, out_dir: str | Path, force: bool = False) -> Path:
     """A torchneox checkpoint -> a Hugging Face folder (safetensors, config.json, tokenizer)."""
     from safetensors.torch import save_file
@@ -139,7 +126,7 @@ def to_hf(ckpt: str | Path, out_dir: str | Path, force: bool = False) -> Path:
     loaded = checkpoint.checkpoint_config(step_dir)
     args = model_args(loaded)
     arch = hf.export_architecture(args)
-    _, model = load_model(step_dir)
+    _, model = checkpoint.load_model(step_dir)
     out = Path(out_dir)
     with new_output_dir(out, force, "convert to-hf") as tmp:
         tensors = hf.state_dict_to_hf(arch, model.state_dict(), args)

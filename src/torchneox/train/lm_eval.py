@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from torchneox.config.errors import ConfigError
-from torchneox.generate import Sampling, generate
+from torchneox.base.errors import ConfigError
+from torchneox.inference.generate import Sampling, generate
 from torchneox.models.transformer import Transformer
 
 

@@ -1,0 +1,1 @@
+"""Floor 3: text generation (KV cache, sampling, modes)."""

@@ -1,0 +1,60 @@
+"""The collectives the training side runs, each named for what it computes. Every helper
+takes the ParallelDims (or a mesh axis) it reduces over, and does nothing on one process."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from torchneox.models.moe import RouterStats
+from torchneox.parallel.dims import ParallelDims
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value (a plain tensor as it is)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def mean_over_dp(value: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
+    """The mean of ``value`` over the data-parallel ranks (each holds part of the batch)."""
+    if not dims.distributed:
+        return value
+    value = value.clone()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM, group=dims.mesh["dp"].get_group())
+    return value / dims.dp
+
+
+def sum_over_dp(value: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
+    """``value`` summed over the data-parallel ranks, in place."""
+    if dims.distributed:
+        dist.all_reduce(value, group=dims.mesh["dp"].get_group())
+    return value
+
+
+def sum_over_pp(value: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
+    """``value`` summed over the pipeline stages, in place (only the last one adds a loss)."""
+    dist.all_reduce(value, group=dims.mesh["pp"].get_group())
+    return value
+
+
+def any_rank(flag: bool, dims: ParallelDims, device: torch.device) -> bool:
+    """Whether ``flag`` is true on any rank (ranks may see a signal at different steps)."""
+    if not dims.distributed:
+        return flag
+    t = torch.tensor(float(flag), device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def sum_router_stats(stats: RouterStats, mesh: DeviceMesh) -> RouterStats:
+    """One MoE layer's router statistics summed over the ranks of ``mesh`` (the ranks that
+    split the batch), as one process holding the whole batch would have them; the gradient
+    reaches every rank's router through the all-reduce."""
+    from torch.distributed.nn.functional import all_reduce
+
+    group = mesh.get_group()
+    counts = all_reduce(stats.tokens_per_expert.float().detach(), group=group)
+    prob_sum = all_reduce(stats.prob_sum, group=group)
+    return RouterStats(counts, prob_sum, stats.tokens * mesh.size(), stats.top_k)
