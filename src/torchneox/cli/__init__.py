@@ -325,11 +325,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _cmd_config_explain(args: argparse.Namespace) -> int:
     from torchneox.config.derive import derive
+    from torchneox.config.layout import Layout, check_layout
     from torchneox.config.load import load_config
     from torchneox.config.report import render_json, render_text, render_yaml
 
     loaded = load_config(args.files, args.overrides)
     derived = derive(loaded, world_size=args.world_size)
+    check_layout(loaded, Layout.from_derived(loaded.config, derived))
     fmt = "json" if args.json else args.format
     if fmt == "json":
         print(render_json(derived))

@@ -333,28 +333,12 @@ def _check_moe(ch: _Checker) -> None:
 
 
 def _check_parallel(ch: _Checker) -> None:
-    p, m = ch.c.parallel, ch.c.model
+    p = ch.c.parallel
     ch.positive("pipe_parallel_size", allow_zero=True)
     ch.positive("model_parallel_size")
     for k in ("world_size", "global_num_gpus"):
         ch.positive(k)
-    mp = p.model_parallel_size
-    if m.num_attention_heads and m.num_attention_heads % mp:
-        ch.fail(
-            "model_parallel_size",
-            f"{mp} does not divide num_attention_heads {m.num_attention_heads}; "
-            "tensor parallelism splits whole heads",
-        )
-    if m.num_kv_heads and m.num_kv_heads % mp:
-        ch.fail(
-            "model_parallel_size",
-            f"{mp} does not divide num_kv_heads {m.num_kv_heads}; tensor parallelism splits whole heads",
-        )
-    if p.pipe_parallel_size >= 2 and m.num_layers and m.num_layers < p.pipe_parallel_size:
-        ch.fail(
-            "pipe_parallel_size",
-            f"{p.pipe_parallel_size} stages but only {m.num_layers} layers; each stage needs one",
-        )
+    # (which layouts run is config/layout.py's check_layout)
     method = p.pipe_partition_method
     if not (method in ("parameters", "uniform") or method.startswith("type:")):
         ch.fail(
@@ -574,14 +558,6 @@ def _check_training(ch: _Checker) -> None:
             f"{t.train_micro_batch_size_per_gpu}; give one of them",
         )
     ch.positive("lm_z_loss", allow_zero=True)
-    if t.lm_z_loss and (
-        ch.c.parallel.model_parallel_size > 1 or ch.c.parallel.pipe_parallel_size > 1
-    ):
-        ch.fail(
-            "lm_z_loss",
-            "is not built for tensor or pipeline parallelism yet; train with data parallelism "
-            "(any ZeRO stage), or leave lm_z_loss at 0",
-        )
     ch.positive("checkpoint_factor")
     ch.positive("keep_last_n_checkpoints")
     if (

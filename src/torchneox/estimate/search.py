@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from torchneox.base.errors import ConfigError
-from torchneox.config.derive import check_expert_layout, derive
+from torchneox.config.derive import derive
+from torchneox.config.layout import Layout, check_layout, layout_problem
 from torchneox.config.load import LoadedConfig
 from torchneox.config.sizes import is_moe_layer
 from torchneox.models.moe import LocalTokenDispatcher
@@ -29,42 +30,6 @@ GIB = 2**30
 PARAM_BYTES = 4  # parameters, gradients and optimizer moments are fp32 (autocast does the rest)
 CUDA_RESERVE = 1.5 * GIB  # CUDA context, cuBLAS/NCCL workspaces
 USABLE = 0.95  # of the rest: the allocator's fragmentation
-
-
-@dataclass(frozen=True)
-class Layout:
-    gpus: int
-    dp: int
-    tp: int
-    pp: int
-    zero: int
-    micro_batch: int
-    gas: int
-    checkpoint: str  # none | full | selective
-    every: int = 1
-    sequence_parallel: bool = False
-    schedule: str = "1f1b"
-    ep: int = 1  # expert parallelism: experts split over this many data-parallel ranks
-
-    def changes_from(self, other: Layout) -> dict[str, Any]:
-        keys = {
-            "tp": "model_parallel_size",
-            "pp": "pipe_parallel_size",
-            "zero": "zero_optimization.stage",
-            "micro_batch": "train_micro_batch_size_per_gpu",
-            "checkpoint": "checkpoint_activations",
-        }
-        out = {}
-        for f, key in keys.items():
-            mine, theirs = getattr(self, f), getattr(other, f)
-            if mine != theirs:
-                out[key] = mine
-        if "checkpoint_activations" in out:
-            mode = out.pop("checkpoint_activations")
-            out["checkpoint_activations"] = mode != "none"
-            if mode != "none":
-                out["checkpoint_activations_mode"] = mode
-        return out
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -481,25 +446,11 @@ def estimate(
         raise ConfigError(f"--mfu {mfu} must be in (0, 1]")
     cfg = loaded.config
     d = derive(loaded, world_size=gpus)
-    check_expert_layout(cfg, d)
+    layout = Layout.from_derived(cfg, d)
+    check_layout(loaded, layout)
     acc = ACCELERATORS[gpu]
     precision = d["precision"]
     peak = peak_tflops(acc, precision)
-    t = cfg.training
-    layout = Layout(
-        gpus=gpus,
-        dp=d["data_parallel_size"],
-        tp=d["model_parallel_size"],
-        pp=d["pipeline_stages"],
-        zero=d["zero_stage"],
-        micro_batch=d["train_micro_batch_size_per_gpu"],
-        gas=d["gradient_accumulation_steps"],
-        checkpoint=t.checkpoint_activations_mode if t.checkpoint_activations else "none",
-        every=t.checkpoint_num_layers,
-        sequence_parallel=cfg.parallel.sequence_parallel and d["model_parallel_size"] > 1,
-        schedule=d["pipeline_schedule"] or "1f1b",
-        ep=cfg.moe.expert_parallel_size,
-    )
     method = cfg.parallel.pipe_partition_method
     vocab = d["padded_vocab_size"]
     trace = trace_activations(loaded, vocab, precision)
@@ -585,15 +536,11 @@ def _alternatives(
                 continue
             gas = tbs // (mb * dp)
             if pp > 1 and gas < pp:
-                continue
-            if (tp > 1 or pp > 1) and not cfg.model.no_weight_tying:
-                continue  # tied embeddings are refused with tp/pp
-            if cfg.moe.moe_num_experts > 1 and (pp > 1 or dp % layout.ep):
-                continue  # MoE runs without pipelines; the expert axis must divide dp
+                continue  # more bubble than work, whatever the schedule
             cand = dataclasses.replace(
                 layout, tp=tp, pp=pp, dp=dp, zero=zero, checkpoint=ckpt, micro_batch=mb, gas=gas
             )
-            if cand == layout:
+            if cand == layout or layout_problem(cfg, cand) is not None:
                 continue
             mem = memory_per_rank(loaded, cand, stages_for(pp), trace, method)
             if mem["bytes"]["total"] > usable:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from torchneox.base.errors import ConfigError
+from torchneox.config.layout import Layout
 
 
 @dataclass
@@ -26,6 +27,17 @@ class ParallelDims:
     ep: int = 1
     """Expert-parallel ranks: a sub-axis of the data-parallel one."""
     mesh: DeviceMesh | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_layout(cls, layout: Layout, device_type: str) -> ParallelDims:
+        return cls(
+            dp=layout.dp,
+            tp=layout.tp,
+            pp=layout.pp,
+            world_size=layout.gpus,
+            device_type=device_type,
+            ep=layout.ep,
+        )
 
     def __post_init__(self) -> None:
         if self.dp * self.tp * self.pp != self.world_size:

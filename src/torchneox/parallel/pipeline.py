@@ -27,7 +27,6 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
-from torchneox.base.errors import ConfigError
 from torchneox.models.args import ModelArgs
 from torchneox.models.transformer import Transformer
 
@@ -52,11 +51,7 @@ def layer_costs(args: ModelArgs, method: str) -> list[float]:
 def stage_layers(args: ModelArgs, num_stages: int, method: str) -> list[range]:
     """Contiguous layer ranges, one per stage, as even in cost as possible (each >= 1 layer)."""
     n = args.num_layers
-    if num_stages > n:
-        raise ConfigError(
-            f"{num_stages} pipeline stages for {n} layers; each stage needs one",
-            key="pipe_parallel_size",
-        )
+    assert num_stages <= n, f"{num_stages} stages for {n} layers (check_layout refuses it)"
     costs = layer_costs(args, method)
     first = last = 0.0
     if method == "parameters":
@@ -124,22 +119,10 @@ def build_pipeline(
     prepare=None,
 ) -> Pipeline:
     """This rank's stages, initialised, wrapped by ``prepare`` (tensor/data parallelism), and
-    the schedule that runs them."""
-    if args.tied_embeddings:
-        raise ConfigError(
-            "tied embeddings with pipe_parallel_size >= 2 are not built yet (the head would live on "
-            "another stage than the embedding); set no_weight_tying: true",
-            key="no_weight_tying",
-        )
+    the schedule that runs them (a layout ``config.layout.check_layout`` accepted)."""
     pp_rank, pp_size = pp_mesh.get_local_rank(), pp_mesh.size()
     per_rank = 2 if schedule == "zbv" else (1 if schedule in SINGLE else virtual)
     total_stages = pp_size * per_rank
-    if schedule in MULTI and microbatches % pp_size:
-        raise ConfigError(
-            f"schedule {schedule} needs gradient_accumulation_steps ({microbatches}) to be a multiple "
-            f"of pipe_parallel_size ({pp_size})",
-            key="pipeline_schedule",
-        )
     ranges = stage_layers(args, total_stages, method)
     with torch.device("meta"):
         full = Transformer(args)

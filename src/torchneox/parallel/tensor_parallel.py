@@ -24,22 +24,13 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from torchneox.base.errors import ConfigError
 from torchneox.models.moe import MoE
 from torchneox.models.transformer import Transformer
 
 
 def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    if model.args.tied_embeddings:
-        raise ConfigError(
-            "tied embeddings with model_parallel_size > 1 are not built yet; set no_weight_tying: true",
-            key="no_weight_tying",
-        )
-    if model.pos_embed is not None or model.args.pos_emb in ("sinusoidal", "alibi"):
-        raise ConfigError(
-            f"pos_emb {model.args.pos_emb!r} with model_parallel_size > 1 is not built yet; use rotary or none",
-            key="pos_emb",
-        )
+    """Split every layer over ``mesh`` (a layout ``config.layout.check_layout`` accepted:
+    untied embeddings, rotary or no positions, no sequence parallelism with MoE layers)."""
     seq = Shard(1) if sequence_parallel else Replicate()
     top = {}
     # a pipeline stage may hold neither end; with sequence parallelism the hidden states pass
@@ -61,14 +52,9 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=seq),
         }
-        if isinstance(block.mlp, MoE):
-            # experts are whole on every tensor rank (the tokens are too, without sequence
-            # parallelism): each rank computes the same expert outputs
-            if sequence_parallel:
-                raise ConfigError(
-                    "with mixture-of-experts layers is not built yet", key="sequence_parallel"
-                )
-        else:
+        if not isinstance(block.mlp, MoE):
+            # (experts are whole on every tensor rank, as the tokens are without sequence
+            # parallelism: each rank computes the same expert outputs)
             plan["mlp.up"] = ColwiseParallel()
             plan["mlp.down"] = RowwiseParallel(output_layouts=seq)
             if block.mlp.gate is not None:

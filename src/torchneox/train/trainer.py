@@ -22,7 +22,8 @@ from torch.distributed.tensor import DTensor
 
 from torchneox.base.errors import ConfigError, TrainingStopped
 from torchneox.base.faults import fault_point
-from torchneox.config.derive import Derived, check_expert_layout, derive
+from torchneox.config.derive import Derived, derive
+from torchneox.config.layout import Layout, check_layout
 from torchneox.config.load import LoadedConfig, with_absolute_paths
 from torchneox.config.report import render_yaml
 from torchneox.data.datasets import build_splits
@@ -64,9 +65,9 @@ def save_iterations(cfg: Any, train_iters: int) -> set[int]:
     return steps
 
 
-def require(loaded: LoadedConfig, derived: Derived) -> None:
-    """What training needs beyond what `derive` checks (`train --nproc` runs it before it starts
-    any process)."""
+def require(loaded: LoadedConfig, derived: Derived) -> Layout:
+    """What training needs beyond what `derive` checks, and the checked layout (`train --nproc`
+    runs it before it starts any process)."""
     cfg = loaded.config
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters"):
         if cfg.get(name) is None:
@@ -78,7 +79,9 @@ def require(loaded: LoadedConfig, derived: Derived) -> None:
         )
     if derived["lr"] is None:
         raise ConfigError("training needs a learning rate (optimizer.params.lr)", key="optimizer")
-    check_expert_layout(cfg, derived)
+    layout = Layout.from_derived(cfg, derived)
+    check_layout(loaded, layout)
+    return layout
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -115,16 +118,8 @@ class Trainer:
             cfg.parallel.distributed_timeout_minutes,
         )
         self.derived = d = derive(loaded, world_size=world)
-        require(loaded, d)
-        ep = cfg.moe.expert_parallel_size
-        self.dims = ParallelDims(
-            dp=d["data_parallel_size"],
-            tp=d["model_parallel_size"],
-            pp=d["pipeline_stages"],
-            world_size=world,
-            device_type=self.device.type,
-            ep=ep,
-        )
+        self.layout = require(loaded, d)
+        self.dims = ParallelDims.from_layout(self.layout, self.device.type)
         self.dims.build_mesh()
         self.precision = d["precision"]
         self.seq_length = cfg.model.seq_length
@@ -204,15 +199,6 @@ class Trainer:
 
     def _build_pipeline(self) -> None:
         cfg = self.cfg
-        if cfg.training.eod_mask_loss:
-            raise ConfigError(
-                "is not supported with pipe_parallel_size >= 2 yet", key="eod_mask_loss"
-            )
-        if cfg.parallel.sequence_parallel and self.tensor_parallel:
-            raise ConfigError(
-                "with pipe_parallel_size >= 2 is not supported yet; tensor parallelism without it works",
-                key="sequence_parallel",
-            )
 
         def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             return lm_loss(logits, labels, None) * self.scaler.scale
@@ -519,12 +505,6 @@ class Trainer:
         evaluation."""
         from torchneox.train.lm_eval import make_adapter
 
-        if self.pipeline is not None:
-            raise ConfigError(
-                "with pipe_parallel_size >= 2 is not supported yet; evaluate the checkpoint with "
-                "`torchneox eval --tasks` instead",
-                key="eval_tasks",
-            )
         tokenizer = build_tokenizer(self.cfg)
         return make_adapter(self.model, self.args, tokenizer, self.micro_batch, self.device)
 

@@ -1,0 +1,271 @@
+"""The run's parallel layout, typed and derived once, and every rule a layout must keep.
+
+``Layout.from_derived`` reads the sizes ``derive`` computed; ``check_layout`` holds every
+rule about which layouts run (what is not built yet with tensor or pipeline parallelism, what
+an explicit pipeline schedule needs, how experts split). ``train`` (and ``train --nproc``
+before it starts any process), ``estimate`` (for the layout given and for each alternative it
+proposes) and ``config explain`` call it; the parallel code builds from a checked layout and
+repeats none of it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torchneox.base.errors import ConfigError
+from torchneox.config.derived import Derived
+from torchneox.config.load import LoadedConfig
+from torchneox.config.schema import NeoXConfig
+
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+"""Pipeline schedules that run one stage per rank; the others run several."""
+
+# the config key each layout field comes from, for the changes an estimate proposes
+KEYS = {
+    "tp": "model_parallel_size",
+    "pp": "pipe_parallel_size",
+    "zero": "zero_optimization.stage",
+    "micro_batch": "train_micro_batch_size_per_gpu",
+    "checkpoint": "checkpoint_activations",
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a run's processes split the work. ``gpus``: every process (GPUs, or CPU processes)."""
+
+    gpus: int
+    dp: int
+    tp: int
+    pp: int
+    zero: int
+    micro_batch: int | None
+    gas: int | None
+    checkpoint: str  # none | full | selective
+    every: int = 1
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"  # the pipeline schedule (what runs only when pp >= 2)
+    ep: int = 1  # expert parallelism: experts split over this many data-parallel ranks
+    virtual_stages: int = 1
+
+    @classmethod
+    def from_derived(cls, cfg: NeoXConfig, derived: Derived) -> Layout:
+        d, t = derived, cfg.training
+        tp = d["model_parallel_size"]
+        return cls(
+            gpus=d["data_parallel_size"] * tp * d["pipeline_stages"],
+            dp=d["data_parallel_size"],
+            tp=tp,
+            pp=d["pipeline_stages"],
+            zero=d["zero_stage"],
+            micro_batch=d["train_micro_batch_size_per_gpu"],
+            gas=d["gradient_accumulation_steps"],
+            checkpoint=t.checkpoint_activations_mode if t.checkpoint_activations else "none",
+            every=t.checkpoint_num_layers,
+            sequence_parallel=cfg.parallel.sequence_parallel and tp > 1,
+            schedule=d["pipeline_schedule"] or "1f1b",
+            ep=cfg.moe.expert_parallel_size,
+            virtual_stages=cfg.parallel.pipeline_virtual_stages,
+        )
+
+    @property
+    def stages_per_rank(self) -> int:
+        if self.schedule == "zbv":
+            return 2
+        return 1 if self.schedule in SINGLE_STAGE_SCHEDULES else self.virtual_stages
+
+    @property
+    def total_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    def changes_from(self, other: Layout) -> dict[str, Any]:
+        """The config keys (and values) that turn ``other`` into this layout."""
+        out = {
+            key: getattr(self, f)
+            for f, key in KEYS.items()
+            if getattr(self, f) != getattr(other, f)
+        }
+        if "checkpoint_activations" in out:
+            mode = out.pop("checkpoint_activations")
+            out["checkpoint_activations"] = mode != "none"
+            if mode != "none":
+                out["checkpoint_activations_mode"] = mode
+        return out
+
+
+def _refuse(message: str, key: str, cause: str) -> ConfigError:
+    """A broken rule: ``key`` is what to change, ``cause`` the layout key that makes it fail
+    (the file named is the one that set ``key``, else the one that set ``cause``)."""
+    error = ConfigError(message, key=key)
+    error.cause = cause
+    return error
+
+
+def layout_problem(cfg: NeoXConfig, layout: Layout) -> ConfigError | None:
+    """The first rule ``layout`` breaks for ``cfg``'s model, as the error to raise, or None."""
+    for rule in RULES:
+        problem = rule(cfg, layout)
+        if problem is not None:
+            return problem
+    return None
+
+
+def check_layout(loaded: LoadedConfig, layout: Layout) -> None:
+    """Raise the first rule ``layout`` breaks: one line naming the file, the key and what to
+    do."""
+    problem = layout_problem(loaded.config, layout)
+    if problem is not None:
+        given = [k for k in (problem.key, getattr(problem, "cause", None)) if loaded.given(k)]
+        source = loaded.source(given[0]) if given else None
+        raise ConfigError(problem.message, source=source, key=problem.key)
+
+
+def _whole_heads(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
+    m = cfg.model
+    for name, heads in (
+        ("num_attention_heads", m.num_attention_heads),
+        ("num_kv_heads", m.num_kv_heads),
+    ):
+        if heads and heads % lay.tp:
+            return _refuse(
+                f"{lay.tp} does not divide {name} {heads}; tensor parallelism splits whole heads",
+                key="model_parallel_size",
+                cause="model_parallel_size",
+            )
+    return None
+
+
+def _tied_embeddings(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
+    if cfg.model.no_weight_tying:
+        return None
+    if lay.tp > 1:
+        return _refuse(
+            "tied embeddings with model_parallel_size > 1 are not built yet; set "
+            "no_weight_tying: true",
+            key="no_weight_tying",
+            cause="model_parallel_size",
+        )
+    if lay.pp > 1:
+        return _refuse(
+            "tied embeddings with pipe_parallel_size >= 2 are not built yet (the head would live "
+            "on another stage than the embedding); set no_weight_tying: true",
+            key="no_weight_tying",
+            cause="pipe_parallel_size",
+        )
+    return None
+
+
+def _tensor_parallel_positions(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
+    pos = cfg.model.pos_emb
+    if lay.tp > 1 and pos not in ("rotary", "none"):
+        return _refuse(
+            f"pos_emb {pos!r} with model_parallel_size > 1 is not built yet; use rotary or none",
+            key="pos_emb",
+            cause="model_parallel_size",
+        )
+    return None
+
+
+def _sequence_parallel(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
+    if not lay.sequence_parallel:
+        return None
+    if cfg.moe.moe_num_experts > 1:
+        return _refuse(
+            "with mixture-of-experts layers is not built yet; tensor parallelism without it works",
+            key="sequence_parallel",
+            cause="model_parallel_size",
+        )
+    if lay.pp > 1:
+        return _refuse(
+            "with pipe_parallel_size >= 2 is not supported yet; tensor parallelism without it works",
+            key="sequence_parallel",
+            cause="pipe_parallel_size",
+        )
+    return None
+
+
+def _pipeline(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
+    if lay.pp < 2:
+        return None
+    if cfg.training.eod_mask_loss:
+        return _refuse(
+            "is not supported with pipe_parallel_size >= 2 yet",
+            key="eod_mask_loss",
+            cause="pipe_parallel_size",
+        )
+    if cfg.textgen.eval_tasks:
+        return _refuse(
+            "with pipe_parallel_size >= 2 is not supported yet; evaluate the checkpoint with "
+            "`torchneox eval --tasks` instead",
+            key="eval_tasks",
+            cause="pipe_parallel_size",
+        )
+    if cfg.model.num_layers and lay.total_stages > cfg.model.num_layers:
+        return _refuse(
+            f"{lay.total_stages} stages but only {cfg.model.num_layers} layers; each stage "
+            "needs one",
+            key="pipe_parallel_size",
+            cause="pipe_parallel_size",
+        )
+    return _micro_batches(lay)
+
+
+def _micro_batches(lay: Layout) -> ConfigError | None:
+    """The schedules' own limits on the micro-batch count (``derive`` already fell back from
+    the default 1f1b to gpipe where too few micro-batches would make 1f1b fail)."""
+    if lay.gas is None:
+        return None
+    if lay.schedule == "1f1b" and lay.gas < lay.pp:
+        problem = f"needs at least one micro-batch per stage ({lay.pp})"
+    elif lay.stages_per_rank > 1 and lay.gas % lay.pp:
+        problem = f"needs a multiple of pipe_parallel_size ({lay.pp}) micro-batches"
+    else:
+        return None
+    return _refuse(
+        f"{lay.gas} micro-batches per step, but pipeline_schedule {lay.schedule} {problem}; "
+        "raise gradient_accumulation_steps or use pipeline_schedule: gpipe",
+        key="gradient_accumulation_steps",
+        cause="pipeline_schedule",
+    )
+
+
+def _experts(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
+    experts = cfg.moe.moe_num_experts
+    if lay.ep > 1 and (lay.dp % lay.ep or experts <= 1 or experts % lay.ep):
+        return _refuse(
+            f"{lay.ep} must divide the data-parallel size {lay.dp} and moe_num_experts "
+            f"{experts} (and the model needs MoE layers)",
+            key="expert_parallel_size",
+            cause="moe_num_experts",
+        )
+    if experts > 1 and lay.pp > 1:
+        return _refuse(
+            "mixture-of-experts layers together with pipeline parallelism are not built yet; "
+            "use data, tensor and expert parallelism",
+            key="moe_num_experts",
+            cause="pipe_parallel_size",
+        )
+    return None
+
+
+def _z_loss(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
+    if cfg.training.lm_z_loss and (lay.tp > 1 or lay.pp > 1):
+        return _refuse(
+            "is not built for tensor or pipeline parallelism yet; train with data parallelism "
+            "(any ZeRO stage), or leave lm_z_loss at 0",
+            key="lm_z_loss",
+            cause="model_parallel_size" if lay.tp > 1 else "pipe_parallel_size",
+        )
+    return None
+
+
+RULES = (
+    _whole_heads,
+    _pipeline,
+    _experts,
+    _z_loss,
+    _sequence_parallel,
+    _tied_embeddings,
+    _tensor_parallel_positions,
+)
+"""Every layout rule, in the order they are checked."""

@@ -1,0 +1,135 @@
+"""One layout check, before any process starts: `config explain`, `estimate` and
+`train --nproc` refuse a layout that cannot run with the same line, and the estimator's
+alternatives never propose one."""
+
+from __future__ import annotations
+
+import pytest
+
+from torchneox.base.errors import ConfigError
+from torchneox.cli import main
+from torchneox.config.derive import derive
+from torchneox.config.layout import Layout, check_layout, layout_problem
+from torchneox.config.load import load_config, load_mapping
+
+UNTIED = {"no_weight_tying": True}
+CASES = [
+    (
+        "tied-embeddings-with-tensor-parallelism",
+        {"model_parallel_size": 2},
+        "no_weight_tying: tied embeddings with model_parallel_size > 1 are not built yet",
+    ),
+    (
+        "tied-embeddings-with-pipeline",
+        {"pipe_parallel_size": 2, "gradient_accumulation_steps": 2},
+        "no_weight_tying: tied embeddings with pipe_parallel_size >= 2 are not built yet",
+    ),
+    (
+        "1f1b-with-fewer-micro-batches-than-stages",
+        UNTIED
+        | {"pipe_parallel_size": 2, "gradient_accumulation_steps": 1, "pipeline_schedule": "1f1b"},
+        "gradient_accumulation_steps: 1 micro-batches per step, but pipeline_schedule 1f1b "
+        "needs at least one micro-batch per stage (2)",
+    ),
+    (
+        "interleaved-schedule-with-odd-micro-batches",
+        UNTIED
+        | {
+            "pipe_parallel_size": 2,
+            "pipeline_schedule": "interleaved_1f1b",
+            "gradient_accumulation_steps": 3,
+            "num_layers": 4,
+        },
+        "gradient_accumulation_steps: 3 micro-batches per step, but pipeline_schedule "
+        "interleaved_1f1b needs a multiple of pipe_parallel_size (2) micro-batches",
+    ),
+    (
+        "more-stages-than-layers",
+        UNTIED | {"pipe_parallel_size": 2, "gradient_accumulation_steps": 2, "num_layers": 1},
+        "pipe_parallel_size: 2 stages but only 1 layers; each stage needs one",
+    ),
+    (
+        "moe-with-sequence-parallelism",
+        UNTIED | {"model_parallel_size": 2, "sequence_parallel": True, "moe_num_experts": 4},
+        "sequence_parallel: with mixture-of-experts layers is not built yet",
+    ),
+    (
+        "moe-with-pipeline",
+        UNTIED | {"pipe_parallel_size": 2, "gradient_accumulation_steps": 2, "moe_num_experts": 4},
+        "moe_num_experts: mixture-of-experts layers together with pipeline parallelism",
+    ),
+    (
+        "experts-that-do-not-split",
+        {"moe_num_experts": 3, "expert_parallel_size": 2},
+        "expert_parallel_size: 2 must divide the data-parallel size 2 and moe_num_experts 3",
+    ),
+    (
+        "learned-positions-with-tensor-parallelism",
+        UNTIED | {"model_parallel_size": 2, "pos_emb": "learned"},
+        "pos_emb: pos_emb 'learned' with model_parallel_size > 1 is not built yet",
+    ),
+    (
+        "eod-mask-with-pipeline",
+        UNTIED | {"pipe_parallel_size": 2, "gradient_accumulation_steps": 2, "eod_mask_loss": True},
+        "eod_mask_loss: is not supported with pipe_parallel_size >= 2 yet",
+    ),
+    (
+        "z-loss-with-pipeline",
+        UNTIED | {"pipe_parallel_size": 2, "gradient_accumulation_steps": 2, "lm_z_loss": 1e-4},
+        "lm_z_loss: is not built for tensor or pipeline parallelism yet",
+    ),
+]
+
+
+def one_error_line(capsys) -> str:
+    captured = capsys.readouterr()
+    assert captured.out == "" or "torchneox: error" not in captured.out
+    err = captured.err
+    assert err.startswith("torchneox: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize(("keys", "message"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_every_verb_refuses_the_layout_before_any_process_starts(
+    make_config, capsys, keys, message
+):
+    config = make_config(**keys)
+    verbs = {
+        "explain": ["config", "explain", config, "--world-size", "2"],
+        "estimate": ["estimate", config, "--gpus", "2"],
+        # refused in this process, before torchrun would start two
+        "train": ["train", config, "--nproc", "2"],
+    }
+    for verb, argv in verbs.items():
+        assert main(argv) == 2, verb
+        err = one_error_line(capsys)
+        assert message in err, f"{verb}: {err}"
+        assert f"{config}: " in err, f"{verb}: the line names the file: {err}"
+
+
+def test_the_default_schedule_falls_back_to_gpipe(make_config, capsys):
+    config = make_config(no_weight_tying=True, pipe_parallel_size=2)
+    assert main(["config", "explain", config, "--world-size", "2", "--json"]) == 0
+    assert '"pipeline_schedule": "gpipe"' in capsys.readouterr().out
+
+
+def test_a_layout_that_runs_passes(make_config):
+    loaded = load_config(
+        [make_config(no_weight_tying=True, pipe_parallel_size=2, gradient_accumulation_steps=2)]
+    )
+    layout = Layout.from_derived(loaded.config, derive(loaded, world_size=4))
+    assert (layout.dp, layout.tp, layout.pp, layout.gas, layout.schedule) == (2, 1, 2, 2, "1f1b")
+    check_layout(loaded, layout)
+
+
+def test_an_unset_key_is_named_without_a_file():
+    loaded = load_mapping(
+        {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 32}, "x"
+    )
+    layout = Layout.from_derived(loaded.config, derive(loaded, world_size=2))
+    tp2 = Layout(**{**layout.__dict__, "tp": 2, "dp": 1})
+    with pytest.raises(ConfigError) as e:
+        check_layout(loaded, tp2)
+    assert str(e.value).startswith("no_weight_tying: tied embeddings")
+    assert layout_problem(loaded.config, layout) is None
