@@ -19,7 +19,7 @@ from torchneox.config.load import load_mapping
 from torchneox.models.args import model_args
 from torchneox.models.transformer import build_model
 from torchneox.parallel.pipeline import build_pipeline
-from torchneox.train.trainer import lm_loss
+from torchneox.train.loss import lm_loss
 
 
 def timed(step, steps: int, warmup: int = 3) -> float:

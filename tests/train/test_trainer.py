@@ -13,7 +13,8 @@ from torchneox.base.errors import TrainingStopped
 from torchneox.cli import main
 from torchneox.config.load import load_config
 from torchneox.train import checkpoint
-from torchneox.train.trainer import Trainer, save_iterations
+from torchneox.train.checkpoint import save_iterations
+from torchneox.train.trainer import Trainer
 
 
 def run(config: str, *overrides: str) -> Trainer:
@@ -339,9 +340,9 @@ def test_checkpoint_schedule():
         class checkpoint:
             checkpoint_factor, checkpoint_scale, extra_save_iters = 10, "linear", [0, 3]
 
-    assert save_iterations(C, 35) == {0, 3, 10, 20, 30, 35}
+    assert save_iterations(C.checkpoint, 35) == {0, 3, 10, 20, 30, 35}
     C.checkpoint.checkpoint_scale, C.checkpoint.extra_save_iters = "log", None
-    assert save_iterations(C, 500) == {1, 10, 100, 500}
+    assert save_iterations(C.checkpoint, 500) == {1, 10, 100, 500}
 
 
 def test_train_cli_and_plot(make_config, tmp_path, capsys):

@@ -82,3 +82,13 @@ def is_dtensor(t: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)
+
+
+def placed_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A scalar term added to ``like`` (a loss): as a DTensor with its placement when ``like``
+    is one (a vocabulary-parallel loss), else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(like, DTensor):
+        return DTensor.from_local(value, like.device_mesh, like.placements)
+    return value

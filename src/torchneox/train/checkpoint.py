@@ -16,6 +16,7 @@ import os
 import shutil
 import warnings
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
-from torchneox.base.errors import CheckpointWriteError, ConfigError
+from torchneox.base.errors import CheckpointWriteError, ConfigError, TrainingStopped
 from torchneox.base.faults import fault_point
 from torchneox.config.load import LoadedConfig, load_config
 from torchneox.models.args import model_args
@@ -352,3 +358,149 @@ def load_model(
     model = build_model(model_args(loaded), device=device)
     load_model_weights(step_dir, model)
     return loaded, model
+
+
+# ------------------------------------------------------------------------- the manager
+
+
+def save_iterations(ck: Any, train_iters: int) -> set[int]:
+    """GPT-NeoX's checkpoint steps: multiples (linear) or powers (log) of checkpoint_factor,
+    extra_save_iters, and the last step (``ck``: the checkpoint config group)."""
+    steps = {train_iters}
+    factor = ck.checkpoint_factor
+    if factor:
+        if ck.checkpoint_scale == "linear":
+            steps |= set(range(factor, train_iters + 1, factor))
+        else:
+            power = 1
+            while power <= train_iters:
+                steps.add(power)
+                power *= factor
+    steps |= set(ck.extra_save_iters or [])
+    return steps
+
+
+@dataclass
+class TrainingState:
+    """What a checkpoint saves and a resume restores, besides the config."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: Any  # LossScaler: state_dict / load_state_dict
+    loaders: dict[str, Any]  # name -> BatchLoader (train, and valid when there is one)
+
+
+@dataclass
+class Resumed:
+    """Where a resume left the run."""
+
+    step_dir: Path
+    iteration: int
+    training_state: bool  # False: weights only (finetune, or a converted checkpoint)
+
+
+class CheckpointManager:
+    """Saves, rotates and resumes one run's checkpoints (built from the checkpoint config
+    group): GPT-NeoX's save steps, keep_last_n_checkpoints, no_save/no_load of optimizer and
+    RNG, finetune, and the last good checkpoint that failure messages name."""
+
+    def __init__(
+        self, ck: Any, train_iters: int, config_yaml: str, is_rank0: bool, line: Any
+    ) -> None:
+        self.ck, self.config_yaml, self.is_rank0, self.line = ck, config_yaml, is_rank0, line
+        self.save_dir = Path(ck.save) if ck.save else None
+        if self.save_dir is not None:
+            ensure_writable(self.save_dir)
+        self.save_at = save_iterations(ck, train_iters)
+
+    def last_good(self) -> str:
+        latest = self.save_dir / "latest" if self.save_dir is not None else None
+        if latest is not None and latest.is_file():
+            return f"the last good checkpoint is {self.save_dir / latest.read_text().strip()}"
+        return "no checkpoint was saved yet"
+
+    def save(self, iteration: int, state: TrainingState) -> Path | None:
+        """Save ``state`` at ``iteration`` (a failed write stops the run, the previous
+        checkpoint kept), then drop what keep_last_n_checkpoints no longer keeps."""
+        if self.save_dir is None:
+            return None
+        ck = self.ck
+        tensors: dict[str, Any] = {"model": get_model_state_dict(state.model)}
+        # an optimizer that never stepped has no state to save; asking torch for its state
+        # dict would create it with a zero-rate step counted (Adam's bias correction would
+        # then be one step off for the rest of the run), so saving never changes training
+        if not ck.no_save_optim and state.optimizer.state:
+            tensors["optimizer"] = get_optimizer_state_dict(state.model, state.optimizer)
+        if not ck.no_save_rng:
+            tensors["rng"] = {"torch": torch.get_rng_state()}
+        meta = {
+            "loaders": {name: loader.state_dict() for name, loader in state.loaders.items()},
+            "loss_scaler": state.scaler.state_dict(),
+            "has_optimizer": "optimizer" in tensors,
+            "has_rng": "rng" in tensors,
+        }
+        try:
+            path = save_checkpoint(self.save_dir, iteration, tensors, self.config_yaml, meta)
+        except CheckpointWriteError as e:
+            raise TrainingStopped(str(e)) from None
+        self._rotate()
+        return path
+
+    def _rotate(self) -> None:
+        keep = self.ck.keep_last_n_checkpoints
+        if not keep or self.save_dir is None or not self.is_rank0:
+            return
+        for _, path in step_dirs(self.save_dir)[:-keep]:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _step_to_load(self, load_dir: Path, step: int | None) -> Path | None:
+        if step is None and not (load_dir / "latest").is_file():
+            # a save killed between its rename and moving 'latest' leaves a complete directory
+            newest = newest_complete(load_dir) if load_dir.is_dir() else None
+            if newest is None:
+                self.line(f"no checkpoint in {load_dir}: starting from scratch")
+                return None
+            step = int(newest.name.removeprefix("global_step"))
+        return resolve(load_dir, step)
+
+    def resume(self, load_dir: Path, step: int | None, state: TrainingState) -> Resumed | None:
+        """Load the checkpoint into ``state``: the weights always; the optimizer, RNG, data
+        position and loss scale unless finetune (or a weights-only checkpoint) or the no_load
+        keys say otherwise. None when there is nothing to load."""
+        step_dir = self._step_to_load(load_dir, step)
+        if step_dir is None:
+            return None
+        ck = self.ck
+        meta = read_meta(step_dir)
+        load_model_weights(step_dir, state.model)
+        if ck.finetune or "loaders" not in meta:
+            why = (
+                "finetune is set"
+                if ck.finetune
+                else f"it holds weights only ({meta.get('converted_from') or 'no training state'})"
+            )
+            self.line(
+                f"starting at step 0 from the weights of {step_dir}, with a fresh optimizer: {why}"
+            )
+            return Resumed(step_dir, 0, training_state=False)
+        self._load_training_state(step_dir, meta, state)
+        return Resumed(step_dir, int(meta["iteration"]), training_state=True)
+
+    def _load_training_state(self, step_dir: Path, meta: dict, state: TrainingState) -> None:
+        ck = self.ck
+        tensors: dict[str, Any] = {}
+        if not ck.no_load_optim and meta.get("has_optimizer", False):
+            tensors["optimizer"] = get_optimizer_state_dict(state.model, state.optimizer)
+        if not ck.no_load_rng and meta.get("has_rng", False):
+            tensors["rng"] = {"torch": torch.get_rng_state()}
+        if tensors:
+            load_state(step_dir, tensors)
+        if "optimizer" in tensors:
+            set_optimizer_state_dict(state.model, state.optimizer, tensors["optimizer"])
+        if "rng" in tensors:
+            torch.set_rng_state(tensors["rng"]["torch"])
+        for name, loader in state.loaders.items():
+            if name in meta["loaders"]:
+                loader.load_state_dict(meta["loaders"][name])
+        if "loss_scaler" in meta:
+            state.scaler.load_state_dict(meta["loss_scaler"])

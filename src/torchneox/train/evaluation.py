@@ -1,9 +1,13 @@
-"""``torchneox eval``: perplexity of a checkpoint on any .bin/.idx dataset."""
+"""Evaluation: the mean loss over batches (one loop, for validation and test during training
+and for ``torchneox eval``'s perplexity of any checkpoint), GPT-NeoX's eval rows, and its
+``eval_tasks`` through lm-evaluation-harness."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -11,11 +15,99 @@ import torch
 from torchneox.base.errors import DataError
 from torchneox.data.gpt_dataset import GPTDataset
 from torchneox.data.indexed import IndexedDataset
+from torchneox.data.loader import BatchLoader
 from torchneox.models.transformer import Transformer
 from torchneox.train.loss import lm_loss
 
+BatchLosses = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+
 
 @torch.no_grad()
+def mean_loss(
+    model: torch.nn.Module, batches: Iterable[list[torch.Tensor]], losses_of: BatchLosses
+) -> torch.Tensor | None:
+    """The mean of the losses ``losses_of`` gives for each batch, with ``model`` in eval mode
+    (back in train mode after); None when there was no batch."""
+    model.eval()
+    try:
+        losses = [loss for batch in batches for loss in losses_of(batch)]
+    finally:
+        model.train()
+    return torch.stack(losses).mean() if losses else None
+
+
+def perplexity_of(loss: float) -> float:
+    return math.exp(min(loss, 50))
+
+
+class Evaluator:
+    """Validation and test loss on their splits, every eval_interval steps and at the end, and
+    the eval_tasks (built from the training and textgen config groups)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        eval_iters: int,
+        losses_of: BatchLosses,
+        mean_over_dp: Callable[[torch.Tensor], torch.Tensor],
+        logger: Any,
+        textgen: Any = None,
+        harness: Any = None,
+    ):
+        self.model, self.eval_iters, self.losses_of = model, eval_iters, losses_of
+        self.mean_over_dp, self.logger = mean_over_dp, logger
+        self.textgen, self.harness = textgen, harness
+
+    def loss(self, loader: BatchLoader, iters: int) -> float:
+        """The mean loss of up to ``iters`` global batches of ``loader`` (NaN when it has none
+        left), the same on every rank."""
+
+        def batches():
+            for _ in range(iters):
+                if not loader.has_full_batch():
+                    return
+                yield loader.next()
+
+        mean = mean_loss(self.model, batches(), self.losses_of)
+        return float("nan") if mean is None else self.mean_over_dp(mean).item()
+
+    def split_row(
+        self, name: str, loader: BatchLoader | None, iteration: int, when: str = ""
+    ) -> dict[str, Any] | None:
+        """Evaluate split ``name`` and log it, as GPT-NeoX's ``{name}_lm_loss``/``_ppl``."""
+        if loader is None or self.eval_iters == 0:
+            return None
+        loss = self.loss(loader, self.eval_iters)
+        if math.isnan(loss):
+            self.logger.line(f"{name}: no whole batch left in the {name} split; not evaluated")
+            return None
+        ppl = perplexity_of(loss)
+        row = {"iteration": iteration, f"{name}_lm_loss": loss, f"{name}_ppl": ppl}
+        self.logger.record(row)
+        when = when or f"at step {iteration}"
+        self.logger.line(f"{name} {when}: loss {loss:.4f} | perplexity {ppl:.2f}")
+        return row
+
+    def tasks_row(self, iteration: int) -> dict[str, Any] | None:
+        """GPT-NeoX's eval_tasks: the harness on the current weights; every rank runs the same
+        requests (sharded weights need every rank's forward), rank 0 reports."""
+        if self.harness is None:
+            return None
+        from torchneox.train.lm_eval import run_tasks
+
+        tg = self.textgen
+        limit = tg.eval_tasks_limit
+        limit = int(limit) if limit is not None and limit >= 1 else limit
+        results = run_tasks(self.harness, list(tg.eval_tasks), tg.eval_tasks_include_path, limit)
+        self.model.train()
+        row = {"iteration": iteration, "eval_tasks": results}
+        self.logger.record(row)
+        for task, metrics in results.items():
+            shown = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+            self.logger.line(f"{task} at step {iteration}: {shown}")
+        return row
+
+
 def perplexity(
     model: Transformer,
     prefix: str,
@@ -24,8 +116,9 @@ def perplexity(
     batch_size: int,
     seed: int = 1234,
 ) -> dict[str, float]:
-    """Mean loss over ``batches`` batches of packed samples from all of the dataset's documents
-    (in GPT-NeoX's sample order for ``seed``), and its perplexity."""
+    """``torchneox eval --data-path``: the mean loss over ``batches`` batches of packed samples
+    from all of the dataset's documents (in GPT-NeoX's sample order for ``seed``), and its
+    perplexity."""
     ds = IndexedDataset(prefix)
     if len(ds) == 0:
         raise DataError(f"{prefix}: the dataset has no documents")
@@ -40,20 +133,20 @@ def perplexity(
     batches = min(batches, len(samples) // batch_size)
     if batches == 0:
         raise DataError(f"{prefix}: fewer than {batch_size} samples of {seq_length + 1} tokens")
-    model.eval()
     device = model.embed.weight.device
-    losses = []
-    for b in range(batches):
-        tokens = torch.from_numpy(
-            np.stack([samples[i] for i in range(b * batch_size, (b + 1) * batch_size)])
-        )
-        tokens = tokens.to(device)
-        losses.append(lm_loss(model(tokens[:, :-1]), tokens[:, 1:], None).item())
-    loss = float(np.mean(losses))
+
+    def batch(b: int) -> list[torch.Tensor]:
+        rows = [samples[i] for i in range(b * batch_size, (b + 1) * batch_size)]
+        return [torch.from_numpy(np.stack(rows)).to(device)]
+
+    def losses_of(tokens: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [lm_loss(model(t[:, :-1]), t[:, 1:], None) for t in tokens]
+
+    loss = mean_loss(model, (batch(b) for b in range(batches)), losses_of).item()
     return {
         "dataset": str(Path(prefix)),
         "batches": batches,
         "tokens": batches * batch_size * seq_length,
         "lm_loss": loss,
-        "ppl": math.exp(min(loss, 50)),
+        "ppl": perplexity_of(loss),
     }

@@ -13,6 +13,7 @@ from typing import Any
 
 from torchneox.base.errors import ConfigError
 from torchneox.config.schema import NeoXConfig
+from torchneox.train import hardware
 
 
 class Timers:
@@ -224,3 +225,53 @@ class MetricsLogger:
             self.tb.close()
         if self.wandb:
             self.wandb.finish()
+
+
+class Throughput:
+    """Tokens per second, TFLOP/s per process and model FLOPs utilisation (MFU) against the
+    peak: peak_theoretical_tflops when given, else the known GPU's, else (on a CPU) the
+    measured matmul peak of this machine."""
+
+    def __init__(
+        self,
+        given_peak: float | None,
+        device: Any,
+        precision: str,
+        flops_per_token: float,
+        world_size: int,
+        line: Any,
+    ):
+        self.given_peak, self.device, self.precision = given_peak, device, precision
+        self.flops_per_token, self.world_size, self.line = flops_per_token, world_size, line
+        self.peak_tflops, self.peak_source = self._peak()
+
+    def _peak(self) -> tuple[float | None, str]:
+        if self.given_peak:
+            return self.given_peak, f"peak_theoretical_tflops {self.given_peak:g}"
+        acc = hardware.detect(self.device)
+        if acc is not None:
+            peak = hardware.peak_tflops(acc, self.precision)
+            return peak, f"{acc.name} {self.precision} peak {peak:g} TFLOP/s"
+        if self.device.type == "cpu":
+            peak = hardware.cpu_peak_tflops(self.precision)
+            return peak, f"this CPU's measured {self.precision} matmul peak {peak:.3g} TFLOP/s"
+        return None, "unknown device: set peak_theoretical_tflops for MFU"
+
+    def measure(self, tokens_per_step: int, seconds: float) -> dict[str, Any]:
+        tokens_per_sec = tokens_per_step / seconds
+        tflops = self.flops_per_token * tokens_per_sec / self.world_size / 1e12
+        return {"tokens_per_sec": tokens_per_sec, "tflops": tflops, "mfu": self._mfu(tflops)}
+
+    def _mfu(self, tflops: float) -> float | None:
+        """Never above 1: a measured CPU peak that a step beat was too low, and is raised (and
+        cached) to what the step achieved."""
+        if not self.peak_tflops:
+            return None
+        if tflops > self.peak_tflops and self.device.type == "cpu" and not self.given_peak:
+            hardware.raise_cpu_peak(self.precision, tflops)
+            self.line(
+                f"a step ran at {tflops:.3g} TFLOP/s, above the measured peak "
+                f"{self.peak_tflops:.3g}: the peak is raised to it"
+            )
+            self.peak_tflops = tflops
+        return min(tflops / self.peak_tflops, 1.0)

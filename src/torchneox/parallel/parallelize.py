@@ -1,0 +1,95 @@
+"""Parallelism applied to a one-device model from outside, in torchtitan's fixed order: tensor
+parallel, expert parallel, activation checkpointing, compile, data parallel; and the model a
+run trains, whole or as this rank's pipeline stages."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchneox.config.layout import Layout
+from torchneox.models.args import ModelArgs
+from torchneox.models.transformer import Transformer, build_model
+from torchneox.parallel.activation_ckpt import apply_activation_checkpointing, compile_blocks
+from torchneox.parallel.data_parallel import apply_data_parallel
+from torchneox.parallel.dims import ParallelDims
+from torchneox.parallel.expert_parallel import apply_expert_parallel
+from torchneox.parallel.pipeline import Pipeline, build_pipeline
+from torchneox.parallel.tensor_parallel import apply_tensor_parallel
+
+
+@dataclass
+class ParallelModel:
+    """``model``: the parameters (what the optimizer and checkpoints see; with a pipeline, a
+    container of this rank's stages); ``module``: what a forward calls; ``pipeline``: the
+    stages and their schedule when pipe_parallel_size >= 2."""
+
+    model: nn.Module
+    module: nn.Module
+    pipeline: Pipeline | None = None
+
+
+def parallelize(
+    model: Transformer, dims: ParallelDims, layout: Layout, training: Any, reduce_dtype: Any
+) -> nn.Module:
+    """Apply the layout to ``model`` in place; returns the module to call. ``training``: the
+    training config group (activation checkpointing, compile)."""
+    if dims.tp > 1:
+        apply_tensor_parallel(model, dims.mesh["tp"], layout.sequence_parallel)
+    expert_params: list[str] = []
+    if dims.ep > 1:
+        expert_params = apply_expert_parallel(model, dims.mesh)
+    if training.checkpoint_activations:
+        apply_activation_checkpointing(
+            model, training.checkpoint_num_layers, training.checkpoint_activations_mode
+        )
+    if training.compile:
+        compile_blocks(model)
+    if dims.dp > 1:
+        return apply_data_parallel(
+            model,
+            dims.mesh["dp"],
+            layout.zero,
+            reduce_dtype,
+            tensor_parallel=dims.tp > 1 or dims.pp > 1,  # DDP takes neither
+            ignored=expert_params,
+        )
+    return model
+
+
+def build_parallel_model(
+    args: ModelArgs,
+    dims: ParallelDims,
+    layout: Layout,
+    training: Any,
+    reduce_dtype: Any,
+    device: torch.device,
+    partition_method: str,
+    pipeline_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> ParallelModel:
+    """The model of a run, initialised from ``training.seed`` and parallelized; with a
+    pipeline, this rank's stages and the schedule that runs them with ``pipeline_loss``."""
+
+    def prepare(model: Transformer) -> nn.Module:
+        return parallelize(model, dims, layout, training, reduce_dtype)
+
+    if dims.pp > 1:
+        pipeline = build_pipeline(
+            args,
+            dims.mesh["pp"],
+            device,
+            layout.schedule,
+            layout.virtual_stages,
+            layout.gas,
+            partition_method,
+            pipeline_loss,
+            training.seed,
+            prepare=prepare,
+        )
+        return ParallelModel(pipeline.container, pipeline.container, pipeline)
+    model = build_model(args, device=device, seed=training.seed)
+    return ParallelModel(model, prepare(model))

@@ -1,0 +1,215 @@
+"""One optimizer step: the forward and backward passes over a global batch's micro-batches
+(or the pipeline schedule over them), then the gradients applied: unscaled, clipped, and
+skipped or stopped on when they are not finite."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torchneox.base.errors import TrainingStopped
+from torchneox.base.faults import fault_point
+from torchneox.models.moe import MoE
+from torchneox.parallel.collectives import mean_over_dp, plain, sum_over_pp, sum_router_stats
+from torchneox.parallel.data_parallel import set_gradient_sync
+from torchneox.parallel.dims import ParallelDims
+from torchneox.parallel.expert_parallel import sync_expert_gradients
+from torchneox.parallel.parallelize import ParallelModel
+from torchneox.parallel.pipeline import evaluate_pipeline
+from torchneox.parallel.tensor_parallel import loss_context, placed_like
+from torchneox.train.loss import lm_loss
+from torchneox.train.metrics import Timers
+from torchneox.train.objectives import LanguageModeling
+from torchneox.train.optim import clip_grad_norm, shard_gradients_like_parameters
+from torchneox.train.precision import LossScaler, autocast
+
+
+@dataclass
+class GradientPolicy:
+    """How gradients are applied: clipped to ``clip`` (0: not clipped); non-finite ones, outside
+    fp16 (whose loss scaler skips them), skipped up to ``skip_nonfinite_steps`` times."""
+
+    clip: float
+    skip_nonfinite_steps: int
+
+
+class TrainStep:
+    def __init__(
+        self,
+        parts: ParallelModel,
+        optimizer: torch.optim.Optimizer,
+        scaler: LossScaler,
+        objective: LanguageModeling,
+        policy: GradientPolicy,
+        dims: ParallelDims,
+        device: torch.device,
+        precision: str,
+        grad_accum: int,
+        timers: Timers,
+        line: Callable[[str], None],
+        last_good: Callable[[], str],
+    ):
+        self.parts, self.optimizer, self.scaler = parts, optimizer, scaler
+        self.objective, self.policy, self.dims = objective, policy, dims
+        self.device, self.precision, self.grad_accum = device, precision, grad_accum
+        self.timers, self.line, self.last_good = timers, line, last_good
+        self.moe_layers = [m for m in parts.model.modules() if isinstance(m, MoE)]
+        self.moe_counts: list[torch.Tensor] = []  # this step's tokens per expert, per MoE layer
+
+    def _autocast(self):
+        return autocast(self.precision, self.device.type)
+
+    def _loss_context(self):
+        return loss_context(self.dims.tp > 1)
+
+    # ------------------------------------------------------------------ forward/backward
+
+    def _forward(self, inputs: torch.Tensor, labels: torch.Tensor, sums: dict) -> Any:
+        mask = self.objective.mask(inputs)
+        stats = whole = None
+        if self.moe_layers:
+            logits, stats = self.parts.module(inputs, router_stats=True)
+            # the load-balancing loss sees the whole batch: the router statistics summed
+            # over the ranks that split it (one process's loss, in any layout)
+            whole = stats
+            if self.dims.dp > 1:
+                whole = [sum_router_stats(s, self.dims.mesh["dp"]) for s in stats]
+        else:
+            logits = self.parts.module(inputs)
+        terms = self.objective.terms(logits, labels, mask, whole, placed_like)
+        for name in ("z_loss", "moe_aux_loss"):
+            value = getattr(terms, name)
+            if value is not None:
+                sums[name] = sums.get(name, 0) + value
+        for i, s in enumerate(stats or []):
+            self.moe_counts[i] += s.tokens_per_expert
+        return terms
+
+    def _forward_backward(self, tokens: torch.Tensor, last: bool, sums: dict) -> torch.Tensor:
+        tokens = tokens.to(self.device, non_blocking=True)
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        set_gradient_sync(self.parts.module, last)
+        with self._loss_context():
+            with self.timers("forward"), self._autocast():
+                terms = self._forward(inputs, labels, sums)
+            with self.timers("backward"):
+                (terms.objective * (self.scaler.scale / self.grad_accum)).backward()
+        return plain(terms.loss.detach())
+
+    def pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The loss the pipeline schedule runs backward on (scaled for fp16)."""
+        return lm_loss(logits, labels, None) * self.scaler.scale
+
+    def _pipeline_batch(self, micro_batches: list[torch.Tensor], train: bool) -> torch.Tensor:
+        """One global batch through the pipeline; the mean loss, known on every rank."""
+        p = self.parts.pipeline
+        tokens = torch.cat(micro_batches).to(self.device, non_blocking=True)
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        with self._loss_context(), self._autocast():
+            if not train:
+                local = evaluate_pipeline(
+                    p, inputs, labels, self.grad_accum, self.dims.mesh["pp"], lm_loss
+                )
+                return sum_over_pp(local, self.dims)  # only the last stage adds a loss
+            losses: list[torch.Tensor] = []
+            args = (inputs,) if p.has_first else ()
+            kwargs = {"target": labels, "losses": losses} if p.has_last else {}
+            with self.timers("pipeline"):
+                p.schedule.step(*args, **kwargs)
+        local = torch.zeros((), device=self.device)
+        if p.has_last:
+            local = (
+                torch.stack([plain(x).detach().float() for x in losses]).mean() / self.scaler.scale
+            )
+        return sum_over_pp(local, self.dims)
+
+    # ---------------------------------------------------------------------------- a step
+
+    def __call__(self, iteration: int, lr: float, micro_batches: list[torch.Tensor]) -> dict:
+        """Train on one global batch and apply the gradients; the step's logged values."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        sums: dict[str, torch.Tensor] = {}
+        self.moe_counts = [
+            torch.zeros(m.num_experts, dtype=torch.long, device=self.device)
+            for m in self.moe_layers
+        ]
+        if self.parts.pipeline is not None:
+            total = self._pipeline_batch(micro_batches, train=True) * self.grad_accum
+        else:
+            total = torch.zeros((), device=self.device)
+            for m, tokens in enumerate(micro_batches):
+                total += self._forward_backward(tokens, m == len(micro_batches) - 1, sums)
+        if self.dims.ep > 1:
+            sync_expert_gradients(self.parts.model, self.dims.mesh, self.dims.dp)
+        fault_point("step.backward", iteration)
+        loss = mean_over_dp(total / self.grad_accum, self.dims).item()
+        bad = None if math.isfinite(loss) else f"the loss is {loss}"
+        with self.timers("optimizer"):
+            grad_norm, skipped = self.apply_gradients(iteration, bad)
+        out = {"lm_loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": float(skipped)}
+        if self.moe_layers:
+            aux = sums.get("moe_aux_loss", torch.zeros((), device=self.device))
+            out["moe_aux_loss"] = mean_over_dp(aux / self.grad_accum, self.dims).item()
+        if self.objective.z_weight:
+            z = sums.get("z_loss", torch.zeros((), device=self.device))
+            out["z_loss"] = mean_over_dp(z / self.grad_accum, self.dims).item()
+        return out
+
+    def apply_gradients(self, iteration: int, bad: str | None) -> tuple[float, bool]:
+        """Unscale, clip and apply the gradients; returns the gradient norm and whether the step
+        was skipped. Non-finite values: in fp16 the loss scaler skips the step and lowers the
+        scale; otherwise up to skip_nonfinite_steps steps are skipped, then the run stops."""
+        params = [p for p in self.parts.model.parameters() if p.grad is not None]
+        shard_gradients_like_parameters(params)
+        if self.scaler.scale != 1.0:
+            torch._foreach_div_([p.grad for p in params], self.scaler.scale)
+        clip = self.policy.clip
+        pp_group = self.dims.mesh["pp"].get_group() if self.parts.pipeline is not None else None
+        norm = clip_grad_norm(params, clip if clip > 0 else float("inf"), pp_group).item()
+        if bad is None and not math.isfinite(norm):
+            bad = f"the gradient norm is {norm}"
+        if bad is not None and self.precision != "fp16":
+            self._skip_or_stop(iteration, bad)
+        overflow = bad is not None
+        if not overflow:
+            self.optimizer.step()
+        self.scaler.update(overflow)
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm, overflow
+
+    def _skip_or_stop(self, iteration: int, bad: str) -> None:
+        limit = self.policy.skip_nonfinite_steps
+        if self.scaler.skipped >= limit:
+            more = (
+                f" (the {limit} skips allowed by skip_nonfinite_steps are used up)"
+                if limit
+                else " (skip_nonfinite_steps lets a run skip such steps instead)"
+            )
+            raise TrainingStopped(
+                f"step {iteration}: {bad}{more}; stopping without applying it ({self.last_good()})"
+            )
+        self.line(
+            f"step {iteration}: {bad}; step skipped ({self.scaler.skipped + 1} of {limit} "
+            "allowed by skip_nonfinite_steps)"
+        )
+
+    # ------------------------------------------------------------------------ evaluation
+
+    @torch.no_grad()
+    def eval_losses(self, micro_batches: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The loss of each micro-batch of a global batch (one mean for a pipeline)."""
+        if self.parts.pipeline is not None:
+            return [self._pipeline_batch(micro_batches, train=False)]
+        losses = []
+        for tokens in micro_batches:
+            tokens = tokens.to(self.device)
+            inputs, labels = tokens[:, :-1], tokens[:, 1:]
+            mask = self.objective.mask(inputs)
+            with self._loss_context(), self._autocast():
+                losses.append(plain(lm_loss(self.parts.module(inputs), labels, mask)))
+        return losses
