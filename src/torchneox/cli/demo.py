@@ -9,7 +9,7 @@ from pathlib import Path
 from torchneox.data import builtin
 from torchneox.data.preprocess import PreprocessArgs, preprocess
 
-CONFIG = Path(__file__).resolve().parent / "configs" / "tiny_cpu.yml"
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yml"
 PROMPTS = ["Return the ", "This module provides ", "The default value is "]
 
 

@@ -7,7 +7,8 @@ from typing import Protocol
 
 import numpy as np
 
-from torchneox.base.errors import DataError
+from torchneox.base.errors import ConfigError, DataError
+from torchneox.config.load import LoadedConfig
 from torchneox.config.schema import NeoXConfig
 from torchneox.data.blend import BlendedDataset, samples_per_dataset, weights_by_num_documents
 from torchneox.data.gpt_dataset import GPTDataset, split_ranges, split_shares
@@ -100,3 +101,22 @@ def build_splits(cfg: NeoXConfig, train_batch_size: int, vocab_size: int | None 
         ]
         out[name] = BlendedDataset(parts, weights)
     return Splits(**out)
+
+
+def step_batch(loaded: LoadedConfig, iteration: int) -> tuple[int, np.ndarray]:
+    """The global batch training step ``iteration`` (1-based) sees, as one process reads it:
+    the index of its first sample, and its token ids [train_batch_size, seq_length + 1]."""
+    from torchneox.config.derive import derive
+
+    tbs = derive(loaded, world_size=1)["train_batch_size"]
+    if tbs is None:
+        raise ConfigError(
+            "needs train_micro_batch_size_per_gpu or train_batch_size", key="train_batch_size"
+        )
+    train_iters = loaded.config.training.train_iters
+    if iteration < 1 or (train_iters and iteration > train_iters):
+        raise ConfigError(f"--iteration must be between 1 and train_iters ({train_iters})")
+    samples = build_splits(loaded.config, tbs).train
+    assert samples is not None
+    start = (iteration - 1) * tbs
+    return start, np.stack([samples[i] for i in range(start, start + tbs)])

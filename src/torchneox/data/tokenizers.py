@@ -25,6 +25,18 @@ class Tokenizer(Protocol):
     def decode(self, ids: list[int]) -> str: ...
 
 
+def decode_documents(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
+    """The text of each document in ``ids``, split at the end-of-text token."""
+    pieces, current = [], []
+    for token in ids:
+        if token == tokenizer.eod_id:
+            pieces.append(tokenizer.decode(current))
+            current = []
+        else:
+            current.append(token)
+    return [*pieces, tokenizer.decode(current)]
+
+
 @dataclass
 class CharLevelTokenizer:
     """UTF-8 bytes as tokens; 512 ids, end-of-text 0 and pad 1 as in GPT-NeoX."""

@@ -1,0 +1,308 @@
+"""The verbs: each reads its arguments, calls the function that does the work, and prints."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from torchneox.base.errors import ConfigError
+from torchneox.config.load import load_config
+
+
+def cmd_config_explain(args: argparse.Namespace) -> int:
+    from torchneox.config.derive import derive
+    from torchneox.config.layout import Layout, check_layout
+    from torchneox.config.load import load_config
+    from torchneox.config.report import render_json, render_text, render_yaml
+
+    loaded = load_config(args.files, args.overrides)
+    derived = derive(loaded, world_size=args.world_size)
+    check_layout(loaded, Layout.from_derived(loaded.config, derived))
+    fmt = "json" if args.json else args.format
+    if fmt == "json":
+        print(render_json(derived))
+    elif fmt == "yaml":
+        print(render_yaml(loaded, derived), end="")
+    else:
+        print(render_text(loaded, derived))
+    return 0
+
+
+def cmd_config_keys(args: argparse.Namespace) -> int:
+    from torchneox.config.report import keys_markdown, keys_text
+
+    print(keys_markdown() if args.markdown else keys_text(), end="\n" if not args.markdown else "")
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from torchneox.interop import huggingface
+
+    if args.convert_verb == "from-hf":
+        step = huggingface.from_hf(args.hf_dir, args.out_dir, force=args.force)
+    elif args.convert_verb == "from-gpt-neox":
+        from torchneox.interop import gpt_neox
+
+        step = gpt_neox.convert(
+            args.neox_dir,
+            args.out_dir,
+            args.config,
+            args.overrides,
+            args.step,
+            args.with_optimizer,
+            progress=True,
+            force=args.force,
+        )
+    else:
+        step = huggingface.to_hf(args.checkpoint, args.out_dir, force=args.force)
+    print(f"wrote {step}")
+    return 0
+
+
+GEN_FLAGS = (
+    "text_gen_type",
+    "temperature",
+    "top_k",
+    "top_p",
+    "maximum_tokens",
+    "sample_input_file",
+    "sample_output_file",
+    "num_samples",
+    "recompute",
+)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from torchneox.config.load import load_config
+    from torchneox.data.tokenizers import build_tokenizer
+    from torchneox.inference.generate import TextGenerator, run_mode, sampling_from
+    from torchneox.train import checkpoint
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model_overrides = [] if args.files else args.overrides
+    if args.hf:
+        from torchneox.interop.huggingface import load_hf_model
+
+        loaded, model = load_hf_model(args.hf, device=device)
+    else:
+        loaded, model = checkpoint.load_model(args.checkpoint, model_overrides, device=device)
+    settings = load_config(args.files, args.overrides).config if args.files else loaded.config
+    for name in GEN_FLAGS:
+        if getattr(args, name) is not None:
+            settings.set(name, getattr(args, name))
+    tok_cfg = (
+        settings
+        if settings.tokenizer.vocab_file
+        or settings.tokenizer.tokenizer_type == "CharLevelTokenizer"
+        else loaded.config
+    )
+    tokenizer = build_tokenizer(tok_cfg)
+    sampling = sampling_from(settings.textgen, tokenizer.eod_id, args.seed)
+    generator = TextGenerator(model, tokenizer, sampling)
+    if args.prompt is not None:
+        print(generator.complete([args.prompt])[0])
+        return 0
+    mode = settings.textgen.text_gen_type or "interactive"
+    if mode in ("unconditional", "input-file"):
+        from torchneox.config.paths import refuse_existing
+
+        output = Path(settings.textgen.sample_output_file)
+        refuse_existing([output], args.force, f"generate ({mode})")
+    run_mode(generator, settings.textgen)
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from torchneox.config.load import load_config
+    from torchneox.parallel.dims import shutdown
+    from torchneox.train.trainer import Trainer
+
+    if args.nproc and args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        from torchneox.cli.launch import launch_local
+
+        return launch_local(args)
+    loaded = load_config(args.files, args.overrides)
+    try:
+        Trainer(loaded, device=args.device, load_step=args.load_step).run()
+    except BaseException:
+        shutdown(clean=False)
+        raise
+    shutdown()
+    return 0
+
+
+def cmd_preprocess(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from torchneox.config.paths import refuse_existing
+    from torchneox.data import builtin
+    from torchneox.data.preprocess import PreprocessArgs, preprocess
+
+    outputs = [
+        Path(f"{args.output_prefix}_{key}_document{ext}")
+        for key in args.jsonl_keys
+        for ext in (".bin", ".idx")
+    ]
+    refuse_existing(outputs, args.force, "preprocess")
+    if args.tokenizer_type == "CharLevelTokenizer" and (args.vocab_file or args.merge_file):
+        print(
+            "warning: CharLevelTokenizer reads no files (a token is a byte): --vocab-file and "
+            "--merge-file are not used",
+            file=sys.stderr,
+        )
+    with tempfile.TemporaryDirectory() as tmp:
+        inputs = args.input
+        if args.builtin:
+            source = Path(tmp) / f"{args.builtin}.jsonl"
+            count = builtin.write_jsonl(args.builtin, source)
+            print(f"built-in corpus {args.builtin!r}: {count} documents", file=sys.stderr)
+            inputs = [str(source)]
+        prefixes = preprocess(
+            PreprocessArgs(
+                inputs=inputs,
+                output_prefix=args.output_prefix,
+                tokenizer_type=args.tokenizer_type,
+                vocab_file=args.vocab_file,
+                merge_file=args.merge_file,
+                append_eod=args.append_eod,
+                jsonl_keys=tuple(args.jsonl_keys),
+                workers=args.workers,
+                log_interval=args.log_interval,
+            )
+        )
+    for prefix in prefixes:
+        print(f"wrote {prefix}.bin and {prefix}.idx")
+    return 0
+
+
+def cmd_train_tokenizer(args: argparse.Namespace) -> int:
+    from torchneox.config.paths import refuse_existing
+    from torchneox.data.tokenizers import train_bpe
+
+    refuse_existing([Path(args.output)], args.force, "train-tokenizer")
+    size = train_bpe(args.input, args.output, args.vocab_size, tuple(args.jsonl_keys))
+    print(f"wrote {args.output} ({size} tokens)")
+    return 0
+
+
+def cmd_data_batch(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from torchneox.config.paths import atomic_output, refuse_existing
+    from torchneox.data.datasets import step_batch
+    from torchneox.data.tokenizers import build_tokenizer, decode_documents
+
+    if args.out:
+        refuse_existing([Path(args.out)], args.force, "data batch --out")
+    loaded = load_config(args.files, args.overrides)
+    start, batch = step_batch(loaded, args.iteration)
+    if args.out:
+        with atomic_output(args.out, "--out file") as tmp, open(tmp, "wb") as f:
+            np.save(f, batch)
+        print(f"wrote {args.out}: token ids {list(batch.shape)} of step {args.iteration}")
+        return 0
+    tokenizer = build_tokenizer(loaded.config)
+    for i, row in enumerate(batch):
+        print(f"--- sample {start + i} (step {args.iteration}, position {i}) ---")
+        print("<|endoftext|>".join(decode_documents(tokenizer, row.tolist())))
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from torchneox.train import checkpoint
+    from torchneox.train.evaluation import perplexity
+
+    if not args.data_path and not args.tasks:
+        raise ConfigError("give --tasks T1,T2 (lm-evaluation-harness) or --data-path PREFIX")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    overrides = [] if args.files else args.overrides
+    loaded, model = checkpoint.load_model(args.checkpoint, overrides, device=device)
+    cfg = load_config(args.files, args.overrides).config if args.files else loaded.config
+    if args.tasks:
+        from torchneox.data.tokenizers import build_tokenizer
+        from torchneox.train.lm_eval import evaluate_checkpoint
+
+        limit = args.limit if args.limit is None or args.limit < 1 else int(args.limit)
+        results = evaluate_checkpoint(
+            model.eval(),
+            build_tokenizer(cfg),
+            [t.strip() for t in args.tasks.split(",") if t.strip()],
+            args.include_path,
+            limit,
+            args.batch_size,
+            args.num_fewshot,
+        )
+        print(json.dumps(results))
+        if not args.data_path:
+            return 0
+    seq = cfg.model.seq_length or loaded.config.model.seq_length
+    result = perplexity(model, args.data_path, seq, args.iters, args.batch_size, cfg.training.seed)
+    print(json.dumps(result))
+    return 0
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from torchneox.config.load import load_config
+    from torchneox.estimate.search import estimate, render
+
+    loaded = load_config(args.files, args.overrides)
+    est = estimate(loaded, args.gpus, args.gpu.lower(), args.nodes, args.mfu)
+    print(json.dumps(est) if args.json else render(est))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import subprocess
+
+    here = Path.cwd() / "benchmarks" / "run_all.py"
+    source = Path(__file__).resolve().parents[3] / "benchmarks" / "run_all.py"
+    script = here if here.is_file() else source
+    if not script.is_file():
+        raise ConfigError(
+            "the benchmarks live in the source checkout (benchmarks/run_all.py); run this there"
+        )
+    return subprocess.call([sys.executable, str(script), *args.rest])
+
+
+def cmd_checkpoint_verify(args: argparse.Namespace) -> int:
+    from torchneox.train import checkpoint
+
+    root = Path(args.dir)
+    if not root.is_dir():
+        raise ConfigError("no such checkpoint directory", source=str(root))
+    steps = [p for _, p in checkpoint.step_dirs(root)] or [root]
+    bad = 0
+    for step in steps:
+        problems = checkpoint.verify(step, content=True)
+        bad += bool(problems)
+        print(f"{step}: " + ("complete" if not problems else "; ".join(problems)))
+    latest = root / "latest"
+    if latest.is_file():
+        name = latest.read_text().strip()
+        ok = (root / name).is_dir() and not checkpoint.verify(root / name)
+        bad += not ok
+        print(f"{latest}: {name}" + ("" if ok else " (missing or damaged)"))
+    return 1 if bad else 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from torchneox.config.paths import refuse_existing
+    from torchneox.train.plot import plot_runs
+
+    refuse_existing([Path(args.out)], args.force, "plot")
+    plot_runs([Path(r) for r in args.runs], Path(args.out))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from torchneox.cli.demo import run_demo
+
+    return run_demo(Path(args.dir), args.overrides)
