@@ -10,7 +10,8 @@ import pytest
 
 from torchneox.cli import main
 from torchneox.config.load import load_config
-from torchneox.estimate.search import GIB, estimate
+from torchneox.estimate.memory import GIB
+from torchneox.estimate.search import estimate
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 NEOX_20B = str(CONFIGS / "neox-20b.yml")
@@ -104,7 +105,7 @@ def moe_estimate(tmp_path, **changes):
 
 
 def test_moe_models_are_estimated(tmp_path, capsys):
-    from torchneox.estimate.search import _meta_model
+    from torchneox.estimate.parameters import meta_model as _meta_model
 
     est = moe_estimate(tmp_path)
     _, model = _meta_model(load_config([moe_config(tmp_path)]), 1024)

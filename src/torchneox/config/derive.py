@@ -10,13 +10,13 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from torchneox.base.errors import ConfigError
 from torchneox.config import sizes
 from torchneox.config.derived import Derived
 from torchneox.config.fields import Status
 from torchneox.config.load import LoadedConfig
+from torchneox.config.optimizer import optimizer_spec
 from torchneox.config.schema import KEYS, NeoXConfig
 from torchneox.config.validate import (
     ZERO_KEYS,
@@ -341,14 +341,12 @@ def _precision(cfg: NeoXConfig, out: Derived) -> None:
 
 def _optimizer(loaded: LoadedConfig, out: Derived) -> None:
     o = loaded.config.optimizer
-    opt = o.optimizer
-    if opt is None:
+    spec = optimizer_spec(loaded.config)
+    params = spec.params
+    if spec.type_name is None:
         out.put("optimizer_type", "adam", "adam: no optimizer dict given, GPT-NeoX's default")
-        params: dict[str, Any] = {}
     else:
-        kind = str(opt["type"]).lower()
-        out.put("optimizer_type", kind, f"from optimizer.type {opt['type']!r}")
-        params = opt.get("params") or {}
+        out.put("optimizer_type", spec.kind, f"from optimizer.type {spec.type_name!r}")
     if "lr" in params:
         out.put("lr", params["lr"], f"{params['lr']:g}, from optimizer.params.lr")
     elif o.lr is not None:

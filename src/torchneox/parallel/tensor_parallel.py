@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -24,8 +25,27 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from torchneox.models.moe import MoE
 from torchneox.models.transformer import Transformer
+
+COLUMN_SPLIT = ("attention.wq", "attention.wk", "attention.wv", "mlp.up", "mlp.gate")
+"""Linear layers split by output features (weight and bias on dim 0)."""
+ROW_SPLIT = ("attention.wo", "mlp.down")
+"""Linear layers split by input features (weight on dim 1; the bias is whole)."""
+VOCAB_SPLIT = ("embed", "output")
+"""The embedding and the head, split by vocabulary (dim 0)."""
+
+
+def split_dim(name: str) -> int | None:
+    """The dimension tensor parallelism splits parameter ``name`` on (None: replicated), as
+    the plan of ``apply_tensor_parallel`` splits it; the estimator reads it too."""
+    module, _, leaf = name.rpartition(".")
+    if module in VOCAB_SPLIT and leaf == "weight":
+        return 0
+    if module.endswith(COLUMN_SPLIT):
+        return 0
+    if module.endswith(ROW_SPLIT) and leaf == "weight":
+        return 1
+    return None
 
 
 def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool) -> None:
@@ -46,19 +66,11 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
     if top:
         parallelize_module(model, mesh, top)
     for block in model.layers.values():
-        plan = {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=seq),
-        }
-        if not isinstance(block.mlp, MoE):
-            # (experts are whole on every tensor rank, as the tokens are without sequence
-            # parallelism: each rank computes the same expert outputs)
-            plan["mlp.up"] = ColwiseParallel()
-            plan["mlp.down"] = RowwiseParallel(output_layouts=seq)
-            if block.mlp.gate is not None:
-                plan["mlp.gate"] = ColwiseParallel()
+        # (an MoE layer's experts are whole on every tensor rank, as the tokens are without
+        # sequence parallelism: each rank computes the same expert outputs)
+        present = [n for n in COLUMN_SPLIT + ROW_SPLIT if _linear(block, n)]
+        plan: dict = {n: ColwiseParallel() for n in present if n in COLUMN_SPLIT}
+        plan |= {n: RowwiseParallel(output_layouts=seq) for n in present if n in ROW_SPLIT}
         if sequence_parallel:
             plan["attention_norm"] = SequenceParallel()
             plan["attention"] = PrepareModuleInput(
@@ -71,6 +83,12 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
             if block.mlp_norm is not None:
                 plan["mlp_norm"] = SequenceParallel()
         parallelize_module(block, mesh, plan)
+
+
+def _linear(block: nn.Module, name: str) -> bool:
+    """Whether ``block`` has a dense linear layer at ``name`` (an MoE layer has none)."""
+    owner, _, leaf = name.rpartition(".")
+    return isinstance(getattr(block.get_submodule(owner), leaf, None), nn.Linear)
 
 
 def loss_context(enabled: bool) -> contextlib.AbstractContextManager:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchneox.config.optimizer import optimizer_spec
 from torchneox.config.schema import NeoXConfig
 
 
@@ -56,18 +57,14 @@ def _mixes_dtensors(model: nn.Module) -> bool:
 
 
 def build_optimizer(model: nn.Module, cfg: NeoXConfig, device_type: str) -> torch.optim.Optimizer:
-    opt = cfg.optimizer.optimizer or {"type": "Adam", "params": {}}
-    kind = str(opt["type"]).lower()
-    params = dict(opt.get("params") or {})
-    params.pop("max_grad_norm", None)  # clipping comes from gradient_clipping
-    params.pop("weight_decay", None)  # the top-level weight_decay wins, as in GPT-NeoX
-    lr = params.pop("lr", cfg.optimizer.lr or 1e-3)
-    groups = param_groups(model, cfg.optimizer.weight_decay)
+    spec = optimizer_spec(cfg)
+    kind, params = spec.kind, dict(spec.torch_params)
+    lr = spec.lr or 1e-3  # (the schedule sets every step's rate)
+    groups = param_groups(model, spec.weight_decay)
     fast = {"fused": True} if device_type in ("cuda", "cpu") else {"foreach": True}
     if _mixes_dtensors(model):  # tensor parallelism without FSDP: foreach/fused need one kind
         fast = {"foreach": False}
     if kind in ("adam", "adamw"):  # GPT-NeoX runs Adam with decoupled weight decay
-        params.pop("bias_correction", None)  # true (validation refuses false): torch's way
         return torch.optim.AdamW(groups, lr=lr, **params, **fast)
     if kind == "sgd":
         return torch.optim.SGD(groups, lr=lr, **params, foreach=fast.get("foreach", True))

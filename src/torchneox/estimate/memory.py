@@ -1,0 +1,163 @@
+"""Bytes on the most loaded rank, by part (parameters, gradients, optimizer state,
+activations, temporaries), and the step time a layout gives at a stated MFU."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from torchneox.config.layout import Layout
+from torchneox.config.load import LoadedConfig
+from torchneox.config.optimizer import optimizer_spec
+from torchneox.config.sizes import is_moe_layer
+from torchneox.estimate.activations import Trace
+from torchneox.estimate.parameters import PARAM_BYTES, expert_sharded, local_numel
+
+GIB = 2**30
+CUDA_RESERVE = 1.5 * GIB  # CUDA context, cuBLAS/NCCL workspaces
+USABLE = 0.95  # of the rest: the allocator's fragmentation
+
+
+def _optimizer_bytes_per_param(loaded: LoadedConfig) -> int:
+    return optimizer_spec(loaded.config).state_tensors * PARAM_BYTES
+
+
+def memory_per_rank(
+    loaded: LoadedConfig,
+    layout: Layout,
+    stages: list[list[tuple[str, tuple]]],
+    trace: Trace,
+    method: str,
+) -> dict[str, Any]:
+    """Bytes on the most loaded rank, by part, and which stage that is."""
+    opt_per_param = _optimizer_bytes_per_param(loaded)
+    fsdp = layout.dp if (layout.zero > 0 or layout.tp > 1 or layout.pp > 1) else 1
+    worst: dict[str, Any] | None = None
+    for k, params in enumerate(stages):
+        state = _state_bytes(params, layout, fsdp, opt_per_param)
+        parts, temporary = state["parts"], state["temporary"]
+        last = k == len(stages) - 1
+        acts = _activation_bytes(loaded, layout, trace, params, k, last)
+        parts["activations"] = acts["stored_after_forward"] + acts["recompute"]
+        if last:  # the gradient of the logits (a tied head has them too)
+            seq = loaded.config.model.seq_length
+            temporary += layout.micro_batch * seq * math.ceil(trace.vocab / layout.tp) * 4
+        parts["temporary"] = temporary
+        parts = {key: int(v) for key, v in parts.items()}
+        parts["total"] = sum(parts.values())
+        if worst is None or parts["total"] > worst["bytes"]["total"]:
+            worst = {
+                "stage": k,
+                "bytes": parts,
+                "resident": state["resident"],
+                "parameters_on_rank": state["local"],
+                "activations_after_forward": int(acts["stored_after_forward"]),
+            }
+    assert worst is not None
+    return worst
+
+
+def _state_bytes(
+    params: list[tuple[str, tuple]], layout: Layout, fsdp: int, opt_per_param: int
+) -> dict[str, Any]:
+    """A stage's parameters, gradients and optimizer state on one rank, and the temporary
+    bytes ZeRO-3's gathered blocks and a whole embedding gradient add."""
+    tp, ep = layout.tp, layout.ep
+    local = sum(local_numel(s, n, tp, 1, ep) for n, s in params)
+    shard = sum(local_numel(s, n, tp, fsdp, ep) for n, s in params)
+    # what ZeRO/DDP gather or bucket: all but the expert-parallel experts
+    gathered = sum(local_numel(s, n, tp, 1) for n, s in params if not expert_sharded(n, ep))
+    layers = sorted({int(n.split(".")[1]) for n, _ in params if n.startswith("layers.")})
+    per_block = max(
+        (
+            sum(
+                local_numel(s, n, tp, 1)
+                for n, s in params
+                if n.startswith(f"layers.{i}.") and not expert_sharded(n, ep)
+            )
+            for i in layers
+        ),
+        default=0,
+    )
+    resident = {
+        "parameter_shard": shard * PARAM_BYTES,
+        "gradient_shard": shard * PARAM_BYTES,
+        "optimizer": shard * opt_per_param,
+    }
+    parts = {
+        "parameters": resident["parameter_shard"],
+        "gradients": resident["gradient_shard"],
+        "optimizer": resident["optimizer"],
+    }
+    temporary = 0.0
+    if fsdp > 1 and layout.zero in (0, 1, 2):
+        parts["parameters"] += gathered * PARAM_BYTES  # kept gathered from forward to backward
+    elif fsdp > 1:
+        temporary += 2 * per_block * PARAM_BYTES  # ZeRO-3: the block in use and the next
+    if fsdp > 1 and layout.gas > 1:
+        parts["gradients"] += gathered * PARAM_BYTES  # unsharded until the last micro-batch
+    if fsdp == 1 and layout.dp > 1:
+        parts["gradients"] += gathered * PARAM_BYTES  # DDP's gradient buckets
+    if tp > 1 and fsdp == 1:
+        # the vocabulary-parallel embedding's gradient arrives whole on every tensor rank
+        embed = [math.prod(s) for n, s in params if n == "embed.weight"]
+        temporary += sum(e - local_numel((e,), "embed.weight", tp, 1) for e in embed) * PARAM_BYTES
+    return {"parts": parts, "resident": resident, "local": local, "temporary": temporary}
+
+
+def _activation_bytes(
+    loaded: LoadedConfig,
+    layout: Layout,
+    trace: Trace,
+    params: list[tuple[str, tuple]],
+    k: int,
+    last: bool,
+) -> dict[str, float]:
+    """What stage ``k``'s micro-batches in flight leave for backward, and the block that
+    checkpointing rebuilds during backward."""
+    tp, ep = layout.tp, layout.ep
+    layers = sorted({int(n.split(".")[1]) for n, _ in params if n.startswith("layers.")})
+    in_flight = 1
+    if layout.pp > 1:
+        in_flight = layout.gas if layout.schedule == "gpipe" else min(layout.gas, layout.pp - k)
+    rep_by = tp if layout.sequence_parallel else 1
+    mb = layout.micro_batch
+    dense = (
+        mb * (trace.layer_replicated / rep_by + trace.layer_split / tp),
+        trace.layer_weights / tp,  # per micro-batch in flight
+        trace.layer_kept / tp,
+    )
+    moe = (
+        mb * (trace.moe_replicated / rep_by + trace.moe_split / tp + trace.moe_experts),
+        trace.moe_weights / tp + trace.moe_expert_weights / ep,
+        trace.moe_kept / tp,
+    )
+    stored = recompute = 0.0
+    for position, layer in enumerate(layers):
+        acts, weights, kept = moe if is_moe_layer(loaded.config, layer) else dense
+        checkpointed = layout.checkpoint != "none" and position % layout.every == 0
+        if not checkpointed:
+            stored += acts + weights
+            continue
+        stored += mb * trace.layer_input / rep_by
+        if layout.checkpoint == "selective":
+            stored += mb * kept
+        recompute = max(recompute, acts + weights)  # one block rebuilt in its backward
+    rest = 0.0
+    if last:
+        rest = mb * (trace.rest_replicated / rep_by + trace.rest_split / tp)
+        rest += trace.rest_weights / tp
+    return {"stored_after_forward": in_flight * (stored + rest), "recompute": recompute}
+
+
+def step_time(flops_per_step: float, layout: Layout, peak: float, mfu: float) -> float:
+    """Seconds per step at ``mfu`` of the peak (model FLOPs), slowed by the pipeline bubble and
+    by recomputation, which MFU does not count."""
+    seconds = flops_per_step / (layout.gpus * peak * 1e12 * mfu)
+    if layout.pp > 1 and layout.schedule in ("1f1b", "gpipe"):
+        seconds /= 1 - (layout.pp - 1) / (layout.gas + layout.pp - 1)
+    if layout.checkpoint == "full":
+        seconds *= 4 / 3  # one more forward
+    elif layout.checkpoint == "selective":
+        seconds *= 1.03
+    return seconds

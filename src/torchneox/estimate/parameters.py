@@ -1,0 +1,75 @@
+"""Parameters per rank from the model's real shapes (built on the meta device), split the way
+tensor, expert, pipeline and FSDP sharding split them."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from torchneox.config.load import LoadedConfig
+from torchneox.parallel.tensor_parallel import split_dim
+
+PARAM_BYTES = 4  # parameters, gradients and optimizer moments are fp32 (autocast does the rest)
+
+
+def expert_sharded(name: str, ep: int) -> bool:
+    """Expert weights under expert parallelism: split over ep, left alone by ZeRO/DDP."""
+    from torchneox.parallel.expert_parallel import EXPERT_PARAMS
+
+    return ep > 1 and name.rsplit(".", 1)[-1] in EXPERT_PARAMS
+
+
+def local_numel(shape: tuple[int, ...], name: str, tp: int, fsdp: int, ep: int = 1) -> int:
+    """Elements rank 0 holds: the tensor-parallel shard, then FSDP's dim-0 chunk of it (torch
+    chunks give rank 0 the rounded-up share); with expert parallelism, its share of the
+    experts instead."""
+    dims = list(shape)
+    if expert_sharded(name, ep):
+        return math.prod(dims) // dims[0] * math.ceil(dims[0] / ep)
+    dim = split_dim(name)
+    if tp > 1 and dim is not None and dim < len(dims):
+        dims[dim] = math.ceil(dims[dim] / tp)
+    if fsdp > 1 and dims:
+        dims[0] = math.ceil(dims[0] / fsdp)
+    return math.prod(dims)
+
+
+def meta_model(loaded: LoadedConfig, vocab: int, layers: int | None = None, **changes):
+    from torchneox.models.args import ModelArgs
+    from torchneox.models.transformer import Transformer
+
+    args = ModelArgs.from_config(loaded.config, vocab)
+    if layers is not None:
+        changes["num_layers"] = layers
+    args = dataclasses.replace(args, **changes)
+    with torch.device("meta"):
+        return args, Transformer(args)
+
+
+def stage_params(
+    loaded: LoadedConfig, vocab: int, pp: int, method: str
+) -> list[list[tuple[str, tuple]]]:
+    """(name, shape) of the parameters each pipeline stage holds."""
+    from torchneox.parallel.pipeline import stage_layers
+
+    args, model = meta_model(loaded, vocab)
+    shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    if pp <= 1:
+        return [shapes]
+    ranges = stage_layers(args, pp, method)
+    stages = []
+    for k, r in enumerate(ranges):
+        keep = []
+        for name, shape in shapes:
+            if name.startswith("layers."):
+                if int(name.split(".")[1]) in r:
+                    keep.append((name, shape))
+            elif name.startswith(("embed.", "pos_embed.")):
+                if k == 0:
+                    keep.append((name, shape))
+            elif k == pp - 1:
+                keep.append((name, shape))
+        stages.append(keep)
+    return stages
