@@ -32,112 +32,127 @@ def _full(logits: torch.Tensor) -> torch.Tensor:
     return logits.full_tensor() if hasattr(logits, "full_tensor") else logits
 
 
+class TorchNeoXScorer:
+    """What the harness asks of a model, computed with ``model``: log-likelihoods of
+    continuations (batched, longest first), rolling log-likelihoods, and greedy or sampled
+    continuations until a stop string."""
+
+    def __init__(self, model: torch.nn.Module, max_length: int, tokenizer, batch_size: int, device):
+        self.model = model
+        self.tok = tokenizer
+        self.eot = tokenizer.eod_id
+        self.max_length = max_length
+        self.batch_size = batch_size
+        self._device = device or next(model.parameters()).device
+
+    # -------------------------------------------------------------- scoring
+    def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        # trailing spaces of the context belong to the continuation's first token
+        spaces = len(context) - len(context.rstrip())
+        if spaces:
+            continuation = context[-spaces:] + continuation
+            context = context[:-spaces]
+        whole = self.tok.encode(context + continuation)
+        ctx = self.tok.encode(context) if context else []
+        if not ctx:
+            return [self.eot], whole
+        if whole[: len(ctx)] != ctx:  # the join merged tokens: split where context ends
+            return ctx, self.tok.encode(continuation)
+        return ctx, whole[len(ctx) :]
+
+    @torch.no_grad()
+    def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        """Sum of log-probabilities of each continuation and whether it is the greedy one."""
+        results: list[tuple[float, bool] | None] = [None] * len(pairs)
+        order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))
+        self.model.eval()
+        for start in range(0, len(order), self.batch_size):
+            chunk = order[start : start + self.batch_size]
+            rows, spans = [], []
+            for i in chunk:
+                ctx, cont = pairs[i]
+                whole = (ctx + cont)[-(self.max_length + 1) :]
+                inp = whole[:-1]
+                n = len(cont)
+                rows.append(inp)
+                spans.append((len(inp) - n, len(inp), whole[-n:]))
+            width = max(len(r) for r in rows)
+            tokens = torch.zeros(len(rows), width, dtype=torch.long)
+            for r, row in enumerate(rows):
+                tokens[r, : len(row)] = torch.tensor(row)  # right-padded: causal, harmless
+            logits = _full(self.model(tokens.to(self._device))).float()
+            logprobs = F.log_softmax(logits, dim=-1).cpu()
+            for r, (begin, end, target) in zip(range(len(rows)), spans, strict=True):
+                lp = logprobs[r, begin:end]
+                want = torch.tensor(target)
+                total = lp.gather(-1, want[:, None]).sum().item()
+                greedy = bool((lp.argmax(-1) == want).all())
+                results[chunk[r]] = (total, greedy)
+        return [r for r in results if r is not None]
+
+    def loglikelihood(self, requests) -> list[tuple[float, bool]]:
+        return self._score([self._encode_pair(*req.args) for req in requests])
+
+    def loglikelihood_rolling(self, requests) -> list[float]:
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        out = []
+        for req in requests:
+            tokens = self.tok.encode(req.args[0])
+            windows = [
+                make_disjoint_window(w)
+                for w in get_rolling_token_windows(
+                    token_list=tokens,
+                    prefix_token=self.eot,
+                    max_seq_len=self.max_length,
+                    context_len=1,
+                )
+            ]
+            out.append(sum(score for score, _ in self._score(windows)))
+        return out
+
+    # ------------------------------------------------------------ generation
+    def generate_until(self, requests) -> list[str]:
+        out = []
+        for req in requests:
+            context, kwargs = req.args
+            kwargs = dict(kwargs or {})
+            until = kwargs.pop("until", None) or []
+            until = [until] if isinstance(until, str) else list(until)
+            budget = int(kwargs.pop("max_gen_toks", 256))
+            temperature = float(kwargs.pop("temperature", 0.0) or 0.0)
+            if not kwargs.pop("do_sample", False):
+                temperature = 0.0
+            prompt = self.tok.encode(context) or [self.eot]
+            room = self.max_length - budget
+            prompt = prompt[-max(room, 1) :]
+            budget = min(budget, self.max_length - len(prompt))
+            sampling = Sampling(
+                temperature=temperature, maximum_tokens=budget, stop_ids={self.eot}, seed=0
+            )
+            ids = generate(self.model, [prompt], sampling)[0]
+            text = self.tok.decode(ids)
+            for stop in until:
+                if stop and stop in text:
+                    text = text[: text.index(stop)]
+            out.append(text)
+        return out
+
+
 def make_adapter(model: torch.nn.Module, args, tokenizer, batch_size: int = 8, device=None):
     """An lm-eval ``LM`` backed by ``model`` (a Transformer, or the module training calls)."""
     LM = _lm_eval()
+    scorer = TorchNeoXScorer(model, args.max_positions, tokenizer, batch_size, device)
 
     class TorchNeoXLM(LM):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-            self.tok = tokenizer
-            self.eot = tokenizer.eod_id
-            self.max_length = args.max_positions
-            self.batch_size = batch_size
-            self._device = device or next(model.parameters()).device
-
-        # -------------------------------------------------------------- scoring
-        def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
-            # trailing spaces of the context belong to the continuation's first token
-            spaces = len(context) - len(context.rstrip())
-            if spaces:
-                continuation = context[-spaces:] + continuation
-                context = context[:-spaces]
-            whole = self.tok.encode(context + continuation)
-            ctx = self.tok.encode(context) if context else []
-            if not ctx:
-                return [self.eot], whole
-            if whole[: len(ctx)] != ctx:  # the join merged tokens: split where context ends
-                return ctx, self.tok.encode(continuation)
-            return ctx, whole[len(ctx) :]
-
-        @torch.no_grad()
-        def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
-            """Sum of log-probabilities of each continuation and whether it is the greedy one."""
-            results: list[tuple[float, bool] | None] = [None] * len(pairs)
-            order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))
-            self.model.eval()
-            for start in range(0, len(order), self.batch_size):
-                chunk = order[start : start + self.batch_size]
-                rows, spans = [], []
-                for i in chunk:
-                    ctx, cont = pairs[i]
-                    whole = (ctx + cont)[-(self.max_length + 1) :]
-                    inp = whole[:-1]
-                    n = len(cont)
-                    rows.append(inp)
-                    spans.append((len(inp) - n, len(inp), whole[-n:]))
-                width = max(len(r) for r in rows)
-                tokens = torch.zeros(len(rows), width, dtype=torch.long)
-                for r, row in enumerate(rows):
-                    tokens[r, : len(row)] = torch.tensor(row)  # right-padded: causal, harmless
-                logits = _full(self.model(tokens.to(self._device))).float()
-                logprobs = F.log_softmax(logits, dim=-1).cpu()
-                for r, (begin, end, target) in zip(range(len(rows)), spans, strict=True):
-                    lp = logprobs[r, begin:end]
-                    want = torch.tensor(target)
-                    total = lp.gather(-1, want[:, None]).sum().item()
-                    greedy = bool((lp.argmax(-1) == want).all())
-                    results[chunk[r]] = (total, greedy)
-            return [r for r in results if r is not None]
-
         def loglikelihood(self, requests) -> list[tuple[float, bool]]:
-            return self._score([self._encode_pair(*req.args) for req in requests])
+            return scorer.loglikelihood(requests)
 
         def loglikelihood_rolling(self, requests) -> list[float]:
-            from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+            return scorer.loglikelihood_rolling(requests)
 
-            out = []
-            for req in requests:
-                tokens = self.tok.encode(req.args[0])
-                windows = [
-                    make_disjoint_window(w)
-                    for w in get_rolling_token_windows(
-                        token_list=tokens,
-                        prefix_token=self.eot,
-                        max_seq_len=self.max_length,
-                        context_len=1,
-                    )
-                ]
-                out.append(sum(score for score, _ in self._score(windows)))
-            return out
-
-        # ------------------------------------------------------------ generation
         def generate_until(self, requests) -> list[str]:
-            out = []
-            for req in requests:
-                context, kwargs = req.args
-                kwargs = dict(kwargs or {})
-                until = kwargs.pop("until", None) or []
-                until = [until] if isinstance(until, str) else list(until)
-                budget = int(kwargs.pop("max_gen_toks", 256))
-                temperature = float(kwargs.pop("temperature", 0.0) or 0.0)
-                if not kwargs.pop("do_sample", False):
-                    temperature = 0.0
-                prompt = self.tok.encode(context) or [self.eot]
-                room = self.max_length - budget
-                prompt = prompt[-max(room, 1) :]
-                budget = min(budget, self.max_length - len(prompt))
-                sampling = Sampling(
-                    temperature=temperature, maximum_tokens=budget, stop_ids={self.eot}, seed=0
-                )
-                ids = generate(self.model, [prompt], sampling)[0]
-                text = self.tok.decode(ids)
-                for stop in until:
-                    if stop and stop in text:
-                        text = text[: text.index(stop)]
-                out.append(text)
-            return out
+            return scorer.generate_until(requests)
 
     return TorchNeoXLM()
 
