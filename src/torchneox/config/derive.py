@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from torchneox.base.errors import ConfigError
-from torchneox.config import sizes
+from torchneox.config.derive_model import derive_model
 from torchneox.config.derived import Derived
 from torchneox.config.fields import Status
 from torchneox.config.load import LoadedConfig
@@ -21,12 +21,8 @@ from torchneox.config.schema import KEYS, NeoXConfig
 from torchneox.config.validate import (
     ZERO_KEYS,
     ZERO_OFFLOAD_KEYS,
-    layer_attention_types,
     split_fractions,
 )
-from torchneox.config.vocab import GPT2_VOCAB, tokenizer_vocab_size
-
-MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
 
 
 def derive(
@@ -42,7 +38,7 @@ def derive(
     _precision(cfg, out)
     _optimizer(loaded, out)
     _schedule(cfg, out)
-    _model(loaded, out)
+    derive_model(loaded, out)
     _data(cfg, out)
     _launch(loaded, out)
     _no_effect(loaded, out)
@@ -410,120 +406,6 @@ def _schedule(cfg: NeoXConfig, out: Derived) -> None:
         f"after warmup the rate {shape} from {peak if peak is not None else 'the peak'} "
         f"to min_lr {lr.min_lr:g} by step {iters}",
     )
-
-
-# ------------------------------------------------------------------------------- model
-
-
-def _vocab(loaded: LoadedConfig, out: Derived) -> int:
-    cfg = loaded.config
-    m, mp = cfg.model, cfg.parallel.model_parallel_size
-    info = tokenizer_vocab_size(cfg)
-    if cfg.tokenizer.padded_vocab_size is not None:
-        padded = cfg.tokenizer.padded_vocab_size
-        if info.exact and info.size is not None and padded < info.size:
-            raise ConfigError(
-                f"{padded} is smaller than the tokenizer's vocabulary ({info.size})",
-                source=loaded.source("padded_vocab_size"),
-                key="padded_vocab_size",
-            )
-        out.put("vocab_size", info.size, info.reason)
-        return out.put("padded_vocab_size", padded, f"{padded}, as given")
-    vocab, why = info.size, info.reason
-    if vocab is None:
-        vocab = GPT2_VOCAB
-        why += f"; assuming GPT-2's {GPT2_VOCAB} tokens for the sizes below"
-        out.notes.append(
-            f"vocabulary size assumed to be {GPT2_VOCAB}: make vocab_file readable or give "
-            "padded_vocab_size for exact parameter counts"
-        )
-    out.put("vocab_size", vocab, why)
-    multiple = m.make_vocab_size_divisible_by * mp
-    padded = sizes.padded_vocab(vocab, m.make_vocab_size_divisible_by, mp)
-    return out.put(
-        "padded_vocab_size",
-        padded,
-        f"{padded}: {vocab} rounded up to a multiple of make_vocab_size_divisible_by "
-        f"{m.make_vocab_size_divisible_by} x model_parallel_size {mp} = {multiple}",
-    )
-
-
-def _model(loaded: LoadedConfig, out: Derived) -> None:
-    cfg = loaded.config
-    m = cfg.model
-    padded = _vocab(loaded, out)
-    missing = [k for k in MODEL_KEYS if cfg.get(k) is None]
-    if missing:
-        why = f"unknown: {', '.join(missing)} not set"
-        out.put("num_parameters", None, why)
-        out.put("flops_per_token", None, why)
-        return
-    d, kv = sizes.head_dim(cfg), sizes.kv_heads(cfg)
-    out.put(
-        "head_dim",
-        d,
-        f"{d} = hidden_size {m.hidden_size} / num_attention_heads {m.num_attention_heads}",
-    )
-    attention = (
-        "multi-head"
-        if kv == m.num_attention_heads
-        else ("multi-query" if kv == 1 else "grouped-query")
-    )
-    out.put("num_kv_heads", kv, f"{kv}: {attention} attention")
-    widths = sizes.mlp_widths(cfg)
-    how = (
-        f"gated {m.activation}: two halves of {widths.down}" if widths.gated else f"{m.activation}"
-    )
-    out.put("mlp_width", widths.down, f"{widths.down} ({how}; GPT-NeoX's sizing rules)")
-    if m.pos_emb == "rotary":
-        r = sizes.rotary_dims(cfg)
-        out.put(
-            "rotary_dims",
-            r,
-            f"{r} of {d} head dimensions (rotary_pct {m.rotary_pct}), rotate-half layout",
-        )
-    residual = (
-        "parallel (GPT-J): x + attn(norm(x)) + mlp(norm(x))"
-        if m.gpt_j_residual
-        else ("sequential: x + attn(norm(x)), then + mlp(norm(.))")
-    )
-    out.put("residual", "parallel" if m.gpt_j_residual else "sequential", residual)
-    kinds = layer_attention_types(cfg, loaded.origin)
-    out.put(
-        "attention",
-        "sdpa" + (f", window {m.sliding_window_width}" if m.sliding_window_width else ""),
-        f"causal scaled_dot_product_attention on all {len(kinds)} layers"
-        + (" ('flash' and 'global' alike)" if m.attention_config else ""),
-    )
-    counts = sizes.count(cfg, padded)
-    tied = "tied to the embedding" if not m.no_weight_tying else "its own weights"
-    out.put(
-        "num_parameters",
-        counts.total,
-        f"{counts.total:,} ({_human(counts.total)}), of which {counts.embedding:,} in embeddings; "
-        f"output head {tied}",
-    )
-    if counts.moe_layers:
-        out.put(
-            "num_active_parameters",
-            counts.active,
-            f"{counts.active:,} ({_human(counts.active)}) reach each token: {counts.moe_layers} MoE "
-            f"layers of {cfg.moe.moe_num_experts} experts, top-{cfg.moe.moe_top_k}",
-        )
-    out.put(
-        "flops_per_token",
-        counts.flops_per_token,
-        f"{counts.flops_per_token:,} ({_human(counts.flops_per_token)}FLOP) = 3 x forward "
-        f"(2 per weight a token meets, output head included, plus attention scores over "
-        f"{min(m.seq_length, m.sliding_window_width or m.seq_length)} positions)",
-    )
-
-
-def _human(n: float) -> str:
-    for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g}{unit}"
-    return f"{n:g}"
 
 
 def _data(cfg: NeoXConfig, out: Derived) -> None:

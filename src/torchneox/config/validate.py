@@ -9,8 +9,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchneox.base.errors import ConfigError, did_you_mean
+from torchneox.base.errors import did_you_mean
+from torchneox.config.checker import Checker
 from torchneox.config.schema import NeoXConfig
+from torchneox.config.validate_model import (
+    ATTENTION_TYPES_REFUSED,
+    _attention_kinds,
+    _check_model,
+    _check_moe,
+    _check_rope_scaling,
+)
 
 SUPPORTED_OPTIMIZERS = ("adam", "adamw", "sgd", "lion")
 REFUSED_OPTIMIZERS = {
@@ -28,19 +36,6 @@ OPTIMIZER_PARAMS: dict[str, tuple[str, ...]] = {
     "adamw": ("lr", "betas", "eps", "weight_decay", "amsgrad", "max_grad_norm", "bias_correction"),
     "sgd": ("lr", "momentum", "dampening", "nesterov", "weight_decay"),
     "lion": ("lr", "betas", "weight_decay"),
-}
-ATTENTION_TYPES_OK = ("global", "flash")
-ATTENTION_TYPES_REFUSED = {
-    "local": "DeepSpeed block-sparse attention",
-    "sparse_fixed": "DeepSpeed block-sparse attention",
-    "sparse_variable": "DeepSpeed block-sparse attention",
-    "bigbird": "DeepSpeed block-sparse attention",
-    "bslongformer": "DeepSpeed block-sparse attention",
-    "gmlp": "gMLP blocks",
-    "amlp": "gMLP blocks",
-    "mamba": "mamba layers",
-    "rwkv": "RWKV layers",
-    "ring": "ring attention",
 }
 ZERO_KEYS = (
     "stage",
@@ -85,33 +80,8 @@ BF16_KEYS = ("enabled", "type", "immediate_grad_update", "check_grad_overflow")
 COMM_DTYPES = ("fp32", "fp16", "bf16", "bfloat16")
 
 
-class _Checker:
-    def __init__(self, config: NeoXConfig, origin: dict[str, str]):
-        self.c = config
-        self.origin = origin
-
-    def fail(self, key: str, message: str) -> None:
-        raise ConfigError(message, source=self.origin.get(key, "defaults"), key=key)
-
-    def positive(self, key: str, *, allow_zero: bool = False) -> None:
-        value = self.c.get(key)
-        if value is None:
-            return
-        if value < 0 or (value == 0 and not allow_zero):
-            bound = ">= 0" if allow_zero else "> 0"
-            self.fail(key, f"must be {bound}, got {value}")
-
-    def within(self, key: str, low: float, high: float, *, high_open: bool = False) -> None:
-        value = self.c.get(key)
-        if value is None:
-            return
-        if value < low or value > high or (high_open and value == high):
-            bracket = ")" if high_open else "]"
-            self.fail(key, f"must be in [{low}, {high}{bracket}, got {value}")
-
-
 def validate(config: NeoXConfig, origin: dict[str, str]) -> None:
-    check = _Checker(config, origin)
+    check = Checker(config, origin)
     _check_refused(check)  # a feature that is not built is named before any check trips on it
     _check_model(check)
     _check_rope_scaling(check)
@@ -132,7 +102,7 @@ REINFORCE_NEEDS = (
 )
 
 
-def _check_refused(ch: _Checker) -> None:
+def _check_refused(ch: Checker) -> None:
     """Features torchneox does not build, each named in one line, before the checks of sizes
     and layouts (a mamba config is told that mamba is not built, not that its heads do not
     divide its width)."""
@@ -171,168 +141,7 @@ def _check_refused(ch: _Checker) -> None:
     _optimizer_type(ch)
 
 
-def _attention_kinds(attention_config: Any) -> list[str]:
-    """The type names an attention_config mentions, however malformed the rest of it is."""
-    kinds: list[str] = []
-    for item in attention_config if isinstance(attention_config, list) else []:
-        if isinstance(item, list | tuple) and item and isinstance(item[0], list | tuple):
-            kinds += [k for k in item[0] if isinstance(k, str)]
-    return kinds
-
-
-MAX_LAYERS = 100_000  # per-layer lists are built from num_layers; far past any real model
-
-
-def _check_model(ch: _Checker) -> None:
-    m = ch.c.model
-    for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "num_kv_heads"):
-        ch.positive(k)
-    if m.num_layers and m.num_layers > MAX_LAYERS:
-        ch.fail("num_layers", f"{m.num_layers:,} layers is more than {MAX_LAYERS:,}; is it a typo?")
-    for k in ("max_position_embeddings", "intermediate_size", "sliding_window_width"):
-        ch.positive(k)
-    for k in (
-        "mlp_multiple_of",
-        "make_vocab_size_divisible_by",
-        "init_method_std",
-        "rotary_emb_base",
-    ):
-        ch.positive(k)
-    ch.positive("expansion_factor")
-    if m.activation == "gelu" and m.onnx_safe and m.bias_gelu_fusion:
-        ch.fail(
-            "bias_gelu_fusion",
-            "cannot be set together with onnx_safe for activation gelu (GPT-NeoX refuses the "
-            "pair too); choose one gelu",
-        )
-    ch.within("hidden_dropout", 0.0, 1.0, high_open=True)
-    ch.within("attention_dropout", 0.0, 1.0, high_open=True)
-    if m.hidden_size and m.num_attention_heads and m.hidden_size % m.num_attention_heads:
-        ch.fail(
-            "num_attention_heads",
-            f"hidden_size {m.hidden_size} is not divisible by num_attention_heads "
-            f"{m.num_attention_heads}; every head needs the same width",
-        )
-    if (
-        m.num_kv_heads
-        and m.num_attention_heads
-        and (m.num_kv_heads > m.num_attention_heads or m.num_attention_heads % m.num_kv_heads)
-    ):
-        ch.fail(
-            "num_kv_heads",
-            f"num_attention_heads {m.num_attention_heads} is not a multiple of num_kv_heads "
-            f"{m.num_kv_heads}; each key/value head must serve the same number of query heads",
-        )
-    if m.seq_length and m.max_position_embeddings and m.max_position_embeddings < m.seq_length:
-        ch.fail(
-            "max_position_embeddings",
-            f"{m.max_position_embeddings} is shorter than seq_length {m.seq_length}",
-        )
-    if m.pos_emb == "rpe":
-        ch.fail(
-            "pos_emb", "'rpe' (T5 relative position buckets) is not supported; use rotary or alibi"
-        )
-    if m.pos_emb == "rotary":
-        if not 0.0 < m.rotary_pct <= 1.0:
-            ch.fail("rotary_pct", f"must be in (0, 1], got {m.rotary_pct}")
-        if m.hidden_size and m.num_attention_heads and not m.hidden_size % m.num_attention_heads:
-            head_dim = m.hidden_size // m.num_attention_heads
-            rotary_dims = int(head_dim * m.rotary_pct)
-            if rotary_dims % 2 or rotary_dims == 0:
-                ch.fail(
-                    "rotary_pct",
-                    f"rotates {rotary_dims} of {head_dim} head dimensions (rotary_pct "
-                    f"{m.rotary_pct}); rotary needs an even, non-zero number",
-                )
-    if m.gpt_j_tied and not m.gpt_j_residual:
-        ch.fail("gpt_j_tied", "only means something with gpt_j_residual: true")
-    layer_attention_types(ch.c, ch.origin)
-
-
-def layer_attention_types(config: NeoXConfig, origin: dict[str, str] | None = None) -> list[str]:
-    """attention_config expanded to one type per layer (GPT-NeoX's [[types, count]] form)."""
-    m = config.model
-    source = (origin or {}).get("attention_config", "defaults")
-    if m.attention_config is None:
-        return ["global"] * (m.num_layers or 0)
-
-    def fail(message: str) -> None:
-        raise ConfigError(message, source=source, key="attention_config")
-
-    types_per_layer: list[str] = []
-    for item in m.attention_config:
-        if not (isinstance(item, list | tuple) and len(item) == 2 and isinstance(item[0], list)):
-            fail(f"each entry must be [[types...], count], got {item!r}")
-        kinds, count = item
-        for kind in kinds:
-            if not isinstance(kind, str):
-                fail(f"attention type {kind!r} is not a name")
-            if kind in ATTENTION_TYPES_REFUSED:
-                fail(
-                    f"'{kind}' attention ({ATTENTION_TYPES_REFUSED[kind]}) is not supported; "
-                    f"use 'global' or 'flash' (both run as SDPA attention)"
-                )
-            if kind not in ATTENTION_TYPES_OK:
-                fail(f"unknown attention type '{kind}'{did_you_mean(kind, ATTENTION_TYPES_OK)}")
-        if count == "all":
-            if not m.num_layers:
-                fail("'all' needs num_layers")
-            count = m.num_layers // len(kinds)
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            fail(f"layer count must be a positive integer or 'all', got {count!r}")
-        if len(types_per_layer) + count > (m.num_layers or MAX_LAYERS):
-            fail(
-                f"describes more than {m.num_layers or MAX_LAYERS:,} layers "
-                + (f"but num_layers is {m.num_layers}" if m.num_layers else "(num_layers is unset)")
-            )
-        types_per_layer.extend(kinds * (count // len(kinds)) + kinds[: count % len(kinds)])
-    if m.num_layers and len(types_per_layer) != m.num_layers:
-        fail(f"describes {len(types_per_layer)} layers but num_layers is {m.num_layers}")
-    return types_per_layer
-
-
-ROPE_SCALING_FIELDS = {
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-}
-
-
-def _check_rope_scaling(ch: _Checker) -> None:
-    spec = ch.c.model.rope_scaling
-    if spec is None:
-        return
-    kind = spec.get("type", spec.get("rope_type"))
-    if kind not in ROPE_SCALING_FIELDS:
-        ch.fail(
-            "rope_scaling",
-            f"type {kind!r} is not built; torchneox scales rotary frequencies as "
-            + " or ".join(ROPE_SCALING_FIELDS),
-        )
-    fields = ROPE_SCALING_FIELDS[kind]
-    extra = sorted(set(spec) - {"type", "rope_type", *fields})
-    if extra:
-        ch.fail(
-            "rope_scaling", f"{extra[0]!r} is not a field of {kind} scaling ({', '.join(fields)})"
-        )
-    for name in fields:
-        value = spec.get(name)
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            ch.fail("rope_scaling", f"{kind} scaling needs {name} > 0, got {value!r}")
-    if kind == "llama3" and spec["high_freq_factor"] <= spec["low_freq_factor"]:
-        ch.fail("rope_scaling", "llama3 scaling needs high_freq_factor > low_freq_factor")
-
-
-def _check_moe(ch: _Checker) -> None:
-    e = ch.c.moe
-    ch.positive("moe_num_experts")
-    ch.positive("moe_expert_interval")
-    ch.positive("moe_top_k")
-    ch.positive("moe_jitter_eps", allow_zero=True)
-    if e.moe_num_experts > 1 and e.moe_top_k > e.moe_num_experts:
-        ch.fail("moe_top_k", f"{e.moe_top_k} is more than moe_num_experts {e.moe_num_experts}")
-
-
-def _check_parallel(ch: _Checker) -> None:
+def _check_parallel(ch: Checker) -> None:
     p = ch.c.parallel
     ch.positive("pipe_parallel_size", allow_zero=True)
     ch.positive("model_parallel_size")
@@ -347,7 +156,7 @@ def _check_parallel(ch: _Checker) -> None:
         )
 
 
-def _optimizer_type(ch: _Checker) -> str | None:
+def _optimizer_type(ch: Checker) -> str | None:
     opt = ch.c.optimizer.optimizer
     if opt is None:
         return None
@@ -369,7 +178,7 @@ def _optimizer_type(ch: _Checker) -> str | None:
     return kind
 
 
-def _check_optimizer(ch: _Checker) -> None:
+def _check_optimizer(ch: Checker) -> None:
     o = ch.c.optimizer
     kind = _optimizer_type(ch)
     if kind is not None:
@@ -422,7 +231,7 @@ def _check_optimizer(ch: _Checker) -> None:
     _check_zero(ch)
 
 
-def _optimizer_param(ch: _Checker, name: str, value: Any) -> Any:
+def _optimizer_param(ch: Checker, name: str, value: Any) -> Any:
     def number(v: Any) -> float:
         try:
             if isinstance(v, bool):
@@ -457,7 +266,7 @@ def _optimizer_param(ch: _Checker, name: str, value: Any) -> Any:
     return result
 
 
-def _check_zero(ch: _Checker) -> None:
+def _check_zero(ch: Checker) -> None:
     zero = ch.c.optimizer.zero_optimization
     if zero is None:
         return
@@ -477,7 +286,7 @@ def _check_zero(ch: _Checker) -> None:
         ch.fail("zero_stage", f"{given!r} contradicts zero_optimization.stage {stage}; give one")
 
 
-def _check_lr(ch: _Checker) -> None:
+def _check_lr(ch: Checker) -> None:
     lr = ch.c.lr
     ch.within("warmup", 0.0, 1.0)
     ch.positive("min_lr", allow_zero=True)
@@ -495,7 +304,7 @@ def _check_lr(ch: _Checker) -> None:
         ch.fail("min_lr", f"{lr.min_lr} is above the peak learning rate {peak}")
 
 
-def _check_precision(ch: _Checker) -> None:
+def _check_precision(ch: Checker) -> None:
     pr = ch.c.precision
     for name, allowed in (("fp16", FP16_KEYS), ("bf16", BF16_KEYS)):
         entries = getattr(pr, name)
@@ -532,7 +341,7 @@ def _check_precision(ch: _Checker) -> None:
     ch.positive("min_scale")
 
 
-def _check_training(ch: _Checker) -> None:
+def _check_training(ch: Checker) -> None:
     t, ck = ch.c.training, ch.c.checkpoint
     for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         ch.positive(k)
@@ -577,20 +386,27 @@ def _check_training(ch: _Checker) -> None:
         )
 
 
-def split_fractions(split: str) -> list[float]:
-    """'949,50,1' -> [0.949, 0.05, 0.001]; missing parts are 0. Raises ValueError."""
+def split_shares(split: str) -> list[float]:
+    """The train, validation and test shares of GPT-NeoX's ``split`` ('949,50,1' or
+    '949/50/1'; missing parts are 0), as given. Raises ValueError. The one parser of the key:
+    validation, explain and the datasets all read it."""
     parts = [p.strip() for p in split.replace("/", ",").split(",") if p.strip()]
     if not 1 <= len(parts) <= 3:
         raise ValueError("needs one to three comma-separated numbers")
     values = [float(p) for p in parts]
     if any(v < 0 for v in values) or sum(values) <= 0:
         raise ValueError("needs non-negative numbers with a positive sum")
-    values += [0.0] * (3 - len(values))
+    return values + [0.0] * (3 - len(values))
+
+
+def split_fractions(split: str) -> list[float]:
+    """'949,50,1' -> [0.949, 0.05, 0.001]. Raises ValueError."""
+    values = split_shares(split)
     total = sum(values)
     return [v / total for v in values]
 
 
-def _check_data(ch: _Checker) -> None:
+def _check_data(ch: Checker) -> None:
     d = ch.c.data
     try:
         split_fractions(d.split)
@@ -613,7 +429,7 @@ def _check_data(ch: _Checker) -> None:
     ch.positive("num_workers", allow_zero=True)
 
 
-def _check_textgen(ch: _Checker) -> None:
+def _check_textgen(ch: Checker) -> None:
     ch.positive("temperature", allow_zero=True)
     ch.within("top_p", 0.0, 1.0)
     ch.positive("top_k", allow_zero=True)

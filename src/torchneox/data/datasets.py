@@ -10,8 +10,9 @@ import numpy as np
 from torchneox.base.errors import ConfigError, DataError
 from torchneox.config.load import LoadedConfig
 from torchneox.config.schema import NeoXConfig
+from torchneox.config.validate import split_shares
 from torchneox.data.blend import BlendedDataset, samples_per_dataset, weights_by_num_documents
-from torchneox.data.gpt_dataset import GPTDataset, split_ranges, split_shares
+from torchneox.data.gpt_dataset import GPTDataset, split_ranges
 from torchneox.data.indexed import IndexedDataset
 
 SPLITS = ("train", "valid", "test")

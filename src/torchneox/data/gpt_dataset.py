@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from torchneox.base.errors import DataError
+from torchneox.config.validate import split_shares
 from torchneox.data.indexed import IndexedDataset
 
 INDEX_CACHE_ENV = "TORCHNEOX_INDEX_CACHE"
@@ -258,16 +259,6 @@ class GPTDataset:
         parts += [self.indexed[int(self.doc_idx[j])] for j in range(doc_f + 1, doc_l)]
         parts.append(self.indexed.get(int(self.doc_idx[doc_l]), 0, off_l + 1))
         return np.concatenate(parts).astype(np.int64)
-
-
-def split_shares(split: str) -> list[float]:
-    """The train/valid/test proportions of a GPT-NeoX ``split`` string ("969,30,1")."""
-    parts = (
-        [float(p) for p in split.replace("/", ",").split(",")]
-        if any(c in split for c in ",/")
-        else [float(split)]
-    )
-    return (parts + [0.0, 0.0])[:3]
 
 
 def split_ranges(split: str, num_documents: int) -> list[tuple[int, int]]:

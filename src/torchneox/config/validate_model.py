@@ -1,0 +1,181 @@
+"""The model's checks: sizes and their divisibility, attention types per layer, activations,
+positions and rope scaling, mixture of experts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torchneox.base.errors import ConfigError, did_you_mean
+from torchneox.config.checker import Checker
+from torchneox.config.schema import NeoXConfig
+
+MAX_LAYERS = 100_000  # per-layer lists are built from num_layers; far past any real model
+ROPE_SCALING_FIELDS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+ATTENTION_TYPES_OK = ("global", "flash")
+ATTENTION_TYPES_REFUSED = {
+    "local": "DeepSpeed block-sparse attention",
+    "sparse_fixed": "DeepSpeed block-sparse attention",
+    "sparse_variable": "DeepSpeed block-sparse attention",
+    "bigbird": "DeepSpeed block-sparse attention",
+    "bslongformer": "DeepSpeed block-sparse attention",
+    "gmlp": "gMLP blocks",
+    "amlp": "gMLP blocks",
+    "mamba": "mamba layers",
+    "rwkv": "RWKV layers",
+    "ring": "ring attention",
+}
+
+
+def _attention_kinds(attention_config: Any) -> list[str]:
+    """The type names an attention_config mentions, however malformed the rest of it is."""
+    kinds: list[str] = []
+    for item in attention_config if isinstance(attention_config, list) else []:
+        if isinstance(item, list | tuple) and item and isinstance(item[0], list | tuple):
+            kinds += [k for k in item[0] if isinstance(k, str)]
+    return kinds
+
+
+def _check_model(ch: Checker) -> None:
+    m = ch.c.model
+    for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "num_kv_heads"):
+        ch.positive(k)
+    if m.num_layers and m.num_layers > MAX_LAYERS:
+        ch.fail("num_layers", f"{m.num_layers:,} layers is more than {MAX_LAYERS:,}; is it a typo?")
+    for k in ("max_position_embeddings", "intermediate_size", "sliding_window_width"):
+        ch.positive(k)
+    for k in (
+        "mlp_multiple_of",
+        "make_vocab_size_divisible_by",
+        "init_method_std",
+        "rotary_emb_base",
+    ):
+        ch.positive(k)
+    ch.positive("expansion_factor")
+    if m.activation == "gelu" and m.onnx_safe and m.bias_gelu_fusion:
+        ch.fail(
+            "bias_gelu_fusion",
+            "cannot be set together with onnx_safe for activation gelu (GPT-NeoX refuses the "
+            "pair too); choose one gelu",
+        )
+    ch.within("hidden_dropout", 0.0, 1.0, high_open=True)
+    ch.within("attention_dropout", 0.0, 1.0, high_open=True)
+    if m.hidden_size and m.num_attention_heads and m.hidden_size % m.num_attention_heads:
+        ch.fail(
+            "num_attention_heads",
+            f"hidden_size {m.hidden_size} is not divisible by num_attention_heads "
+            f"{m.num_attention_heads}; every head needs the same width",
+        )
+    if (
+        m.num_kv_heads
+        and m.num_attention_heads
+        and (m.num_kv_heads > m.num_attention_heads or m.num_attention_heads % m.num_kv_heads)
+    ):
+        ch.fail(
+            "num_kv_heads",
+            f"num_attention_heads {m.num_attention_heads} is not a multiple of num_kv_heads "
+            f"{m.num_kv_heads}; each key/value head must serve the same number of query heads",
+        )
+    if m.seq_length and m.max_position_embeddings and m.max_position_embeddings < m.seq_length:
+        ch.fail(
+            "max_position_embeddings",
+            f"{m.max_position_embeddings} is shorter than seq_length {m.seq_length}",
+        )
+    if m.pos_emb == "rpe":
+        ch.fail(
+            "pos_emb", "'rpe' (T5 relative position buckets) is not supported; use rotary or alibi"
+        )
+    if m.pos_emb == "rotary":
+        if not 0.0 < m.rotary_pct <= 1.0:
+            ch.fail("rotary_pct", f"must be in (0, 1], got {m.rotary_pct}")
+        if m.hidden_size and m.num_attention_heads and not m.hidden_size % m.num_attention_heads:
+            head_dim = m.hidden_size // m.num_attention_heads
+            rotary_dims = int(head_dim * m.rotary_pct)
+            if rotary_dims % 2 or rotary_dims == 0:
+                ch.fail(
+                    "rotary_pct",
+                    f"rotates {rotary_dims} of {head_dim} head dimensions (rotary_pct "
+                    f"{m.rotary_pct}); rotary needs an even, non-zero number",
+                )
+    if m.gpt_j_tied and not m.gpt_j_residual:
+        ch.fail("gpt_j_tied", "only means something with gpt_j_residual: true")
+    layer_attention_types(ch.c, ch.origin)
+
+
+def layer_attention_types(config: NeoXConfig, origin: dict[str, str] | None = None) -> list[str]:
+    """attention_config expanded to one type per layer (GPT-NeoX's [[types, count]] form)."""
+    m = config.model
+    source = (origin or {}).get("attention_config", "defaults")
+    if m.attention_config is None:
+        return ["global"] * (m.num_layers or 0)
+
+    def fail(message: str) -> None:
+        raise ConfigError(message, source=source, key="attention_config")
+
+    types_per_layer: list[str] = []
+    for item in m.attention_config:
+        if not (isinstance(item, list | tuple) and len(item) == 2 and isinstance(item[0], list)):
+            fail(f"each entry must be [[types...], count], got {item!r}")
+        kinds, count = item
+        for kind in kinds:
+            if not isinstance(kind, str):
+                fail(f"attention type {kind!r} is not a name")
+            if kind in ATTENTION_TYPES_REFUSED:
+                fail(
+                    f"'{kind}' attention ({ATTENTION_TYPES_REFUSED[kind]}) is not supported; "
+                    f"use 'global' or 'flash' (both run as SDPA attention)"
+                )
+            if kind not in ATTENTION_TYPES_OK:
+                fail(f"unknown attention type '{kind}'{did_you_mean(kind, ATTENTION_TYPES_OK)}")
+        if count == "all":
+            if not m.num_layers:
+                fail("'all' needs num_layers")
+            count = m.num_layers // len(kinds)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            fail(f"layer count must be a positive integer or 'all', got {count!r}")
+        if len(types_per_layer) + count > (m.num_layers or MAX_LAYERS):
+            fail(
+                f"describes more than {m.num_layers or MAX_LAYERS:,} layers "
+                + (f"but num_layers is {m.num_layers}" if m.num_layers else "(num_layers is unset)")
+            )
+        types_per_layer.extend(kinds * (count // len(kinds)) + kinds[: count % len(kinds)])
+    if m.num_layers and len(types_per_layer) != m.num_layers:
+        fail(f"describes {len(types_per_layer)} layers but num_layers is {m.num_layers}")
+    return types_per_layer
+
+
+def _check_rope_scaling(ch: Checker) -> None:
+    spec = ch.c.model.rope_scaling
+    if spec is None:
+        return
+    kind = spec.get("type", spec.get("rope_type"))
+    if kind not in ROPE_SCALING_FIELDS:
+        ch.fail(
+            "rope_scaling",
+            f"type {kind!r} is not built; torchneox scales rotary frequencies as "
+            + " or ".join(ROPE_SCALING_FIELDS),
+        )
+    fields = ROPE_SCALING_FIELDS[kind]
+    extra = sorted(set(spec) - {"type", "rope_type", *fields})
+    if extra:
+        ch.fail(
+            "rope_scaling", f"{extra[0]!r} is not a field of {kind} scaling ({', '.join(fields)})"
+        )
+    for name in fields:
+        value = spec.get(name)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            ch.fail("rope_scaling", f"{kind} scaling needs {name} > 0, got {value!r}")
+    if kind == "llama3" and spec["high_freq_factor"] <= spec["low_freq_factor"]:
+        ch.fail("rope_scaling", "llama3 scaling needs high_freq_factor > low_freq_factor")
+
+
+def _check_moe(ch: Checker) -> None:
+    e = ch.c.moe
+    ch.positive("moe_num_experts")
+    ch.positive("moe_expert_interval")
+    ch.positive("moe_top_k")
+    ch.positive("moe_jitter_eps", allow_zero=True)
+    if e.moe_num_experts > 1 and e.moe_top_k > e.moe_num_experts:
+        ch.fail("moe_top_k", f"{e.moe_top_k} is more than moe_num_experts {e.moe_num_experts}")
