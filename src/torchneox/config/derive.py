@@ -146,6 +146,28 @@ def _layout(loaded: LoadedConfig, out: Derived, given: int | None, env: Mapping[
         f"{pp}, as given" if loaded.given("pipe_parallel_size") else "0, the default",
     )
     out.put("pipeline_stages", stages, f"{stages} = max(pipe_parallel_size, 1)")
+    _pipeline(loaded, out)
+    out.put(
+        "model_parallel_size",
+        mp,
+        f"{mp} tensor-parallel ranks split every layer" if mp > 1 else "1: layers are not split",
+    )
+    out.put(
+        "data_parallel_size",
+        dp,
+        f"{dp} = world size {world} / (pipeline stages {stages} x model_parallel_size {mp})",
+    )
+    _zero(cfg, out, mp, dp)
+    backend = "nccl on GPU, gloo on CPU"
+    if loaded.given("distributed_backend"):
+        backend = f"{p.distributed_backend} on GPU (as given), gloo on CPU"
+    out.put("distributed_backend", backend, "chosen from the device the run finds")
+
+
+def _pipeline(loaded: LoadedConfig, out: Derived) -> None:
+    """Whether a pipeline schedule runs (pipe_parallel_size is the number of stages), and which."""
+    p = loaded.config.parallel
+    pp = p.pipe_parallel_size
     runs = pp >= 2
     if runs:
         why = (
@@ -169,16 +191,9 @@ def _layout(loaded: LoadedConfig, out: Derived, given: int | None, env: Mapping[
         if runs
         else "none: a single stage needs no schedule",
     )
-    out.put(
-        "model_parallel_size",
-        mp,
-        f"{mp} tensor-parallel ranks split every layer" if mp > 1 else "1: layers are not split",
-    )
-    out.put(
-        "data_parallel_size",
-        dp,
-        f"{dp} = world size {world} / (pipeline stages {stages} x model_parallel_size {mp})",
-    )
+
+
+def _zero(cfg: NeoXConfig, out: Derived, mp: int, dp: int) -> None:
     zero = (cfg.optimizer.zero_optimization or {}).get("stage", 0)
     zero_what = {
         0: "gradients all-reduced, every rank keeps full optimizer state (DDP)",
@@ -190,10 +205,6 @@ def _layout(loaded: LoadedConfig, out: Derived, given: int | None, env: Mapping[
     if zero == 0 and mp > 1 and dp > 1:
         why += "; with tensor parallelism it runs as stage 2 (DDP takes no DTensor parameters), with the same results"
     out.put("zero_stage", zero, why)
-    backend = "nccl on GPU, gloo on CPU"
-    if loaded.given("distributed_backend"):
-        backend = f"{p.distributed_backend} on GPU (as given), gloo on CPU"
-    out.put("distributed_backend", backend, "chosen from the device the run finds")
 
 
 # ------------------------------------------------------------------------------- batch
@@ -212,6 +223,26 @@ def _batch(loaded: LoadedConfig, out: Derived) -> None:
         for name in names:
             out.put(name, None, "unknown: give train_micro_batch_size_per_gpu or train_batch_size")
         return
+    tbs, mb, gas, how = _batch_triple(loaded, tbs, mb, gas, dp)
+    for name, value, reason in zip(names, (tbs, mb, gas), how, strict=True):
+        if reason == "given":
+            reason = f"{value}, as given"
+        out.put(name, value, reason)
+    _pipeline_micro_batches(loaded, out, gas)
+    seq = loaded.config.model.seq_length
+    if seq:
+        out.put(
+            "tokens_per_step",
+            tbs * seq,
+            f"{tbs * seq:,} = train_batch_size {tbs} x seq_length {seq}",
+        )
+
+
+def _batch_triple(
+    loaded: LoadedConfig, tbs: int | None, mb: int | None, gas: int | None, dp: int
+) -> tuple[int, int, int, tuple[str, str, str]]:
+    """train_batch_size = micro-batch x gradient_accumulation_steps x data-parallel size: the
+    one missing from the given ones, and how each was found ("given" or the arithmetic)."""
 
     def error(message: str) -> ConfigError:
         return ConfigError(
@@ -249,18 +280,7 @@ def _batch(loaded: LoadedConfig, out: Derived) -> None:
         gas = gas or 1
         tbs = mb * gas * dp
         how = (f"{tbs} = {mb} x {gas} x data-parallel {dp}", "given", gas_how)
-    for name, value, reason in zip(names, (tbs, mb, gas), how, strict=True):
-        if reason == "given":
-            reason = f"{value}, as given"
-        out.put(name, value, reason)
-    _pipeline_micro_batches(loaded, out, gas)
-    seq = loaded.config.model.seq_length
-    if seq:
-        out.put(
-            "tokens_per_step",
-            tbs * seq,
-            f"{tbs * seq:,} = train_batch_size {tbs} x seq_length {seq}",
-        )
+    return tbs, mb, gas, how
 
 
 def _pipeline_micro_batches(loaded: LoadedConfig, out: Derived, gas: int) -> None:

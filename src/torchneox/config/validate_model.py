@@ -83,6 +83,14 @@ def _check_model(ch: Checker) -> None:
             "max_position_embeddings",
             f"{m.max_position_embeddings} is shorter than seq_length {m.seq_length}",
         )
+    _check_positions(ch)
+    if m.gpt_j_tied and not m.gpt_j_residual:
+        ch.fail("gpt_j_tied", "only means something with gpt_j_residual: true")
+    layer_attention_types(ch.c, ch.origin)
+
+
+def _check_positions(ch: Checker) -> None:
+    m = ch.c.model
     if m.pos_emb == "rpe":
         ch.fail(
             "pos_emb", "'rpe' (T5 relative position buckets) is not supported; use rotary or alibi"
@@ -99,9 +107,6 @@ def _check_model(ch: Checker) -> None:
                     f"rotates {rotary_dims} of {head_dim} head dimensions (rotary_pct "
                     f"{m.rotary_pct}); rotary needs an even, non-zero number",
                 )
-    if m.gpt_j_tied and not m.gpt_j_residual:
-        ch.fail("gpt_j_tied", "only means something with gpt_j_residual: true")
-    layer_attention_types(ch.c, ch.origin)
 
 
 def layer_attention_types(config: NeoXConfig, origin: dict[str, str] | None = None) -> list[str]:

@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from torchneox.base.errors import DataError
 from torchneox.config.schema import NeoXConfig
@@ -178,6 +179,34 @@ class Progress:
         print(("\r" if self.tty else "") + line, end=end, file=sys.stderr, flush=True)
 
 
+def _write(
+    args: PreprocessArgs, results: Any, writers: list[IndexedDatasetWriter], progress: Any
+) -> None:
+    """Every encoded document into its key's writer; the files finished when each key has one."""
+    for encoded, size in results:
+        if isinstance(encoded, str):
+            raise DataError(encoded)
+        for writer, ids in zip(writers, encoded, strict=True):
+            if ids:
+                writer.add_document(ids)
+        progress.update(sum(len(ids) for ids in encoded), size)
+    if progress.docs == 0:
+        raise DataError(f"{', '.join(args.inputs)}: no documents found (empty input)")
+    empty = [w for w in writers if not w.sizes]
+    if empty:
+        raise DataError(
+            f"{', '.join(args.inputs)}: every document is empty"
+            + (
+                f" under key {args.jsonl_keys[writers.index(empty[0])]!r}"
+                if len(writers) > 1
+                else ""
+            )
+            + "; there is nothing to train on"
+        )
+    for writer in writers:
+        writer.finish()
+
+
 def preprocess(args: PreprocessArgs) -> list[Path]:
     """Tokenise ``args.inputs`` into one .bin/.idx pair per jsonl key; returns their prefixes."""
     if not args.inputs:
@@ -205,28 +234,7 @@ def preprocess(args: PreprocessArgs) -> list[Path]:
             else map(encoder.encode, read_lines(args.inputs))
         )
         try:
-            for encoded, size in results:
-                if isinstance(encoded, str):
-                    raise DataError(encoded)
-                for writer, ids in zip(writers, encoded, strict=True):
-                    if ids:
-                        writer.add_document(ids)
-                progress.update(sum(len(ids) for ids in encoded), size)
-            if progress.docs == 0:
-                raise DataError(f"{', '.join(args.inputs)}: no documents found (empty input)")
-            empty = [w for w, key in zip(writers, args.jsonl_keys, strict=True) if not w.sizes]
-            if empty:
-                raise DataError(
-                    f"{', '.join(args.inputs)}: every document is empty"
-                    + (
-                        f" under key {args.jsonl_keys[writers.index(empty[0])]!r}"
-                        if len(writers) > 1
-                        else ""
-                    )
-                    + "; there is nothing to train on"
-                )
-            for writer in writers:
-                writer.finish()
+            _write(args, results, writers, progress)
         except OSError as e:
             what = "the disk is full" if e.errno == errno.ENOSPC else e.strerror or str(e)
             raise DataError(

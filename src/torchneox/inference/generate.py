@@ -88,14 +88,7 @@ def generate(
     # as GPT-NeoX: never past the model's last position, whatever maximum_tokens asks
     steps = min(s.maximum_tokens, limit - longest)
     b = len(prompts)
-    pads = torch.tensor([longest - len(p) for p in prompts], device=device)
-    tokens = torch.full((b, longest + steps), pad_id, dtype=torch.long, device=device)
-    for i, p in enumerate(prompts):
-        tokens[i, longest - len(p) : longest] = torch.tensor(p, device=device)
-    index = torch.arange(tokens.shape[1], device=device)
-    positions = (index[None, :] - pads[:, None]).clamp(min=0)
-    valid = index[None, :] >= pads[:, None]
-    padded = bool(pads.any())
+    tokens, positions, valid, padded = _left_padded(prompts, longest + steps, pad_id, device)
     cache = (
         KVCache(model.args, b, tokens.shape[1], model.embed.weight.dtype, device)
         if s.use_cache
@@ -126,6 +119,22 @@ def generate(
         cut = next((i for i, t in enumerate(row) if t in s.stop_ids), len(row))
         out.append(row[:cut])
     return out
+
+
+def _left_padded(
+    prompts: list[list[int]], width: int, pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """The prompts left-padded into a [B, width] buffer, each token's position (counted from
+    its prompt's first real token), which keys are real, and whether any prompt is padded."""
+    longest = max(len(p) for p in prompts)
+    pads = torch.tensor([longest - len(p) for p in prompts], device=device)
+    tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        tokens[i, longest - len(p) : longest] = torch.tensor(p, device=device)
+    index = torch.arange(width, device=device)
+    positions = (index[None, :] - pads[:, None]).clamp(min=0)
+    valid = index[None, :] >= pads[:, None]
+    return tokens, positions, valid, bool(pads.any())
 
 
 # ------------------------------------------------------------------- the generate command

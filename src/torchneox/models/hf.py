@@ -164,51 +164,62 @@ def neox_config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         cfg["rope_scaling"] = scaling
     act = hf.get("hidden_act", "gelu")
     if arch == "GPTNeoXForCausalLM":
-        if act not in HF_ACTIVATIONS:
-            raise HFError(f"hidden_act {act!r} is not supported", key="hidden_act")
-        cfg.update(HF_ACTIVATIONS[act])
-        cfg.update(
-            norm="layernorm",
-            layernorm_epsilon=hf.get("layer_norm_eps", 1e-5),
-            intermediate_size=hf["intermediate_size"],
-            mlp_multiple_of=1,
-            gpt_j_residual=hf.get("use_parallel_residual", True),
-            use_bias_in_attn_linear=hf.get("attention_bias", True),
-            hidden_dropout=float(hf.get("hidden_dropout", 0.0)),
-        )
-        if hf["intermediate_size"] % 2:
-            raise HFError(
-                "an odd intermediate_size cannot be expressed in GPT-NeoX terms",
-                key="intermediate_size",
-            )
+        cfg.update(_gpt_neox_keys(hf, act))
     else:
-        if act != "silu":
-            raise HFError(f"hidden_act {act!r} is not supported for {arch}", key="hidden_act")
-        width = hf["intermediate_size"]
-        cfg.update(
-            norm="rmsnorm",
-            rms_norm_epsilon=hf.get("rms_norm_eps", 1e-6),
-            activation="swiglu",
-            # GPT-NeoX's gated sizing: 2/3 of intermediate_size, halved, rounded to mlp_multiple_of
-            intermediate_size=3 * width,
-            mlp_multiple_of=width,
-            gpt_j_residual=False,
-            use_bias_in_norms=False,
-            use_bias_in_attn_linear=hf.get("attention_bias", False),
-            use_bias_in_mlp=hf.get("mlp_bias", False),
-            num_kv_heads=hf.get("num_key_value_heads", heads),
-        )
-        if arch == "Qwen2ForCausalLM":  # biases on q, k and v, none on the output
-            if hf.get("use_sliding_window"):
-                raise HFError(
-                    "Qwen2's per-layer sliding window (use_sliding_window) is not supported",
-                    key="use_sliding_window",
-                )
-            cfg.update(use_bias_in_attn_linear=True, attention_output_bias=False)
-        window = hf.get("sliding_window") if arch == "MistralForCausalLM" else None
-        if window:
-            cfg["sliding_window_width"] = window
+        cfg.update(_llama_family_keys(hf, arch, act))
     return cfg
+
+
+def _gpt_neox_keys(hf: dict[str, Any], act: str) -> dict[str, Any]:
+    """GPTNeoXForCausalLM: layernorm, a plain MLP, parallel residual, biases."""
+    if act not in HF_ACTIVATIONS:
+        raise HFError(f"hidden_act {act!r} is not supported", key="hidden_act")
+    if hf["intermediate_size"] % 2:
+        raise HFError(
+            "an odd intermediate_size cannot be expressed in GPT-NeoX terms",
+            key="intermediate_size",
+        )
+    return HF_ACTIVATIONS[act] | {
+        "norm": "layernorm",
+        "layernorm_epsilon": hf.get("layer_norm_eps", 1e-5),
+        "intermediate_size": hf["intermediate_size"],
+        "mlp_multiple_of": 1,
+        "gpt_j_residual": hf.get("use_parallel_residual", True),
+        "use_bias_in_attn_linear": hf.get("attention_bias", True),
+        "hidden_dropout": float(hf.get("hidden_dropout", 0.0)),
+    }
+
+
+def _llama_family_keys(hf: dict[str, Any], arch: str, act: str) -> dict[str, Any]:
+    """Llama, Mistral and Qwen2: rmsnorm, SwiGLU, sequential residual, GQA; Qwen2's q/k/v
+    biases, Mistral's sliding window."""
+    if act != "silu":
+        raise HFError(f"hidden_act {act!r} is not supported for {arch}", key="hidden_act")
+    width = hf["intermediate_size"]
+    keys = {
+        "norm": "rmsnorm",
+        "rms_norm_epsilon": hf.get("rms_norm_eps", 1e-6),
+        "activation": "swiglu",
+        # GPT-NeoX's gated sizing: 2/3 of intermediate_size, halved, rounded to mlp_multiple_of
+        "intermediate_size": 3 * width,
+        "mlp_multiple_of": width,
+        "gpt_j_residual": False,
+        "use_bias_in_norms": False,
+        "use_bias_in_attn_linear": hf.get("attention_bias", False),
+        "use_bias_in_mlp": hf.get("mlp_bias", False),
+        "num_kv_heads": hf.get("num_key_value_heads", hf["num_attention_heads"]),
+    }
+    if arch == "Qwen2ForCausalLM":  # biases on q, k and v, none on the output
+        if hf.get("use_sliding_window"):
+            raise HFError(
+                "Qwen2's per-layer sliding window (use_sliding_window) is not supported",
+                key="use_sliding_window",
+            )
+        keys.update(use_bias_in_attn_linear=True, attention_output_bias=False)
+    window = hf.get("sliding_window") if arch == "MistralForCausalLM" else None
+    if window:
+        keys["sliding_window_width"] = window
+    return keys
 
 
 def architecture_of(hf: dict[str, Any]) -> str:
