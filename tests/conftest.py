@@ -143,3 +143,26 @@ def make_module_config(tmp_path_factory, tiny_data):
     """make_config for module-scoped fixtures: one-process baselines that several parallel
     layouts are compared with are trained once per module."""
     return config_maker(tmp_path_factory.mktemp("configs"), tiny_data)
+
+
+@pytest.fixture(scope="module")
+def moe_config(make_module_config):
+    # the seed report's MoE config (8 experts, tensor parallel 2), scaled down to CPU size
+    return make_module_config(
+        "moe.yml",
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        seq_length=32,
+        no_weight_tying=True,
+        moe_num_experts=8,
+        moe_top_k=2,
+        moe_router_type="topk",
+        train_batch_size=8,
+        train_micro_batch_size_per_gpu=4,
+        gradient_accumulation_steps=2,
+        train_iters=6,
+        eval_iters=1,
+        hidden_dropout=0.0,
+        num_workers=0,
+    )

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
 from tests.conftest import shared_dir
+from tests.helpers import seed_config
 from torchneox.base.errors import ConfigError
 from torchneox.config.derive import derive
 from torchneox.config.fields import Status
@@ -150,16 +150,6 @@ def test_every_choice_of_a_neox_key_is_known(name):
             load_mapping({name: choice}, "x.yml")
         except ConfigError as e:
             assert "is not one of" not in str(e), (name, choice, str(e))
-
-
-def seed_config(tmp_path: Path) -> Path:
-    """The config quoted in the seed report, cut out of the report as it is."""
-    report = next((SHARED / "seed").glob("*.txt")).read_text()
-    start = report.index("# GPT-2 pretraining setup")
-    end = report.index("[StellaAthena]")
-    path = tmp_path / "seed.yml"
-    path.write_text(report[start:end])
-    return path
 
 
 @needs_shared

@@ -77,3 +77,49 @@ def test_the_rule_catches_an_upward_import(tmp_path: Path):
     bad = tmp_path / "x.py"
     bad.write_text("def f():\n    from torchneox.parallel.expert_parallel import dispatch\n")
     assert imported_packages(bad) == [(2, "parallel")]
+
+
+MAX_FILE_LINES = 600
+MAX_FUNCTION_LINES = 60
+
+
+def long_functions(path: Path) -> list[str]:
+    """Functions longer than MAX_FUNCTION_LINES, except the argparse tables (functions that
+    only add parsers and arguments)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        length = node.end_lineno - node.lineno + 1
+        if length > MAX_FUNCTION_LINES and not _argparse_table(node):
+            found.append(f"{node.name} ({length} lines)")
+    return found
+
+
+def _argparse_table(node: ast.FunctionDef) -> bool:
+    calls = [n for n in ast.walk(node) if isinstance(n, ast.Call)]
+    names = {c.func.attr for c in calls if isinstance(c.func, ast.Attribute)}
+    return bool(names) and names <= {
+        "add_parser",
+        "add_argument",
+        "add_subparsers",
+        "add_mutually_exclusive_group",
+        "add_argument_group",
+    }
+
+
+@pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(SRC)))
+def test_modules_and_functions_read_in_one_sitting(path: Path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_FILE_LINES, f"{lines} lines"
+    assert long_functions(path) == []
+
+
+def test_the_length_rule_catches_a_long_function(tmp_path: Path):
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "long.py").write_text(f"def f():\n{body}")
+    (tmp_path / "table.py").write_text(
+        "def verbs(p):\n" + "".join(f"    p.add_argument('--a{i}')\n" for i in range(70))
+    )
+    assert long_functions(tmp_path / "long.py") == [f"f ({MAX_FUNCTION_LINES + 1} lines)"]
+    assert long_functions(tmp_path / "table.py") == []

@@ -6,53 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import BASE, VARIANTS, build
 from torchneox.config.derive import derive
 from torchneox.config.load import load_mapping
 from torchneox.config.sizes import count
-from torchneox.inference.generate import Sampling, filter_logits, generate
 from torchneox.models.args import model_args
 from torchneox.models.transformer import build_model
-
-BASE = {
-    "num_layers": 2,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "seq_length": 64,
-    "max_position_embeddings": 64,
-    "tokenizer_type": "CharLevelTokenizer",
-    "make_vocab_size_divisible_by": 64,
-}
-
-VARIANTS = {
-    "neox-rotary": {"pos_emb": "rotary", "rotary_pct": 0.25, "gpt_j_residual": True},
-    "gpt-j-tied": {"pos_emb": "rotary", "gpt_j_residual": True, "gpt_j_tied": True},
-    "learned": {"pos_emb": "learned", "opt_pos_emb_offset": 2},
-    "sinusoidal": {"pos_emb": "sinusoidal"},
-    "alibi": {"pos_emb": "alibi"},
-    "none": {"pos_emb": "none"},
-    "rmsnorm-swiglu-gqa": {
-        "pos_emb": "rotary",
-        "norm": "rmsnorm",
-        "activation": "swiglu",
-        "num_kv_heads": 2,
-        "use_bias_in_norms": False,
-        "use_bias_in_attn_linear": False,
-        "use_bias_in_mlp": False,
-    },
-    "mqa-geglu": {"pos_emb": "rotary", "activation": "geglu", "num_kv_heads": 1},
-    "scalenorm-reglu": {"norm": "scalenorm", "activation": "reglu", "pos_emb": "rotary"},
-    "nonparam-bilinear": {"norm": "non_parametric_layernorm", "activation": "bilinear"},
-    "glu-mish": {"activation": "glu", "intermediate_size": 96, "mlp_multiple_of": 8},
-    "relu-untied": {"activation": "relu", "no_weight_tying": True},
-    "window": {"pos_emb": "rotary", "sliding_window_width": 8},
-    "inits": {"init_method": "xavier_normal", "output_layer_init_method": "scaled_orthogonal"},
-    "dropout": {"hidden_dropout": 0.1, "attention_dropout": 0.1, "pos_emb": "rotary"},
-}
-
-
-def build(variant: str, seed: int = 0):
-    loaded = load_mapping(BASE | VARIANTS[variant], variant)
-    return loaded, build_model(model_args(loaded), seed=seed)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -110,51 +69,6 @@ def test_init_is_seeded_and_methods_differ():
     assert model.layers["1"].attention.wo.weight.std().item() == pytest.approx(
         2 / 2 / 64**0.5, rel=0.1
     )
-
-
-@pytest.mark.parametrize(
-    "variant", ["neox-rotary", "alibi", "learned", "window", "rmsnorm-swiglu-gqa"]
-)
-def test_generation_with_cache_equals_without(variant):
-    _, model = build(variant)
-    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
-    with_cache = generate(model, prompts, Sampling(maximum_tokens=12))
-    without = generate(model, prompts, Sampling(maximum_tokens=12, use_cache=False))
-    assert with_cache == without
-    assert all(len(c) == 12 for c in with_cache)
-
-
-def test_batched_prompts_equal_one_at_a_time():
-    _, model = build("neox-rotary")
-    prompts = [[5, 6, 7, 8, 9, 1, 2], [10, 11], [12, 13, 14]]
-    batched = generate(model, prompts, Sampling(maximum_tokens=10))
-    alone = [generate(model, [p], Sampling(maximum_tokens=10))[0] for p in prompts]
-    assert batched == alone
-
-
-def test_stop_token_ends_a_row():
-    _, model = build("neox-rotary")
-    first = generate(model, [[5, 6, 7]], Sampling(maximum_tokens=10))[0]
-    stop = first[3]
-    cut = generate(model, [[5, 6, 7]], Sampling(maximum_tokens=10, stop_ids={stop}))[0]
-    assert cut == first[: first.index(stop)]
-
-
-def test_sampling_is_seeded():
-    _, model = build("neox-rotary")
-    s = Sampling(temperature=1.0, top_k=20, top_p=0.9, maximum_tokens=15, seed=4)
-    assert generate(model, [[1, 2, 3]], s) == generate(model, [[1, 2, 3]], s)
-    other = Sampling(temperature=1.0, maximum_tokens=15, seed=5)
-    assert generate(model, [[1, 2, 3]], s) != generate(model, [[1, 2, 3]], other)
-
-
-def test_top_k_and_top_p_filters():
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    assert torch.isinf(filter_logits(logits, 2, 0.0)).tolist() == [[False, False, True, True]]
-    # 0.5 + 0.3 reaches 0.8: the rest is dropped
-    assert torch.isinf(filter_logits(logits, 0, 0.8)).tolist() == [[False, False, True, True]]
-    assert torch.isinf(filter_logits(logits, 0, 0.81)).tolist() == [[False, False, False, True]]
-    assert torch.isinf(filter_logits(logits, 0, 0.1)).tolist() == [[False, True, True, True]]
 
 
 def test_gpt_neox_gelus():

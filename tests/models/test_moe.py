@@ -5,13 +5,12 @@ scaled down)."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
 
-from tests.parallel.test_data_parallel import assert_same_training, losses, reference, train
+from tests.conftest import shared_dir
+from tests.helpers import metric_rows, train
 from torchneox.cli import main
 from torchneox.config.derive import derive
 from torchneox.config.load import load_mapping
@@ -158,32 +157,9 @@ def test_jitter_is_only_for_the_topk_router():
     assert torch.equal(moe.route(x)[0], moe.route(x)[0])  # GPT-NeoX's Sinkhorn has no jitter
 
 
-@pytest.fixture(scope="module")
-def moe_config(make_module_config):
-    # the seed report's MoE config (8 experts, tensor parallel 2), scaled down to CPU size
-    return make_module_config(
-        "moe.yml",
-        num_layers=4,
-        hidden_size=64,
-        num_attention_heads=4,
-        seq_length=32,
-        no_weight_tying=True,
-        moe_num_experts=8,
-        moe_top_k=2,
-        moe_router_type="topk",
-        train_batch_size=8,
-        train_micro_batch_size_per_gpu=4,
-        gradient_accumulation_steps=2,
-        train_iters=6,
-        eval_iters=1,
-        hidden_dropout=0.0,
-        num_workers=0,
-    )
-
-
 def test_moe_model_trains_and_reports_routing(moe_config, tmp_path):
     assert main(["train", moe_config, "--set", f"save={tmp_path / 'm'}", "--set", "load=null"]) == 0
-    rows = [json.loads(x) for x in (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(tmp_path / "m")
     steps = [r for r in rows if "lm_loss" in r]
     assert steps[-1]["lm_loss"] < steps[0]["lm_loss"]
     for r in steps:
@@ -193,20 +169,13 @@ def test_moe_model_trains_and_reports_routing(moe_config, tmp_path):
         assert all(sum(c) == 8 * 32 * 2 for c in counts)  # every token, twice (top-2)
 
 
-def test_moe_under_tensor_parallelism_equals_one_process(moe_config, tmp_path):
-    train(moe_config, f"save={tmp_path / 'one'}", "load=null")
-    baseline = reference(tmp_path / "one")
-    train(moe_config, f"save={tmp_path / 'tp'}", "load=null", "model_parallel_size=2", nproc=2)
-    assert_same_training(tmp_path / "tp", baseline)
-
-
 def test_moe_resumes_exactly(moe_config, tmp_path):
     train(moe_config, f"save={tmp_path / 'whole'}", "load=null")
     run = tmp_path / "split"
     train(moe_config, f"save={run}", f"load={run}", "exit_interval=3")
     train(moe_config, f"save={run}", f"load={run}")
-    whole = [json.loads(x) for x in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
-    split = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    whole = metric_rows(tmp_path / "whole")
+    split = metric_rows(run)
     a = {r["iteration"]: r["lm_loss"] for r in whole if "lm_loss" in r}
     b = {r["iteration"]: r["lm_loss"] for r in split if "lm_loss" in r}
     assert a == b  # bitwise
@@ -217,53 +186,6 @@ def test_moe_export_to_hugging_face_is_refused(moe_config, tmp_path, capsys):
                  "--set", "train_iters=1"]) == 0  # fmt: skip
     assert main(["convert", "to-hf", str(tmp_path / "m"), str(tmp_path / "hf")]) == 2
     assert "mixture-of-experts layers" in capsys.readouterr().err
-
-
-# Expert parallelism (the load-balancing loss, computed over the whole batch, included).
-EP_LAYOUTS = {
-    "dp2-ep2": (2, ["expert_parallel_size=2", "train_micro_batch_size_per_gpu=2"]),
-    "dp2-ep2-zero3": (
-        2,
-        ["expert_parallel_size=2", "train_micro_batch_size_per_gpu=2", "zero_optimization.stage=3"],
-    ),
-    "dp4-ep4": (4, ["expert_parallel_size=4", "train_micro_batch_size_per_gpu=1"]),
-    "dp4-ep2": (4, ["expert_parallel_size=2", "train_micro_batch_size_per_gpu=1"]),
-    "dp2-ep2-tp2": (
-        4,
-        ["expert_parallel_size=2", "model_parallel_size=2", "train_micro_batch_size_per_gpu=2"],
-    ),
-}
-
-
-@pytest.fixture(scope="module")
-def moe_one_process(moe_config, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("moe-one") / "one"
-    train(moe_config, f"save={folder}", "load=null", "moe_aux_loss_coeff=0.1")
-    return folder
-
-
-@pytest.mark.parametrize("layout", list(EP_LAYOUTS))
-def test_expert_parallel_layouts_equal_one_process(moe_config, moe_one_process, tmp_path, layout):
-    nproc, overrides = EP_LAYOUTS[layout]
-    baseline = reference(moe_one_process)
-    out = tmp_path / layout
-    train(moe_config, f"save={out}", "load=null", "moe_aux_loss_coeff=0.1", *overrides, nproc=nproc)
-    one_aux = losses(moe_one_process, "moe_aux_loss")
-    assert losses(out, "moe_aux_loss") == pytest.approx(one_aux, rel=1e-5)
-    assert_same_training(out, baseline)
-
-
-def test_expert_parallel_checkpoint_resumes_in_one_process(moe_config, tmp_path):
-    from tests.parallel.test_data_parallel import assert_resumes_like_whole
-
-    assert_resumes_like_whole(
-        moe_config,
-        tmp_path,
-        [],
-        ["expert_parallel_size=2", "train_micro_batch_size_per_gpu=2"],
-        2,
-        [],
-    )
 
 
 def test_jitter_perturbs_routing_only_while_training():
@@ -279,9 +201,9 @@ def test_jitter_perturbs_routing_only_while_training():
 def test_the_seed_report_config_trains_scaled_down(tmp_path, tiny_data):
     """The MoE config quoted in the seed report (8 experts, model_parallel_size 2,
     pipe_parallel_size 1), as it is, with only the sizes and the data changed."""
-    from tests.config.test_neox_configs import SHARED, seed_config
+    from tests.helpers import seed_config
 
-    if SHARED is None:
+    if shared_dir() is None:
         pytest.skip("needs ../shared (the seed report)")
     sizes = [
         "num_layers=2",
@@ -295,34 +217,7 @@ def test_the_seed_report_config_trains_scaled_down(tmp_path, tiny_data):
         "eval_iters=1",
     ]
     train(str(seed_config(tmp_path)), *sizes, nproc=2)
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(tmp_path / "run")
     steps = [r for r in rows if "lm_loss" in r]
     assert [r["iteration"] for r in steps] == [1, 2, 3, 4, 5]  # train_iters 5, as the config says
     assert all(len(r["moe_tokens_per_expert"][0]) == 8 for r in steps)
-
-
-@pytest.mark.parametrize(
-    "nproc, overrides, key, says",
-    [
-        (
-            2,
-            ["expert_parallel_size=3", "train_micro_batch_size_per_gpu=2"],
-            "expert_parallel_size",
-            "must divide the data-parallel",
-        ),
-        (
-            2,
-            ["pipe_parallel_size=2", "train_micro_batch_size_per_gpu=4"],
-            "moe_num_experts",
-            "with pipeline parallelism",
-        ),
-    ],
-)
-def test_a_bad_expert_layout_is_refused_before_any_process_starts(
-    moe_config, tmp_path, capsys, nproc, overrides, key, says
-):
-    sets = [x for o in [f"save={tmp_path}", *overrides] for x in ("--set", o)]
-    assert main(["train", moe_config, "--nproc", str(nproc), *sets]) == 2
-    err = capsys.readouterr().err.strip()
-    assert f"{key}:" in err and says in err
-    assert len(err.splitlines()) == 1  # one line, from the launcher, not one per worker

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.parallel.test_data_parallel import (
+from tests.helpers import (
     assert_resumes_like_whole,
     assert_same_training,
     reference,

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.parallel.test_data_parallel import losses, train
+from tests.helpers import losses, train
 from torchneox.train import checkpoint
 
 

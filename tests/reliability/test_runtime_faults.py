@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.train.test_trainer import _poison
+from tests.helpers import metric_rows
+from tests.helpers import poison as _poison
 from torchneox.base.errors import TrainingStopped
 from torchneox.cli import main
 from torchneox.config.load import load_config
@@ -54,7 +55,7 @@ def test_skipped_steps_reach_the_metrics(make_config, tmp_path):
     trainer = Trainer(load_config([cfg]), device="cpu")
     _poison(trainer, 2, float("nan"))
     trainer.run()
-    rows = [json.loads(x) for x in (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(tmp_path / "m")
     skipped = {r["iteration"]: r["skipped_steps"] for r in rows if "skipped_steps" in r}
     assert skipped == {1: 0, 2: 1, 3: 1}
 
@@ -155,7 +156,7 @@ def test_an_evaluation_split_without_documents_is_skipped_as_gpt_neox_skips_it(
         f"{name} is not evaluated (as in GPT-NeoX)"
         for name in ("valid", "test")
     ]
-    rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(tmp_path / "r")
     assert rows[-1]["iteration"] == 6 and "lm_loss" in rows[-1]
     assert not any("valid_lm_loss" in r or "test_lm_loss" in r for r in rows)
 

@@ -4,11 +4,11 @@ non-finite values, checkpoints and metrics."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers import losses, metric_rows, poison
 from torchneox.base.errors import TrainingStopped
 from torchneox.cli import main
 from torchneox.config.load import load_config
@@ -21,11 +21,6 @@ def run(config: str, *overrides: str) -> Trainer:
     trainer = Trainer(load_config([config], list(overrides)), device="cpu")
     trainer.run()
     return trainer
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["iteration"]: r["lm_loss"] for r in rows if "lm_loss" in r}
 
 
 def test_same_seed_gives_bitwise_identical_losses(make_config, tmp_path):
@@ -203,16 +198,6 @@ def test_mixed_precision_trains_with_fp32_master_weights(make_config, tmp_path, 
         assert rows[0]["loss_scale"] == 65536.0
 
 
-def _poison(trainer: Trainer, at_step: int, value: float) -> None:
-    forward = trainer.model.forward
-
-    def poisoned(*args, **kwargs):
-        out = forward(*args, **kwargs)
-        return out * value if trainer.iteration + 1 == at_step and trainer.model.training else out
-
-    trainer.model.forward = poisoned
-
-
 def test_fp16_overflow_step_is_skipped_and_counted(make_config, tmp_path):
     cfg = make_config(
         precision="fp16",
@@ -221,7 +206,7 @@ def test_fp16_overflow_step_is_skipped_and_counted(make_config, tmp_path):
         save=str(tmp_path / "f"),
     )
     trainer = Trainer(load_config([cfg]), device="cpu")
-    _poison(trainer, 2, float("inf"))
+    poison(trainer, 2, float("inf"))
     trainer.train_step()
     before = [p.detach().clone() for p in trainer.model.parameters()]
     scale = trainer.scaler.scale
@@ -238,7 +223,7 @@ def test_fp16_overflow_step_is_skipped_and_counted(make_config, tmp_path):
 def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_checkpoint(make_config, tmp_path):
     cfg = make_config(train_iters=5, checkpoint_factor=2, save=str(tmp_path / "n"))
     trainer = Trainer(load_config([cfg]), device="cpu")
-    _poison(trainer, 3, float("nan"))
+    poison(trainer, 3, float("nan"))
     with pytest.raises(
         TrainingStopped, match=r"step 3: the loss is nan .*; stopping .*global_step2"
     ):
@@ -300,7 +285,7 @@ def test_metrics_file_and_checkpoint_rotation(make_config, tmp_path):
             save=str(tmp_path / "m"),
         )
     )
-    rows = [json.loads(x) for x in (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(tmp_path / "m")
     steps = [r for r in rows if "lm_loss" in r]
     assert [r["iteration"] for r in steps] == [1, 2, 3, 4, 5, 6]
     for key in ("iteration", "lm_loss", "lr", "grad_norm", "tokens_per_sec", "tflops", "mfu"):
@@ -323,7 +308,7 @@ def test_metrics_file_and_checkpoint_rotation(make_config, tmp_path):
 
 def test_lr_in_metrics_follows_the_schedule(make_config, tmp_path):
     trainer = run(make_config(train_iters=6, save=str(tmp_path / "l")))
-    rows = [json.loads(x) for x in (tmp_path / "l" / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(tmp_path / "l")
     rows = [r for r in rows if "lr" in r]
     assert [r["lr"] for r in rows] == [trainer.schedule.lr_for_update(k) for k in range(1, 7)]
     assert rows[0]["lr"] == pytest.approx(0.003 / 1.2)  # warmup 0.2 x 6 steps: max(1, 0) / 1.2
@@ -486,7 +471,7 @@ def test_use_checkpoint_lr_scheduler_keeps_the_saved_schedule(make_config, tmp_p
 def test_z_loss_is_logged_and_changes_training(make_config, tmp_path):
     run(make_config(save=str(tmp_path / "plain"), load=None))
     run(make_config(lm_z_loss=0.01, save=str(tmp_path / "z"), load=None))
-    rows = [json.loads(x) for x in (tmp_path / "z" / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(tmp_path / "z")
     z = [r["z_loss"] for r in rows if "z_loss" in r]
     assert len(z) == 6 and all(v > 0 for v in z)
     plain, with_z = losses(tmp_path / "plain"), losses(tmp_path / "z")
@@ -534,6 +519,6 @@ def test_mfu_is_against_a_peak_measured_once_and_never_above_100(
     data = json.loads((tmp_path / "peak.json").read_text())
     (tmp_path / "peak.json").write_text(json.dumps(dict.fromkeys(data, 1e-6)))
     run(make_config(train_iters=2, save=str(tmp_path / "r"), load=None))
-    rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(tmp_path / "r")
     assert all(r["mfu"] <= 1.0 for r in rows if "mfu" in r)
     assert max(json.loads((tmp_path / "peak.json").read_text()).values()) > 1e-6

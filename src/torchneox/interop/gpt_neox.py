@@ -1,19 +1,7 @@
-"""``torchneox convert from-gpt-neox``: GPT-NeoX (DeepSpeed) checkpoints -> torchneox checkpoints.
-
-GPT-NeoX writes, per ``global_stepN/``:
-
-- pipe_parallel_size >= 1: ``layer_LL-model_MM-model_states.pt`` per pipeline layer LL and tensor
-  rank MM (layer 0 the embedding, 2 .. L+1 the blocks, L+3 the final norm, L+4 the output head),
-  and ``mp_rank_MM_model_states.pt`` with the optimizer, scheduler, iteration and RNG state;
-- pipe_parallel_size 0: ``mp_rank_MM_model_states.pt`` whose ``module`` holds everything as
-  ``sequential.{index}.{name}``;
-- ``configs/``: the YAML files the run was started with.
-
-Tensor-parallel shards are merged along the dimension GPT-NeoX split them on. With
-``gpt_j_residual`` and tensor parallelism GPT-NeoX adds the attention-output and MLP-output
-biases once per tensor rank (its issue #962), so the merged model gets those biases multiplied
-by the number of ranks: it then computes what GPT-NeoX computed.
-"""
+"""``torchneox convert from-gpt-neox``: a GPT-NeoX (DeepSpeed) checkpoint -> a torchneox
+checkpoint: the weights (gpt_neox_files.py reads and merges them), with ``--with-optimizer``
+the optimizer state (gpt_neox_optim.py), the iteration, the data position and the RNG, so
+that the run continues where GPT-NeoX stopped; the config from the checkpoint's configs/."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import shared_dir
+from tests.helpers import metric_rows
 from torchneox.cli import main
 from torchneox.train.checkpoint import load_model
 
@@ -112,7 +113,7 @@ def test_continuing_the_gpt_neox_run_gives_its_losses(tmp_path):
         ["train", str(G / "configs/tiny_pp1.yml"), *[a for s in settings for a in ("--set", s)]]
     )
     assert status == 0
-    rows = [json.loads(x) for x in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(tmp_path / "log")
     ours = {r["iteration"]: r["lm_loss"] for r in rows if "lm_loss" in r}
     golden = json.loads((G / "losses.json").read_text())["pp1"]
     theirs = {r["iteration"]: r["lm_loss"] for r in golden["train"]}

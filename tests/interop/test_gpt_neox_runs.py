@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import shared_dir
+from tests.helpers import metric_rows
 from torchneox.cli import main
 from torchneox.train.checkpoint import load_model
 
@@ -43,7 +44,7 @@ def convert_step(run: str, cfg: Path, tmp_path: Path, step: int, ckpt: str = "ck
 
 def logged(tmp_path: Path) -> tuple[dict, list]:
     """{iteration: lm_loss} and the evaluation losses of the run logged in tmp_path/log."""
-    rows = [json.loads(x) for x in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(tmp_path / "log")
     losses = {r["iteration"]: r["lm_loss"] for r in rows if "lm_loss" in r}
     evals = [r[k] for r in rows for k in ("valid_lm_loss", "test_lm_loss") if k in r]
     return losses, evals

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.parallel.test_data_parallel import losses, train
+from tests.helpers import losses, train
 
 
 def free_port() -> int:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 pytest.importorskip("lm_eval")
 
 from tests.conftest import shared_dir
+from tests.helpers import metric_rows
 from torchneox.cli import main
 from torchneox.data.tokenizers import build_tokenizer
 from torchneox.train.checkpoint import load_model
@@ -246,7 +247,7 @@ def test_eval_tasks_run_during_training(tmp_path, tiny_data, capsys, monkeypatch
         eval_tasks_include_path=str(tmp_path),
     )
     assert main(["train", cfg]) == 0
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(tmp_path / "run")
     tasks = {r["iteration"]: r["eval_tasks"] for r in rows if "eval_tasks" in r}
     assert sorted(tasks) == [10, 20]
     out = capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""Run by tests/parallel/test_estimate_memory.py under torchrun: one training step, then the
+"""Run by tests/estimate/test_memory.py under torchrun: one training step, then the
 bytes this rank holds in parameters, gradients (as the optimizer sees them) and optimizer
 state, written to OUT/rank{R}.json."""
 

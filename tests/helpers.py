@@ -1,0 +1,164 @@
+"""What several test modules share: running training as a user does, reading a run's metrics
+and weights, and the parity assertions every parallel layout is held to."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import shared_dir
+from torchneox.config.load import load_mapping
+from torchneox.models.args import model_args
+from torchneox.models.transformer import build_model
+from torchneox.train import checkpoint
+
+# the global batch the parity tests train: 8 sequences in 2 accumulation steps
+DP_KEYS = {
+    "train_batch_size": 8,
+    "gradient_accumulation_steps": 2,
+    "eval_iters": 1,
+    "hidden_dropout": 0.0,
+    "num_workers": 0,
+}
+
+
+def metric_rows(folder: Path) -> list[dict]:
+    """Every row of a run's metrics.jsonl."""
+    return [json.loads(x) for x in (Path(folder) / "metrics.jsonl").read_text().splitlines()]
+
+
+def train(config: str, *overrides: str, nproc: int = 1) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "torchneox", "train", config]
+    if nproc > 1:
+        args += ["--nproc", str(nproc)]
+    for o in overrides:
+        args += ["--set", o]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    run = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    return run
+
+
+def losses(folder, key: str = "lm_loss") -> dict[int, float]:
+    """``key`` (the loss by default) of every logged step of the run in ``folder``."""
+    return {r["iteration"]: r[key] for r in metric_rows(folder) if key in r}
+
+
+def weights(folder) -> dict[str, torch.Tensor]:
+    step = checkpoint.resolve(folder)
+    model = build_model(model_args(checkpoint.checkpoint_config(step)))
+    checkpoint.load_model_weights(step, model)
+    return model.state_dict()
+
+
+def reference(folder):
+    """What a parallel run is compared with: the losses, gradient norms and final weights of
+    a one-process run."""
+    return losses(folder), losses(folder, "grad_norm"), weights(folder)
+
+
+def assert_same_training(out, baseline) -> None:
+    """The run in ``out`` has the losses, gradient norms (the gradients of every step, taken
+    whole) and final weights of the one-process ``baseline``."""
+    one_losses, one_norms, one_weights = baseline
+    got, norms = losses(out), losses(out, "grad_norm")
+    assert sorted(got) == sorted(one_losses) == sorted(norms)
+    for k in got:
+        assert got[k] == pytest.approx(one_losses[k], rel=1e-5, abs=1e-6), k
+        assert norms[k] == pytest.approx(one_norms[k], rel=1e-4, abs=1e-6), k
+    # Adam's first update is lr * g / (|g| + eps) per element: where a gradient is float noise
+    # (~1e-9) the layouts' different summation orders can move that element by up to ~lr * 1e-2
+    for name, tensor in weights(out).items():
+        torch.testing.assert_close(
+            tensor, one_weights[name], rtol=1e-4, atol=5e-5, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+def assert_resumes_like_whole(
+    cfg,
+    tmp_path,
+    whole: list[str],
+    first: list[str],
+    first_nproc: int,
+    then: list[str],
+    then_nproc: int = 1,
+):
+    """Stop at step 3 under layout ``first``, resume under ``then``: steps 4-6 equal a run
+    never stopped (``whole``, one process). Returns the run's folder."""
+    train(cfg, f"save={tmp_path / 'whole'}", "load=null", *whole)
+    moved = tmp_path / "moved"
+    train(cfg, f"save={moved}", f"load={moved}", *first, "exit_interval=3", nproc=first_nproc)
+    train(cfg, f"save={moved}", f"load={moved}", *then, nproc=then_nproc)
+    done, after = losses(tmp_path / "whole"), losses(moved)
+    for k in (4, 5, 6):
+        assert after[k] == pytest.approx(done[k], rel=1e-5), k
+    return moved
+
+
+def poison(trainer, at_step: int, value: float) -> None:
+    forward = trainer.model.forward
+
+    def poisoned(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        return out * value if trainer.iteration + 1 == at_step and trainer.model.training else out
+
+    trainer.model.forward = poisoned
+
+
+def seed_config(tmp_path: Path) -> Path:
+    """The config quoted in the seed report, cut out of the report as it is."""
+    report = next((shared_dir() / "seed").glob("*.txt")).read_text()
+    start = report.index("# GPT-2 pretraining setup")
+    end = report.index("[StellaAthena]")
+    path = tmp_path / "seed.yml"
+    path.write_text(report[start:end])
+    return path
+
+
+# tiny models of each family the tests build directly
+BASE = {
+    "num_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "seq_length": 64,
+    "max_position_embeddings": 64,
+    "tokenizer_type": "CharLevelTokenizer",
+    "make_vocab_size_divisible_by": 64,
+}
+
+VARIANTS = {
+    "neox-rotary": {"pos_emb": "rotary", "rotary_pct": 0.25, "gpt_j_residual": True},
+    "gpt-j-tied": {"pos_emb": "rotary", "gpt_j_residual": True, "gpt_j_tied": True},
+    "learned": {"pos_emb": "learned", "opt_pos_emb_offset": 2},
+    "sinusoidal": {"pos_emb": "sinusoidal"},
+    "alibi": {"pos_emb": "alibi"},
+    "none": {"pos_emb": "none"},
+    "rmsnorm-swiglu-gqa": {
+        "pos_emb": "rotary",
+        "norm": "rmsnorm",
+        "activation": "swiglu",
+        "num_kv_heads": 2,
+        "use_bias_in_norms": False,
+        "use_bias_in_attn_linear": False,
+        "use_bias_in_mlp": False,
+    },
+    "mqa-geglu": {"pos_emb": "rotary", "activation": "geglu", "num_kv_heads": 1},
+    "scalenorm-reglu": {"norm": "scalenorm", "activation": "reglu", "pos_emb": "rotary"},
+    "nonparam-bilinear": {"norm": "non_parametric_layernorm", "activation": "bilinear"},
+    "glu-mish": {"activation": "glu", "intermediate_size": 96, "mlp_multiple_of": 8},
+    "relu-untied": {"activation": "relu", "no_weight_tying": True},
+    "window": {"pos_emb": "rotary", "sliding_window_width": 8},
+    "inits": {"init_method": "xavier_normal", "output_layer_init_method": "scaled_orthogonal"},
+    "dropout": {"hidden_dropout": 0.1, "attention_dropout": 0.1, "pos_emb": "rotary"},
+}
+
+
+def build(variant: str, seed: int = 0):
+    loaded = load_mapping(BASE | VARIANTS[variant], variant)
+    return loaded, build_model(model_args(loaded), seed=seed)

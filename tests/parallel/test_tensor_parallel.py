@@ -1,0 +1,108 @@
+"""Tensor parallelism on gloo: every tensor-parallel layout (with sequence parallelism,
+activation checkpointing, ZeRO stages and data parallelism) gives the losses, gradient norms
+and weights of one process, and its checkpoints reshard into other layouts."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import (
+    DP_KEYS,
+    assert_resumes_like_whole,
+    assert_same_training,
+    reference,
+    train,
+)
+from torchneox.train import checkpoint
+
+
+@pytest.fixture(scope="module")
+def untied(make_module_config):
+    return make_module_config(
+        "untied.yml",
+        train_micro_batch_size_per_gpu=4,
+        train_iters=4,
+        **DP_KEYS,
+        no_weight_tying=True,
+        activation="swiglu",
+        num_kv_heads=2,
+        norm="rmsnorm",
+    )
+
+
+@pytest.fixture(scope="module")
+def untied_baseline(untied, tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("untied-baseline")
+    train(
+        untied,
+        f"save={tmp_path / 'one'}",
+        "load=null",
+        "train_micro_batch_size_per_gpu=4",
+        "gradient_accumulation_steps=2",
+    )
+    return reference(tmp_path / "one")
+
+
+TP_LAYOUTS = {
+    "tp2": (2, ["model_parallel_size=2"]),
+    # sequence parallelism, and selective activation checkpointing keeping the collectives
+    "tp2-sequence-parallel-selective-ac": (
+        2,
+        [
+            "model_parallel_size=2",
+            "sequence_parallel=true",
+            "checkpoint_activations=true",
+            "checkpoint_activations_mode=selective",
+        ],
+    ),
+}
+for stage in (0, 1, 2, 3):
+    TP_LAYOUTS[f"dp2-tp2-zero{stage}"] = (
+        4,
+        [
+            "model_parallel_size=2",
+            "train_micro_batch_size_per_gpu=2",
+            f"zero_optimization.stage={stage}",
+        ],
+    )
+
+
+@pytest.mark.parametrize("layout", list(TP_LAYOUTS))
+def test_tensor_parallel_layouts_equal_one_process(untied, tmp_path, untied_baseline, layout):
+    nproc, overrides = TP_LAYOUTS[layout]
+    out = tmp_path / "tp"
+    train(untied, f"save={out}", "load=null", *overrides, nproc=nproc)
+    assert_same_training(out, untied_baseline)
+
+
+RESHARDS = {
+    "tp2-to-one": ((["model_parallel_size=2"], 2), ([], 1)),
+    "dp4-zero1-to-dp2-tp2-zero3": (
+        (["train_micro_batch_size_per_gpu=1", "zero_optimization.stage=1"], 4),
+        (
+            [
+                "model_parallel_size=2",
+                "train_micro_batch_size_per_gpu=2",
+                "zero_optimization.stage=3",
+            ],
+            4,
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("move", list(RESHARDS))
+def test_tensor_parallel_checkpoints_reshard(untied, tmp_path, make_config, move):
+    cfg = make_config(
+        "u6.yml", train_micro_batch_size_per_gpu=4, train_iters=6, no_weight_tying=True, **DP_KEYS
+    )
+    (first, first_n), (then, then_n) = RESHARDS[move]
+    moved = assert_resumes_like_whole(cfg, tmp_path, [], first, first_n, then, then_n)
+    assert checkpoint.read_meta(moved / "global_step3")["world_size"] == first_n
+
+
+def test_moe_under_tensor_parallelism_equals_one_process(moe_config, tmp_path):
+    train(moe_config, f"save={tmp_path / 'one'}", "load=null")
+    baseline = reference(tmp_path / "one")
+    train(moe_config, f"save={tmp_path / 'tp'}", "load=null", "model_parallel_size=2", nproc=2)
+    assert_same_training(tmp_path / "tp", baseline)
