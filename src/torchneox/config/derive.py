@@ -16,6 +16,7 @@ from torchneox.config.derive_model import derive_model
 from torchneox.config.derived import Derived
 from torchneox.config.fields import Status
 from torchneox.config.load import LoadedConfig
+from torchneox.config.loss_scale import loss_scale_spec
 from torchneox.config.optimizer import optimizer_spec
 from torchneox.config.schema import KEYS, NeoXConfig
 from torchneox.config.validate import (
@@ -320,23 +321,20 @@ def _precision(cfg: NeoXConfig, out: Derived) -> None:
         why += " (autocast in fp16, fp32 master weights, loss scaling)"
     out.put("precision", precision, why)
     if precision == "fp16":
-        fp16 = pr.fp16 or {}
-        static = fp16.get("loss_scale", pr.loss_scale) or 0
-        if static:
-            out.put(
-                "loss_scale", f"static {static:g}", f"fp16.loss_scale {static:g} fixes the scale"
-            )
-        else:
-            power = fp16.get("initial_scale_power", 16)
-            window = fp16.get("loss_scale_window", pr.loss_scale_window)
-            hysteresis = fp16.get("hysteresis", pr.hysteresis)
-            floor = fp16.get("min_loss_scale", pr.min_scale)
+        ls = loss_scale_spec(cfg)
+        if ls.static:
             out.put(
                 "loss_scale",
-                f"dynamic from 2^{power:g}",
-                f"loss_scale 0/unset means dynamic: start at 2^{power:g}, double after {window:g} "
-                f"clean steps, halve after {hysteresis} overflows, never below {floor:g}; an "
-                "overflowing step is skipped",
+                f"static {ls.static:g}",
+                f"fp16.loss_scale {ls.static:g} fixes the scale",
+            )
+        else:
+            out.put(
+                "loss_scale",
+                f"dynamic from 2^{ls.initial_scale_power:g}",
+                f"loss_scale 0/unset means dynamic: start at 2^{ls.initial_scale_power:g}, "
+                f"double after {ls.window:g} clean steps, halve after {ls.hysteresis} overflows, "
+                f"never below {ls.min_scale:g}; an overflowing step is skipped",
             )
     if pr.communication_data_type:
         reduce, why = pr.communication_data_type, "from communication_data_type"

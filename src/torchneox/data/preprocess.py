@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from torchneox.base.errors import DataError
-from torchneox.config.schema import NeoXConfig
+from torchneox.config.schema_io import TokenizerConfig
 from torchneox.data.indexed import IndexedDatasetWriter, best_dtype
 from torchneox.data.tokenizers import Tokenizer, build_tokenizer
 
@@ -46,12 +46,12 @@ class _Line:
     is_json: bool
 
 
-def tokenizer_config(args: PreprocessArgs) -> NeoXConfig:
-    cfg = NeoXConfig()
-    cfg.tokenizer.tokenizer_type = args.tokenizer_type  # type: ignore[assignment]
-    cfg.tokenizer.vocab_file = args.vocab_file
-    cfg.tokenizer.merge_file = args.merge_file
-    return cfg
+def tokenizer_config(args: PreprocessArgs) -> TokenizerConfig:
+    tok = TokenizerConfig()
+    tok.tokenizer_type = args.tokenizer_type  # type: ignore[assignment]
+    tok.vocab_file = args.vocab_file
+    tok.merge_file = args.merge_file
+    return tok
 
 
 def _open_text(path: Path) -> io.TextIOBase:

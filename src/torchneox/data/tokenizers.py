@@ -10,6 +10,7 @@ from typing import Protocol
 
 from torchneox.base.errors import ConfigError, did_you_mean, first_line
 from torchneox.config.schema import NeoXConfig
+from torchneox.config.schema_io import TokenizerConfig
 
 END_OF_TEXT = "<|endoftext|>"
 PADDING = "<|padding|>"
@@ -79,11 +80,12 @@ def _need_file(path: str | None, key: str, kind: str) -> Path:
     return Path(path)
 
 
-def build_tokenizer(cfg: NeoXConfig) -> Tokenizer:
+def build_tokenizer(cfg: NeoXConfig | TokenizerConfig) -> Tokenizer:
+    """The tokenizer the tokenizer config group describes (a whole config is taken too)."""
     from tokenizers import Tokenizer as Backend
     from tokenizers import decoders, models, pre_tokenizers
 
-    tok = cfg.tokenizer
+    tok = cfg.tokenizer if isinstance(cfg, NeoXConfig) else cfg
     kind = tok.tokenizer_type
     if kind == "CharLevelTokenizer":
         return CharLevelTokenizer()

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from torchneox.config.loss_scale import loss_scale_spec
 from torchneox.config.schema import NeoXConfig
 
 DTYPES = {"fp32": torch.float32, "bfloat16": torch.bfloat16, "fp16": torch.float16}
@@ -38,19 +39,17 @@ class LossScaler:
     def from_config(cls, cfg: NeoXConfig, precision: str) -> LossScaler:
         if precision != "fp16":
             return cls()
-        pr = cfg.precision
-        fp16 = pr.fp16 or {}
-        static = fp16.get("loss_scale", pr.loss_scale) or 0
-        if static:
-            return cls(scale=float(static))
-        hysteresis = int(fp16.get("hysteresis", pr.hysteresis))
+        ls = loss_scale_spec(cfg)
+        if ls.static:
+            return cls(scale=float(ls.static))
+        hysteresis = int(ls.hysteresis)
         return cls(
-            scale=2.0 ** fp16.get("initial_scale_power", 16),
+            scale=2.0**ls.initial_scale_power,
             dynamic=True,
-            window=int(fp16.get("loss_scale_window", pr.loss_scale_window)),
+            window=int(ls.window),
             hysteresis=hysteresis,
             current_hysteresis=hysteresis,
-            min_scale=float(fp16.get("min_loss_scale", pr.min_scale)),
+            min_scale=float(ls.min_scale),
         )
 
     def update(self, overflow: bool) -> None:
