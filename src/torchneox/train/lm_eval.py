@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torchneox.base.errors import ConfigError
 from torchneox.inference.generate import Sampling, generate
 from torchneox.models.transformer import Transformer
+from torchneox.parallel.collectives import plain
 
 
 def _lm_eval():
@@ -25,11 +26,6 @@ def _lm_eval():
             "evaluation tasks need the lm-eval package: pip install 'torchneox[eval]'"
         ) from None
     return LM
-
-
-def _full(logits: torch.Tensor) -> torch.Tensor:
-    """Logits as one plain tensor (tensor-parallel logits arrive sharded over the vocabulary)."""
-    return logits.full_tensor() if hasattr(logits, "full_tensor") else logits
 
 
 class TorchNeoXScorer:
@@ -80,7 +76,7 @@ class TorchNeoXScorer:
             tokens = torch.zeros(len(rows), width, dtype=torch.long)
             for r, row in enumerate(rows):
                 tokens[r, : len(row)] = torch.tensor(row)  # right-padded: causal, harmless
-            logits = _full(self.model(tokens.to(self._device))).float()
+            logits = plain(self.model(tokens.to(self._device))).float()
             logprobs = F.log_softmax(logits, dim=-1).cpu()
             for r, (begin, end, target) in zip(range(len(rows)), spans, strict=True):
                 lp = logprobs[r, begin:end]
