@@ -210,7 +210,7 @@ def _train_verbs(verbs: argparse._SubParsersAction) -> None:
     pre.add_argument(
         "--output-prefix", required=True, metavar="P", help="writes P_{key}_document.bin/.idx"
     )
-    pre.add_argument("--tokenizer-type", required=True)
+    pre.add_argument("--tokenizer-type", help="GPT-NeoX's tokenizer_type (HFTokenizer, ...)")
     pre.add_argument("--vocab-file")
     pre.add_argument("--merge-file")
     pre.add_argument(
@@ -220,6 +220,35 @@ def _train_verbs(verbs: argparse._SubParsersAction) -> None:
     pre.add_argument("--workers", type=POSITIVE, default=1)
     pre.add_argument("--log-interval", type=POSITIVE, default=10000, metavar="DOCS")
     pre.add_argument("--force", action="store_true", help="replace existing .bin/.idx files")
+    chat = pre.add_argument_group(
+        "chat data (GPT-NeoX's preprocess_data_with_chat_template.py)",
+        "each --jsonl-keys key holds a list of messages, rendered with the chat_template of the "
+        "tokenizer_config.json beside tokenizer.json; writes P_{key}_document and "
+        "P_{key}_label_document (and P_{key}_reward_document)",
+    )
+    chat.add_argument(
+        "--chat", action="store_true", help="records are chats (with --tokenizer-type HFTokenizer)"
+    )
+    chat.add_argument(
+        "--tokenizer-path",
+        metavar="DIR",
+        help="a Hugging Face tokenizer folder (tokenizer.json + tokenizer_config.json); implies "
+        "--chat",
+    )
+    chat.add_argument(
+        "--only-last", action="store_true", help="learn only the last turn of each chat"
+    )
+    chat.add_argument(
+        "--for-rm", action="store_true", help="reward-model data: one labelled end-of-text"
+    )
+    chat.add_argument("--reward-key", metavar="KEY", help="each record's reward (for KTO)")
+    chat.add_argument("--binary-reward", action="store_true", help="the reward's truth as +1 / -1")
+    chat.add_argument(
+        "--no-mask", action="store_true", help="learn every token; no label dataset is written"
+    )
+    chat.add_argument(
+        "--generation-role", default="assistant", metavar="ROLE", help="the model's role"
+    )
 
     tok = verbs.add_parser(
         "train-tokenizer", help="train a byte-level BPE tokenizer.json on local text"

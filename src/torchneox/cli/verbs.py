@@ -136,20 +136,57 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _preprocess_args(args: argparse.Namespace, inputs: list[str]):
+    """The preprocess verb's flags as PreprocessArgs; a flag that needs another is refused."""
+    from torchneox.base.errors import DataError
+    from torchneox.data.chat import ChatOptions
+    from torchneox.data.preprocess import PreprocessArgs
+
+    tokenizer_type, vocab = args.tokenizer_type, args.vocab_file
+    chat = args.chat or args.tokenizer_path is not None
+    if args.tokenizer_path is not None:
+        if vocab or tokenizer_type not in (None, "HFTokenizer"):
+            raise DataError("--tokenizer-path names the tokenizer; leave out --vocab-file")
+        tokenizer_type, vocab = "HFTokenizer", str(Path(args.tokenizer_path) / "tokenizer.json")
+    if tokenizer_type is None:
+        raise DataError("preprocess needs --tokenizer-type (or --tokenizer-path for chat data)")
+    flags = ("only_last", "for_rm", "reward_key", "binary_reward", "no_mask")
+    given = [f for f in flags if getattr(args, f)]
+    if given and not chat:
+        name = "--" + given[0].replace("_", "-")
+        raise DataError(f"{name} is for chat data; add --chat (or --tokenizer-path)")
+    if args.binary_reward and not args.reward_key:
+        raise DataError("--binary-reward needs --reward-key")
+    options = None
+    if chat:
+        options = ChatOptions(args.generation_role, not args.no_mask, args.only_last, args.for_rm)
+    return PreprocessArgs(
+        inputs=inputs,
+        output_prefix=args.output_prefix,
+        tokenizer_type=tokenizer_type,
+        vocab_file=vocab,
+        merge_file=args.merge_file,
+        append_eod=args.append_eod,
+        jsonl_keys=tuple(args.jsonl_keys),
+        workers=args.workers,
+        log_interval=args.log_interval,
+        chat=options,
+        reward_key=args.reward_key,
+        binary_reward=args.binary_reward,
+    )
+
+
 def cmd_preprocess(args: argparse.Namespace) -> int:
     import tempfile
 
     from torchneox.config.paths import refuse_existing
     from torchneox.data import builtin
-    from torchneox.data.preprocess import PreprocessArgs, preprocess
+    from torchneox.data.preprocess import preprocess
 
-    outputs = [
-        Path(f"{args.output_prefix}_{key}_document{ext}")
-        for key in args.jsonl_keys
-        for ext in (".bin", ".idx")
-    ]
+    checked = _preprocess_args(args, args.input or [])
+    outputs = [Path(f"{p}{ext}") for p in checked.output_prefixes() for ext in (".bin", ".idx")]
     refuse_existing(outputs, args.force, "preprocess")
-    if args.tokenizer_type == "CharLevelTokenizer" and (args.vocab_file or args.merge_file):
+    if checked.tokenizer_type == "CharLevelTokenizer" and (args.vocab_file or args.merge_file):
         print(
             "warning: CharLevelTokenizer reads no files (a token is a byte): --vocab-file and "
             "--merge-file are not used",
@@ -162,19 +199,7 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
             count = builtin.write_jsonl(args.builtin, source)
             print(f"built-in corpus {args.builtin!r}: {count} documents", file=sys.stderr)
             inputs = [str(source)]
-        prefixes = preprocess(
-            PreprocessArgs(
-                inputs=inputs,
-                output_prefix=args.output_prefix,
-                tokenizer_type=args.tokenizer_type,
-                vocab_file=args.vocab_file,
-                merge_file=args.merge_file,
-                append_eod=args.append_eod,
-                jsonl_keys=tuple(args.jsonl_keys),
-                workers=args.workers,
-                log_interval=args.log_interval,
-            )
-        )
+        prefixes = preprocess(_preprocess_args(args, inputs))
     for prefix in prefixes:
         print(f"wrote {prefix}.bin and {prefix}.idx")
     return 0

@@ -2,8 +2,9 @@
 tools/datasets/preprocess_data.py writes for the same documents and tokenizer.
 
 Per document and key: the tokenizer's ids, then end-of-text with ``--append-eod``; documents
-that tokenize to nothing are skipped. Tokenisation runs in worker processes; output order is
-input order.
+that tokenize to nothing are skipped. With ``chat`` each key holds a record's messages, written
+as GPT-NeoX's preprocess_data_with_chat_template.py writes them (int32 token, label and reward
+datasets; see data/chat.py). Tokenisation runs in worker processes; output order is input order.
 """
 
 from __future__ import annotations
@@ -19,8 +20,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from torchneox.base.errors import DataError
 from torchneox.config.schema_io import TokenizerConfig
+from torchneox.data.chat import (
+    ROLES,
+    ChatOptions,
+    ChatTokenizer,
+    chat_document,
+    check_messages,
+    reward_value,
+)
 from torchneox.data.indexed import IndexedDatasetWriter, best_dtype
 from torchneox.data.tokenizers import Tokenizer, build_tokenizer
 
@@ -36,6 +47,23 @@ class PreprocessArgs:
     jsonl_keys: tuple[str, ...] = ("text",)
     workers: int = 1
     log_interval: int = 10000
+    chat: ChatOptions | None = None  # messages rendered with the tokenizer's chat template
+    reward_key: str | None = None  # chat: each record's reward, one int32 per document
+    binary_reward: bool = False  # chat: the reward's truth as +1 / -1
+
+    def output_prefixes(self) -> list[Path]:
+        """Every dataset written: per key the tokens, and in chat mode the labels (unless
+        ``--no-mask``) and the rewards (with a reward key), under GPT-NeoX's names."""
+        kinds = [""]
+        if self.chat is not None and self.chat.mask:
+            kinds.append("_label")
+        if self.chat is not None and self.reward_key:
+            kinds.append("_reward")
+        return [
+            Path(f"{self.output_prefix}_{key}{kind}_document")
+            for key in self.jsonl_keys
+            for kind in kinds
+        ]
 
 
 @dataclass(frozen=True)
@@ -95,7 +123,7 @@ def read_lines(inputs: list[str]) -> Iterator[_Line]:
             raise
 
 
-_TOKENIZERS: dict[tuple[str, str | None, str | None], Tokenizer] = {}
+_TOKENIZERS: dict[tuple[str, str | None, str | None], Tokenizer | ChatTokenizer] = {}
 
 
 class _Encoder:
@@ -108,10 +136,14 @@ class _Encoder:
 
     def initialise(self) -> None:
         if self.key not in _TOKENIZERS:
-            _TOKENIZERS[self.key] = build_tokenizer(tokenizer_config(self.args))
+            _TOKENIZERS[self.key] = (
+                build_tokenizer(tokenizer_config(self.args))
+                if self.args.chat is None
+                else ChatTokenizer.from_file(str(self.args.vocab_file))
+            )
 
     def encode(self, line: _Line) -> tuple[list[list[int]] | str, int]:
-        """(ids per key, bytes) or (error message, bytes)."""
+        """(ids per output dataset, bytes) or (error message, bytes)."""
         self.initialise()
         tok = _TOKENIZERS[self.key]
         size = len(line.text.encode("utf-8"))
@@ -128,6 +160,12 @@ class _Encoder:
                     f"{line.source}:{line.number}: a JSON object is expected, got {type(record).__name__}",
                     size,
                 )
+            if self.args.chat is not None:
+                assert isinstance(tok, ChatTokenizer)
+                try:
+                    return self._chat(tok, record, f"{line.source}:{line.number}"), size
+                except DataError as e:
+                    return str(e), size
             texts = []
             for key in self.args.jsonl_keys:
                 if key not in record:
@@ -138,15 +176,36 @@ class _Encoder:
                 if not isinstance(record[key], str):
                     return f"{line.source}:{line.number}: {key!r} is not a string", size
                 texts.append(record[key])
+        elif self.args.chat is not None:
+            return f"{line.source}: chat preprocessing reads .jsonl records of messages", size
         else:
             texts = [line.text]
         out = []
+        assert not isinstance(tok, ChatTokenizer)
         for text in texts:
             ids = tok.encode(text) if text else []
             if ids and self.args.append_eod:
                 ids.append(tok.eod_id)
             out.append(ids)
         return out, size
+
+    def _chat(self, tok: ChatTokenizer, record: dict, where: str) -> list[list[int]]:
+        opts, out = self.args.chat, []
+        assert opts is not None
+        roles = tuple(dict.fromkeys((*ROLES, opts.generation_role)))
+        for key in self.args.jsonl_keys:
+            if key not in record:
+                raise DataError(f"{where}: no key {key!r} (keys: {', '.join(record)})")
+            messages = check_messages(record[key], where, key, roles)
+            tokens, labels = chat_document(tok, messages, opts, where)
+            out.append(tokens)
+            if opts.mask:
+                out.append(labels)
+            if self.args.reward_key:
+                out.append(
+                    [reward_value(record, self.args.reward_key, self.args.binary_reward, where)]
+                )
+        return out
 
 
 class Progress:
@@ -196,11 +255,7 @@ def _write(
     if empty:
         raise DataError(
             f"{', '.join(args.inputs)}: every document is empty"
-            + (
-                f" under key {args.jsonl_keys[writers.index(empty[0])]!r}"
-                if len(writers) > 1
-                else ""
-            )
+            + (f" under {Path(empty[0].prefix).name}" if len(writers) > 1 else "")
             + "; there is nothing to train on"
         )
     for writer in writers:
@@ -211,14 +266,22 @@ def preprocess(args: PreprocessArgs) -> list[Path]:
     """Tokenise ``args.inputs`` into one .bin/.idx pair per jsonl key; returns their prefixes."""
     if not args.inputs:
         raise DataError("no input files given")
-    tokenizer = build_tokenizer(tokenizer_config(args))
-    dtype = best_dtype(tokenizer.vocab_size)
+    if args.chat is not None:
+        if args.tokenizer_type != "HFTokenizer":
+            raise DataError(
+                f"chat preprocessing needs a Hugging Face tokenizer.json (HFTokenizer), not "
+                f"{args.tokenizer_type}"
+            )
+        ChatTokenizer.from_file(str(args.vocab_file))  # its template checked before any reading
+        dtype = np.dtype(np.int32)  # as GPT-NeoX's chat tool writes every dataset (labels: -100)
+    else:
+        dtype = best_dtype(build_tokenizer(tokenizer_config(args)).vocab_size)
     total = 0
     for name in args.inputs:
         if not Path(name).is_file():
             raise DataError(f"{name}: no such file")
         total += Path(name).stat().st_size
-    prefixes = [Path(f"{args.output_prefix}_{key}_document") for key in args.jsonl_keys]
+    prefixes = args.output_prefixes()
     writers = [IndexedDatasetWriter(p, dtype) for p in prefixes]
     progress = Progress(total, args.log_interval)
     encoder = _Encoder(args)

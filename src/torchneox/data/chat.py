@@ -1,0 +1,195 @@
+"""Chat records as token and label documents, as GPT-NeoX's
+tools/datasets/preprocess_data_with_chat_template.py makes them.
+
+A record's messages (``[{"role": ..., "content": ...}, ...]``) are rendered with the tokenizer's
+own chat template (the ``chat_template`` of the Hugging Face ``tokenizer_config.json`` beside
+``tokenizer.json``) one turn at a time: turn i's tokens are what rendering messages[: i + 1]
+adds to the rendering of messages[: i] (with the generation prompt when the next turn is the
+model's). The label of a token is the token itself where the model learns it (the model's
+turns; with ``only_last`` only the last turn) and -100 elsewhere; end-of-text follows, learnt
+when the turn before it is. ``for_rm``: the whole chat masked, then end-of-text twice, the
+second one labelled: the one position a reward model reads its value at.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from torchneox.base.errors import DataError
+
+IGNORE = -100  # the label of a token the loss leaves out (GPT-NeoX's and Hugging Face's)
+ROLES = ("system", "user", "assistant", "tool", "ipython")
+
+
+def _special(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+@dataclass
+class ChatTokenizer:
+    """A tokenizer.json with the chat template and special tokens of its tokenizer_config.json."""
+
+    backend: Any  # tokenizers.Tokenizer
+    template: str
+    specials: dict[str, str]  # bos_token, eos_token, pad_token, unk_token as the template sees them
+    eos_id: int | None
+    source: str
+
+    @classmethod
+    def from_file(cls, tokenizer_json: str | Path) -> ChatTokenizer:
+        from tokenizers import Tokenizer
+
+        path = Path(tokenizer_json)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        if not path.is_file():
+            raise DataError(f"{path}: no such file (a chat template needs the tokenizer.json)")
+        config_path = path.with_name("tokenizer_config.json")
+        if not config_path.is_file():
+            raise DataError(
+                f"{config_path}: no such file; chat preprocessing renders messages with the "
+                "chat_template of the Hugging Face tokenizer_config.json beside tokenizer.json"
+            )
+        try:
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+            backend = Tokenizer.from_file(str(path))
+        except (ValueError, OSError) as e:
+            raise DataError(f"{config_path.parent}: cannot read the tokenizer ({e})") from None
+        template = config.get("chat_template")
+        if isinstance(template, list):  # several named templates: the default one
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        if not isinstance(template, str) or not template:
+            raise DataError(
+                f"{config_path}: no chat_template; add one (a Jinja template over 'messages') "
+                "or preprocess plain text without --chat"
+            )
+        specials = {
+            name: text
+            for name in ("bos_token", "eos_token", "pad_token", "unk_token")
+            if (text := _special(config.get(name))) is not None
+        }
+        eos = specials.get("eos_token")
+        eos_id = backend.token_to_id(eos) if eos is not None else None
+        return cls(backend, template, specials, eos_id, str(config_path))
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return _compiled(self.template)(
+            messages=messages, add_generation_prompt=add_generation_prompt, **self.specials
+        )
+
+    def apply(self, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+        """Token ids of the rendered chat (the template writes its own special tokens)."""
+        text = self.render(messages, add_generation_prompt)
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+
+_TEMPLATES: dict[str, Any] = {}
+
+
+def _compiled(template: str):
+    """The template compiled as Hugging Face compiles chat templates: a sandbox, trimmed
+    blocks, loop controls, ``raise_exception``, ``strftime_now`` and a ``tojson`` that keeps
+    non-ASCII text."""
+    if template not in _TEMPLATES:
+        from jinja2.exceptions import TemplateError
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str):
+            raise TemplateError(message)
+
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(
+                x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                sort_keys=sort_keys,
+            )  # fmt: skip
+
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+        )
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            _TEMPLATES[template] = env.from_string(template).render
+        except TemplateError as e:
+            raise DataError(f"the chat template does not compile ({e})") from None
+    return _TEMPLATES[template]
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    generation_role: str = "assistant"
+    mask: bool = True  # False (--no-mask): every token is learnt, no label dataset is written
+    only_last: bool = False
+    for_rm: bool = False
+
+
+def check_messages(messages: Any, where: str, key: str, roles: tuple[str, ...]) -> list[dict]:
+    """The record's messages, or a DataError naming the record and what is wrong."""
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: {key!r} is not a list of messages ({{'role', 'content'}})")
+    for n, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise DataError(f"{where}: {key!r} message {n} has no 'role' and 'content'")
+        if m["role"] not in roles:
+            raise DataError(
+                f"{where}: {key!r} message {n} has the unknown role {m['role']!r}; roles are "
+                + ", ".join(roles)
+            )
+    return messages
+
+
+def chat_document(
+    tok: ChatTokenizer, messages: list[dict], opts: ChatOptions, where: str
+) -> tuple[list[int], list[int]]:
+    """The chat's token ids and labels (GPT-NeoX's build_chat)."""
+    if not opts.mask:
+        tokens = tok.apply(messages)
+        return tokens, list(tokens)
+    if opts.for_rm:
+        if tok.eos_id is None:
+            raise DataError(f"{tok.source}: no eos_token, which a reward model's data ends with")
+        tokens = tok.apply(messages)
+        return [*tokens, tok.eos_id, tok.eos_id], [IGNORE] * (len(tokens) + 1) + [tok.eos_id]
+    tokens: list[int] = []
+    labels: list[int] = []
+    for i, turn in enumerate(messages):
+        gen = i + 1 < len(messages) and messages[i + 1]["role"] == opts.generation_role
+        rendered = tok.apply(messages[: i + 1], add_generation_prompt=gen)
+        if rendered[: len(tokens)] != tokens:
+            raise DataError(
+                f"{where}: the chat template does not render turn by turn (turn {i} changes the "
+                "tokens of the turns before it), so the turns cannot be masked apart"
+            )
+        new = rendered[len(tokens) :]
+        tokens.extend(new)
+        learnt = turn["role"] == opts.generation_role and (
+            not opts.only_last or i == len(messages) - 1
+        )
+        labels.extend(new if learnt else [IGNORE] * len(new))
+    if tok.eos_id is not None:
+        labels.append(tok.eos_id if labels and labels[-1] != IGNORE else IGNORE)
+        tokens.append(tok.eos_id)
+    return tokens, labels
+
+
+def reward_value(record: dict, key: str, binary: bool, where: str) -> int:
+    """A record's reward as GPT-NeoX stores it: one int32 per document (a float is truncated),
+    or +1 / -1 with ``binary``."""
+    if key not in record:
+        raise DataError(f"{where}: no key {key!r} (keys: {', '.join(record)})")
+    value = record[key]
+    if binary:
+        return 1 if value else -1
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise DataError(f"{where}: {key!r} is {value!r}, not a number")
+    return int(value)
