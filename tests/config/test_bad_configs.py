@@ -343,10 +343,43 @@ CASES = [
         ["pos_emb: 'rpe' (T5 relative position buckets) is not supported"],
     ),
     (
-        "unsupported-train-impl",
+        "dpo-without-pairs",
         {"a.yml": "{train_impl: dpo}"},
         [],
-        ["train_impl: 'dpo' training is not supported"],
+        ["train_impl: 'dpo' trains on chosen and rejected pairs: set dataset_impl: pairwise"],
+    ),
+    (
+        "pairs-packed",
+        {"a.yml": "{train_impl: rm, dataset_impl: pairwise}"},
+        [],
+        ["pack_impl: pairwise data is not packed (as in GPT-NeoX)"],
+    ),
+    (
+        "kto-odd-micro-batch",
+        {
+            "a.yml": "{train_impl: kto, pack_impl: unpacked, train_micro_batch_size_per_gpu: 3, "
+            "train_data_paths: [t], train_reward_data_paths: [r]}"
+        },
+        [],
+        ["train_micro_batch_size_per_gpu: kto pairs the two halves of each micro-batch"],
+    ),
+    (
+        "kto-without-rewards",
+        {"a.yml": "{train_impl: kto, pack_impl: unpacked}"},
+        [],
+        ["train_reward_data_paths: kto needs each document's reward"],
+    ),
+    (
+        "post-training-under-a-pipeline",
+        {"a.yml": "{train_impl: dpo, dataset_impl: pairwise, pipe_parallel_size: 2}"},
+        [],
+        ["pipe_parallel_size: train_impl 'dpo' do not run under pipeline parallelism here yet"],
+    ),
+    (
+        "unpacked-from-one-data-path",
+        {"a.yml": "{pack_impl: unpacked, data_path: d}"},
+        [],
+        ["pack_impl: 'unpacked' samples whole datasets: give train_data_paths"],
     ),
     (
         "rotary-odd",

@@ -20,7 +20,7 @@ from torchneox.train.checkpoint import CheckpointManager, TrainingState, save_it
 from torchneox.train.evaluation import Evaluator, mean_loss
 from torchneox.train.loss import lm_loss, lm_loss_and_z
 from torchneox.train.metrics import Throughput, Timers
-from torchneox.train.objectives import LanguageModeling
+from torchneox.train.objectives import LanguageModeling, Prepared
 from torchneox.train.precision import LossScaler
 from torchneox.train.step import GradientPolicy, TrainStep
 
@@ -119,11 +119,12 @@ def test_save_steps_are_gpt_neox_s():
 def test_the_objective_adds_z_loss_and_the_balancing_loss():
     logits = torch.randn(2, 5, 11, requires_grad=True)
     labels = torch.randint(0, 11, (2, 5))
-    plain = LanguageModeling().terms(logits, labels, None)
+    prep = Prepared(labels, labels, None)
+    plain = LanguageModeling().terms(logits, prep)
     assert torch.equal(plain.loss, lm_loss(logits, labels, None)) and plain.objective is plain.loss
     loss, z = lm_loss_and_z(logits, labels, None)
     stats = [RouterStats(torch.tensor([3, 1]), torch.tensor([2.5, 1.5]), 4, 1)]
-    both = LanguageModeling(z_weight=0.1, aux_weight=0.01).terms(logits, labels, None, stats)
+    both = LanguageModeling(z_weight=0.1, aux_weight=0.01).terms(logits, prep, None, stats)
     want = loss + 0.1 * z + 0.01 * balancing_loss(stats[0])
     assert torch.allclose(both.objective, want) and torch.equal(both.z_loss, z.detach())
     # E x sum_e share_e x mean prob_e = 2 x (3/4 x 2.5/4 + 1/4 x 1.5/4)

@@ -228,13 +228,30 @@ def cmd_data_batch(args: argparse.Namespace) -> int:
     start, batch = step_batch(loaded, args.iteration)
     if args.out:
         with atomic_output(args.out, "--out file") as tmp, open(tmp, "wb") as f:
-            np.save(f, batch)
-        print(f"wrote {args.out}: token ids {list(batch.shape)} of step {args.iteration}")
+            if isinstance(batch, dict):
+                np.savez(f, **batch)
+            else:
+                np.save(f, batch)
+        shapes = (
+            ", ".join(f"{k} {list(v.shape)}" for k, v in batch.items())
+            if isinstance(batch, dict)
+            else f"token ids {list(batch.shape)}"
+        )
+        print(f"wrote {args.out}: {shapes} of step {args.iteration}")
         return 0
     tokenizer = build_tokenizer(loaded.config)
-    for i, row in enumerate(batch):
+    columns = batch if isinstance(batch, dict) else {"text": batch}
+    for i in range(len(next(iter(columns.values())))):
         print(f"--- sample {start + i} (step {args.iteration}, position {i}) ---")
-        print("<|endoftext|>".join(decode_documents(tokenizer, row.tolist())))
+        for key, rows in columns.items():
+            row = rows[i].tolist()
+            if key == "reward":
+                print(f"[reward] {sorted(set(row))}")
+                continue
+            if key.endswith("label"):  # what the loss learns: the labelled tokens
+                key, row = f"{key}: learnt", [t for t in row if t >= 0]
+            head = f"[{key}] " if len(columns) > 1 else ""
+            print(head + "<|endoftext|>".join(decode_documents(tokenizer, row)))
     return 0
 
 

@@ -7,8 +7,6 @@ from typing import Any, Literal
 
 from torchneox.config.fields import derived, extension, key, no_effect, unsupported
 
-NOT_RM = "reward-model training is not supported (train_impl 'rm' is refused)"
-NOT_PAIRS = "preference-pair training is not supported (train_impl 'dpo'/'kto' are refused)"
 LAUNCH = "torchneox is launched with torchrun; this describes DeepSpeed's launcher"
 DS_ONLY = "a DeepSpeed setting with no counterpart in a PyTorch-native trainer"
 WANDB = "only used with use_wandb"
@@ -36,17 +34,19 @@ class DataConfig:
         "infer", "Dataset format; mmap (MMIDIDX) is read, infer means mmap, cached is refused."
     )
     pack_impl: Literal["packed", "pack_until_overflow", "unpacked"] = key(
-        "packed", "How documents fill samples; only packed is built."
+        "packed",
+        "How documents fill samples: packed (concatenated and cut), unpacked (one document "
+        "per sample, padded) or pack_until_overflow (whole documents while they fit).",
     )
     dataset_impl: Literal["gpt2", "pairwise", "online"] = key(
         "gpt2",
-        "Dataset kind; only gpt2 (packed language modelling) is built (pairwise and "
-        "online are refused).",
+        "Dataset kind: gpt2 (documents, with label and reward datasets) or pairwise (chosen "
+        "and rejected documents, for dpo and rm); online (REINFORCE) is refused.",
     )
-    allow_chopped: bool = no_effect(
+    allow_chopped: bool = key(
         True,
-        "Keep samples that cut a document.",
-        "only matters for unpacked data, which is refused",
+        "Unpacked and pack_until_overflow data: keep documents longer than a sample (cut); "
+        "false leaves them out.",
     )
     num_workers: int = key(2, "Background processes that prepare batches.")
     use_shared_fs: bool = key(
@@ -57,45 +57,51 @@ class DataConfig:
         "Read datasets once at start-up to warm the page cache.",
         "the OS page cache warms itself",
     )
-    train_label_data_paths: list[str] | None = unsupported(
-        None, "Separate label datasets for training.", "label datasets are not supported"
+    train_label_data_paths: list[str] | None = key(
+        None, "Label datasets of train_data_paths (the token learnt at each position, -100: none)."
     )
-    valid_label_data_paths: list[str] | None = unsupported(
-        None, "Separate label datasets for validation.", "label datasets are not supported"
+    valid_label_data_paths: list[str] | None = key(None, "Label datasets of valid_data_paths.")
+    test_label_data_paths: list[str] | None = key(None, "Label datasets of test_data_paths.")
+    train_reward_data_paths: list[str] | None = key(
+        None, "Reward datasets of train_data_paths (one value per document, for kto)."
     )
-    test_label_data_paths: list[str] | None = unsupported(
-        None, "Separate label datasets for testing.", "label datasets are not supported"
+    valid_reward_data_paths: list[str] | None = key(None, "Reward datasets (valid).")
+    test_reward_data_paths: list[str] | None = key(None, "Reward datasets (test).")
+    pos_train_data_paths: list[str] | None = key(
+        None, "Chosen documents of the pairs (train; dataset_impl pairwise)."
     )
-    train_reward_data_paths: list[str] | None = no_effect(None, "Reward datasets (train).", NOT_RM)
-    valid_reward_data_paths: list[str] | None = no_effect(None, "Reward datasets (valid).", NOT_RM)
-    test_reward_data_paths: list[str] | None = no_effect(None, "Reward datasets (test).", NOT_RM)
-    pos_train_data_paths: list[str] | None = no_effect(
-        None, "Preferred samples (train).", NOT_PAIRS
+    neg_train_data_paths: list[str] | None = key(
+        None, "Rejected documents of the pairs (train; dataset_impl pairwise)."
     )
-    neg_train_data_paths: list[str] | None = no_effect(None, "Rejected samples (train).", NOT_PAIRS)
-    pos_valid_data_paths: list[str] | None = no_effect(
-        None, "Preferred samples (valid).", NOT_PAIRS
+    pos_valid_data_paths: list[str] | None = key(
+        None, "Chosen documents of the pairs (valid; dataset_impl pairwise)."
     )
-    neg_valid_data_paths: list[str] | None = no_effect(None, "Rejected samples (valid).", NOT_PAIRS)
-    pos_test_data_paths: list[str] | None = no_effect(None, "Preferred samples (test).", NOT_PAIRS)
-    neg_test_data_paths: list[str] | None = no_effect(None, "Rejected samples (test).", NOT_PAIRS)
-    pos_train_label_data_paths: list[str] | None = no_effect(
-        None, "Labels of preferred samples (train).", NOT_PAIRS
+    neg_valid_data_paths: list[str] | None = key(
+        None, "Rejected documents of the pairs (valid; dataset_impl pairwise)."
     )
-    neg_train_label_data_paths: list[str] | None = no_effect(
-        None, "Labels of rejected samples (train).", NOT_PAIRS
+    pos_test_data_paths: list[str] | None = key(
+        None, "Chosen documents of the pairs (test; dataset_impl pairwise)."
     )
-    pos_valid_label_data_paths: list[str] | None = no_effect(
-        None, "Labels of preferred samples (valid).", NOT_PAIRS
+    neg_test_data_paths: list[str] | None = key(
+        None, "Rejected documents of the pairs (test; dataset_impl pairwise)."
     )
-    neg_valid_label_data_paths: list[str] | None = no_effect(
-        None, "Labels of rejected samples (valid).", NOT_PAIRS
+    pos_train_label_data_paths: list[str] | None = key(
+        None, "Labels of the chosen documents (train)."
     )
-    pos_test_label_data_paths: list[str] | None = no_effect(
-        None, "Labels of preferred samples (test).", NOT_PAIRS
+    neg_train_label_data_paths: list[str] | None = key(
+        None, "Labels of the rejected documents (train)."
     )
-    neg_test_label_data_paths: list[str] | None = no_effect(
-        None, "Labels of rejected samples (test).", NOT_PAIRS
+    pos_valid_label_data_paths: list[str] | None = key(
+        None, "Labels of the chosen documents (valid)."
+    )
+    neg_valid_label_data_paths: list[str] | None = key(
+        None, "Labels of the rejected documents (valid)."
+    )
+    pos_test_label_data_paths: list[str] | None = key(
+        None, "Labels of the chosen documents (test)."
+    )
+    neg_test_label_data_paths: list[str] | None = key(
+        None, "Labels of the rejected documents (test)."
     )
 
 

@@ -234,14 +234,13 @@ class TrainingConfig:
     )
     train_impl: Literal["normal", "dpo", "rm", "kto", "reinforce"] = key(
         "normal",
-        "Training objective; only normal language modelling is built (dpo, rm, kto and "
-        "reinforce are refused).",
+        "Training objective: normal (language modelling; with label datasets, SFT), dpo, kto, "
+        "rm (a reward model); reinforce is refused.",
     )
-    z_loss: float = no_effect(
+    z_loss: float = key(
         0.0,
-        "Z-loss weight; GPT-NeoX applies it to reward-model training only (the squared rewards).",
-        "GPT-NeoX applies z_loss only with train_impl 'rm', which is refused here; for PaLM's "
-        "logit z-loss on language modelling set the torchneox key lm_z_loss",
+        "Reward models (train_impl rm): weight of the squared rewards added to the loss. For "
+        "PaLM's logit z-loss on language modelling set the torchneox key lm_z_loss.",
     )
     lm_z_loss: float = extension(
         0.0,
@@ -256,23 +255,15 @@ class TrainingConfig:
     reinforce_leave_one_out: bool = no_effect(
         False, "REINFORCE leave-one-out baseline (RLOO).", REINFORCE
     )
-    dpo_fp32: bool = no_effect(
-        True, "DPO loss in fp32.", "only used by train_impl 'dpo', which is refused"
+    dpo_fp32: bool = key(True, "DPO: the log-probabilities in fp32.")
+    dpo_reference_free: bool = key(
+        False, "DPO without a reference model (its log-probabilities taken as 0)."
     )
-    dpo_reference_free: bool = no_effect(
-        False, "Reference-free DPO.", "only used by train_impl 'dpo', which is refused"
-    )
-    dpo_beta: float = no_effect(0.1, "DPO beta.", "only used by train_impl 'dpo', which is refused")
-    kto_fp32: bool = no_effect(
-        True, "KTO loss in fp32.", "only used by train_impl 'kto', which is refused"
-    )
-    kto_desirable_weight: float = no_effect(
-        1.0, "KTO weight of desirable samples.", "only used by train_impl 'kto', which is refused"
-    )
-    kto_undesirable_weight: float = no_effect(
-        1.0, "KTO weight of undesirable samples.", "only used by train_impl 'kto', which is refused"
-    )
-    kto_beta: float = no_effect(0.1, "KTO beta.", "only used by train_impl 'kto', which is refused")
+    dpo_beta: float = key(0.1, "DPO: beta, the strength of the preference margin.")
+    kto_fp32: bool = key(True, "KTO: the log-probabilities in fp32.")
+    kto_desirable_weight: float = key(1.0, "KTO: weight of desirable (reward > 0) samples.")
+    kto_undesirable_weight: float = key(1.0, "KTO: weight of undesirable (reward < 0) samples.")
+    kto_beta: float = key(0.1, "KTO: beta.")
     use_mup: bool = unsupported(
         False, "Parametrise with muP.", "muP is not supported; remove use_mup"
     )

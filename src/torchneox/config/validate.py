@@ -92,6 +92,7 @@ def validate(config: NeoXConfig, origin: dict[str, str]) -> None:
     _check_precision(check)
     _check_training(check)
     _check_data(check)
+    _check_post_training(check)
     _check_textgen(check)
 
 
@@ -117,28 +118,97 @@ def _check_refused(ch: Checker) -> None:
     t, d = c.training, c.data
     if t.train_impl == "reinforce":
         ch.fail("train_impl", REINFORCE_NEEDS)
-    if t.train_impl != "normal":
-        ch.fail("train_impl", f"{t.train_impl!r} training is not supported; only 'normal' is built")
     if d.data_impl == "cached":
         ch.fail(
             "data_impl", "'cached' datasets (Megatron's old format) are not supported; use mmap"
         )
-    if d.pack_impl != "packed":
-        ch.fail("pack_impl", f"{d.pack_impl!r} is not supported; only 'packed' is built")
     if d.dataset_impl == "online":
         ch.fail(
             "dataset_impl",
             "'online' datasets (samples streamed from a generation server, for REINFORCE) are "
             "not supported; use gpt2",
         )
-    if d.dataset_impl != "gpt2":
-        ch.fail("dataset_impl", f"{d.dataset_impl!r} datasets are not supported; only 'gpt2'")
     if c.textgen.text_gen_type == "precompute":
         ch.fail(
             "text_gen_type",
             "'precompute' is not supported; use unconditional, input-file or interactive",
         )
     _optimizer_type(ch)
+
+
+def _check_post_training(ch: Checker) -> None:
+    """The objectives and the data they read fit together (train_impl, dataset_impl,
+    pack_impl, label and reward datasets), as GPT-NeoX's get_batch expects them."""
+    c = ch.c
+    d, impl = c.data, c.training.train_impl
+    labelled = any(
+        getattr(d, f"{side}{s}_label_data_paths")
+        for side in ("", "pos_", "neg_")
+        for s in ("train", "valid", "test")
+    )
+    if (impl != "normal" or labelled) and (c.parallel.pipe_parallel_size or 0) >= 2:
+        what = f"train_impl {impl!r}" if impl != "normal" else "label datasets (SFT)"
+        ch.fail(
+            "pipe_parallel_size",
+            f"{what} do not run under pipeline parallelism here yet (GPT-NeoX refuses it "
+            "too); use pipe_parallel_size 0 or 1 with data or tensor parallelism",
+        )
+    if impl == "rm" and c.parallel.sequence_parallel:
+        ch.fail("sequence_parallel", "a reward model does not run with sequence_parallel here")
+    if d.dataset_impl == "pairwise" and impl not in ("dpo", "rm"):
+        ch.fail(
+            "dataset_impl",
+            f"pairwise data is for train_impl dpo or rm; {impl!r} reads train_data_paths",
+        )
+    if impl in ("dpo", "rm") and d.dataset_impl != "pairwise":
+        ch.fail(
+            "train_impl",
+            f"{impl!r} trains on chosen and rejected pairs: set dataset_impl: pairwise with "
+            "pos_/neg_train_data_paths",
+        )
+    if d.dataset_impl == "pairwise" and d.pack_impl == "packed":
+        ch.fail(
+            "pack_impl", "pairwise data is not packed (as in GPT-NeoX); use unpacked or "
+            "pack_until_overflow",
+        )  # fmt: skip
+    if d.pack_impl != "packed" and d.data_path:
+        ch.fail(
+            "pack_impl",
+            f"{d.pack_impl!r} samples whole datasets: give train_data_paths (and valid_/test_) "
+            "instead of data_path",
+        )
+    splits = ("train", "valid", "test")
+    if any(getattr(d, f"{s}_reward_data_paths") for s in splits) and d.pack_impl != "unpacked":
+        ch.fail("pack_impl", "reward datasets need pack_impl: unpacked (as in GPT-NeoX)")
+    if impl == "kto":
+        _check_kto(ch)
+    if impl == "rm" and not d.pos_train_label_data_paths:
+        ch.fail(
+            "pos_train_label_data_paths",
+            "a reward model reads its value where the label is set: give pos_/neg_ label "
+            "datasets (preprocess --chat --for-rm writes them)",
+        )
+
+
+def _check_kto(ch: Checker) -> None:
+    c = ch.c
+    if not c.data.train_reward_data_paths:
+        ch.fail(
+            "train_reward_data_paths",
+            "kto needs each document's reward (+1 desirable, -1 undesirable): preprocess "
+            "--chat --reward-key writes them",
+        )
+    mb = c.training.train_micro_batch_size_per_gpu
+    if mb is not None and (mb < 2 or mb % 2):
+        ch.fail(
+            "train_micro_batch_size_per_gpu",
+            f"kto pairs the two halves of each micro-batch (each half's KL is the other's "
+            f"reference point), so it needs an even micro-batch of at least 2, not {mb}",
+        )
+    splits = ("valid", "test")
+    for s in splits:
+        if getattr(c.data, f"{s}_data_paths") and not getattr(c.data, f"{s}_reward_data_paths"):
+            ch.fail(f"{s}_reward_data_paths", f"kto evaluates {s} data with its rewards; give them")
 
 
 def _check_parallel(ch: Checker) -> None:

@@ -12,6 +12,7 @@ from torchneox.config.load import LoadedConfig
 from torchneox.config.schema import NeoXConfig
 from torchneox.config.validate import split_shares
 from torchneox.data.blend import BlendedDataset, samples_per_dataset, weights_by_num_documents
+from torchneox.data.documents import Column, check_aligned, document_samples
 from torchneox.data.gpt_dataset import GPTDataset, split_ranges
 from torchneox.data.indexed import IndexedDataset
 
@@ -19,9 +20,12 @@ SPLITS = ("train", "valid", "test")
 
 
 class Samples(Protocol):
+    """Token ids [seq_length + 1] per sample; post-training data: a dict of such arrays
+    (text/label/reward, or pos/neg/pos_label/neg_label)."""
+
     def __len__(self) -> int: ...
 
-    def __getitem__(self, i: int) -> np.ndarray: ...
+    def __getitem__(self, i: int) -> np.ndarray | dict[str, np.ndarray]: ...
 
 
 @dataclass
@@ -85,28 +89,101 @@ def build_splits(cfg: NeoXConfig, train_batch_size: int, vocab_size: int | None 
             if i and shares[i] > 0 and counts[name] > 0 and out[name] is None
         ]
         return Splits(**out, notes=notes)
-    if not d.train_data_paths:
+    if d.dataset_impl == "pairwise" and not d.pos_train_data_paths:
+        raise DataError("no data: dataset_impl 'pairwise' reads pos_/neg_train_data_paths")
+    if d.dataset_impl != "pairwise" and not d.train_data_paths:
         raise DataError("no data: set data_path or train_data_paths")
     for name in SPLITS:
-        paths = getattr(d, f"{name}_data_paths")
-        if not paths or counts[name] == 0:
+        prefixes = _split_prefixes(cfg, name)
+        if not prefixes or counts[name] == 0:
             continue
-        indexed = [_open(p, vocab_size) for p in paths]
-        weights = getattr(d, f"{name}_data_weights") or [1.0] * len(paths)
+        columns = [_columns(cfg, name, i, vocab_size) for i in range(len(prefixes))]
+        weights = getattr(d, f"{name}_data_weights") or [1.0] * len(prefixes)
         if d.weight_by_num_documents:
-            weights = weights_by_num_documents([len(x) for x in indexed], d.weighted_sampler_alpha)
+            sizes = [len(c[0].data) for c in columns]
+            weights = weights_by_num_documents(sizes, d.weighted_sampler_alpha)
         per = samples_per_dataset(weights, counts[name])
         parts = [
-            GPTDataset(x, f"{name}_{i}", np.arange(len(x), dtype=np.int32), n, seq, seed)
-            for i, (x, n) in enumerate(zip(indexed, per, strict=True))
+            _dataset(cfg, cols, f"{name}_{i}", n)
+            for i, (cols, n) in enumerate(zip(columns, per, strict=True))
         ]
         out[name] = BlendedDataset(parts, weights)
     return Splits(**out)
 
 
-def step_batch(loaded: LoadedConfig, iteration: int) -> tuple[int, np.ndarray]:
+def _split_prefixes(cfg: NeoXConfig, split: str) -> list[str]:
+    d = cfg.data
+    if d.dataset_impl != "pairwise":
+        return list(getattr(d, f"{split}_data_paths") or [])
+    pos = getattr(d, f"pos_{split}_data_paths") or []
+    neg = getattr(d, f"neg_{split}_data_paths") or []
+    if len(pos) != len(neg):
+        raise ConfigError(
+            f"{len(pos)} chosen datasets but {len(neg)} rejected ones; give one neg_{split} "
+            "dataset per pos_ one",
+            key=f"neg_{split}_data_paths",
+        )
+    return list(pos)
+
+
+def _paths_at(cfg: NeoXConfig, key: str, i: int, count: int) -> str | None:
+    paths = getattr(cfg.data, key) or []
+    if paths and len(paths) != count:
+        raise ConfigError(f"{len(paths)} paths, but the datasets they go with are {count}", key=key)
+    return paths[i] if paths else None
+
+
+def _columns(cfg: NeoXConfig, split: str, i: int, vocab_size: int | None) -> list[Column]:
+    """The arrays of dataset i of a split: tokens, labels (-100 padding), rewards."""
+    count = len(_split_prefixes(cfg, split))
+    sides = ("pos_", "neg_") if cfg.data.dataset_impl == "pairwise" else ("",)
+    texts, labels, rewards = [], [], []
+    for side in sides:
+        key = {"": "text", "pos_": "pos", "neg_": "neg"}[side]
+        text = _open(str(_paths_at(cfg, f"{side}{split}_data_paths", i, count)), vocab_size)
+        texts.append(Column(key, text))
+        label_path = _paths_at(cfg, f"{side}{split}_label_data_paths", i, count)
+        if label_path is not None:
+            label = _open(label_path, vocab_size)
+            check_aligned(text, label, "labels")
+            labels.append(Column(f"{key}_label" if side else "label", label, pad=-100))
+    if len(texts) == 2 and len(texts[0].data) != len(texts[1].data):
+        pos, neg = texts[0].data, texts[1].data
+        raise DataError(
+            f"{neg.prefix}: {len(neg)} rejected documents but {pos.prefix} has {len(pos)} "
+            "chosen ones; pairs must be preprocessed from the same jsonl"
+        )
+    if len(texts) == 2 and len(labels) == 1:
+        raise ConfigError(
+            "labels given for one side of the pairs only; give both pos_ and neg_ label paths",
+            key=f"neg_{split}_label_data_paths",
+        )
+    reward_path = _paths_at(cfg, f"{split}_reward_data_paths", i, count)
+    if reward_path is not None and not sides[0]:
+        reward = _open(reward_path, None)
+        check_aligned(texts[0].data, reward, "rewards")
+        rewards.append(Column("reward", reward, per_document=True, dtype=np.float32))
+    return [*texts, *labels, *rewards]
+
+
+def _dataset(cfg: NeoXConfig, columns: list[Column], name: str, num_samples: int) -> Samples:
+    d, seq, seed = cfg.data, cfg.model.seq_length, cfg.training.seed
+    assert seq is not None
+    if d.pack_impl == "packed" and d.dataset_impl != "pairwise":
+        text = columns[0].data
+        labels = next((c.data for c in columns if c.key == "label"), None)
+        docs = np.arange(len(text), dtype=np.int32)
+        return GPTDataset(text, name, docs, num_samples, seq, seed, labels=labels)
+    pairwise = d.dataset_impl == "pairwise"
+    return document_samples(columns, d.pack_impl, num_samples, seq, seed, d.allow_chopped, pairwise)
+
+
+def step_batch(
+    loaded: LoadedConfig, iteration: int
+) -> tuple[int, np.ndarray | dict[str, np.ndarray]]:
     """The global batch training step ``iteration`` (1-based) sees, as one process reads it:
-    the index of its first sample, and its token ids [train_batch_size, seq_length + 1]."""
+    the index of its first sample, and its token ids [train_batch_size, seq_length + 1] (for
+    post-training data a dict of such arrays: text/label/reward or pos/neg and their labels)."""
     from torchneox.config.derive import derive
 
     tbs = derive(loaded, world_size=1)["train_batch_size"]
@@ -120,4 +197,7 @@ def step_batch(loaded: LoadedConfig, iteration: int) -> tuple[int, np.ndarray]:
     samples = build_splits(loaded.config, tbs).train
     assert samples is not None
     start = (iteration - 1) * tbs
-    return start, np.stack([samples[i] for i in range(start, start + tbs)])
+    rows = [samples[i] for i in range(start, start + tbs)]
+    if isinstance(rows[0], dict):
+        return start, {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+    return start, np.stack(rows)

@@ -163,6 +163,7 @@ class GPTDataset:
     num_samples: int
     seq_length: int
     seed: int
+    labels: IndexedDataset | None = None  # a label dataset: samples are {"text", "label"}
 
     def __post_init__(self) -> None:
         if len(self.documents) == 0:
@@ -246,18 +247,27 @@ class GPTDataset:
     def __len__(self) -> int:
         return len(self.shuffle_idx) - 1
 
-    def __getitem__(self, i: int) -> np.ndarray:
+    def __getitem__(self, i: int) -> np.ndarray | dict[str, np.ndarray]:
         if i >= len(self.shuffle_idx):  # as GPT-NeoX: an index past the end wraps around
             i %= len(self)
         s = int(self.shuffle_idx[i])
-        doc_f, off_f = (int(v) for v in self.sample_idx[s])
-        doc_l, off_l = (int(v) for v in self.sample_idx[s + 1])
+        first = tuple(int(v) for v in self.sample_idx[s])
+        last = tuple(int(v) for v in self.sample_idx[s + 1])
+        tokens = self._read(self.indexed, first, last)
+        if self.labels is None:
+            return tokens
+        return {"text": tokens, "label": self._read(self.labels, first, last)}
+
+    def _read(
+        self, data: IndexedDataset, first: tuple[int, int], last: tuple[int, int]
+    ) -> np.ndarray:
+        (doc_f, off_f), (doc_l, off_l) = first, last
         if doc_f == doc_l:
-            tokens = self.indexed.get(int(self.doc_idx[doc_f]), off_f, off_l - off_f + 1)
+            tokens = data.get(int(self.doc_idx[doc_f]), off_f, off_l - off_f + 1)
             return tokens.astype(np.int64)
-        parts = [self.indexed.get(int(self.doc_idx[doc_f]), off_f)]
-        parts += [self.indexed[int(self.doc_idx[j])] for j in range(doc_f + 1, doc_l)]
-        parts.append(self.indexed.get(int(self.doc_idx[doc_l]), 0, off_l + 1))
+        parts = [data.get(int(self.doc_idx[doc_f]), off_f)]
+        parts += [data[int(self.doc_idx[j])] for j in range(doc_f + 1, doc_l)]
+        parts.append(data.get(int(self.doc_idx[doc_l]), 0, off_l + 1))
         return np.concatenate(parts).astype(np.int64)
 
 

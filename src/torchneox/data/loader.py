@@ -15,6 +15,15 @@ import torch
 
 from torchneox.data.datasets import Samples
 
+Batch = torch.Tensor | dict[str, torch.Tensor]
+
+
+def stack(samples: list) -> Batch:
+    """Samples as one micro-batch: token ids [mb, seq + 1], or a dict of such per key."""
+    if isinstance(samples[0], dict):
+        return {k: torch.from_numpy(np.stack([s[k] for s in samples])) for k in samples[0]}
+    return torch.from_numpy(np.stack(samples))
+
 
 class BatchLoader:
     def __init__(
@@ -44,14 +53,12 @@ class BatchLoader:
         stride = self.micro_batch * self.dp_size
         return [base + m * stride + np.arange(self.micro_batch) for m in range(self.grad_accum)]
 
-    def _load(self, start: int) -> list[torch.Tensor]:
-        return [
-            torch.from_numpy(np.stack([self.samples[int(i)] for i in idx]))
-            for idx in self.indices(start)
-        ]
+    def _load(self, start: int) -> list[Batch]:
+        return [stack([self.samples[int(i)] for i in idx]) for idx in self.indices(start)]
 
-    def next(self) -> list[torch.Tensor]:
-        """The micro-batches ([mb, seq + 1] int64 each) of the next global batch."""
+    def next(self) -> list[Batch]:
+        """The micro-batches ([mb, seq + 1] int64 each; post-training data: a dict of them) of
+        the next global batch."""
         start = self.consumed
         if self._next is not None:
             batch = self._next.result()

@@ -144,7 +144,8 @@ def _checked_model_state(
         raise NeoXCheckpointError(e.message, source=str(step_dir), key=e.key) from None
     with torch.device("meta"):
         expected = {k: v.shape for k, v in Transformer(args).state_dict().items()}
-    missing = sorted(set(expected) - set(weights))
+    # a reward model converted from a language model's checkpoint: its head starts fresh
+    missing = sorted(set(expected) - set(weights) - {"value_head.weight"})
     extra = sorted(set(weights) - set(expected))
     wrong = [k for k in expected if k in weights and weights[k].shape != expected[k]]
     if missing or extra or wrong:
@@ -157,7 +158,7 @@ def _checked_model_state(
             f"{tuple(expected[wrong[0]])}"
         )
         raise NeoXCheckpointError(f"weights do not match the config: {what}", source=str(step_dir))
-    return {k: weights[k].contiguous() for k in expected}
+    return {k: weights[k].contiguous() for k in expected if k in weights}
 
 
 def _fp32(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -348,6 +348,11 @@ def model_state(
             out[f"final_norm.{'weight' if kind == 'scale' else kind}"] = layers[n + 3][
                 f"norm.{kind}"
             ]
+    if args.value_head:  # a reward model: rm_linear, absent from a language model's checkpoint
+        value = layers.get(n + 4, {}).get("rm_linear.weight")
+        if value is not None:
+            out["value_head.weight"] = value
+        return out
     head = layers.get(n + 4, {}).get("final_linear.weight")
     if not args.tied_embeddings:
         if head is None:

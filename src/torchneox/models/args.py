@@ -51,6 +51,8 @@ class ModelArgs:
     moe_interval: int = 1
     moe_router_type: str = "topk"
     moe_jitter_eps: float | None = None
+    value_head: bool = False
+    """A reward model (train_impl rm): the head gives one value per position, not logits."""
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe_num_experts > 1 and layer % self.moe_interval == 0
@@ -111,6 +113,7 @@ class ModelArgs:
             moe_interval=cfg.moe.moe_expert_interval,
             moe_router_type=cfg.moe.moe_router_type,
             moe_jitter_eps=cfg.moe.moe_jitter_eps,
+            value_head=cfg.training.train_impl == "rm",
         )
 
 

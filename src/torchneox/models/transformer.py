@@ -5,7 +5,7 @@ Parallelism is applied from outside. Parameter names are stable:
     embed.weight                      pos_embed.weight (learned positions)
     layers.{i}.attention_norm.*       layers.{i}.attention.{wq,wk,wv,wo}.{weight,bias}
     layers.{i}.mlp_norm.*             layers.{i}.mlp.{up,gate,down}.{weight,bias}
-    final_norm.*                      output.weight (untied head)
+    final_norm.*                      output.weight (untied head), value_head.weight (rm)
 
 Build it on the meta device, move it with ``to_empty`` and call ``init_weights()``.
 """
@@ -84,7 +84,13 @@ class Transformer(nn.Module):
         # a ModuleDict keyed by layer index keeps names stable when pipeline stages drop layers
         self.layers = nn.ModuleDict({str(i): Block(args, i) for i in range(args.num_layers)})
         self.final_norm = build_norm(args.norm, h, args.norm_eps, args.norm_bias)
-        self.output = None if args.tied_embeddings else nn.Linear(h, args.vocab_size, bias=False)
+        self.output = (
+            None
+            if args.tied_embeddings or args.value_head
+            else nn.Linear(h, args.vocab_size, bias=False)
+        )
+        # a reward model's head (GPT-NeoX's rm_linear): one value per position
+        self.value_head = nn.Linear(h, 1, bias=False) if args.value_head else None
         self._make_buffers(device=None)
 
     # ------------------------------------------------------------------ buffers and init
@@ -203,6 +209,8 @@ class Transformer(nn.Module):
         if self.final_norm is None:  # an earlier pipeline stage: hand on the hidden states
             return x
         x = self.final_norm(x)
+        if self.value_head is not None:
+            return self.value_head(x)
         if self.output is None:
             return F.linear(x, self.embed.weight)
         return self.output(x)

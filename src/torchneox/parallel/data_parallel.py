@@ -57,3 +57,13 @@ def set_gradient_sync(module: torch.nn.Module, sync: bool) -> None:
         module.require_backward_grad_sync = sync
     elif hasattr(module, "set_requires_gradient_sync"):
         module.set_requires_gradient_sync(sync)
+
+
+def shard_frozen(model: Transformer, mesh: DeviceMesh, ignored: list[str] | None = None) -> None:
+    """A model that only runs forward (DPO's and KTO's reference) sharded over ``mesh`` as a
+    ZeRO run shards its policy: each block gathered for its forward, then freed again."""
+    skip = {model.get_parameter(n) for n in ignored or []}
+    for block in model.layers.values():
+        own = {p for p in block.parameters() if p in skip} or None
+        fully_shard(block, mesh=mesh, reshard_after_forward=True, ignored_params=own)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True, ignored_params=skip or None)

@@ -15,7 +15,7 @@ from torchneox.config.layout import Layout
 from torchneox.models.args import ModelArgs
 from torchneox.models.transformer import Transformer, build_model
 from torchneox.parallel.activation_ckpt import apply_activation_checkpointing, compile_blocks
-from torchneox.parallel.data_parallel import apply_data_parallel
+from torchneox.parallel.data_parallel import apply_data_parallel, shard_frozen
 from torchneox.parallel.dims import ParallelDims
 from torchneox.parallel.expert_parallel import apply_expert_parallel
 from torchneox.parallel.pipeline import Pipeline, build_pipeline
@@ -31,6 +31,8 @@ class ParallelModel:
     model: nn.Module
     module: nn.Module
     pipeline: Pipeline | None = None
+    reference: nn.Module | None = None
+    """A frozen copy (DPO, KTO): sharded as the policy is, without gradients or optimizer."""
 
 
 def parallelize(
@@ -93,3 +95,22 @@ def build_parallel_model(
         return ParallelModel(pipeline.container, pipeline.container, pipeline)
     model = build_model(args, device=device, seed=training.seed)
     return ParallelModel(model, prepare(model))
+
+
+def build_reference(
+    args: ModelArgs, dims: ParallelDims, layout: Layout, device: torch.device, seed: int
+) -> nn.Module:
+    """The frozen reference model of DPO and KTO: the policy's architecture split as the
+    policy is (tensor and expert parallel; sharded over data-parallel ranks under ZeRO 1-3,
+    replicated under ZeRO 0), in eval mode, without gradients (so without optimizer state).
+    Its weights are loaded after (the policy's initial ones, or a checkpoint's)."""
+    model = build_model(args, device=device, seed=seed)
+    if dims.tp > 1:
+        apply_tensor_parallel(model, dims.mesh["tp"], layout.sequence_parallel)
+    expert_params: list[str] = []
+    if dims.ep > 1:
+        expert_params = apply_expert_parallel(model, dims.mesh)
+    model.requires_grad_(False)
+    if dims.dp > 1 and layout.zero >= 1:
+        shard_frozen(model, dims.mesh["dp"], expert_params)
+    return model.eval()

@@ -92,6 +92,7 @@ def stage_module(full_meta: Transformer, layers: range, first: bool, last: bool)
     if not last:
         part.final_norm = None
         part.output = None
+        part.value_head = None
     return part
 
 
@@ -143,6 +144,7 @@ def build_pipeline(
             container.embed, container.pos_embed = part.embed, part.pos_embed
         if last:
             container.final_norm, container.output = part.final_norm, part.output
+            container.value_head = part.value_head
         stages.append(PipelineStage(part, index, total_stages, device, group=pp_mesh.get_group()))
     if schedule in SINGLE:
         runner = SINGLE[schedule](stages[0], n_microbatches=microbatches, loss_fn=loss_fn)

@@ -327,12 +327,23 @@ def load_state(step_dir: Path, state: dict[str, Any]) -> None:
         dcp.load(state, checkpoint_id=str(step_dir))
 
 
-def load_model_weights(step_dir: Path, model: torch.nn.Module) -> None:
+FRESH_HEADS = ("value_head.weight",)
+"""Weights a model may start without: a reward model's head, from a language model's
+checkpoint (GPT-NeoX loads it non-strictly: rm_linear keeps its initialisation)."""
+
+
+def load_model_weights(step_dir: Path, model: torch.nn.Module, prefix: str = "model") -> list[str]:
+    """Load the checkpoint's ``prefix`` weights into ``model``; returns the fresh heads the
+    checkpoint did not have (they keep their initialisation)."""
     sd = model.state_dict()
     expected = {k: tuple(v.shape) for k, v in sd.items()}
     metadata = dcp.FileSystemReader(str(step_dir)).read_metadata()
+    fresh = []
     for key, shape in expected.items():
-        entry = metadata.state_dict_metadata.get(f"model.{key}")
+        entry = metadata.state_dict_metadata.get(f"{prefix}.{key}")
+        if entry is None and key in FRESH_HEADS:
+            fresh.append(key)
+            continue
         if entry is None:
             raise ConfigError(f"the checkpoint has no tensor {key}", source=str(step_dir))
         if tuple(entry.size) != shape:
@@ -341,8 +352,18 @@ def load_model_weights(step_dir: Path, model: torch.nn.Module) -> None:
                 "model the config describes",
                 source=str(step_dir),
             )
-    load_state(step_dir, {"model": sd})
-    model.load_state_dict(sd)
+    wanted = {k: v for k, v in sd.items() if k not in fresh}
+    load_state(step_dir, {prefix: wanted})
+    model.load_state_dict(wanted, strict=not fresh)
+    return fresh
+
+
+@torch.no_grad()
+def copy_weights(source: torch.nn.Module, target: torch.nn.Module) -> None:
+    """``source``'s parameters into ``target``, a model of the same shape split the same way."""
+    theirs = dict(target.named_parameters())
+    for name, param in source.named_parameters():
+        theirs[name].copy_(param)
 
 
 def load_model(
@@ -388,6 +409,7 @@ class TrainingState:
     optimizer: torch.optim.Optimizer
     scaler: Any  # LossScaler: state_dict / load_state_dict
     loaders: dict[str, Any]  # name -> BatchLoader (train, and valid when there is one)
+    reference: torch.nn.Module | None = None  # DPO's and KTO's frozen reference model
 
 
 @dataclass
@@ -397,6 +419,7 @@ class Resumed:
     step_dir: Path
     iteration: int
     training_state: bool  # False: weights only (finetune, or a converted checkpoint)
+    reference: bool = False  # the reference model's weights were loaded
 
 
 class CheckpointManager:
@@ -433,11 +456,14 @@ class CheckpointManager:
             tensors["optimizer"] = get_optimizer_state_dict(state.model, state.optimizer)
         if not ck.no_save_rng:
             tensors["rng"] = {"torch": torch.get_rng_state()}
+        if state.reference is not None:
+            tensors["reference"] = get_model_state_dict(state.reference)
         meta = {
             "loaders": {name: loader.state_dict() for name, loader in state.loaders.items()},
             "loss_scaler": state.scaler.state_dict(),
             "has_optimizer": "optimizer" in tensors,
             "has_rng": "rng" in tensors,
+            "has_reference": "reference" in tensors,
         }
         try:
             path = save_checkpoint(self.save_dir, iteration, tensors, self.config_yaml, meta)
@@ -472,7 +498,8 @@ class CheckpointManager:
             return None
         ck = self.ck
         meta = read_meta(step_dir)
-        load_model_weights(step_dir, state.model)
+        for key in load_model_weights(step_dir, state.model):
+            self.line(f"{step_dir} has no {key}: it starts from its initialisation")
         if ck.finetune or "loaders" not in meta:
             why = (
                 "finetune is set"
@@ -483,11 +510,12 @@ class CheckpointManager:
                 f"starting at step 0 from the weights of {step_dir}, with a fresh optimizer: {why}"
             )
             return Resumed(step_dir, 0, training_state=False)
-        self._load_training_state(step_dir, meta, state)
-        return Resumed(step_dir, int(meta["iteration"]), training_state=True)
+        reference = self._load_training_state(step_dir, meta, state)
+        return Resumed(step_dir, int(meta["iteration"]), True, reference)
 
-    def _load_training_state(self, step_dir: Path, meta: dict, state: TrainingState) -> None:
-        ck = self.ck
+    def _load_training_state(self, step_dir: Path, meta: dict, state: TrainingState) -> bool:
+        """Whether the reference model's weights were loaded too."""
+        ck, loaded_reference = self.ck, False
         tensors: dict[str, Any] = {}
         if not ck.no_load_optim and meta.get("has_optimizer", False):
             tensors["optimizer"] = get_optimizer_state_dict(state.model, state.optimizer)
@@ -499,8 +527,12 @@ class CheckpointManager:
             set_optimizer_state_dict(state.model, state.optimizer, tensors["optimizer"])
         if "rng" in tensors:
             torch.set_rng_state(tensors["rng"]["torch"])
+        if state.reference is not None and meta.get("has_reference", False):
+            load_model_weights(step_dir, state.reference, prefix="reference")
+            loaded_reference = True
         for name, loader in state.loaders.items():
             if name in meta["loaders"]:
                 loader.load_state_dict(meta["loaders"][name])
         if "loss_scaler" in meta:
             state.scaler.load_state_dict(meta["loss_scaler"])
+        return loaded_reference

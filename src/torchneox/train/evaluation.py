@@ -19,21 +19,25 @@ from torchneox.data.loader import BatchLoader
 from torchneox.models.transformer import Transformer
 from torchneox.train.loss import lm_loss
 
-BatchLosses = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+Values = torch.Tensor | dict[str, torch.Tensor]
+BatchLosses = Callable[[list[Any]], list[Any]]
 
 
 @torch.no_grad()
-def mean_loss(
-    model: torch.nn.Module, batches: Iterable[list[torch.Tensor]], losses_of: BatchLosses
-) -> torch.Tensor | None:
-    """The mean of the losses ``losses_of`` gives for each batch, with ``model`` in eval mode
+def mean_loss(model: torch.nn.Module, batches: Iterable[list[Any]], losses_of: BatchLosses) -> Any:
+    """The mean of the losses ``losses_of`` gives for each batch (or of each value, when it
+    gives dicts of them: lm_loss and an objective's metrics), with ``model`` in eval mode
     (back in train mode after); None when there was no batch."""
     model.eval()
     try:
         losses = [loss for batch in batches for loss in losses_of(batch)]
     finally:
         model.train()
-    return torch.stack(losses).mean() if losses else None
+    if not losses:
+        return None
+    if isinstance(losses[0], dict):
+        return {k: torch.stack([v[k] for v in losses]).mean() for k in losses[0]}
+    return torch.stack(losses).mean()
 
 
 def perplexity_of(loss: float) -> float:
@@ -61,6 +65,12 @@ class Evaluator:
     def loss(self, loader: BatchLoader, iters: int) -> float:
         """The mean loss of up to ``iters`` global batches of ``loader`` (NaN when it has none
         left), the same on every rank."""
+        values = self.values(loader, iters)
+        return float("nan") if values is None else values["lm_loss"]
+
+    def values(self, loader: BatchLoader, iters: int) -> dict[str, float] | None:
+        """lm_loss and the objective's metrics, each the mean over up to ``iters`` global
+        batches of ``loader`` (None when it has none left), the same on every rank."""
 
         def batches():
             for _ in range(iters):
@@ -69,7 +79,11 @@ class Evaluator:
                 yield loader.next()
 
         mean = mean_loss(self.model, batches(), self.losses_of)
-        return float("nan") if mean is None else self.mean_over_dp(mean).item()
+        if mean is None:
+            return None
+        if not isinstance(mean, dict):
+            mean = {"lm_loss": mean}
+        return {k: self.mean_over_dp(v).item() for k, v in mean.items()}
 
     def split_row(
         self, name: str, loader: BatchLoader | None, iteration: int, when: str = ""
@@ -77,15 +91,18 @@ class Evaluator:
         """Evaluate split ``name`` and log it, as GPT-NeoX's ``{name}_lm_loss``/``_ppl``."""
         if loader is None or self.eval_iters == 0:
             return None
-        loss = self.loss(loader, self.eval_iters)
-        if math.isnan(loss):
+        values = self.values(loader, self.eval_iters)
+        if values is None:
             self.logger.line(f"{name}: no whole batch left in the {name} split; not evaluated")
             return None
+        loss = values.pop("lm_loss")
         ppl = perplexity_of(loss)
         row = {"iteration": iteration, f"{name}_lm_loss": loss, f"{name}_ppl": ppl}
+        row |= {f"{name}_{k}": v for k, v in values.items()}
         self.logger.record(row)
         when = when or f"at step {iteration}"
-        self.logger.line(f"{name} {when}: loss {loss:.4f} | perplexity {ppl:.2f}")
+        extra = "".join(f" | {k} {v:.4g}" for k, v in values.items())
+        self.logger.line(f"{name} {when}: loss {loss:.4f} | perplexity {ppl:.2f}{extra}")
         return row
 
     def tasks_row(self, iteration: int) -> dict[str, Any] | None:

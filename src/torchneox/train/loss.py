@@ -14,6 +14,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
+from torchneox.parallel.collectives import plain
+
 BLOCK_BYTES = 4 << 20  # rows of fp32 logits per block: a few MiB, the size of a core's cache
 
 
@@ -114,3 +116,16 @@ def lm_loss_and_z(
     losses, lse = _token_terms(flat, labels_BT.reshape(-1), True, with_z=True)
     assert lse is not None
     return _mean(losses, mask_BT), _mean(lse.square(), mask_BT)
+
+
+def token_logp(logits_BTV: torch.Tensor, labels_BT: torch.Tensor, fp32: bool) -> torch.Tensor:
+    """The log-probability of each label [B, T] (GPT-NeoX's ``get_logp``: minus the per-token
+    cross-entropy), computed in fp32 when ``fp32`` (dpo_fp32, kto_fp32), else in the logits'
+    dtype; a plain tensor for vocabulary-parallel logits too."""
+    b, t, v = logits_BTV.shape
+    flat, labels = logits_BTV.reshape(-1, v), labels_BT.reshape(-1)
+    if fp32:
+        losses, _ = _token_terms(flat, labels, True, with_z=False)
+    else:
+        losses = F.cross_entropy(flat, labels, reduction="none")
+    return -plain(losses).reshape(b, t)

@@ -166,7 +166,9 @@ class MetricsLogger:
             }
             self.comet.log_metrics(numbers, step=step)
 
-    def step_text(self, row: dict[str, Any], total: int, eta_s: float) -> str:
+    def step_text(
+        self, row: dict[str, Any], total: int, eta_s: float, metrics: tuple[str, ...] = ()
+    ) -> str:
         parts = [
             f"step {row['iteration']}/{total}",
             f"loss {row['lm_loss']:.4f}",
@@ -183,6 +185,8 @@ class MetricsLogger:
             parts.append(
                 f"moe aux {row['moe_aux_loss']:.3f}, busiest expert {max(counts) / max(mean, 1):.2f}x mean"
             )
+        # the objective's own metrics (DPO's rewards, KTO's KL, a reward model's accuracy)
+        parts += [f"{k} {row[k]:.4g}" for k in metrics]
         parts += [
             f"{row['tokens_per_sec']:,.0f} tok/s",
             f"{row['tflops']:.3g} TFLOP/s",

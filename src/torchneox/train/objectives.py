@@ -1,27 +1,90 @@
-"""What a batch's loss is. Pretraining's objective is GPT-NeoX's language-modelling loss:
-the mean next-token cross-entropy (optionally without the positions after an end-of-document
-token, ``eod_mask_loss``), plus PaLM's z-loss when ``lm_z_loss`` is set and the MoE routers'
-load-balancing loss weighted by ``moe_aux_loss_coeff``."""
+"""What a batch's loss is: one objective per ``train_impl``, each given to the trainer as a
+component (the loop calls ``prepare``, the model, and ``terms``; it knows no objective).
+
+- ``LanguageModeling`` (normal): GPT-NeoX's mean next-token cross-entropy over the positions
+  that count: all, or with label datasets (SFT) those whose label is >= 0, without the
+  positions after an end-of-document token under ``eod_mask_loss``; plus PaLM's z-loss
+  (``lm_z_loss``) and the MoE routers' load-balancing loss (``moe_aux_loss_coeff``).
+- ``DPO`` (dpo): ``-logsigmoid(beta * ((pi_c - pi_r) - (ref_c - ref_r)))``, the summed
+  log-probabilities of the chosen and rejected answers under the policy and a frozen reference.
+- ``KTO`` (kto): the batch's two halves, each half's KL estimate the other's reference point.
+- ``RewardModel`` (rm): Bradley-Terry, ``-logsigmoid(v_chosen - v_rejected)`` on the value at
+  each sample's one labelled position, plus ``z_loss`` times the squared values.
+
+Every formula and logged metric is GPT-NeoX's (megatron/training.py ``forward_step``); the
+metrics are micro-batch means, averaged as lm_loss is.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+from torch.nn import functional as F
 
+from torchneox.base.errors import DataError
 from torchneox.models.moe import RouterStats, balancing_loss
-from torchneox.train.loss import lm_loss, lm_loss_and_z
+from torchneox.train.loss import lm_loss, lm_loss_and_z, token_logp
 
 
 @dataclass
 class Terms:
-    """One micro-batch's loss (what is logged), the objective backward runs on, and the
-    extra terms it holds (detached, for the logs)."""
+    """One micro-batch's loss (what is logged as lm_loss), the objective backward runs on, the
+    extra terms it holds, and the objective's own metrics (all detached, for the logs)."""
 
     loss: torch.Tensor
     objective: torch.Tensor
     z_loss: torch.Tensor | None = None
     moe_aux_loss: torch.Tensor | None = None
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class Prepared:
+    """A micro-batch as the model sees it: inputs [B, T], the label of each position, whether
+    it counts (the loss mask), and KTO's per-position rewards."""
+
+    inputs: torch.Tensor
+    labels: torch.Tensor
+    mask: torch.Tensor | None
+    rewards: torch.Tensor | None = None
+
+
+def shifted(
+    tokens: torch.Tensor,
+    labels: torch.Tensor | None,
+    eod_id: int | None,
+    zero_masked: bool = False,
+) -> Prepared:
+    """GPT-NeoX's _get_batch: inputs are the tokens but the last; the labels are the label
+    dataset's (masked positions, -100, read as 0) or the next tokens; the loss mask is
+    label >= 0, and without end-of-document inputs under eod_mask_loss (``eod_id``)."""
+    inputs = tokens[:, :-1]
+    mask = None
+    if labels is not None:
+        mask = labels[:, 1:] >= 0
+        target = torch.where(mask, labels[:, 1:], torch.zeros_like(labels[:, 1:]))
+    else:
+        target = tokens[:, 1:]
+        if zero_masked:  # GPT-NeoX's label_mask_zero (dpo, rm): token ids are never negative
+            target = target * (target >= 0)
+    if eod_id is not None:
+        not_eod = inputs != eod_id
+        mask = not_eod if mask is None else mask & not_eod
+    return Prepared(inputs, target, mask)
+
+
+def _pair(batch: dict[str, torch.Tensor], eod_id: int | None) -> Prepared:
+    """Chosen then rejected samples, one micro-batch of 2 x mb rows (as GPT-NeoX concatenates
+    them); the mask is all ones where there are no label datasets."""
+    pos = shifted(batch["pos"], batch.get("pos_label"), eod_id, zero_masked=True)
+    neg = shifted(batch["neg"], batch.get("neg_label"), eod_id, zero_masked=True)
+    ones = torch.ones_like(pos.inputs, dtype=torch.bool)
+    mask = torch.cat(
+        [ones if pos.mask is None else pos.mask, ones if neg.mask is None else neg.mask]
+    )
+    return Prepared(torch.cat([pos.inputs, neg.inputs]), torch.cat([pos.labels, neg.labels]), mask)
 
 
 @dataclass
@@ -29,26 +92,28 @@ class LanguageModeling:
     eod_id: int | None = None  # eod_mask_loss: the end-of-document token, else None
     z_weight: float = 0.0  # lm_z_loss
     aux_weight: float = 0.0  # moe_aux_loss_coeff
+    needs_reference = False
 
-    def mask(self, inputs_BT: torch.Tensor) -> torch.Tensor | None:
-        """Which positions count: all, or (eod_mask_loss) those whose input is not the EOD."""
-        return (inputs_BT != self.eod_id) if self.eod_id is not None else None
+    def prepare(self, batch: torch.Tensor | dict[str, torch.Tensor]) -> Prepared:
+        if isinstance(batch, dict):
+            return shifted(batch["text"], batch.get("label"), self.eod_id)
+        return shifted(batch, None, self.eod_id)
 
     def terms(
         self,
         logits: torch.Tensor,
-        labels_BT: torch.Tensor,
-        mask_BT: torch.Tensor | None,
+        prep: Prepared,
+        reference: torch.Tensor | None = None,
         router_stats: list[RouterStats] | None = None,
         placed=None,
     ) -> Terms:
         """``router_stats``: every MoE layer's statistics over the whole batch (summed over the
         ranks that split it); ``placed(term, like)`` puts a term beside a distributed loss."""
         if self.z_weight:
-            loss, z = lm_loss_and_z(logits, labels_BT, mask_BT)
+            loss, z = lm_loss_and_z(logits, prep.labels, prep.mask)
             out = Terms(loss, loss + self.z_weight * z, z_loss=z.detach())
         else:
-            loss = lm_loss(logits, labels_BT, mask_BT)
+            loss = lm_loss(logits, prep.labels, prep.mask)
             out = Terms(loss, loss)
         if router_stats:
             aux = torch.stack([balancing_loss(s) for s in router_stats]).mean()
@@ -56,3 +121,175 @@ class LanguageModeling:
             out.objective = out.objective + (placed(weighted, loss) if placed else weighted)
             out.moe_aux_loss = aux.detach().float()
         return out
+
+
+def _summed(logp: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chosen and rejected rows' log-probabilities summed over their masked positions."""
+    pos, neg = torch.chunk(logp * mask, 2, 0)
+    return pos.sum(-1), neg.sum(-1)
+
+
+@dataclass
+class DPO:
+    beta: float = 0.1  # dpo_beta
+    reference_free: bool = False  # dpo_reference_free: the reference's log-probabilities are 0
+    fp32: bool = True  # dpo_fp32
+    eod_id: int | None = None
+
+    @property
+    def needs_reference(self) -> bool:
+        return not self.reference_free
+
+    def prepare(self, batch: dict[str, torch.Tensor]) -> Prepared:
+        return _pair(batch, self.eod_id)
+
+    def terms(
+        self,
+        logits: torch.Tensor,
+        prep: Prepared,
+        reference: torch.Tensor | None = None,
+        router_stats: Any = None,
+        placed: Any = None,
+    ) -> Terms:
+        assert prep.mask is not None
+        mask = prep.mask.float()
+        chosen_pos, chosen_neg = _summed(token_logp(logits, prep.labels, self.fp32), mask)
+        m: dict[str, torch.Tensor] = {}
+        if self.reference_free:
+            ref_pos = ref_neg = torch.zeros_like(chosen_pos)
+        else:
+            assert reference is not None
+            with torch.no_grad():
+                ref_pos, ref_neg = _summed(token_logp(reference, prep.labels, self.fp32), mask)
+            m["ref_neg"], m["ref_pos"] = ref_neg.mean(), ref_pos.mean()
+        m["chosen_neg"], m["chosen_pos"] = chosen_neg.detach().mean(), chosen_pos.detach().mean()
+        if not self.reference_free:
+            chosen_rewards = self.beta * (chosen_pos.detach() - ref_pos)
+            rejected_rewards = self.beta * (chosen_neg.detach() - ref_neg)
+            m["chosen_rewards"] = chosen_rewards.mean()
+            m["rejected_rewards"] = rejected_rewards.mean()
+            m["reward_acc"] = (chosen_rewards > rejected_rewards).float().mean()
+            m["margins"] = (chosen_rewards - rejected_rewards).mean()
+        margin = (chosen_pos - chosen_neg) - (ref_pos - ref_neg)
+        loss = -F.logsigmoid(self.beta * margin).mean()
+        return Terms(loss, loss, metrics=m)
+
+
+@dataclass
+class KTO:
+    beta: float = 0.1  # kto_beta
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
+    fp32: bool = True  # kto_fp32
+    eod_id: int | None = None
+    needs_reference = True
+
+    def prepare(self, batch: dict[str, torch.Tensor]) -> Prepared:
+        prep = shifted(batch["text"], batch.get("label"), self.eod_id)
+        if prep.mask is None:
+            prep.mask = torch.ones_like(prep.inputs, dtype=torch.bool)
+        # the reward of a prediction is the one of the token predicted: without the last
+        prep.rewards = batch["reward"][:, :-1].float()
+        return prep
+
+    def terms(
+        self,
+        logits: torch.Tensor,
+        prep: Prepared,
+        reference: torch.Tensor | None = None,
+        router_stats: Any = None,
+        placed: Any = None,
+    ) -> Terms:
+        assert prep.mask is not None and prep.rewards is not None and reference is not None
+        mask, rewards = prep.mask.float(), prep.rewards
+        with torch.no_grad():
+            ref = token_logp(reference, prep.labels, self.fp32) * mask
+            total = rewards.sum(-1)
+            scaling = (total > 0.001).float() * self.desirable_weight
+            scaling = scaling + (total < -0.001).float() * self.undesirable_weight
+        policy = token_logp(logits, prep.labels, self.fp32) * mask
+        m = _kto_metrics(policy.detach(), ref, rewards, mask, self.beta)
+        pol1, pol2 = torch.chunk(policy, 2, 0)
+        ref1, ref2 = torch.chunk(ref, 2, 0)
+        r1, r2 = torch.chunk(rewards, 2, 0)
+        s1, s2 = torch.chunk(scaling, 2, 0)
+        kl1 = torch.clamp((pol1 - ref1).sum(-1), min=0).mean().detach()
+        kl2 = torch.clamp((pol2 - ref2).sum(-1), min=0).mean().detach()
+        # as GPT-NeoX: r is the reward averaged over every position of the row, padding too
+        half1 = 1 - torch.sigmoid(self.beta * r1.mean(-1) * ((pol1 - ref1).sum(-1) - kl2))
+        half2 = 1 - torch.sigmoid(self.beta * r2.mean(-1) * ((pol2 - ref2).sum(-1) - kl1))
+        loss = (0.5 * s1.mean(-1) * half1 + 0.5 * s2.mean(-1) * half2).mean()
+        return Terms(loss, loss, metrics=m)
+
+
+def _kto_metrics(
+    policy: torch.Tensor, ref: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, beta: float
+) -> dict[str, torch.Tensor]:
+    pos, neg = (rewards > 0.001).float(), (rewards < -0.001).float()
+    policy_rewards = beta * rewards * (policy - ref)
+    return {
+        "ref_logp": ref.sum(-1).mean(),
+        "policy_logp": policy.sum(-1).mean(),
+        "pos_ref_logp": (ref * pos).sum(-1).mean(),
+        "neg_ref_logp": (ref * neg).sum(-1).mean(),
+        "pos_policy_logp": (policy * pos).sum(-1).mean(),
+        "neg_policy_logp": (policy * neg).sum(-1).mean(),
+        "kl": (policy - ref).sum() / mask.sum(),
+        "reward_acc": (policy_rewards.sum(-1) > 0.0).float().mean(),
+        "policy_rewards": policy_rewards.sum(),
+    }
+
+
+@dataclass
+class RewardModel:
+    z_weight: float = 0.0  # z_loss: weight of the squared values
+    eod_id: int | None = None
+    needs_reference = False
+
+    def prepare(self, batch: dict[str, torch.Tensor]) -> Prepared:
+        return _pair(batch, self.eod_id)
+
+    def terms(
+        self,
+        values: torch.Tensor,
+        prep: Prepared,
+        reference: torch.Tensor | None = None,
+        router_stats: Any = None,
+        placed: Any = None,
+    ) -> Terms:
+        assert prep.mask is not None
+        counts = prep.mask.sum(-1)
+        if not bool((counts == 1).all()):
+            n = int(counts[counts != 1][0])
+            raise DataError(
+                f"train_impl rm reads each sample's value at its one labelled position, but a "
+                f"sample has {n}; preprocess the pairs with --chat --for-rm"
+            )
+        where = prep.mask.float().argmax(-1, keepdim=True)
+        picked = values.float().squeeze(-1).gather(1, where)  # [2 x mb, 1]
+        pos, neg = torch.chunk(picked, 2, 0)
+        with torch.no_grad():
+            m = {
+                "pos_values": pos.mean(),
+                "neg_values": neg.mean(),
+                "margin": (pos - neg).mean(),
+                "accuracy": ((pos - neg) > 0).float().mean(),
+            }
+        loss = -F.logsigmoid(pos - neg).mean() + (self.z_weight * (pos**2 + neg**2)).mean()
+        return Terms(loss, loss, metrics={k: v.detach() for k, v in m.items()})
+
+
+Objective = LanguageModeling | DPO | KTO | RewardModel
+
+
+def build_objective(training: Any, moe_aux_loss_coeff: float, eod_id: int | None) -> Objective:
+    """The objective of ``training.train_impl`` from the training config group (``eod_id``:
+    the end-of-document token when eod_mask_loss is set)."""
+    t = training
+    if t.train_impl == "dpo":
+        return DPO(t.dpo_beta, t.dpo_reference_free, t.dpo_fp32, eod_id)
+    if t.train_impl == "kto":
+        return KTO(t.kto_beta, t.kto_desirable_weight, t.kto_undesirable_weight, t.kto_fp32, eod_id)
+    if t.train_impl == "rm":
+        return RewardModel(t.z_loss, eod_id)
+    return LanguageModeling(eod_id, t.lm_z_loss, moe_aux_loss_coeff)

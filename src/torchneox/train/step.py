@@ -13,6 +13,7 @@ import torch
 
 from torchneox.base.errors import TrainingStopped
 from torchneox.base.faults import fault_point
+from torchneox.data.loader import Batch
 from torchneox.models.moe import MoE
 from torchneox.parallel.collectives import mean_over_dp, plain, sum_over_pp, sum_router_stats
 from torchneox.parallel.data_parallel import set_gradient_sync
@@ -23,7 +24,7 @@ from torchneox.parallel.pipeline import evaluate_pipeline
 from torchneox.parallel.tensor_parallel import loss_context, placed_like
 from torchneox.train.loss import lm_loss
 from torchneox.train.metrics import Timers
-from torchneox.train.objectives import LanguageModeling
+from torchneox.train.objectives import Objective
 from torchneox.train.optim import clip_grad_norm, shard_gradients_like_parameters
 from torchneox.train.precision import LossScaler, autocast
 
@@ -43,7 +44,7 @@ class TrainStep:
         parts: ParallelModel,
         optimizer: torch.optim.Optimizer,
         scaler: LossScaler,
-        objective: LanguageModeling,
+        objective: Objective,
         policy: GradientPolicy,
         dims: ParallelDims,
         device: torch.device,
@@ -68,34 +69,40 @@ class TrainStep:
 
     # ------------------------------------------------------------------ forward/backward
 
-    def _forward(self, inputs: torch.Tensor, labels: torch.Tensor, sums: dict) -> Any:
-        mask = self.objective.mask(inputs)
+    def _forward(self, batch: Batch, sums: dict) -> Any:
+        prep = self.objective.prepare(batch)
         stats = whole = None
         if self.moe_layers:
-            logits, stats = self.parts.module(inputs, router_stats=True)
+            out, stats = self.parts.module(prep.inputs, router_stats=True)
             # the load-balancing loss sees the whole batch: the router statistics summed
             # over the ranks that split it (one process's loss, in any layout)
             whole = stats
             if self.dims.dp > 1:
                 whole = [sum_router_stats(s, self.dims.mesh["dp"]) for s in stats]
         else:
-            logits = self.parts.module(inputs)
-        terms = self.objective.terms(logits, labels, mask, whole, placed_like)
+            out = self.parts.module(prep.inputs)
+        reference = None
+        if self.objective.needs_reference:
+            assert self.parts.reference is not None
+            with torch.no_grad():
+                reference = self.parts.reference(prep.inputs)
+        terms = self.objective.terms(out, prep, reference, whole, placed_like)
         for name in ("z_loss", "moe_aux_loss"):
             value = getattr(terms, name)
             if value is not None:
                 sums[name] = sums.get(name, 0) + value
+        for name, value in terms.metrics.items():
+            sums[name] = sums.get(name, 0) + plain(value).detach().float()
         for i, s in enumerate(stats or []):
             self.moe_counts[i] += s.tokens_per_expert
         return terms
 
-    def _forward_backward(self, tokens: torch.Tensor, last: bool, sums: dict) -> torch.Tensor:
-        tokens = tokens.to(self.device, non_blocking=True)
-        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    def _forward_backward(self, batch: Batch, last: bool, sums: dict) -> torch.Tensor:
+        batch = to_device(batch, self.device)
         set_gradient_sync(self.parts.module, last)
         with self._loss_context():
             with self.timers("forward"), self._autocast():
-                terms = self._forward(inputs, labels, sums)
+                terms = self._forward(batch, sums)
             with self.timers("backward"):
                 (terms.objective * (self.scaler.scale / self.grad_accum)).backward()
         return plain(terms.loss.detach())
@@ -155,9 +162,11 @@ class TrainStep:
         if self.moe_layers:
             aux = sums.get("moe_aux_loss", torch.zeros((), device=self.device))
             out["moe_aux_loss"] = mean_over_dp(aux / self.grad_accum, self.dims).item()
-        if self.objective.z_weight:
-            z = sums.get("z_loss", torch.zeros((), device=self.device))
-            out["z_loss"] = mean_over_dp(z / self.grad_accum, self.dims).item()
+        if getattr(self.objective, "z_weight", 0.0) and "z_loss" in sums:
+            out["z_loss"] = mean_over_dp(sums["z_loss"] / self.grad_accum, self.dims).item()
+        for name, value in sums.items():  # the objective's metrics, as GPT-NeoX averages them
+            if name not in ("z_loss", "moe_aux_loss"):
+                out[name] = mean_over_dp(value / self.grad_accum, self.dims).item()
         return out
 
     def apply_gradients(self, iteration: int, bad: str | None) -> tuple[float, bool]:
@@ -201,15 +210,27 @@ class TrainStep:
     # ------------------------------------------------------------------------ evaluation
 
     @torch.no_grad()
-    def eval_losses(self, micro_batches: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The loss of each micro-batch of a global batch (one mean for a pipeline)."""
+    def eval_losses(self, micro_batches: list[Batch]) -> list[dict[str, torch.Tensor]]:
+        """The loss (and the objective's metrics) of each micro-batch of a global batch (one
+        mean for a pipeline)."""
         if self.parts.pipeline is not None:
-            return [self._pipeline_batch(micro_batches, train=False)]
-        losses = []
-        for tokens in micro_batches:
-            tokens = tokens.to(self.device)
-            inputs, labels = tokens[:, :-1], tokens[:, 1:]
-            mask = self.objective.mask(inputs)
+            return [{"lm_loss": self._pipeline_batch(micro_batches, train=False)}]
+        values = []
+        for batch in micro_batches:
+            prep = self.objective.prepare(to_device(batch, self.device))
             with self._loss_context(), self._autocast():
-                losses.append(plain(lm_loss(self.parts.module(inputs), labels, mask)))
-        return losses
+                out = self.parts.module(prep.inputs)
+                reference = None
+                if self.objective.needs_reference:
+                    assert self.parts.reference is not None
+                    reference = self.parts.reference(prep.inputs)
+                terms = self.objective.terms(out, prep, reference)
+            row = {"lm_loss": plain(terms.loss)}
+            values.append(row | {k: plain(v).float() for k, v in terms.metrics.items()})
+        return values
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    if isinstance(batch, dict):
+        return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    return batch.to(device, non_blocking=True)

@@ -25,18 +25,19 @@ from torchneox.data.tokenizers import build_tokenizer
 from torchneox.models.args import ModelArgs
 from torchneox.parallel.collectives import any_rank, mean_over_dp, sum_over_dp
 from torchneox.parallel.dims import ParallelDims, init_distributed
-from torchneox.parallel.parallelize import build_parallel_model
-from torchneox.train.checkpoint import CheckpointManager, TrainingState
+from torchneox.parallel.parallelize import build_parallel_model, build_reference
+from torchneox.train.checkpoint import CheckpointManager, Resumed, TrainingState, copy_weights
 from torchneox.train.evaluation import Evaluator
 from torchneox.train.lr import Schedule
 from torchneox.train.metrics import MetricsLogger, Throughput, Timers
-from torchneox.train.objectives import LanguageModeling
+from torchneox.train.objectives import build_objective
 from torchneox.train.optim import build_optimizer
 from torchneox.train.precision import LossScaler
 from torchneox.train.profiling import Profiler
 from torchneox.train.step import GradientPolicy, TrainStep
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGHUP: the terminal went away
+STEP_KEYS = ("lm_loss", "lr", "grad_norm", "skipped", "z_loss", "moe_aux_loss")
 
 
 def require(loaded: LoadedConfig, derived: Derived) -> Layout:
@@ -119,8 +120,11 @@ class Trainer:
             self.logger.line,
         )
         self.evaluator = self._build_evaluator()
-        if cfg.checkpoint.load:
-            self._resume(Path(cfg.checkpoint.load), load_step)
+        resumed = (
+            self._resume(Path(cfg.checkpoint.load), load_step) if cfg.checkpoint.load else None
+        )
+        if self.parts.reference is not None and not (resumed and resumed.reference):
+            copy_weights(self.model, self.parts.reference)  # the policy as training starts
 
     # ------------------------------------------------------------------------- setup
 
@@ -140,6 +144,11 @@ class Trainer:
             lambda logits, labels: self.step.pipeline_loss(logits, labels),
         )
         self.model, self.pipeline = self.parts.model, self.parts.pipeline
+        t = cfg.training
+        if t.train_impl == "kto" or (t.train_impl == "dpo" and not t.dpo_reference_free):
+            self.parts.reference = build_reference(
+                self.args, self.dims, self.layout, self.device, t.seed
+            )
         self.optimizer = build_optimizer(self.model, cfg, self.device.type)
         self.schedule = Schedule.from_config(cfg, d)
 
@@ -164,7 +173,7 @@ class Trainer:
         sync = torch.cuda.synchronize if self.device.type == "cuda" else None
         self.timers = Timers(cfg.logging.wall_clock_breakdown, sync)
         eod = build_tokenizer(cfg).eod_id if t.eod_mask_loss else None
-        self.objective = LanguageModeling(eod, t.lm_z_loss, cfg.moe.moe_aux_loss_coeff)
+        self.objective = build_objective(t, cfg.moe.moe_aux_loss_coeff, eod)
         self.step = TrainStep(
             self.parts,
             self.optimizer,
@@ -205,16 +214,16 @@ class Trainer:
         loaders = {"train": self.train_loader}
         if self.valid_loader is not None:
             loaders["valid"] = self.valid_loader
-        return TrainingState(self.model, self.optimizer, self.scaler, loaders)
+        return TrainingState(self.model, self.optimizer, self.scaler, loaders, self.parts.reference)
 
     @property
     def peak_tflops(self) -> float | None:
         return self.throughput.peak_tflops
 
-    def _resume(self, load_dir: Path, step: int | None) -> None:
+    def _resume(self, load_dir: Path, step: int | None) -> Resumed | None:
         resumed = self.checkpoints.resume(load_dir, step, self.state)
         if resumed is None or not resumed.training_state:
-            return
+            return resumed
         self.iteration = resumed.iteration
         if self.cfg.lr.use_checkpoint_lr_scheduler:
             from torchneox.train.checkpoint import checkpoint_config
@@ -226,6 +235,7 @@ class Trainer:
                 "learning-rate schedule taken from the checkpoint (use_checkpoint_lr_scheduler)"
             )
         self.logger.line(f"resumed from {resumed.step_dir} at iteration {self.iteration}")
+        return resumed
 
     # -------------------------------------------------------------------------- step
 
@@ -368,11 +378,17 @@ class Trainer:
             row["loss_scale"] = self.scaler.scale
         if "z_loss" in out:
             row["z_loss"] = out["z_loss"]
+        row |= {k: out[k] for k in self.objective_metrics(out)}
         if "moe_aux_loss" in out:
             row["moe_aux_loss"] = out["moe_aux_loss"]
             counts = sum_over_dp(torch.stack(self.step.moe_counts), self.dims)
             row["moe_tokens_per_expert"] = counts.tolist()  # [MoE layer][expert], this step
         return row
+
+    @staticmethod
+    def objective_metrics(out: dict[str, float]) -> tuple[str, ...]:
+        """The names of the objective's own metrics in a step's values."""
+        return tuple(k for k in out if k not in STEP_KEYS)
 
 
 class _Progress:
@@ -396,7 +412,8 @@ class _Progress:
         seconds = (time.perf_counter() - self.window_start) / self.window_steps
         self.last_row = tr.step_row(out, seconds, self.tokens_per_step)
         tr.logger.record(self.last_row)
-        tr.logger.line(tr.logger.step_text(self.last_row, tr.train_iters, eta))
+        shown = tr.objective_metrics(out)
+        tr.logger.line(tr.logger.step_text(self.last_row, tr.train_iters, eta, shown))
         if lg.wall_clock_breakdown:
             tr.logger.line("  " + tr.timers.report(self.window_steps))
         self.window_start, self.window_steps = time.perf_counter(), 0
