@@ -162,3 +162,109 @@ VARIANTS = {
 def build(variant: str, seed: int = 0):
     loaded = load_mapping(BASE | VARIANTS[variant], variant)
     return loaded, build_model(model_args(loaded), seed=seed)
+
+
+# a chat tokenizer for post-training tests: characters, chat specials, a chat template
+TEMPLATE = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+def make_chat_tokenizer(folder: Path, template: str = TEMPLATE) -> Path:
+    """A character-level tokenizer.json with chat specials and a tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models
+
+    # 77 tokens: a vocabulary padded to 128 both by 64 on one tensor rank and by 2 x 64 on two
+    chars = sorted(set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 ,.!?'-:\n"))
+    specials = ["<|endoftext|>", "<|padding|>", "<|system|>", "<|user|>", "<|assistant|>"]
+    vocab = {t: i for i, t in enumerate(specials + chars)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.add_special_tokens(specials)
+    tok.decoder = decoders.Fuse()
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|padding|>",
+        "chat_template": template,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+CHAT_WORDS = ["thou", "art", "the", "king", "of", "all", "that", "is", "good", "and", "fair", "my", "lord", "speak", "now", "or", "hold"]
+
+
+def write_chat_data(folder: Path, records: int = 48, seed: int = 0) -> dict[str, Path]:
+    """Chat jsonl made of random words: SFT chats, preference pairs and KTO records (half of
+    them desirable)."""
+    import random
+
+    rng = random.Random(seed)
+
+    def line(n: int) -> str:
+        return " ".join(rng.choice(CHAT_WORDS) for _ in range(n)).capitalize() + "."
+
+    pairs, sft, kto = [], [], []
+    for _ in range(records):
+        # short enough that every chat fits a sample of 64 tokens
+        user = {"role": "user", "content": line(rng.randint(1, 3))}
+        good = {"role": "assistant", "content": line(rng.randint(2, 4))}
+        bad = {"role": "assistant", "content": line(rng.randint(1, 3))}
+        pairs.append({"chosen": [user, good], "rejected": [user, bad]})
+        sft.append({"messages": [user, good]})
+        kto += [{"messages": [user, good], "reward": 1}, {"messages": [user, bad], "reward": -1}]
+    out = {}
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, rows in (("pairs", pairs), ("sft", sft), ("kto", kto)):
+        out[name] = folder / f"{name}.jsonl"
+        out[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out
+
+
+def post_training_data(folder: Path) -> dict[str, dict]:
+    """Chat data preprocessed as a user does (`torchneox preprocess --chat`) and the data keys
+    of each objective's config: sft, dpo, kto and rm."""
+    from torchneox.cli import main
+
+    tok = make_chat_tokenizer(folder / "tokenizer")
+    jsonl = write_chat_data(folder)
+    d = folder / "data"
+
+    def pre(source: str, prefix: str, keys: list[str], *flags: str) -> None:
+        args = ["preprocess", "--input", str(jsonl[source]), "--output-prefix", str(d / prefix)]
+        args += ["--tokenizer-path", str(tok), "--jsonl-keys", *keys, *flags]
+        assert main(args) == 0
+
+    pre("sft", "sft", ["messages"])
+    pre("pairs", "dpo", ["chosen", "rejected"], "--only-last")
+    pre("pairs", "rm", ["chosen", "rejected"], "--for-rm")
+    pre("kto", "kto", ["messages"], "--reward-key", "reward")
+    common = {
+        "tokenizer_type": "HFTokenizer",
+        "vocab_file": str(tok / "tokenizer.json"),
+        "pack_impl": "unpacked",
+    }
+
+    def paths(prefix: str, *kinds: str, sides: tuple[str, ...] = ("",)) -> dict:
+        keys = {}
+        for side in sides:
+            stem = {"": "messages", "pos_": "chosen", "neg_": "rejected"}[side]
+            for split in ("train", "valid"):
+                for kind in kinds:
+                    key = f"{side}{split}_{kind + '_' if kind else ''}data_paths"
+                    name = f"{prefix}_{stem}_{kind + '_' if kind else ''}document"
+                    keys[key] = [str(d / name)]
+        return keys
+
+    pairs = {"dataset_impl": "pairwise"}
+    return {
+        "sft": common | paths("sft", "", "label"),
+        "dpo": common | pairs | {"train_impl": "dpo"}
+        | paths("dpo", "", "label", sides=("pos_", "neg_")),
+        "rm": common | pairs | {"train_impl": "rm"}
+        | paths("rm", "", "label", sides=("pos_", "neg_")),
+        "kto": common | {"train_impl": "kto"} | paths("kto", "", "label", "reward"),
+    }  # fmt: skip

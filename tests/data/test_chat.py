@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import shared_dir
+from tests.helpers import TEMPLATE, make_chat_tokenizer
 from torchneox.cli import main
 from torchneox.data.chat import IGNORE, ChatOptions, ChatTokenizer, chat_document
 from torchneox.data.indexed import IndexedDataset
@@ -18,34 +19,6 @@ from torchneox.data.indexed import IndexedDataset
 SHARED = shared_dir()
 POST = SHARED / "golden" / "neox_runs" / "post_training" if SHARED else None
 needs_shared = pytest.mark.skipif(SHARED is None, reason="../shared is not on this machine")
-
-TEMPLATE = (
-    "{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '\\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
-)
-
-
-def make_chat_tokenizer(folder: Path, template: str = TEMPLATE) -> Path:
-    """A character-level tokenizer.json with chat specials and a tokenizer_config.json."""
-    from tokenizers import Tokenizer, decoders, models
-
-    chars = sorted(set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ ,.!?'\n"))
-    specials = ["<|endoftext|>", "<|padding|>", "<|system|>", "<|user|>", "<|assistant|>"]
-    vocab = {t: i for i, t in enumerate(specials + chars)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.add_special_tokens(specials)
-    tok.decoder = decoders.Fuse()
-    folder.mkdir(parents=True, exist_ok=True)
-    tok.save(str(folder / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": "<|endoftext|>",
-        "pad_token": "<|padding|>",
-        "chat_template": template,
-    }
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder
-
 
 CHAT = [
     {"role": "system", "content": "Be brief."},

@@ -86,6 +86,7 @@ def _token_terms(
 def _mean(values_N: torch.Tensor, mask_BT: torch.Tensor | None) -> torch.Tensor:
     if mask_BT is None:
         return values_N.mean()
+    values_N = plain(values_N)  # vocabulary-parallel per-token values: whole, beside the mask
     mask = mask_BT.reshape(-1).float()
     return (values_N * mask).sum() / mask.sum().clamp(min=1.0)
 
