@@ -194,7 +194,25 @@ def make_chat_tokenizer(folder: Path, template: str = TEMPLATE) -> Path:
     return folder
 
 
-CHAT_WORDS = ["thou", "art", "the", "king", "of", "all", "that", "is", "good", "and", "fair", "my", "lord", "speak", "now", "or", "hold"]
+CHAT_WORDS = [
+    "thou",
+    "art",
+    "the",
+    "king",
+    "of",
+    "all",
+    "that",
+    "is",
+    "good",
+    "and",
+    "fair",
+    "my",
+    "lord",
+    "speak",
+    "now",
+    "or",
+    "hold",
+]
 
 
 def write_chat_data(folder: Path, records: int = 48, seed: int = 0) -> dict[str, Path]:
