@@ -26,6 +26,8 @@ def _tokenizer_keys(hf_dir: Path, write_dir: Path, out_dir: Path) -> dict[str, s
     final = out_dir.resolve()
     if (hf_dir / "tokenizer.json").is_file():
         shutil.copyfile(hf_dir / "tokenizer.json", write_dir / "tokenizer.json")
+        if (hf_dir / "tokenizer_config.json").is_file():  # its chat template, special tokens
+            shutil.copyfile(hf_dir / "tokenizer_config.json", write_dir / "tokenizer_config.json")
         return {"tokenizer_type": "HFTokenizer", "vocab_file": str(final / "tokenizer.json")}
     if (hf_dir / "vocab.json").is_file() and (hf_dir / "merges.txt").is_file():
         keys = {"tokenizer_type": "GPT2BPETokenizer"}
@@ -131,13 +133,15 @@ def to_hf(ckpt: str | Path, out_dir: str | Path, force: bool = False) -> Path:
     with new_output_dir(out, force, "convert to-hf") as tmp:
         tensors = hf.state_dict_to_hf(arch, model.state_dict(), args)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        eod = _copy_tokenizer(loaded, tmp)
-        config = json.dumps(hf.hf_config(arch, args, eod), indent=2) + "\n"
+        eod, pad = _copy_tokenizer(loaded, tmp)
+        config = json.dumps(hf.hf_config(arch, args, eod, pad), indent=2) + "\n"
         (tmp / "config.json").write_text(config)
     return out
 
 
-def _copy_tokenizer(loaded: LoadedConfig, out: Path) -> int | None:
+def _copy_tokenizer(loaded: LoadedConfig, out: Path) -> tuple[int | None, int | None]:
+    """The tokenizer files into the export, with the tokenizer_config.json beside them (its
+    chat template travels with the model); the end-of-text and padding ids."""
     tok = loaded.config.tokenizer
     if tok.vocab_file is None or not Path(tok.vocab_file).is_file():
         if tok.vocab_file is not None:
@@ -146,14 +150,23 @@ def _copy_tokenizer(loaded: LoadedConfig, out: Path) -> int | None:
                 "export has no tokenizer and no bos/eos ids (copy it into the export yourself)",
                 file=sys.stderr,
             )
-        return None
+        return None, None
     if tok.tokenizer_type == "HFTokenizer":
         shutil.copyfile(tok.vocab_file, out / "tokenizer.json")
     elif tok.tokenizer_type in ("GPT2BPETokenizer", "HFGPT2Tokenizer") and tok.merge_file:
         shutil.copyfile(tok.vocab_file, out / "vocab.json")
         shutil.copyfile(tok.merge_file, out / "merges.txt")
     else:
-        return None
-    from torchneox.data.tokenizers import build_tokenizer
+        return None, None
+    from torchneox.data.tokenizers import END_OF_TEXT, PADDING, build_tokenizer
 
-    return build_tokenizer(loaded.config).eod_id
+    built = build_tokenizer(loaded.config)
+    beside = Path(tok.vocab_file).with_name("tokenizer_config.json")
+    if beside.is_file():
+        shutil.copyfile(beside, out / "tokenizer_config.json")
+    elif tok.tokenizer_type == "HFTokenizer":
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": END_OF_TEXT}
+        if built.pad_id is not None:
+            config["pad_token"] = PADDING
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return built.eod_id, built.pad_id

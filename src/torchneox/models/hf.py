@@ -354,13 +354,37 @@ def export_architecture(args: ModelArgs) -> str:
             "cannot be exported to Hugging Face without changing the model: " + "; ".join(problems)
         )
     if not llama_like:
-        return "GPTNeoXForCausalLM"
-    if qkv_bias_only:
-        return "Qwen2ForCausalLM"
-    return "MistralForCausalLM" if args.sliding_window else "LlamaForCausalLM"
+        arch = "GPTNeoXForCausalLM"
+    elif qkv_bias_only:
+        arch = "Qwen2ForCausalLM"
+    else:
+        arch = "MistralForCausalLM" if args.sliding_window else "LlamaForCausalLM"
+    # a reward model: the same trunk with a one-value head, read at the last real token
+    return arch.replace("ForCausalLM", SEQUENCE_CLASSIFICATION) if args.value_head else arch
 
 
-def hf_config(arch: str, args: ModelArgs, eod_id: int | None = None) -> dict[str, Any]:
+SEQUENCE_CLASSIFICATION = "ForSequenceClassification"
+
+
+def causal_family(arch: str) -> str:
+    """The causal-LM architecture whose trunk ``arch`` shares (a reward model's, say)."""
+    return arch.replace(SEQUENCE_CLASSIFICATION, "ForCausalLM")
+
+
+def hf_config(
+    arch: str, args: ModelArgs, eod_id: int | None = None, pad_id: int | None = None
+) -> dict[str, Any]:
+    out = _hf_config(causal_family(arch), args, eod_id)
+    out["architectures"] = [arch]
+    if arch.endswith(SEQUENCE_CLASSIFICATION):
+        # one score per sequence, read at its last token that is not padding
+        out |= {"num_labels": 1, "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}
+        out |= {"pad_token_id": pad_id if pad_id is not None else eod_id}
+        out["tie_word_embeddings"] = False
+    return out
+
+
+def _hf_config(arch: str, args: ModelArgs, eod_id: int | None = None) -> dict[str, Any]:
     scaling = dict(args.rope_scaling)
     kind = scaling.pop("type", "default")
     if "original_max_position_embeddings" in scaling:
@@ -425,6 +449,7 @@ def state_dict_to_hf(
 ) -> dict[str, torch.Tensor]:
     """torchneox names -> HF names (the inverse of state_dict_from_hf)."""
     out: dict[str, torch.Tensor] = {}
+    arch = causal_family(arch)
 
     def copy(src: str, dst: str) -> None:
         for kind in ("weight", "bias"):
@@ -449,7 +474,9 @@ def state_dict_to_hf(
             copy(src + "mlp.up", dst + "mlp.dense_h_to_4h")
             copy(src + "mlp.down", dst + "mlp.dense_4h_to_h")
         copy("final_norm", p + "final_layer_norm")
-        if not args.tied_embeddings:
+        if args.value_head:
+            out["score.weight"] = sd["value_head.weight"]
+        elif not args.tied_embeddings:
             out["embed_out.weight"] = sd["output.weight"]
         return out
     p = "model."
@@ -468,6 +495,8 @@ def state_dict_to_hf(
         for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
             copy(f"{src}mlp.{ours}", f"{dst}mlp.{theirs}")
     copy("final_norm", p + "norm")
-    if not args.tied_embeddings:
+    if args.value_head:
+        out["score.weight"] = sd["value_head.weight"]
+    elif not args.tied_embeddings:
         out["lm_head.weight"] = sd["output.weight"]
     return out
