@@ -360,10 +360,15 @@ def load_model_weights(step_dir: Path, model: torch.nn.Module, prefix: str = "mo
 
 @torch.no_grad()
 def copy_weights(source: torch.nn.Module, target: torch.nn.Module) -> None:
-    """``source``'s parameters into ``target``, a model of the same shape split the same way."""
-    theirs = dict(target.named_parameters())
+    """``source``'s parameters into ``target``, a model of the same shape split the same way
+    (either may be wrapped for activation checkpointing or compiled)."""
+
+    def plain_name(name: str) -> str:
+        return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+    theirs = {plain_name(n): p for n, p in target.named_parameters()}
     for name, param in source.named_parameters():
-        theirs[name].copy_(param)
+        theirs[plain_name(name)].copy_(param)
 
 
 def load_model(

@@ -1,0 +1,71 @@
+"""GPT-NeoX's own post-training configs (neox_configs/post-training: Llama-3-8B SFT, DPO, KTO,
+reward model), scaled down with --set to a tiny model, each train end to end on the CPU from
+chat data made by `torchneox preprocess`; REINFORCE stops with one line saying what it needs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import shared_dir
+from tests.helpers import metric_rows, post_training_data
+from torchneox.cli import main
+
+SHARED = shared_dir()
+CONFIGS = SHARED / "neox_configs" / "post-training" if SHARED else None
+pytestmark = pytest.mark.skipif(SHARED is None, reason="../shared is not on this machine")
+
+TINY = [
+    "model_parallel_size=1",
+    "num_layers=2",
+    "hidden_size=32",
+    "num_attention_heads=4",
+    "num_kv_heads=2",
+    "intermediate_size=64",
+    "mlp_multiple_of=64",
+    "seq_length=64",
+    "max_position_embeddings=64",
+    "attention_config=[[[flash], 2]]",
+    "train_micro_batch_size_per_gpu=2",
+    "gradient_accumulation_steps=1",
+    "train_iters=3",
+    "lr_decay_iters=3",
+    "eval_interval=3",
+    "eval_iters=1",
+    "distributed_backend=gloo",
+    "use_wandb=false",
+    "num_workers=0",
+    "optimizer.params.lr=0.001",
+]
+
+
+@pytest.mark.parametrize("objective", ["sft", "dpo", "kto", "rm"])
+def test_gpt_neox_post_training_config_runs_scaled_down(tmp_path, objective):
+    data = post_training_data(tmp_path / "chat")[objective]
+    overrides = [*TINY, f"save={tmp_path / 'run'}", f"load={tmp_path / 'run'}"]
+    overrides.append(f"log_dir={tmp_path / 'run'}")
+    # the config's own data and tokenizer paths, pointed at the data made here
+    overrides += [f"{k}={json.dumps(v)}" for k, v in data.items() if k.endswith("paths")]
+    overrides += [f"vocab_file={data['vocab_file']}"]
+    for split in ("test",):  # the configs evaluate test data too: the valid files serve
+        overrides += [
+            f"{k.replace('valid', split)}={json.dumps(v)}" for k, v in data.items() if "valid" in k
+        ]
+    args = ["train", str(CONFIGS / f"llama3-8b-{objective}.yml")]
+    for o in overrides:
+        args += ["--set", o]
+    assert main(args) == 0
+    rows = metric_rows(tmp_path / "run")
+    steps = [r for r in rows if "lm_loss" in r]
+    assert [r["iteration"] for r in steps] == [1, 2, 3]
+    assert any("test_lm_loss" in r for r in rows)
+    if objective == "dpo":
+        assert steps[0]["lm_loss"] == pytest.approx(0.6931472, abs=1e-4)
+
+
+def test_reinforce_stops_with_one_line_saying_what_it_needs(capsys):
+    assert main(["config", "explain", str(CONFIGS / "llama3-8b-reinforce.yml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "train_impl" in err
+    assert "it needs a generation server that samples from the policy" in err
