@@ -171,7 +171,11 @@ def _generate_verb(verbs: argparse._SubParsersAction) -> None:
     )
     source.add_argument("--hf", metavar="DIR", help="a local Hugging Face model folder")
     gen.add_argument("--prompt", help="complete this text and print the continuation")
-    gen.add_argument("--text-gen-type", choices=("unconditional", "input-file", "interactive"))
+    gen.add_argument(
+        "--text-gen-type",
+        choices=("unconditional", "input-file", "interactive", "precompute"),
+        help="precompute: the model's log-probabilities of the config's DPO/KTO data",
+    )
     gen.add_argument("--temperature", type=number(float, 0), help="0 means greedy")
     gen.add_argument("--top-k", type=COUNT, help="0 means no limit")
     gen.add_argument("--top-p", type=number(float, 0, 1), help="0 means off")

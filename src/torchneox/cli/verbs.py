@@ -7,6 +7,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from torchneox.base.errors import ConfigError
 from torchneox.config.load import load_config
@@ -75,6 +76,28 @@ GEN_FLAGS = (
 )
 
 
+def _precompute(model: Any, settings: Any, device: str) -> int:
+    """GPT-NeoX's text_gen_type precompute: the reference log-probabilities DPO/KTO read."""
+    import torch
+
+    from torchneox.inference.precompute import precompute_logprobs
+
+    if not has_training_data(settings):
+        raise ConfigError(
+            "precompute reads the config's training data: give the dpo or kto config (with "
+            "its data paths and precompute_model_name) as CONFIG",
+            key="train_data_paths",
+        )
+    group = settings.training.train_micro_batch_size_per_gpu or 1
+    for prefix in precompute_logprobs(model, settings, group, torch.device(device)):
+        print(f"wrote {prefix}.bin and {prefix}.idx")
+    return 0
+
+
+def has_training_data(settings: Any) -> bool:
+    return bool(settings.data.train_data_paths or settings.data.pos_train_data_paths)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
@@ -95,6 +118,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for name in GEN_FLAGS:
         if getattr(args, name) is not None:
             settings.set(name, getattr(args, name))
+    if (settings.textgen.text_gen_type or "") == "precompute":
+        return _precompute(model, settings, device)
     tok_cfg = (
         settings
         if settings.tokenizer.vocab_file

@@ -209,7 +209,9 @@ class TextGenConfig:
     """Sampling and evaluation."""
 
     text_gen_type: Literal["unconditional", "input-file", "interactive", "precompute"] | None = key(
-        None, "Generation mode: unconditional, input-file or interactive (precompute is refused)."
+        None,
+        "Generation mode: unconditional, input-file, interactive, or precompute (a reference "
+        "model's log-probabilities of the training data, for DPO and KTO).",
     )
     temperature: float = key(0.0, "Sampling temperature; 0 means greedy.")
     top_k: int = key(0, "Sample among the k most likely tokens; 0 means no limit.")
@@ -229,10 +231,10 @@ class TextGenConfig:
         "Also return the logits of generated tokens.",
         "generate writes text; logits are not returned",
     )
-    precompute_model_name: str | None = unsupported(
+    precompute_model_name: str | None = key(
         None,
-        "Name used for precomputed log-probabilities.",
-        "text_gen_type 'precompute' is not supported",
+        "Suffix of the precomputed reference log-probabilities (DATASET_{name}); set in a dpo or "
+        "kto config, training reads them instead of running a reference model.",
     )
     eval_tasks: list[str] | None = key(
         None, "lm-evaluation-harness tasks run at eval_interval (needs the lm-eval package)."

@@ -128,11 +128,6 @@ def _check_refused(ch: Checker) -> None:
             "'online' datasets (samples streamed from a generation server, for REINFORCE) are "
             "not supported; use gpt2",
         )
-    if c.textgen.text_gen_type == "precompute":
-        ch.fail(
-            "text_gen_type",
-            "'precompute' is not supported; use unconditional, input-file or interactive",
-        )
     _optimizer_type(ch)
 
 
@@ -180,6 +175,12 @@ def _check_post_training(ch: Checker) -> None:
     splits = ("train", "valid", "test")
     if any(getattr(d, f"{s}_reward_data_paths") for s in splits) and d.pack_impl != "unpacked":
         ch.fail("pack_impl", "reward datasets need pack_impl: unpacked (as in GPT-NeoX)")
+    if c.textgen.precompute_model_name and impl in ("dpo", "kto") and d.pack_impl != "unpacked":
+        ch.fail(
+            "precompute_model_name",
+            "precomputed log-probabilities line up with samples of one document: use "
+            "pack_impl: unpacked (as GPT-NeoX)",
+        )
     if impl == "kto":
         _check_kto(ch)
     if impl == "rm" and not d.pos_train_label_data_paths:

@@ -158,12 +158,40 @@ def _columns(cfg: NeoXConfig, split: str, i: int, vocab_size: int | None) -> lis
             "labels given for one side of the pairs only; give both pos_ and neg_ label paths",
             key=f"neg_{split}_label_data_paths",
         )
+    refs = _precomputed(cfg, texts)
     reward_path = _paths_at(cfg, f"{split}_reward_data_paths", i, count)
     if reward_path is not None and not sides[0]:
         reward = _open(reward_path, None)
         check_aligned(texts[0].data, reward, "rewards")
         rewards.append(Column("reward", reward, per_document=True, dtype=np.float32))
-    return [*texts, *labels, *rewards]
+    return [*texts, *labels, *rewards, *refs]
+
+
+def _precomputed(cfg: NeoXConfig, texts: list[Column]) -> list[Column]:
+    """DPO's and KTO's precomputed reference log-probabilities (PREFIX_{precompute_model_name},
+    seq_length values per document), beside each token dataset."""
+    name = cfg.textgen.precompute_model_name
+    if not name or cfg.training.train_impl not in ("dpo", "kto"):
+        return []
+    out = []
+    for text in texts:
+        prefix = f"{text.data.prefix}_{name}"
+        try:
+            data = IndexedDataset(prefix)
+        except DataError:
+            raise DataError(
+                f"{prefix}: no precomputed log-probabilities (precompute_model_name {name!r}); "
+                "write them with `torchneox generate CONFIG --checkpoint REFERENCE "
+                "--text-gen-type precompute`"
+            ) from None
+        if len(data) < len(text.data) or data.dtype != np.float32:
+            raise DataError(
+                f"{prefix}: {len(data)} {data.dtype} documents, but {text.data.prefix} has "
+                f"{len(text.data)}: these log-probabilities belong to other data; precompute again"
+            )
+        key = {"text": "ref", "pos": "pos_ref", "neg": "neg_ref"}[text.key]
+        out.append(Column(key, data, dtype=np.float32))
+    return out
 
 
 def _dataset(cfg: NeoXConfig, columns: list[Column], name: str, num_samples: int) -> Samples:

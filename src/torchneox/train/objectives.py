@@ -49,6 +49,7 @@ class Prepared:
     labels: torch.Tensor
     mask: torch.Tensor | None
     rewards: torch.Tensor | None = None
+    reference_logp: torch.Tensor | None = None  # precomputed per position (precompute_model_name)
 
 
 def shifted(
@@ -84,7 +85,10 @@ def _pair(batch: dict[str, torch.Tensor], eod_id: int | None) -> Prepared:
     mask = torch.cat(
         [ones if pos.mask is None else pos.mask, ones if neg.mask is None else neg.mask]
     )
-    return Prepared(torch.cat([pos.inputs, neg.inputs]), torch.cat([pos.labels, neg.labels]), mask)
+    out = Prepared(torch.cat([pos.inputs, neg.inputs]), torch.cat([pos.labels, neg.labels]), mask)
+    if "pos_ref" in batch:  # a position's value is the log-probability of the next token
+        out.reference_logp = torch.cat([batch["pos_ref"], batch["neg_ref"]])[:, :-1].float()
+    return out
 
 
 @dataclass
@@ -136,9 +140,11 @@ class DPO:
     fp32: bool = True  # dpo_fp32
     eod_id: int | None = None
 
+    precomputed: bool = False  # precompute_model_name: the reference's log-probabilities are read
+
     @property
     def needs_reference(self) -> bool:
-        return not self.reference_free
+        return not (self.reference_free or self.precomputed)
 
     def prepare(self, batch: dict[str, torch.Tensor]) -> Prepared:
         return _pair(batch, self.eod_id)
@@ -158,9 +164,12 @@ class DPO:
         if self.reference_free:
             ref_pos = ref_neg = torch.zeros_like(chosen_pos)
         else:
-            assert reference is not None
             with torch.no_grad():
-                ref_pos, ref_neg = _summed(token_logp(reference, prep.labels, self.fp32), mask)
+                ref = prep.reference_logp
+                if ref is None:
+                    assert reference is not None
+                    ref = token_logp(reference, prep.labels, self.fp32)
+                ref_pos, ref_neg = _summed(ref, mask)
             m["ref_neg"], m["ref_pos"] = ref_neg.mean(), ref_pos.mean()
         m["chosen_neg"], m["chosen_pos"] = chosen_neg.detach().mean(), chosen_pos.detach().mean()
         if not self.reference_free:
@@ -182,7 +191,11 @@ class KTO:
     undesirable_weight: float = 1.0
     fp32: bool = True  # kto_fp32
     eod_id: int | None = None
-    needs_reference = True
+    precomputed: bool = False  # precompute_model_name: the reference's log-probabilities are read
+
+    @property
+    def needs_reference(self) -> bool:
+        return not self.precomputed
 
     def prepare(self, batch: dict[str, torch.Tensor]) -> Prepared:
         prep = shifted(batch["text"], batch.get("label"), self.eod_id)
@@ -190,6 +203,8 @@ class KTO:
             prep.mask = torch.ones_like(prep.inputs, dtype=torch.bool)
         # the reward of a prediction is the one of the token predicted: without the last
         prep.rewards = batch["reward"][:, :-1].float()
+        if "ref" in batch:
+            prep.reference_logp = batch["ref"][:, :-1].float()
         return prep
 
     def terms(
@@ -200,10 +215,14 @@ class KTO:
         router_stats: Any = None,
         placed: Any = None,
     ) -> Terms:
-        assert prep.mask is not None and prep.rewards is not None and reference is not None
+        assert prep.mask is not None and prep.rewards is not None
         mask, rewards = prep.mask.float(), prep.rewards
         with torch.no_grad():
-            ref = token_logp(reference, prep.labels, self.fp32) * mask
+            ref = prep.reference_logp
+            if ref is None:
+                assert reference is not None
+                ref = token_logp(reference, prep.labels, self.fp32)
+            ref = ref * mask
             total = rewards.sum(-1)
             scaling = (total > 0.001).float() * self.desirable_weight
             scaling = scaling + (total < -0.001).float() * self.undesirable_weight
@@ -282,14 +301,18 @@ class RewardModel:
 Objective = LanguageModeling | DPO | KTO | RewardModel
 
 
-def build_objective(training: Any, moe_aux_loss_coeff: float, eod_id: int | None) -> Objective:
+def build_objective(
+    training: Any, moe_aux_loss_coeff: float, eod_id: int | None, precomputed: bool = False
+) -> Objective:
     """The objective of ``training.train_impl`` from the training config group (``eod_id``:
-    the end-of-document token when eod_mask_loss is set)."""
+    the end-of-document token when eod_mask_loss is set; ``precomputed``: the reference's
+    log-probabilities come with the data)."""
     t = training
     if t.train_impl == "dpo":
-        return DPO(t.dpo_beta, t.dpo_reference_free, t.dpo_fp32, eod_id)
+        return DPO(t.dpo_beta, t.dpo_reference_free, t.dpo_fp32, eod_id, precomputed)
     if t.train_impl == "kto":
-        return KTO(t.kto_beta, t.kto_desirable_weight, t.kto_undesirable_weight, t.kto_fp32, eod_id)
+        weights = (t.kto_desirable_weight, t.kto_undesirable_weight)
+        return KTO(t.kto_beta, *weights, t.kto_fp32, eod_id, precomputed)
     if t.train_impl == "rm":
         return RewardModel(t.z_loss, eod_id)
     return LanguageModeling(eod_id, t.lm_z_loss, moe_aux_loss_coeff)

@@ -145,7 +145,8 @@ class Trainer:
         )
         self.model, self.pipeline = self.parts.model, self.parts.pipeline
         t = cfg.training
-        if t.train_impl == "kto" or (t.train_impl == "dpo" and not t.dpo_reference_free):
+        referenced = t.train_impl == "kto" or (t.train_impl == "dpo" and not t.dpo_reference_free)
+        if referenced and not cfg.textgen.precompute_model_name:
             self.parts.reference = build_reference(
                 self.args, self.dims, self.layout, self.device, t.seed
             )
@@ -173,7 +174,8 @@ class Trainer:
         sync = torch.cuda.synchronize if self.device.type == "cuda" else None
         self.timers = Timers(cfg.logging.wall_clock_breakdown, sync)
         eod = build_tokenizer(cfg).eod_id if t.eod_mask_loss else None
-        self.objective = build_objective(t, cfg.moe.moe_aux_loss_coeff, eod)
+        precomputed = bool(cfg.textgen.precompute_model_name)
+        self.objective = build_objective(t, cfg.moe.moe_aux_loss_coeff, eod, precomputed)
         self.step = TrainStep(
             self.parts,
             self.optimizer,
