@@ -353,14 +353,17 @@ def export_architecture(args: ModelArgs) -> str:
         raise HFError(
             "cannot be exported to Hugging Face without changing the model: " + "; ".join(problems)
         )
-    if not llama_like:
-        arch = "GPTNeoXForCausalLM"
-    elif qkv_bias_only:
-        arch = "Qwen2ForCausalLM"
-    else:
-        arch = "MistralForCausalLM" if args.sliding_window else "LlamaForCausalLM"
+    arch = _causal_architecture(args, llama_like, qkv_bias_only)
     # a reward model: the same trunk with a one-value head, read at the last real token
     return arch.replace("ForCausalLM", SEQUENCE_CLASSIFICATION) if args.value_head else arch
+
+
+def _causal_architecture(args: ModelArgs, llama_like: bool, qkv_bias_only: bool) -> str:
+    if not llama_like:
+        return "GPTNeoXForCausalLM"
+    if qkv_bias_only:
+        return "Qwen2ForCausalLM"
+    return "MistralForCausalLM" if args.sliding_window else "LlamaForCausalLM"
 
 
 SEQUENCE_CLASSIFICATION = "ForSequenceClassification"
