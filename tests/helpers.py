@@ -156,6 +156,12 @@ VARIANTS = {
     "window": {"pos_emb": "rotary", "sliding_window_width": 8},
     "inits": {"init_method": "xavier_normal", "output_layer_init_method": "scaled_orthogonal"},
     "dropout": {"hidden_dropout": 0.1, "attention_dropout": 0.1, "pos_emb": "rotary"},
+    "reward-model": {
+        "pos_emb": "rotary",
+        "train_impl": "rm",
+        "dataset_impl": "pairwise",
+        "pack_impl": "unpacked",
+    },
 }
 
 

@@ -115,8 +115,11 @@ def count(config: NeoXConfig, vocab: int) -> ModelCounts:
     embedding = vocab * h
     if m.pos_emb == "learned":
         embedding += ((m.max_position_embeddings or m.seq_length) + m.opt_pos_emb_offset) * h
-    head = vocab * h
-    total = embedding + norm_params(config) + (head if m.no_weight_tying else 0)
+    # a reward model's head is one value per position (GPT-NeoX's rm_linear), not the vocabulary
+    reward_model = config.training.train_impl == "rm"
+    head = h if reward_model else vocab * h
+    own_head = m.no_weight_tying or reward_model
+    total = embedding + norm_params(config) + (head if own_head else 0)
     active = total
     forward_matmul = head
     moe_layers = 0
@@ -141,7 +144,7 @@ def count(config: NeoXConfig, vocab: int) -> ModelCounts:
     forward = 2 * forward_matmul + attention_scores
     return ModelCounts(
         total=total,
-        embedding=embedding + (head if m.no_weight_tying else 0),
+        embedding=embedding + (head if own_head else 0),
         active=active,
         flops_per_token=3 * forward,
         moe_layers=moe_layers,

@@ -183,7 +183,7 @@ def _check_post_training(ch: Checker) -> None:
         )
     if impl == "kto":
         _check_kto(ch)
-    if impl == "rm" and not d.pos_train_label_data_paths:
+    if impl == "rm" and d.pos_train_data_paths and not d.pos_train_label_data_paths:
         ch.fail(
             "pos_train_label_data_paths",
             "a reward model reads its value where the label is set: give pos_/neg_ label "
