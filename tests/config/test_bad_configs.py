@@ -370,12 +370,6 @@ CASES = [
         ["train_reward_data_paths: kto needs each document's reward"],
     ),
     (
-        "post-training-under-a-pipeline",
-        {"a.yml": "{train_impl: dpo, dataset_impl: pairwise, pipe_parallel_size: 2}"},
-        [],
-        ["pipe_parallel_size: train_impl 'dpo' do not run under pipeline parallelism here yet"],
-    ),
-    (
         "unpacked-from-one-data-path",
         {"a.yml": "{pack_impl: unpacked, data_path: d}"},
         [],

@@ -1,7 +1,8 @@
 """Post-training in every layout: SFT with label masks, DPO and KTO with their frozen reference
 model, and a reward model each give, on 2 processes (data parallel at every ZeRO stage, tensor
-parallel, experts split over the ranks), the losses, metrics, gradients and weights of one
-process; a stopped run resumes like one never stopped, its reference model included."""
+parallel, pipeline parallel, experts split over the ranks), the losses, metrics, gradients and
+weights of one process; a stopped run resumes like one never stopped, its reference model
+included."""
 
 from __future__ import annotations
 
@@ -71,6 +72,7 @@ LAYOUTS = {
     "zero2": ["gradient_accumulation_steps=1", "zero_optimization.stage=2"],
     "zero3": ["gradient_accumulation_steps=1", "zero_optimization.stage=3"],
     "tp2": ["model_parallel_size=2"],
+    "pp2": ["pipe_parallel_size=2"],  # 2 stages, the reference's split as the policy's
 }
 
 
@@ -119,7 +121,7 @@ CASES = [
     (objective, layout)
     for objective in OBJECTIVES
     for layout in LAYOUTS
-    if objective in ("dpo", "kto") or layout in ("zero1", "zero3", "tp2")
+    if objective in ("dpo", "kto") or layout in ("zero1", "zero3", "tp2", "pp2")
 ]
 
 
@@ -150,18 +152,24 @@ def test_mixture_of_experts_split_over_two_processes_equals_one(
     assert_same_metrics(out, rows, METRICS[objective])
 
 
-@pytest.mark.parametrize("objective", ["dpo", "kto"])
+STOPPED_UNDER = {
+    "zero3": ["gradient_accumulation_steps=1", "zero_optimization.stage=3"],
+    "pp2": ["pipe_parallel_size=2"],
+}
+
+
+@pytest.mark.parametrize("objective, layout", [("dpo", "zero3"), ("kto", "zero3"), ("dpo", "pp2")])
 def test_a_stopped_run_resumes_like_one_never_stopped_reference_included(
-    configs, tmp_path, objective
+    configs, tmp_path, objective, layout
 ):
-    """Stopped at step 2 under ZeRO 3 on 2 processes and resumed on one: the reference model
-    comes back from the checkpoint (not from the policy of step 2), so steps 3-4 and their
-    rewards equal those of a run never stopped."""
+    """Stopped at step 2 on 2 processes (ZeRO 3, or 2 pipeline stages) and resumed on one: the
+    reference model comes back from the checkpoint (not from the policy of step 2), so steps
+    3-4 and their rewards equal those of a run never stopped."""
     cfg, four = configs[objective], "train_iters=4"
     whole = tmp_path / "whole"
     train(cfg, f"save={whole}", "load=null", f"log_dir={whole}", four)
     moved = tmp_path / "moved"
-    first = [four, "exit_interval=2", "gradient_accumulation_steps=1", "zero_optimization.stage=3"]
+    first = [four, "exit_interval=2", *STOPPED_UNDER[layout]]
     train(cfg, f"save={moved}", f"load={moved}", f"log_dir={moved}", *first, nproc=2)
     train(cfg, f"save={moved}", f"load={moved}", f"log_dir={moved}", four)
     done, after = losses(whole), losses(moved)

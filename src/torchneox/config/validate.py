@@ -136,18 +136,6 @@ def _check_post_training(ch: Checker) -> None:
     pack_impl, label and reward datasets), as GPT-NeoX's get_batch expects them."""
     c = ch.c
     d, impl = c.data, c.training.train_impl
-    labelled = any(
-        getattr(d, f"{side}{s}_label_data_paths")
-        for side in ("", "pos_", "neg_")
-        for s in ("train", "valid", "test")
-    )
-    if (impl != "normal" or labelled) and (c.parallel.pipe_parallel_size or 0) >= 2:
-        what = f"train_impl {impl!r}" if impl != "normal" else "label datasets (SFT)"
-        ch.fail(
-            "pipe_parallel_size",
-            f"{what} do not run under pipeline parallelism here yet (GPT-NeoX refuses it "
-            "too); use pipe_parallel_size 0 or 1 with data or tensor parallelism",
-        )
     if impl == "rm" and c.parallel.sequence_parallel:
         ch.fail("sequence_parallel", "a reward model does not run with sequence_parallel here")
     if d.dataset_impl == "pairwise" and impl not in ("dpo", "rm"):

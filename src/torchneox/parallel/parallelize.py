@@ -33,6 +33,8 @@ class ParallelModel:
     pipeline: Pipeline | None = None
     reference: nn.Module | None = None
     """A frozen copy (DPO, KTO): sharded as the policy is, without gradients or optimizer."""
+    reference_pipeline: Pipeline | None = None
+    """With a pipeline: the reference's stages (``reference`` is their container)."""
 
 
 def parallelize(
@@ -97,14 +99,9 @@ def build_parallel_model(
     return ParallelModel(model, prepare(model))
 
 
-def build_reference(
-    args: ModelArgs, dims: ParallelDims, layout: Layout, device: torch.device, seed: int
-) -> nn.Module:
-    """The frozen reference model of DPO and KTO: the policy's architecture split as the
-    policy is (tensor and expert parallel; sharded over data-parallel ranks under ZeRO 1-3,
-    replicated under ZeRO 0), in eval mode, without gradients (so without optimizer state).
-    Its weights are loaded after (the policy's initial ones, or a checkpoint's)."""
-    model = build_model(args, device=device, seed=seed)
+def _freeze(model: Transformer, dims: ParallelDims, layout: Layout) -> None:
+    """A model that only runs forward, split as the policy is: tensor and expert parallel,
+    then sharded over the data-parallel ranks under ZeRO 1-3 (replicated under ZeRO 0)."""
     if dims.tp > 1:
         apply_tensor_parallel(model, dims.mesh["tp"], layout.sequence_parallel)
     expert_params: list[str] = []
@@ -113,4 +110,29 @@ def build_reference(
     model.requires_grad_(False)
     if dims.dp > 1 and layout.zero >= 1:
         shard_frozen(model, dims.mesh["dp"], expert_params)
-    return model.eval()
+    model.eval()
+
+
+def build_reference(
+    args: ModelArgs,
+    dims: ParallelDims,
+    layout: Layout,
+    device: torch.device,
+    seed: int,
+    partition_method: str = "parameters",
+) -> tuple[nn.Module, Pipeline | None]:
+    """The frozen reference model of DPO and KTO: the policy's architecture split as the
+    policy is (with a pipeline, into the same stages), in eval mode, without gradients (so
+    without optimizer state). Its weights are loaded after (the policy's initial ones, or a
+    checkpoint's). Returns the model (a pipeline's: the container of its stages) and the
+    pipeline."""
+    if dims.pp > 1:
+        pipeline = build_pipeline(
+            args, dims.mesh["pp"], device, layout.schedule, layout.virtual_stages, layout.gas,
+            partition_method, None, seed, prepare=lambda part: _freeze(part, dims, layout),
+        )  # fmt: skip
+        pipeline.container.requires_grad_(False)
+        return pipeline.container.eval(), pipeline
+    model = build_model(args, device=device, seed=seed)
+    _freeze(model, dims, layout)
+    return model, None

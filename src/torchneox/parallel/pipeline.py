@@ -168,9 +168,11 @@ def evaluate_pipeline(
     microbatches: int,
     pp_mesh: DeviceMesh,
     loss_fn,
-) -> torch.Tensor:
+    reduce: bool = True,
+) -> torch.Tensor | list[torch.Tensor]:
     """Forward only, stage after stage, micro-batch by micro-batch (the training schedules'
-    eval paths are not all usable); the mean loss on the rank holding the last stage, else 0."""
+    eval paths are not all usable); the mean loss on the rank holding the last stage, else 0.
+    ``reduce=False``: what ``loss_fn`` gave for each micro-batch, on the last stage (else [])."""
     group = pp_mesh.get_group()
     owners = [0] * (p.stages[0].num_stages)
     rank_indices = torch.tensor([s.stage_index for s in p.stages], dtype=torch.long)
@@ -205,6 +207,8 @@ def evaluate_pipeline(
                     group=group,
                 )
                 torch.distributed.send(out, group_dst=owners[index + 1], group=group)
+    if not reduce:
+        return losses
     if not losses:
         return torch.zeros((), device=inputs.device)
     return torch.stack(

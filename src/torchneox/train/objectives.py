@@ -97,6 +97,7 @@ class LanguageModeling:
     z_weight: float = 0.0  # lm_z_loss
     aux_weight: float = 0.0  # moe_aux_loss_coeff
     needs_reference = False
+    metric_names: tuple[str, ...] = ()
 
     def prepare(self, batch: torch.Tensor | dict[str, torch.Tensor]) -> Prepared:
         if isinstance(batch, dict):
@@ -146,6 +147,13 @@ class DPO:
     def needs_reference(self) -> bool:
         return not (self.reference_free or self.precomputed)
 
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        if self.reference_free:
+            return ("chosen_neg", "chosen_pos")
+        return ("ref_neg", "ref_pos", "chosen_neg", "chosen_pos", "chosen_rewards",
+                "rejected_rewards", "reward_acc", "margins")  # fmt: skip
+
     def prepare(self, batch: dict[str, torch.Tensor]) -> Prepared:
         return _pair(batch, self.eod_id)
 
@@ -192,6 +200,10 @@ class KTO:
     fp32: bool = True  # kto_fp32
     eod_id: int | None = None
     precomputed: bool = False  # precompute_model_name: the reference's log-probabilities are read
+
+    metric_names = ("ref_logp", "policy_logp", "pos_ref_logp", "neg_ref_logp",
+                    "pos_policy_logp", "neg_policy_logp", "kl", "reward_acc",
+                    "policy_rewards")  # fmt: skip
 
     @property
     def needs_reference(self) -> bool:
@@ -264,6 +276,7 @@ class RewardModel:
     z_weight: float = 0.0  # z_loss: weight of the squared values
     eod_id: int | None = None
     needs_reference = False
+    metric_names = ("pos_values", "neg_values", "margin", "accuracy")
 
     def prepare(self, batch: dict[str, torch.Tensor]) -> Prepared:
         return _pair(batch, self.eod_id)

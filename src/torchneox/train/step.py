@@ -22,10 +22,11 @@ from torchneox.parallel.expert_parallel import sync_expert_gradients
 from torchneox.parallel.parallelize import ParallelModel
 from torchneox.parallel.pipeline import evaluate_pipeline
 from torchneox.parallel.tensor_parallel import loss_context, placed_like
-from torchneox.train.loss import lm_loss
+from torchneox.train.loss import lm_loss, token_logp
 from torchneox.train.metrics import Timers
 from torchneox.train.objectives import Objective
 from torchneox.train.optim import clip_grad_norm, shard_gradients_like_parameters
+from torchneox.train.pipelined import PipelinedObjective, prepared_batch
 from torchneox.train.precision import LossScaler, autocast
 
 
@@ -59,6 +60,8 @@ class TrainStep:
         self.device, self.precision, self.grad_accum = device, precision, grad_accum
         self.timers, self.line, self.last_good = timers, line, last_good
         self.moe_layers = [m for m in parts.model.modules() if isinstance(m, MoE)]
+        self.pipelined = PipelinedObjective(objective, lambda: self.scaler.scale)
+        self.pipeline_metrics: dict[str, torch.Tensor] = {}
         self.moe_counts: list[torch.Tensor] = []  # this step's tokens per expert, per MoE layer
 
     def _autocast(self):
@@ -107,24 +110,52 @@ class TrainStep:
                 (terms.objective * (self.scaler.scale / self.grad_accum)).backward()
         return plain(terms.loss.detach())
 
-    def pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The loss the pipeline schedule runs backward on (scaled for fp16)."""
-        return lm_loss(logits, labels, None) * self.scaler.scale
+    def pipeline_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The loss the pipeline schedule runs backward on (scaled for fp16): language
+        modelling on the next tokens, or (a float target) the post-training objective."""
+        if target.is_floating_point():
+            return self.pipelined(logits, target)
+        return lm_loss(logits, target, None) * self.scaler.scale
 
-    def _pipeline_batch(self, micro_batches: list[torch.Tensor], train: bool) -> torch.Tensor:
-        """One global batch through the pipeline; the mean loss, known on every rank."""
+    def _pipeline_inputs(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pipeline's input and target for a global batch: tokens and next tokens, or
+        post-training micro-batches prepared, with the reference's log-probabilities."""
+        if not isinstance(micro_batches[0], dict):
+            tokens = torch.cat(micro_batches).to(self.device, non_blocking=True)
+            return tokens[:, :-1], tokens[:, 1:]
+        batches = [to_device(b, self.device) for b in micro_batches]
+        inputs, target, preps = prepared_batch(self.objective, batches)
+        if self.objective.needs_reference:
+            ref = self.parts.reference_pipeline
+            assert ref is not None
+            labels = torch.cat([p.labels for p in preps])
+            fp32 = getattr(self.objective, "fp32", True)
+            per_micro_batch = evaluate_pipeline(
+                ref, inputs, labels, self.grad_accum, self.dims.mesh["pp"],
+                lambda out, y, _: token_logp(out, y, fp32), reduce=False,
+            )  # fmt: skip
+            if per_micro_batch:  # the last stage: the one that computes the loss
+                target[..., 3] = torch.cat(per_micro_batch)
+        return inputs, target
+
+    def _pipeline_batch(self, micro_batches: list[Batch], train: bool) -> torch.Tensor:
+        """One global batch through the pipeline; the mean loss, known on every rank (the
+        objective's metrics in ``self.pipeline_metrics``)."""
         p = self.parts.pipeline
-        tokens = torch.cat(micro_batches).to(self.device, non_blocking=True)
-        inputs, labels = tokens[:, :-1], tokens[:, 1:]
         with self._loss_context(), self._autocast():
+            inputs, target = self._pipeline_inputs(micro_batches)
             if not train:
+                loss_fn = lm_loss
+                if target.is_floating_point():
+                    loss_fn = lambda out, y, _: self.pipelined(out, y, scaled=False)  # noqa: E731
                 local = evaluate_pipeline(
-                    p, inputs, labels, self.grad_accum, self.dims.mesh["pp"], lm_loss
+                    p, inputs, target, self.grad_accum, self.dims.mesh["pp"], loss_fn
                 )
+                self._share_pipeline_metrics()
                 return sum_over_pp(local, self.dims)  # only the last stage adds a loss
             losses: list[torch.Tensor] = []
             args = (inputs,) if p.has_first else ()
-            kwargs = {"target": labels, "losses": losses} if p.has_last else {}
+            kwargs = {"target": target, "losses": losses} if p.has_last else {}
             with self.timers("pipeline"):
                 p.schedule.step(*args, **kwargs)
         local = torch.zeros((), device=self.device)
@@ -132,7 +163,12 @@ class TrainStep:
             local = (
                 torch.stack([plain(x).detach().float() for x in losses]).mean() / self.scaler.scale
             )
+        self._share_pipeline_metrics()
         return sum_over_pp(local, self.dims)
+
+    def _share_pipeline_metrics(self) -> None:
+        names, gas = self.objective.metric_names, self.grad_accum
+        self.pipeline_metrics = self.pipelined.shared_metrics(names, self.dims, self.device, gas)
 
     # ---------------------------------------------------------------------------- a step
 
@@ -147,6 +183,8 @@ class TrainStep:
         ]
         if self.parts.pipeline is not None:
             total = self._pipeline_batch(micro_batches, train=True) * self.grad_accum
+            for name, value in self.pipeline_metrics.items():
+                sums[name] = value * self.grad_accum
         else:
             total = torch.zeros((), device=self.device)
             for m, tokens in enumerate(micro_batches):
@@ -214,7 +252,8 @@ class TrainStep:
         """The loss (and the objective's metrics) of each micro-batch of a global batch (one
         mean for a pipeline)."""
         if self.parts.pipeline is not None:
-            return [{"lm_loss": self._pipeline_batch(micro_batches, train=False)}]
+            loss = self._pipeline_batch(micro_batches, train=False)
+            return [{"lm_loss": loss, **self.pipeline_metrics}]
         values = []
         for batch in micro_batches:
             prep = self.objective.prepare(to_device(batch, self.device))

@@ -147,8 +147,13 @@ class Trainer:
         t = cfg.training
         referenced = t.train_impl == "kto" or (t.train_impl == "dpo" and not t.dpo_reference_free)
         if referenced and not cfg.textgen.precompute_model_name:
-            self.parts.reference = build_reference(
-                self.args, self.dims, self.layout, self.device, t.seed
+            self.parts.reference, self.parts.reference_pipeline = build_reference(
+                self.args,
+                self.dims,
+                self.layout,
+                self.device,
+                t.seed,
+                cfg.parallel.pipe_partition_method,
             )
         self.optimizer = build_optimizer(self.model, cfg, self.device.type)
         self.schedule = Schedule.from_config(cfg, d)

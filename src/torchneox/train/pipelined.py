@@ -1,0 +1,78 @@
+"""Post-training through a pipeline: the objective as the schedule's loss on the last stage.
+
+A pipeline schedule splits its input and its target along the batch into micro-batches and
+calls the loss with one micro-batch's output and target. A post-training micro-batch is
+prepared as the loop prepares it (for pairs: its chosen rows, then its rejected ones), the
+micro-batches concatenated in order, so each chunk the schedule cuts is one micro-batch; the
+target carries, per position, the label, the loss mask, KTO's reward and the reference's
+log-probability (computed first by a forward-only pass of the reference's own pipeline).
+The objective's metrics are kept on the last stage, then shared with the other stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from torchneox.parallel.collectives import plain, sum_over_pp
+from torchneox.parallel.dims import ParallelDims
+from torchneox.train.objectives import Objective, Prepared
+
+FIELDS = 4  # label, mask, reward, reference log-probability
+
+
+def encode_target(prep: Prepared) -> torch.Tensor:
+    """[B, T, 4] float32: labels are exact in float32 below 2^24 (every vocabulary)."""
+    zeros = torch.zeros_like(prep.labels, dtype=torch.float32)
+    mask = prep.mask.float() if prep.mask is not None else torch.ones_like(zeros)
+    parts = [prep.labels.float(), mask]
+    parts.append(prep.rewards.float() if prep.rewards is not None else zeros)
+    parts.append(prep.reference_logp.float() if prep.reference_logp is not None else zeros)
+    return torch.stack(parts, dim=-1)
+
+
+def decode_target(target: torch.Tensor, rewards: bool) -> Prepared:
+    labels = target[..., 0].round().long()
+    prep = Prepared(labels, labels, target[..., 1] > 0.5, reference_logp=target[..., 3])
+    if rewards:
+        prep.rewards = target[..., 2]
+    return prep
+
+
+class PipelinedObjective:
+    """The pipeline schedule's loss for ``objective`` (scaled by ``scale()`` for fp16), keeping
+    each micro-batch's metrics."""
+
+    def __init__(self, objective: Objective, scale: Callable[[], float]):
+        self.objective, self.scale = objective, scale
+        self.metrics: list[dict[str, torch.Tensor]] = []
+
+    def __call__(self, out: torch.Tensor, target: torch.Tensor, scaled: bool = True):
+        prep = decode_target(target, rewards=type(self.objective).__name__ == "KTO")
+        terms = self.objective.terms(out, prep, None)
+        self.metrics.append({k: plain(v).detach().float() for k, v in terms.metrics.items()})
+        return terms.objective * (self.scale() if scaled else 1.0)
+
+    def shared_metrics(
+        self, names: tuple[str, ...], dims: ParallelDims, device, micro_batches: int
+    ) -> dict:
+        """The means of the metrics of the last ``micro_batches`` calls (a schedule's first
+        step calls the loss once more, to learn the shapes), known on every pipeline rank."""
+        out = {}
+        kept = self.metrics[-micro_batches:]
+        for name in names:
+            values = [m[name] for m in kept if name in m]
+            local = torch.stack(values).mean() if values else torch.zeros((), device=device)
+            out[name] = sum_over_pp(local, dims)
+        self.metrics = []
+        return out
+
+
+def prepared_batch(
+    objective: Objective, micro_batches: list[dict[str, torch.Tensor]]
+) -> tuple[torch.Tensor, torch.Tensor, list[Prepared]]:
+    """The inputs of every micro-batch and their targets, concatenated in order."""
+    preps = [objective.prepare(b) for b in micro_batches]
+    inputs = torch.cat([p.inputs for p in preps])
+    return inputs, torch.cat([encode_target(p) for p in preps]), preps
