@@ -65,7 +65,9 @@ def assert_metrics_equal(ours: dict, theirs: dict, prefix: str = "", rel: float 
         assert ours[prefix + key] == pytest.approx(theirs[key], rel=rel, abs=2e-6), key
 
 
-def run_and_compare(run: str, tmp_path: Path, source: str = "init", step: int = 20) -> None:
+def run_and_compare(
+    run: str, tmp_path: Path, source: str = "init", step: int = 20, *extra: str
+) -> None:
     cfg = config_for(run, tmp_path)
     init = cfg
     if source == "init":  # the initial checkpoint is converted with its own (pretraining) config
@@ -73,7 +75,7 @@ def run_and_compare(run: str, tmp_path: Path, source: str = "init", step: int = 
         values = _jsonish(POST / "configs" / "init_pretrain.yml", tmp_path)
         init.write_text(json.dumps(values | {"save": None, "load": None}))
     start_from(tmp_path, source, step, init)
-    assert main(["train", str(cfg)]) == 0
+    assert main(["train", str(cfg), *extra]) == 0
     rows = metric_rows(tmp_path / "log")
     train = {r["iteration"]: r for r in rows if "lm_loss" in r}
     expected = golden(run)
@@ -97,11 +99,20 @@ def test_sft_with_label_masks_gives_gpt_neox_losses(tmp_path):
 
 
 def test_dpo_gives_gpt_neox_losses_and_rewards(tmp_path):
-    """Iteration 1: policy = reference, so the loss is ln 2 and every reward 0."""
-    run_and_compare("dpo", tmp_path)
+    """Iteration 1: policy = reference, so the loss is ln 2 and every reward 0. The rewards
+    reach TensorBoard as lm_loss does."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_and_compare("dpo", tmp_path, "init", 20, "--set", f"tensorboard_dir={tmp_path / 'tb'}")
     first = next(r for r in metric_rows(tmp_path / "log") if r.get("iteration") == 1)
     assert first["lm_loss"] == pytest.approx(0.6931472, abs=1e-6)
     assert first["chosen_rewards"] == first["rejected_rewards"] == 0.0
+    events = EventAccumulator(str(tmp_path / "tb")).Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"lm_loss", "chosen_rewards", "reward_acc", "valid_margins"} <= tags
+    margins = [e.value for e in events.Scalars("margins")]
+    assert margins[-1] == pytest.approx(golden("dpo")["train"][-1]["margins"], rel=1e-4)
 
 
 def test_kto_gives_gpt_neox_losses_and_metrics(tmp_path):
