@@ -115,14 +115,7 @@ def assert_same_metrics(out: Path, rows: list[dict], names: tuple[str, ...]) -> 
             assert got[k] == pytest.approx(theirs[k], rel=1e-4, abs=1e-5), (key, k)
 
 
-# every ZeRO stage for the objectives with a reference model (sharded as the policy is); the
-# stages that shard differently (1: optimizer state, 3: parameters) for the others
-CASES = [
-    (objective, layout)
-    for objective in OBJECTIVES
-    for layout in LAYOUTS
-    if objective in ("dpo", "kto") or layout in ("zero1", "zero3", "tp2", "pp2")
-]
+CASES = [(objective, layout) for objective in OBJECTIVES for layout in LAYOUTS]
 
 
 @pytest.mark.parametrize("objective, layout", CASES)
