@@ -145,7 +145,7 @@ def _checked_model_state(
     with torch.device("meta"):
         expected = {k: v.shape for k, v in Transformer(args).state_dict().items()}
     # a reward model converted from a language model's checkpoint: its head starts fresh
-    missing = sorted(set(expected) - set(weights) - {"value_head.weight"})
+    missing = sorted(set(expected) - set(weights) - set(checkpoint.FRESH_HEADS))
     extra = sorted(set(weights) - set(expected))
     wrong = [k for k in expected if k in weights and weights[k].shape != expected[k]]
     if missing or extra or wrong:

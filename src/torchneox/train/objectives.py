@@ -134,8 +134,18 @@ def _summed(logp: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch
     return pos.sum(-1), neg.sum(-1)
 
 
+class _Pairs:
+    """Objectives of chosen and rejected pairs (DPO, reward models): one micro-batch of the
+    chosen rows, then the rejected ones."""
+
+    eod_id: int | None
+
+    def prepare(self, batch: dict[str, torch.Tensor]) -> Prepared:
+        return _pair(batch, self.eod_id)
+
+
 @dataclass
-class DPO:
+class DPO(_Pairs):
     beta: float = 0.1  # dpo_beta
     reference_free: bool = False  # dpo_reference_free: the reference's log-probabilities are 0
     fp32: bool = True  # dpo_fp32
@@ -153,9 +163,6 @@ class DPO:
             return ("chosen_neg", "chosen_pos")
         return ("ref_neg", "ref_pos", "chosen_neg", "chosen_pos", "chosen_rewards",
                 "rejected_rewards", "reward_acc", "margins")  # fmt: skip
-
-    def prepare(self, batch: dict[str, torch.Tensor]) -> Prepared:
-        return _pair(batch, self.eod_id)
 
     def terms(
         self,
@@ -272,14 +279,11 @@ def _kto_metrics(
 
 
 @dataclass
-class RewardModel:
+class RewardModel(_Pairs):
     z_weight: float = 0.0  # z_loss: weight of the squared values
     eod_id: int | None = None
     needs_reference = False
     metric_names = ("pos_values", "neg_values", "margin", "accuracy")
-
-    def prepare(self, batch: dict[str, torch.Tensor]) -> Prepared:
-        return _pair(batch, self.eod_id)
 
     def terms(
         self,

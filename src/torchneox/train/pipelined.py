@@ -19,8 +19,6 @@ from torchneox.parallel.collectives import plain, sum_over_pp
 from torchneox.parallel.dims import ParallelDims
 from torchneox.train.objectives import Objective, Prepared
 
-FIELDS = 4  # label, mask, reward, reference log-probability
-
 
 def encode_target(prep: Prepared) -> torch.Tensor:
     """[B, T, 4] float32: labels are exact in float32 below 2^24 (every vocabulary)."""
@@ -32,12 +30,11 @@ def encode_target(prep: Prepared) -> torch.Tensor:
     return torch.stack(parts, dim=-1)
 
 
-def decode_target(target: torch.Tensor, rewards: bool) -> Prepared:
+def decode_target(target: torch.Tensor) -> Prepared:
+    """The micro-batch as the objective reads it (rewards are 0 where there are none)."""
     labels = target[..., 0].round().long()
-    prep = Prepared(labels, labels, target[..., 1] > 0.5, reference_logp=target[..., 3])
-    if rewards:
-        prep.rewards = target[..., 2]
-    return prep
+    mask = target[..., 1] > 0.5
+    return Prepared(labels, labels, mask, rewards=target[..., 2], reference_logp=target[..., 3])
 
 
 class PipelinedObjective:
@@ -49,7 +46,7 @@ class PipelinedObjective:
         self.metrics: list[dict[str, torch.Tensor]] = []
 
     def __call__(self, out: torch.Tensor, target: torch.Tensor, scaled: bool = True):
-        prep = decode_target(target, rewards=type(self.objective).__name__ == "KTO")
+        prep = decode_target(target)
         terms = self.objective.terms(out, prep, None)
         self.metrics.append({k: plain(v).detach().float() for k, v in terms.metrics.items()})
         return terms.objective * (self.scale() if scaled else 1.0)

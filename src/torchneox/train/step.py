@@ -84,12 +84,7 @@ class TrainStep:
                 whole = [sum_router_stats(s, self.dims.mesh["dp"]) for s in stats]
         else:
             out = self.parts.module(prep.inputs)
-        reference = None
-        if self.objective.needs_reference:
-            assert self.parts.reference is not None
-            with torch.no_grad():
-                reference = self.parts.reference(prep.inputs)
-        terms = self.objective.terms(out, prep, reference, whole, placed_like)
+        terms = self.objective.terms(out, prep, self._reference(prep), whole, placed_like)
         for name in ("z_loss", "moe_aux_loss"):
             value = getattr(terms, name)
             if value is not None:
@@ -99,6 +94,14 @@ class TrainStep:
         for i, s in enumerate(stats or []):
             self.moe_counts[i] += s.tokens_per_expert
         return terms
+
+    @torch.no_grad()
+    def _reference(self, prep: Any) -> torch.Tensor | None:
+        """The frozen reference model's output on the micro-batch, when the objective needs it."""
+        if not self.objective.needs_reference:
+            return None
+        assert self.parts.reference is not None
+        return self.parts.reference(prep.inputs)
 
     def _forward_backward(self, batch: Batch, last: bool, sums: dict) -> torch.Tensor:
         batch = to_device(batch, self.device)
@@ -200,7 +203,7 @@ class TrainStep:
         if self.moe_layers:
             aux = sums.get("moe_aux_loss", torch.zeros((), device=self.device))
             out["moe_aux_loss"] = mean_over_dp(aux / self.grad_accum, self.dims).item()
-        if getattr(self.objective, "z_weight", 0.0) and "z_loss" in sums:
+        if "z_loss" in sums:  # lm_z_loss is set
             out["z_loss"] = mean_over_dp(sums["z_loss"] / self.grad_accum, self.dims).item()
         for name, value in sums.items():  # the objective's metrics, as GPT-NeoX averages them
             if name not in ("z_loss", "moe_aux_loss"):
@@ -259,11 +262,7 @@ class TrainStep:
             prep = self.objective.prepare(to_device(batch, self.device))
             with self._loss_context(), self._autocast():
                 out = self.parts.module(prep.inputs)
-                reference = None
-                if self.objective.needs_reference:
-                    assert self.parts.reference is not None
-                    reference = self.parts.reference(prep.inputs)
-                terms = self.objective.terms(out, prep, reference)
+                terms = self.objective.terms(out, prep, self._reference(prep))
             row = {"lm_loss": plain(terms.loss)}
             values.append(row | {k: plain(v).float() for k, v in terms.metrics.items()})
         return values

@@ -145,8 +145,10 @@ class Trainer:
         )
         self.model, self.pipeline = self.parts.model, self.parts.pipeline
         t = cfg.training
-        referenced = t.train_impl == "kto" or (t.train_impl == "dpo" and not t.dpo_reference_free)
-        if referenced and not cfg.textgen.precompute_model_name:
+        eod = build_tokenizer(cfg).eod_id if t.eod_mask_loss else None
+        precomputed = bool(cfg.textgen.precompute_model_name)
+        self.objective = build_objective(t, cfg.moe.moe_aux_loss_coeff, eod, precomputed)
+        if self.objective.needs_reference:
             self.parts.reference, self.parts.reference_pipeline = build_reference(
                 self.args,
                 self.dims,
@@ -178,9 +180,6 @@ class Trainer:
         t = cfg.training
         sync = torch.cuda.synchronize if self.device.type == "cuda" else None
         self.timers = Timers(cfg.logging.wall_clock_breakdown, sync)
-        eod = build_tokenizer(cfg).eod_id if t.eod_mask_loss else None
-        precomputed = bool(cfg.textgen.precompute_model_name)
-        self.objective = build_objective(t, cfg.moe.moe_aux_loss_coeff, eod, precomputed)
         self.step = TrainStep(
             self.parts,
             self.optimizer,
