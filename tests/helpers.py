@@ -156,6 +156,29 @@ VARIANTS = {
     "window": {"pos_emb": "rotary", "sliding_window_width": 8},
     "inits": {"init_method": "xavier_normal", "output_layer_init_method": "scaled_orthogonal"},
     "dropout": {"hidden_dropout": 0.1, "attention_dropout": 0.1, "pos_emb": "rotary"},
+    # GPT-NeoX's one query/key norm, rmsnorm (per head) and layernorm (over all heads)
+    "qk-norm-neox-rmsnorm": {"pos_emb": "rotary", "use_qk_layernorm": True, "norm": "rmsnorm"},
+    "qk-norm-neox-layernorm": {"pos_emb": "rotary", "use_qk_layernorm": True},
+    # Qwen3's: a query and a key norm per head, heads wider than hidden / heads
+    "qwen3-like": {
+        "pos_emb": "rotary",
+        "norm": "rmsnorm",
+        "activation": "swiglu",
+        "num_kv_heads": 2,
+        "head_dim": 32,
+        "use_qk_layernorm": True,
+        "qk_norm_scope": "head",
+    },
+    # OLMo 2's: over all heads, and each sublayer's output normalised
+    "olmo2-like": {
+        "pos_emb": "rotary",
+        "norm": "rmsnorm",
+        "activation": "swiglu",
+        "num_kv_heads": 2,
+        "use_qk_layernorm": True,
+        "qk_norm_scope": "width",
+        "norm_position": "output",
+    },
     "reward-model": {
         "pos_emb": "rotary",
         "train_impl": "rm",

@@ -241,11 +241,50 @@ CASES = [
     ),
     (
         "rope-scaling-not-built",
-        {"a.yml": "{rope_scaling: {type: yarn, factor: 4}}"},
+        {"a.yml": "{rope_scaling: {type: longrope, factor: 4}}"},
         [],
         [
-            "rope_scaling: type 'yarn' is not built; torchneox scales rotary frequencies as linear or llama3"
+            "rope_scaling: type 'longrope' is not built; torchneox scales rotary frequencies as "
+            "linear or llama3 or dynamic or yarn"
         ],
+    ),
+    (
+        "rope-scaling-dynamic-without-context",
+        {"a.yml": "{rope_scaling: {type: dynamic, factor: 2}}"},
+        [],
+        ["rope_scaling: dynamic scaling needs original_max_position_embeddings > 0, got None"],
+    ),
+    (
+        "rope-scaling-yarn-truncate",
+        {
+            "a.yml": "{rope_scaling: {type: yarn, factor: 4, original_max_position_embeddings: "
+            "64, truncate: 1}}"
+        },
+        [],
+        ["rope_scaling: yarn's truncate is true or false, got 1"],
+    ),
+    (
+        "qk-norm-neox-with-gqa",
+        {
+            "a.yml": "{hidden_size: 64, num_attention_heads: 4, num_kv_heads: 2, use_qk_layernorm: true}"
+        },
+        [],
+        ["qk_norm_scope: neox", "cannot take 4 query heads and 2 key heads", "head or width"],
+    ),
+    (
+        "norm-output-with-parallel-residual",
+        {"a.yml": "{norm_position: output, gpt_j_residual: true}"},
+        [],
+        ["norm_position: 'output' (OLMo 2's post-norm) is built for the sequential residual"],
+    ),
+    (
+        "qk-norm-with-tensor-parallelism",
+        {
+            "a.yml": "{num_layers: 2, hidden_size: 64, num_attention_heads: 4, seq_length: 64, "
+            "use_qk_layernorm: true, model_parallel_size: 2, no_weight_tying: true, pos_emb: rotary}"
+        },
+        [],
+        ["use_qk_layernorm with model_parallel_size > 1 is not built yet"],
     ),
     (
         "rope-scaling-missing-field",

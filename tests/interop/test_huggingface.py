@@ -51,6 +51,18 @@ def llama(**kw) -> transformers.LlamaConfig:
     return transformers.LlamaConfig(**base)
 
 
+def _llama_shape(**kw) -> dict:
+    """The small Llama's sizes, for the other families' configs."""
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+    keys += ("num_attention_heads", "num_key_value_heads", "max_position_embeddings")
+    base = llama().to_dict()
+    return {k: base[k] for k in keys} | {"tie_word_embeddings": False} | kw
+
+
+def qwen3(**kw) -> transformers.Qwen3Config:
+    return transformers.Qwen3Config(**_llama_shape(**kw))
+
+
 CASES = {
     "pythia-14m": (transformers.GPTNeoXForCausalLM, lambda: pythia(6, 128, 4)),
     "pythia-70m": (transformers.GPTNeoXForCausalLM, lambda: pythia(6, 512, 8)),
@@ -99,6 +111,49 @@ CASES = {
     "pythia-linear-rope": (
         transformers.GPTNeoXForCausalLM,
         lambda: pythia(2, 128, 4, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    ),
+    # dynamic NTK: the 40-token inputs run past the 32 positions it counts from
+    "llama-dynamic-rope": (
+        transformers.LlamaForCausalLM,
+        lambda: llama(
+            max_position_embeddings=32, rope_scaling={"rope_type": "dynamic", "factor": 2.0}
+        ),
+    ),
+    "llama-yarn-rope": (
+        transformers.LlamaForCausalLM,
+        lambda: llama(
+            max_position_embeddings=256,
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 16.0,
+            },
+        ),
+    ),
+    # Qwen3: each head's queries and keys normalised; heads wider than hidden / heads
+    "qwen3": (transformers.Qwen3ForCausalLM, lambda: qwen3(head_dim=32)),
+    "qwen3-tied-yarn": (
+        transformers.Qwen3ForCausalLM,
+        lambda: qwen3(
+            tie_word_embeddings=True,
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 2.0,
+                "original_max_position_embeddings": 16,
+            },
+        ),
+    ),
+    # OLMo 2: all heads' queries and keys normalised, each sublayer's output normalised
+    "olmo2": (
+        transformers.Olmo2ForCausalLM,
+        lambda: transformers.Olmo2Config(**_llama_shape(), pad_token_id=0, eos_token_id=1),
+    ),
+    "mixtral": (
+        transformers.MixtralForCausalLM,
+        lambda: transformers.MixtralConfig(
+            **_llama_shape(), num_local_experts=4, num_experts_per_tok=2
+        ),
     ),
     "llama-tied": (
         transformers.LlamaForCausalLM,
@@ -159,6 +214,12 @@ def test_logits_equal_transformers(tmp_path, name):
         "qwen2",
         "qwen2-tied",
         "mistral-window",
+        "llama-dynamic-rope",
+        "llama-yarn-rope",
+        "qwen3",
+        "qwen3-tied-yarn",
+        "olmo2",
+        "mixtral",
     ],
 )
 def test_round_trip_gives_identical_tensors(tmp_path, name):
@@ -179,8 +240,11 @@ def test_round_trip_gives_identical_tensors(tmp_path, name):
         torch.testing.assert_close(reloaded(tokens).logits, hf_model(tokens).logits, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["pythia-14m", "llama-gqa"])
-def test_greedy_generation_equals_transformers(tmp_path, name):
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no-cache"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_greedy_generation_equals_transformers(tmp_path, name, use_cache):
+    """Token for token, with and without the KV cache (30 new tokens: past the dynamic
+    rope's original 32 positions, past Mistral's window)."""
     hf_model, folder = _hf_model(tmp_path, name)
     convert.from_hf(folder, tmp_path / "ckpt")
     _, ours = load_model(tmp_path / "ckpt")
@@ -189,13 +253,14 @@ def test_greedy_generation_equals_transformers(tmp_path, name):
         expected = hf_model.generate(
             prompt,
             do_sample=False,
-            max_new_tokens=20,
-            min_new_tokens=20,
+            max_new_tokens=30,
+            min_new_tokens=30,
             pad_token_id=0,
             eos_token_id=None,
+            use_cache=use_cache,
         )[0, 12:].tolist()
-    got = generate(ours, [prompt[0].tolist()], Sampling(maximum_tokens=20))[0]
-    assert got == expected
+    got = generate(ours, [prompt[0].tolist()], Sampling(maximum_tokens=30, use_cache=use_cache))
+    assert got[0] == expected
 
 
 def test_tanh_gelu_reads_as_bias_gelu_fusion_and_exports_as_gelu_new(tmp_path):
@@ -258,13 +323,13 @@ def test_conversions_never_write_over_what_is_there(tmp_path, capsys):
 @pytest.mark.parametrize(
     "extra",
     [
-        {"rope_scaling": {"type": "dynamic", "factor": 2.0}},
+        {"rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}},
         {
-            "rope_scaling": {"rope_type": "yarn", "factor": 4.0},
+            "rope_scaling": {"rope_type": "longrope", "factor": 4.0},
             "rope_parameters": {"rope_type": "default"},
         },
     ],
-    ids=["dynamic-old-spelling", "yarn-beside-default-parameters"],
+    ids=["longrope-old-spelling", "longrope-beside-default-parameters"],
 )
 def test_rope_scaling_not_built_is_refused_not_dropped(tmp_path, capsys, extra):
     """A config.json with rope_scaling beside a default rope_parameters converted with exit 0
@@ -284,7 +349,18 @@ def test_rope_scaling_not_built_is_refused_not_dropped(tmp_path, capsys, extra):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("name", ["qwen2", "llama3-rope", "pythia-linear-rope"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "qwen2",
+        "llama3-rope",
+        "pythia-linear-rope",
+        "qwen3",
+        "olmo2",
+        "mixtral",
+        "llama-dynamic-rope",
+    ],
+)
 def test_explain_counts_the_converted_model(tmp_path, name):
     """config explain (and estimate, which shares the count) on the config a conversion wrote."""
     from torchneox.config.derive import derive

@@ -102,3 +102,31 @@ def test_activation_follows_gpt_neox_switches():
         ({"bias_gelu_fusion": True, "activation": "swiglu"}, "swiglu"),
     ]:
         assert model_args(load_mapping(base | extra, "x")).activation == want
+
+
+@pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])
+def test_gpt_neox_qk_norm_is_one_norm_for_queries_and_keys(norm):
+    """use_qk_layernorm as GPT-NeoX builds it: one module over [heads, head_dim] applied to the
+    queries and to the keys, after the projections and before rotary; rmsnorm normalises each
+    head, layernorm all the heads together."""
+    _, model = build(f"qk-norm-neox-{norm}")
+    attention = model.layers["0"].attention
+    assert attention.q_norm is None and attention.qk_norm.weight.shape == (4, 16)
+    with torch.no_grad():
+        attention.qk_norm.weight.copy_(torch.randn(4, 16))
+    x = torch.randn(2, 5, 64)
+    with torch.no_grad():
+        q, k = attention._queries_keys(x)
+        for projection, got in ((attention.wq, q), (attention.wk, k)):
+            raw = projection(x).view(2, 5, 4, 16)
+            if norm == "rmsnorm":
+                scaled = raw * torch.rsqrt(raw.pow(2).mean(-1, keepdim=True) + 1e-8)
+                expected = scaled * attention.qk_norm.weight
+            else:
+                flat = raw.reshape(2, 5, 64)
+                normed = (flat - flat.mean(-1, keepdim=True)) / torch.sqrt(
+                    flat.var(-1, unbiased=False, keepdim=True) + 1e-5
+                )
+                expected = normed.view(2, 5, 4, 16) * attention.qk_norm.weight
+                expected = expected + attention.qk_norm.bias
+            torch.testing.assert_close(got, expected.transpose(1, 2), atol=1e-5, rtol=1e-5)

@@ -194,6 +194,7 @@ def test_loglikelihoods_equal_lm_evals_own_hugging_face_model():
     from torchneox.data.tokenizers import HFTokenizer
     from torchneox.models import hf
     from torchneox.models.args import model_args
+    from torchneox.models.hf_weights import hf_tensors
     from torchneox.models.transformer import build_model
 
     keys = {
@@ -212,7 +213,7 @@ def test_loglikelihoods_equal_lm_evals_own_hugging_face_model():
     arch = hf.export_architecture(args)
     config = transformers.GPTNeoXConfig(**hf.hf_config(arch, args))
     theirs = transformers.GPTNeoXForCausalLM(config).eval()
-    weights = hf.state_dict_to_hf(arch, ours.state_dict(), args)
+    weights = dict(hf_tensors(arch, ours.state_dict(), args))
     if hasattr(theirs, "lm_head"):  # transformers 5 names GPT-NeoX's embed_out lm_head
         weights["lm_head.weight"] = weights.pop("embed_out.weight")
     theirs.load_state_dict(weights, strict=True)

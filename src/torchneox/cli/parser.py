@@ -110,6 +110,24 @@ def _config_verbs(verbs: argparse._SubParsersAction) -> None:
 FORCE_HELP = "replace OUT_DIR if it holds anything (it is refused otherwise)"
 
 
+def _byte_size(text: str) -> int:
+    """'5GB', '500MB', '2GiB' or a number of bytes."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+    units |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    number = text.strip().upper()
+    digits = number.rstrip("KMGTIB ")
+    try:
+        value = float(digits)
+        unit = units[number[len(digits) :].strip()]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size; write e.g. 5GB, 500MB or 2GiB"
+        ) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a shard needs a size above 0")
+    return int(value * unit)
+
+
 def _convert_verbs(verbs: argparse._SubParsersAction) -> None:
     convert = verbs.add_parser(
         "convert", help="convert checkpoints: Hugging Face both ways, GPT-NeoX in"
@@ -119,7 +137,9 @@ def _convert_verbs(verbs: argparse._SubParsersAction) -> None:
     )
     convert_verbs.required = True
     from_hf = convert_verbs.add_parser(
-        "from-hf", help="a local GPTNeoX/Llama/Mistral folder -> a torchneox checkpoint"
+        "from-hf",
+        help="a local GPTNeoX/Llama/Mistral/Qwen2/Qwen3/OLMo 2/Mixtral folder -> a torchneox "
+        "checkpoint",
     )
     from_hf.add_argument("hf_dir", metavar="HF_DIR")
     from_hf.add_argument("out_dir", metavar="OUT_DIR")
@@ -130,6 +150,20 @@ def _convert_verbs(verbs: argparse._SubParsersAction) -> None:
     to_hf.add_argument("checkpoint", metavar="CHECKPOINT")
     to_hf.add_argument("out_dir", metavar="OUT_DIR")
     to_hf.add_argument("--force", action="store_true", help=FORCE_HELP)
+    to_hf.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16", "fp16"),
+        default="fp32",
+        help="the exported weights' dtype (default fp32: the checkpoint's master weights)",
+    )
+    to_hf.add_argument(
+        "--max-shard-size",
+        type=_byte_size,
+        default="5GB",
+        metavar="SIZE",
+        help="cut the weights into safetensors shards of at most SIZE, with an index, as "
+        "transformers does (e.g. 5GB, 500MB; default 5GB)",
+    )
 
     neox = convert_verbs.add_parser(
         "from-gpt-neox", help="a GPT-NeoX (DeepSpeed) checkpoint -> a torchneox checkpoint"

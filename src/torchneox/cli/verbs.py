@@ -43,7 +43,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from torchneox.interop import huggingface
 
     if args.convert_verb == "from-hf":
-        step = huggingface.from_hf(args.hf_dir, args.out_dir, force=args.force)
+        step = huggingface.from_hf(args.hf_dir, args.out_dir, force=args.force, progress=True)
     elif args.convert_verb == "from-gpt-neox":
         from torchneox.interop import gpt_neox
 
@@ -58,7 +58,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
             force=args.force,
         )
     else:
-        step = huggingface.to_hf(args.checkpoint, args.out_dir, force=args.force)
+        step = huggingface.to_hf(
+            args.checkpoint,
+            args.out_dir,
+            force=args.force,
+            dtype=args.dtype,
+            max_shard_bytes=args.max_shard_size,
+            progress=True,
+        )
     print(f"wrote {step}")
     return 0
 

@@ -166,6 +166,18 @@ def _tensor_parallel_positions(cfg: NeoXConfig, lay: Layout) -> ConfigError | No
     return None
 
 
+def _tensor_parallel_qk_norm(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
+    if lay.tp > 1 and cfg.model.use_qk_layernorm:
+        return _refuse(
+            "use_qk_layernorm with model_parallel_size > 1 is not built yet (each tensor rank "
+            "holds some heads; the query/key norms would need their gradients summed); use "
+            "data parallelism, ZeRO or pipeline stages",
+            key="use_qk_layernorm",
+            cause="model_parallel_size",
+        )
+    return None
+
+
 def _sequence_parallel(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     if not lay.sequence_parallel:
         return None
@@ -267,5 +279,6 @@ RULES = (
     _sequence_parallel,
     _tied_embeddings,
     _tensor_parallel_positions,
+    _tensor_parallel_qk_norm,
 )
 """Every layout rule, in the order they are checked."""

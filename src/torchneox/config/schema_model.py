@@ -62,6 +62,11 @@ class ModelConfig:
     num_kv_heads: int | None = key(
         None, "Number of key/value heads (grouped-query attention); unset means one per query head."
     )
+    head_dim: int | None = extension(
+        None,
+        "Width of each attention head; unset: hidden_size / num_attention_heads (Qwen3 sets "
+        "it apart: its heads together are wider than the residual stream).",
+    )
     seq_length: int | None = key(None, "Tokens per training sample.")
     max_position_embeddings: int | None = key(
         None, "Longest sequence the position scheme supports; defaults to seq_length."
@@ -90,10 +95,23 @@ class ModelConfig:
     layernorm_epsilon: float = key(1.0e-5, "Epsilon of layernorm.")
     rms_norm_epsilon: float = key(1.0e-8, "Epsilon of rmsnorm.")
     scalenorm_epsilon: float = key(1.0e-8, "Epsilon of scalenorm.")
-    use_qk_layernorm: bool = unsupported(
+    use_qk_layernorm: bool = key(
         False,
-        "Normalise queries and keys before attention.",
-        "query/key layernorm is not built yet; remove the key or set it to false",
+        "Normalise queries and keys before attention (after the projections, before rotary), "
+        "with the norm `norm` names; qk_norm_scope says over what.",
+    )
+    qk_norm_scope: Literal["neox", "head", "width"] = extension(
+        "neox",
+        "With use_qk_layernorm: neox, GPT-NeoX's one norm shared by queries and keys, with a "
+        "weight per head and dimension (rmsnorm per head, layernorm over all heads); head, a "
+        "query norm and a key norm over each head's dimensions, shared by the heads (Qwen3); "
+        "width, a query norm and a key norm over all heads together (OLMo 2).",
+    )
+    norm_position: Literal["input", "output"] = extension(
+        "input",
+        "input: each block normalises what attention and the MLP read (GPT-NeoX, Llama); "
+        "output: it normalises what they write, before it joins the residual (OLMo 2's "
+        "post-norm), the final norm unchanged.",
     )
     use_bias_in_norms: bool = key(True, "Give layernorm a learned bias.")
     use_bias_in_attn_linear: bool = key(
@@ -114,9 +132,13 @@ class ModelConfig:
     rotary_emb_base: int = key(10000, "Base of the rotary frequencies.")
     rope_scaling: dict[str, Any] | None = extension(
         None,
-        "Rotary frequency scaling, as Hugging Face's rope_scaling: {type: linear, factor: F} "
-        "or {type: llama3, factor, low_freq_factor, high_freq_factor, "
-        "original_max_position_embeddings} (Llama 3.1-3.3); unset: none.",
+        "Rotary frequency scaling, as Hugging Face's rope_scaling: {type: linear, factor}; "
+        "{type: llama3, factor, low_freq_factor, high_freq_factor, "
+        "original_max_position_embeddings} (Llama 3.1-3.3); {type: dynamic, factor, "
+        "original_max_position_embeddings} (NTK: the base grows with sequences longer than "
+        "the original context); {type: yarn, factor, original_max_position_embeddings, and "
+        "optionally attention_factor, beta_fast, beta_slow, mscale, mscale_all_dim, "
+        "truncate} (Qwen, DeepSeek); unset: none.",
     )
     rotary_save_freqs_buffer: bool = no_effect(
         False,
@@ -316,6 +338,11 @@ class MoEConfig:
         1,
         "Ranks the experts of each MoE layer are split over (a divisor of the data-parallel "
         "size); tokens reach their experts by all-to-all.",
+    )
+    moe_renormalize_top_k: bool = extension(
+        False,
+        "Divide each token's top-k router probabilities by their sum before weighting the "
+        "experts (Mixtral; Qwen-MoE's norm_topk_prob); GPT-NeoX does not (false).",
     )
     moe_aux_loss_coeff: float = extension(
         0.0,

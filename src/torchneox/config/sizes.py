@@ -52,7 +52,7 @@ def mlp_widths(config: NeoXConfig) -> MLPWidths:
 def head_dim(config: NeoXConfig) -> int:
     m = config.model
     assert m.hidden_size and m.num_attention_heads
-    return m.hidden_size // m.num_attention_heads
+    return m.head_dim or m.hidden_size // m.num_attention_heads
 
 
 def kv_heads(config: NeoXConfig) -> int:
@@ -79,6 +79,17 @@ def norm_params(config: NeoXConfig) -> int:
     return 0
 
 
+def qk_norm_params(config: NeoXConfig) -> int:
+    """One layer's query/key norm parameters (use_qk_layernorm, by qk_norm_scope)."""
+    m = config.model
+    if not m.use_qk_layernorm:
+        return 0
+    d, heads, kv = head_dim(config), m.num_attention_heads or 0, kv_heads(config)
+    widths = {"neox": (heads * d,), "head": (d, d), "width": (heads * d, kv * d)}
+    per_weight = 2 if m.norm in ("layernorm", "te_layernorm") and m.use_bias_in_norms else 1
+    return per_weight * sum(widths[m.qk_norm_scope])
+
+
 def is_moe_layer(config: NeoXConfig, layer: int) -> bool:
     e = config.moe
     return e.moe_num_experts > 1 and layer % e.moe_expert_interval == 0
@@ -101,12 +112,12 @@ def count(config: NeoXConfig, vocab: int) -> ModelCounts:
     m, e = config.model, config.moe
     assert m.hidden_size and m.num_layers and m.num_attention_heads and m.seq_length
     h, d = m.hidden_size, head_dim(config)
-    kv_width = kv_heads(config) * d
+    kv_width, q_width = kv_heads(config) * d, m.num_attention_heads * d
     attn_bias = m.use_bias_in_attn_linear
-    qkv = h * (h + 2 * kv_width) + (h + 2 * kv_width if attn_bias else 0)
+    qkv = h * (q_width + 2 * kv_width) + (q_width + 2 * kv_width if attn_bias else 0)
     out_bias = attn_bias if m.attention_output_bias is None else m.attention_output_bias
-    dense = h * h + (h if out_bias else 0)
-    attention_matmul = h * (h + 2 * kv_width) + h * h
+    dense = q_width * h + (h if out_bias else 0) + qk_norm_params(config)
+    attention_matmul = h * (q_width + 2 * kv_width) + q_width * h
     widths = mlp_widths(config)
     mlp_matmul = h * widths.up + widths.down * h
     mlp = mlp_matmul + ((widths.up + h) if m.use_bias_in_mlp else 0)

@@ -13,6 +13,12 @@ MAX_LAYERS = 100_000  # per-layer lists are built from num_layers; far past any 
 ROPE_SCALING_FIELDS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "dynamic": ("factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+}
+"""Each rope scaling type's required fields."""
+ROPE_SCALING_OPTIONAL = {
+    "yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
 }
 ATTENTION_TYPES_OK = ("global", "flash")
 ATTENTION_TYPES_REFUSED = {
@@ -44,7 +50,7 @@ def _check_model(ch: Checker) -> None:
         ch.positive(k)
     if m.num_layers and m.num_layers > MAX_LAYERS:
         ch.fail("num_layers", f"{m.num_layers:,} layers is more than {MAX_LAYERS:,}; is it a typo?")
-    for k in ("max_position_embeddings", "intermediate_size", "sliding_window_width"):
+    for k in ("max_position_embeddings", "intermediate_size", "sliding_window_width", "head_dim"):
         ch.positive(k)
     for k in (
         "mlp_multiple_of",
@@ -62,11 +68,16 @@ def _check_model(ch: Checker) -> None:
         )
     ch.within("hidden_dropout", 0.0, 1.0, high_open=True)
     ch.within("attention_dropout", 0.0, 1.0, high_open=True)
-    if m.hidden_size and m.num_attention_heads and m.hidden_size % m.num_attention_heads:
+    if (
+        not m.head_dim
+        and m.hidden_size
+        and m.num_attention_heads
+        and m.hidden_size % m.num_attention_heads
+    ):
         ch.fail(
             "num_attention_heads",
             f"hidden_size {m.hidden_size} is not divisible by num_attention_heads "
-            f"{m.num_attention_heads}; every head needs the same width",
+            f"{m.num_attention_heads}; every head needs the same width (or set head_dim)",
         )
     if (
         m.num_kv_heads
@@ -84,8 +95,7 @@ def _check_model(ch: Checker) -> None:
             f"{m.max_position_embeddings} is shorter than seq_length {m.seq_length}",
         )
     _check_positions(ch)
-    if m.gpt_j_tied and not m.gpt_j_residual:
-        ch.fail("gpt_j_tied", "only means something with gpt_j_residual: true")
+    _check_block_layout(ch)
     layer_attention_types(ch.c, ch.origin)
 
 
@@ -98,8 +108,12 @@ def _check_positions(ch: Checker) -> None:
     if m.pos_emb == "rotary":
         if not 0.0 < m.rotary_pct <= 1.0:
             ch.fail("rotary_pct", f"must be in (0, 1], got {m.rotary_pct}")
-        if m.hidden_size and m.num_attention_heads and not m.hidden_size % m.num_attention_heads:
-            head_dim = m.hidden_size // m.num_attention_heads
+        if (
+            m.hidden_size
+            and m.num_attention_heads
+            and (m.head_dim or not m.hidden_size % m.num_attention_heads)
+        ):
+            head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
             rotary_dims = int(head_dim * m.rotary_pct)
             if rotary_dims % 2 or rotary_dims == 0:
                 ch.fail(
@@ -107,6 +121,34 @@ def _check_positions(ch: Checker) -> None:
                     f"rotates {rotary_dims} of {head_dim} head dimensions (rotary_pct "
                     f"{m.rotary_pct}); rotary needs an even, non-zero number",
                 )
+
+
+def _check_block_layout(ch: Checker) -> None:
+    """Residual, norm placement and query/key norms."""
+    m = ch.c.model
+    if m.gpt_j_tied and not m.gpt_j_residual:
+        ch.fail("gpt_j_tied", "only means something with gpt_j_residual: true")
+    if m.norm_position == "output" and m.gpt_j_residual:
+        ch.fail(
+            "norm_position",
+            "'output' (OLMo 2's post-norm) is built for the sequential residual; set "
+            "gpt_j_residual: false or norm_position: input",
+        )
+    if not m.use_qk_layernorm or m.qk_norm_scope != "neox":
+        return
+    if m.norm not in ("rmsnorm", "layernorm", "te_rmsnorm", "te_layernorm"):
+        ch.fail(
+            "norm",
+            f"{m.norm!r} with use_qk_layernorm and qk_norm_scope neox: GPT-NeoX's shared query/"
+            "key norm is built for rmsnorm and layernorm; set qk_norm_scope head or width",
+        )
+    if m.num_kv_heads and m.num_kv_heads != m.num_attention_heads:
+        ch.fail(
+            "qk_norm_scope",
+            "neox (GPT-NeoX's one norm for queries and keys, which fails there too) cannot "
+            f"take {m.num_attention_heads} query heads and {m.num_kv_heads} key heads; set "
+            "qk_norm_scope head or width",
+        )
 
 
 def layer_attention_types(config: NeoXConfig, origin: dict[str, str] | None = None) -> list[str]:
@@ -163,17 +205,35 @@ def _check_rope_scaling(ch: Checker) -> None:
             + " or ".join(ROPE_SCALING_FIELDS),
         )
     fields = ROPE_SCALING_FIELDS[kind]
-    extra = sorted(set(spec) - {"type", "rope_type", *fields})
+    optional = ROPE_SCALING_OPTIONAL.get(kind, ())
+    extra = sorted(set(spec) - {"type", "rope_type", *fields, *optional})
     if extra:
         ch.fail(
-            "rope_scaling", f"{extra[0]!r} is not a field of {kind} scaling ({', '.join(fields)})"
+            "rope_scaling",
+            f"{extra[0]!r} is not a field of {kind} scaling ({', '.join(fields + optional)})",
         )
-    for name in fields:
+    for name in fields + tuple(n for n in optional if spec.get(n) is not None):
         value = spec.get(name)
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            ch.fail("rope_scaling", f"{kind} scaling needs {name} > 0, got {value!r}")
+        if name == "truncate":
+            if not isinstance(value, bool):
+                ch.fail("rope_scaling", f"yarn's truncate is true or false, got {value!r}")
+            continue
+        least = 0 if name in optional else None
+        number = not isinstance(value, bool) and isinstance(value, int | float)
+        if not number or (value < least if least is not None else value <= 0):
+            bound = ">= 0" if least is not None else "> 0"
+            ch.fail("rope_scaling", f"{kind} scaling needs {name} {bound}, got {value!r}")
     if kind == "llama3" and spec["high_freq_factor"] <= spec["low_freq_factor"]:
         ch.fail("rope_scaling", "llama3 scaling needs high_freq_factor > low_freq_factor")
+    if kind == "dynamic" and _rotary_dims(ch) == 2:
+        ch.fail("rope_scaling", "dynamic scaling needs more than 2 rotary dimensions per head")
+
+
+def _rotary_dims(ch: Checker) -> int:
+    m = ch.c.model
+    if not (m.hidden_size and m.num_attention_heads):
+        return 0
+    return int((m.head_dim or m.hidden_size // m.num_attention_heads) * m.rotary_pct)
 
 
 def _check_moe(ch: Checker) -> None:

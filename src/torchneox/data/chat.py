@@ -63,6 +63,9 @@ class ChatTokenizer:
         except (ValueError, OSError) as e:
             raise DataError(f"{config_path.parent}: cannot read the tokenizer ({e})") from None
         template = config.get("chat_template")
+        beside = path.with_name("chat_template.jinja")  # where transformers >= 4.52 saves it
+        if template is None and beside.is_file():
+            template = beside.read_text(encoding="utf-8")
         if isinstance(template, list):  # several named templates: the default one
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")

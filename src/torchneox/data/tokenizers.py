@@ -59,9 +59,16 @@ class HFTokenizer:
     def __init__(self, backend, name: str):
         self._tok = backend
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        specials = _configured_specials(Path(name))
         eod = backend.token_to_id(END_OF_TEXT)
+        if eod is None and "eos_token" in specials:  # Llama 3's <|end_of_text|>, Mistral's </s>
+            eod = backend.token_to_id(specials["eos_token"])
         if eod is None:
-            raise ConfigError(f"{name} has no {END_OF_TEXT} token", key="vocab_file")
+            raise ConfigError(
+                f"{name} has no {END_OF_TEXT} token and no tokenizer_config.json beside it "
+                "names an eos_token it has",
+                key="vocab_file",
+            )
         self.eod_id = eod
         self.pad_id = backend.token_to_id(PADDING)
 
@@ -70,6 +77,24 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
+
+
+def _configured_specials(tokenizer_file: Path) -> dict[str, str]:
+    """eos_token (and pad_token) of the Hugging Face tokenizer_config.json beside a tokenizer
+    file (a string or {"content": ...}); empty when there is none or it is unreadable."""
+    import json
+
+    try:
+        config = json.loads(tokenizer_file.with_name("tokenizer_config.json").read_text("utf-8"))
+    except (OSError, ValueError):
+        return {}
+    out = {}
+    for name in ("eos_token", "pad_token"):
+        value = config.get(name) if isinstance(config, dict) else None
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            out[name] = value
+    return out
 
 
 def _need_file(path: str | None, key: str, kind: str) -> Path:

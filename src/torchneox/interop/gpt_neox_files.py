@@ -31,7 +31,7 @@ import torch
 
 from torchneox.base.errors import NeoXCheckpointError
 from torchneox.models.args import ModelArgs
-from torchneox.models.hf import _split_qkv
+from torchneox.models.hf_weights import split_qkv
 
 LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
 
@@ -321,7 +321,7 @@ def _split_fused_qkv(
             "match the config"
         )
     if kv == heads:
-        parts = _split_qkv(qkv, heads, d)
+        parts = split_qkv(qkv, heads, d)
     else:
         parts = tuple(t.contiguous() for t in qkv.split([heads * d, kv * d, kv * d], dim=0))
     return list(zip(("wq", "wk", "wv"), parts, strict=True))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -16,18 +18,28 @@ from torchneox.config.paths import new_output_dir
 from torchneox.config.report import render_yaml
 from torchneox.models import hf
 from torchneox.models.args import ModelArgs, model_args
+from torchneox.models.hf_weights import WeightImporter, hf_tensors
 from torchneox.models.transformer import Transformer
 from torchneox.train import checkpoint
 
+TOKENIZER_COMPANIONS = (
+    "tokenizer_config.json",  # its chat template and special tokens
+    "special_tokens_map.json",
+    "chat_template.jinja",  # where newer transformers save the chat template
+    "generation_config.json",  # eos ids, sampling defaults
+)
+"""What travels beside the tokenizer files, both ways, when the source has it."""
+
 
 def _tokenizer_keys(hf_dir: Path, write_dir: Path, out_dir: Path) -> dict[str, str]:
-    """Copy the HF folder's tokenizer files into write_dir (which becomes out_dir); the config
-    keys that name them where they will be."""
+    """Copy the HF folder's tokenizer files (and what goes with them) into write_dir (which
+    becomes out_dir); the config keys that name them where they will be."""
     final = out_dir.resolve()
+    for name in TOKENIZER_COMPANIONS:
+        if (hf_dir / name).is_file():
+            shutil.copyfile(hf_dir / name, write_dir / name)
     if (hf_dir / "tokenizer.json").is_file():
         shutil.copyfile(hf_dir / "tokenizer.json", write_dir / "tokenizer.json")
-        if (hf_dir / "tokenizer_config.json").is_file():  # its chat template, special tokens
-            shutil.copyfile(hf_dir / "tokenizer_config.json", write_dir / "tokenizer_config.json")
         return {"tokenizer_type": "HFTokenizer", "vocab_file": str(final / "tokenizer.json")}
     if (hf_dir / "vocab.json").is_file() and (hf_dir / "merges.txt").is_file():
         keys = {"tokenizer_type": "GPT2BPETokenizer"}
@@ -54,9 +66,40 @@ def _check_shapes(args: ModelArgs, sd: dict[str, torch.Tensor], source: str) -> 
             )
 
 
+class _Progress:
+    """Bytes done of a total, with rate and ETA: one line rewritten on a terminal, in a log a
+    line every two seconds and at the end (nothing for work done within two seconds)."""
+
+    def __init__(self, verb: str, total: int, show: bool):
+        self.verb, self.total, self.show = verb, max(total, 1), show
+        self.start = self.shown = time.perf_counter()
+        self.done = 0
+
+    def advance(self, nbytes: int, what: str) -> None:
+        self.done += nbytes
+        now = time.perf_counter()
+        last = self.done >= self.total
+        # quiet for what takes under two seconds; then a line every two, and the last
+        if not self.show or (now - self.shown < 2 and not (last and self.shown > self.start)):
+            return
+        self.shown = now
+        rate = self.done / max(now - self.start, 1e-9)
+        eta = (self.total - self.done) / max(rate, 1e-9)
+        text = (
+            f"{self.verb} {what}: {self.done / 2**30:.2f} of {self.total / 2**30:.2f} GiB, "
+            f"{rate / 2**20:.0f} MiB/s, ETA {eta:.0f} s"
+        )
+        if sys.stderr.isatty():
+            print("\r" + text, end="\n" if last else "", file=sys.stderr, flush=True)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+
 def _read_hf(
-    hf_dir: Path, tokenizer_keys: dict[str, str]
+    hf_dir: Path, tokenizer_keys: dict[str, str], progress: bool = False
 ) -> tuple[LoadedConfig, dict[str, torch.Tensor]]:
+    """The folder's config as GPT-NeoX keys, and its weights under torchneox's names, read
+    tensor by tensor (one copy of the model in memory, not two)."""
     hf_cfg = hf.read_config(hf_dir)
     try:
         keys = hf.neox_config_from_hf(hf_cfg)
@@ -66,31 +109,38 @@ def _read_hf(
         raise hf.HFError(e.message, source=str(hf_dir / "config.json"), key=e.key) from None
     loaded = load_mapping(keys | tokenizer_keys, str(hf_dir / "config.json"))
     args = model_args(loaded)
-    tensors = hf.read_state_dict(hf_dir)
-    try:
-        sd = hf.state_dict_from_hf(hf.architecture_of(hf_cfg), tensors, args)
-    except KeyError as e:
-        raise ConfigError(
-            f"the weights have no tensor {e.args[0]}, which config.json's model needs; do the "
-            "weights belong to this config.json?",
-            source=str(hf_dir),
-        ) from None
-    except RuntimeError as e:  # a reshape of a tensor whose size config.json does not give
-        raise ConfigError(
-            f"the weights do not match config.json ({str(e).splitlines()[0]}); do they belong "
-            "to this config.json?",
-            source=str(hf_dir),
-        ) from None
+    files = hf.weight_files(hf_dir)
+    meter = _Progress("read", sum(f.stat().st_size for f in files if f.is_file()), progress)
+    importer = WeightImporter(hf.architecture_of(hf_cfg), args)
+    for path in files:
+        try:
+            for name, tensor in hf.iter_tensors(path):
+                importer.add(name, tensor)
+            sd = importer.result() if path == files[-1] else {}
+        except hf.HFError as e:
+            if e.source is not None:
+                raise
+            raise hf.HFError(e.message, source=str(path)) from None
+        except RuntimeError as e:  # a reshape of a tensor whose size config.json does not give
+            raise ConfigError(
+                f"the weights do not match config.json ({str(e).splitlines()[0]}); do they "
+                "belong to this config.json?",
+                source=str(path),
+            ) from None
+        meter.advance(path.stat().st_size, path.name)
     _check_shapes(args, sd, str(hf_dir))
     return loaded, sd
 
 
-def from_hf(hf_dir: str | Path, out_dir: str | Path, force: bool = False) -> Path:
-    """A local GPTNeoX/Llama/Mistral folder -> a torchneox checkpoint (global_step0)."""
+def from_hf(
+    hf_dir: str | Path, out_dir: str | Path, force: bool = False, progress: bool = False
+) -> Path:
+    """A local Hugging Face folder -> a torchneox checkpoint (global_step0), with the
+    tokenizer, its config and chat template, and the generation config beside it."""
     src, out = Path(hf_dir), Path(out_dir)
     hf.read_config(src)  # not a model folder: say so before anything is written
     with new_output_dir(out, force, "convert from-hf") as tmp:
-        loaded, sd = _read_hf(src, _tokenizer_keys(src, tmp, out))
+        loaded, sd = _read_hf(src, _tokenizer_keys(src, tmp, out), progress)
         yaml_text = render_yaml(loaded, derive(loaded))
         arch = hf.architecture_of(hf.read_config(src))
         step = checkpoint.save_checkpoint(
@@ -120,10 +170,23 @@ def load_hf_model(hf_dir: str | Path, device: str = "cpu") -> tuple[LoadedConfig
     return loaded, model
 
 
-def to_hf(ckpt: str | Path, out_dir: str | Path, force: bool = False) -> Path:
-    """A torchneox checkpoint -> a Hugging Face folder (safetensors, config.json, tokenizer)."""
-    from safetensors.torch import save_file
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+DEFAULT_SHARD_BYTES = 5 * 10**9
+"""Hugging Face's usual shard size (5 GB): larger exports are cut into shards with an index."""
 
+
+def to_hf(
+    ckpt: str | Path,
+    out_dir: str | Path,
+    force: bool = False,
+    dtype: str = "fp32",
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    progress: bool = False,
+) -> Path:
+    """A torchneox checkpoint -> a Hugging Face folder: safetensors in ``dtype`` (one file,
+    or shards of at most ``max_shard_bytes`` and an index), config.json, generation_config.json
+    and the tokenizer with its config and chat template."""
     step_dir = checkpoint.resolve(ckpt)
     loaded = checkpoint.checkpoint_config(step_dir)
     args = model_args(loaded)
@@ -131,17 +194,70 @@ def to_hf(ckpt: str | Path, out_dir: str | Path, force: bool = False) -> Path:
     _, model = checkpoint.load_model(step_dir)
     out = Path(out_dir)
     with new_output_dir(out, force, "convert to-hf") as tmp:
-        tensors = hf.state_dict_to_hf(arch, model.state_dict(), args)
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tensors = hf_tensors(hf.causal_family(arch), model.state_dict(), args)
+        total = sum(p.numel() for p in model.state_dict().values()) * DTYPES[dtype].itemsize
+        meter = _Progress("wrote", total, progress)
+        write_shards(tensors, tmp, DTYPES[dtype], max_shard_bytes, meter)
         eod, pad = _copy_tokenizer(loaded, tmp)
-        config = json.dumps(hf.hf_config(arch, args, eod, pad), indent=2) + "\n"
-        (tmp / "config.json").write_text(config)
+        config = hf.hf_config(arch, args, eod, pad) | {"torch_dtype": HF_DTYPE_NAMES[DTYPES[dtype]]}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if not (tmp / "generation_config.json").is_file() and eod is not None:
+            generation = {"bos_token_id": eod, "eos_token_id": eod}
+            if pad is not None:
+                generation["pad_token_id"] = pad
+            (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     return out
 
 
+def write_shards(
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    folder: Path,
+    dtype: torch.dtype,
+    max_shard_bytes: int,
+    meter: _Progress,
+) -> None:
+    """Safetensors files of at most ``max_shard_bytes`` each (a larger tensor gets one of its
+    own), written as each fills: in memory, never more than one shard beside the model. One
+    shard is model.safetensors; more are model-0000i-of-0000n.safetensors with
+    model.safetensors.index.json, as transformers writes them."""
+    from safetensors.torch import save_file
+
+    names: list[list[str]] = []
+    shard: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        nonlocal shard, size
+        if shard:
+            save_file(shard, str(folder / f"part-{len(names)}.tmp"), metadata={"format": "pt"})
+            names.append(list(shard))
+            meter.advance(size, f"shard {len(names)}")
+        shard, size = {}, 0
+
+    for name, tensor in tensors:
+        t = tensor.detach().to(dtype).contiguous()
+        if shard and size + t.nbytes > max_shard_bytes:
+            flush()
+        shard[name] = t
+        size += t.nbytes
+        total += t.nbytes
+    flush()
+    if len(names) == 1:
+        (folder / "part-0.tmp").rename(folder / "model.safetensors")
+        return
+    weight_map = {}
+    for i, shard_names in enumerate(names):
+        final = f"model-{i + 1:05d}-of-{len(names):05d}.safetensors"
+        (folder / f"part-{i}.tmp").rename(folder / final)
+        weight_map |= dict.fromkeys(shard_names, final)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
 def _copy_tokenizer(loaded: LoadedConfig, out: Path) -> tuple[int | None, int | None]:
-    """The tokenizer files into the export, with the tokenizer_config.json beside them (its
-    chat template travels with the model); the end-of-text and padding ids."""
+    """The tokenizer files into the export, with what lies beside them (TOKENIZER_COMPANIONS:
+    the chat template and generation config travel with the model); the end-of-text and
+    padding ids."""
     tok = loaded.config.tokenizer
     if tok.vocab_file is None or not Path(tok.vocab_file).is_file():
         if tok.vocab_file is not None:
@@ -161,10 +277,11 @@ def _copy_tokenizer(loaded: LoadedConfig, out: Path) -> tuple[int | None, int | 
     from torchneox.data.tokenizers import END_OF_TEXT, PADDING, build_tokenizer
 
     built = build_tokenizer(loaded.config)
-    beside = Path(tok.vocab_file).with_name("tokenizer_config.json")
-    if beside.is_file():
-        shutil.copyfile(beside, out / "tokenizer_config.json")
-    elif tok.tokenizer_type == "HFTokenizer":
+    folder = Path(tok.vocab_file).parent
+    for name in TOKENIZER_COMPANIONS:
+        if (folder / name).is_file():
+            shutil.copyfile(folder / name, out / name)
+    if not (out / "tokenizer_config.json").is_file() and tok.tokenizer_type == "HFTokenizer":
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": END_OF_TEXT}
         if built.pad_id is not None:
             config["pad_token"] = PADDING

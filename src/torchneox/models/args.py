@@ -51,6 +51,12 @@ class ModelArgs:
     moe_interval: int = 1
     moe_router_type: str = "topk"
     moe_jitter_eps: float | None = None
+    moe_renormalize: bool = False
+    """Mixtral's gates: each token's top-k probabilities divided by their sum."""
+    qk_norm: str | None = None
+    """Query/key normalisation: None, or its qk_norm_scope (neox, head, width)."""
+    norm_position: str = "input"
+    """input: pre-norm; output: each sublayer's output normalised (OLMo 2)."""
     value_head: bool = False
     """A reward model (train_impl rm): the head gives one value per position, not logits."""
 
@@ -113,6 +119,9 @@ class ModelArgs:
             moe_interval=cfg.moe.moe_expert_interval,
             moe_router_type=cfg.moe.moe_router_type,
             moe_jitter_eps=cfg.moe.moe_jitter_eps,
+            moe_renormalize=cfg.moe.moe_renormalize_top_k,
+            qk_norm=m.qk_norm_scope if m.use_qk_layernorm else None,
+            norm_position=m.norm_position,
             value_head=cfg.training.train_impl == "rm",
         )
 

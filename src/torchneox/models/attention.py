@@ -9,6 +9,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from torchneox.models.args import ModelArgs
+from torchneox.models.norms import HeadRMSNorm, build_norm
 from torchneox.models.positions import apply_rotary
 
 
@@ -66,6 +67,16 @@ class Attention(nn.Module):
         self.wk = nn.Linear(h, kv_width, bias=bias)
         self.wv = nn.Linear(h, kv_width, bias=bias)
         self.wo = nn.Linear(q_width, h, bias=args.attn_out_bias)
+        self.qk_norm_scope = args.qk_norm
+        self.qk_norm = self.q_norm = self.k_norm = None
+        if args.qk_norm == "neox":  # one norm for queries and keys (GPT-NeoX)
+            self.qk_norm = _shared_qk_norm(args)
+        elif args.qk_norm is not None:
+            q_dim, k_dim = (
+                (args.head_dim, args.head_dim) if args.qk_norm == "head" else (q_width, kv_width)
+            )
+            self.q_norm = build_norm(args.norm, q_dim, args.norm_eps, args.norm_bias)
+            self.k_norm = build_norm(args.norm, k_dim, args.norm_eps, args.norm_bias)
 
     def forward(
         self,
@@ -75,9 +86,7 @@ class Attention(nn.Module):
         cache: KVCache | None = None,
     ) -> torch.Tensor:
         b, t, _ = x_BTD.shape
-        # -1 heads: under tensor parallelism each rank holds a slice of the heads
-        q = self.wq(x_BTD).view(b, t, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x_BTD).view(b, t, -1, self.head_dim).transpose(1, 2)
+        q, k = self._queries_keys(x_BTD)
         v = self.wv(x_BTD).view(b, t, -1, self.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
@@ -93,3 +102,26 @@ class Attention(nn.Module):
             enable_gqa=self.grouped,
         )
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+    def _queries_keys(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k, [B, heads, T, head_dim], normalised as use_qk_layernorm asks (before
+        rotary). -1 heads: under tensor parallelism each rank holds a slice of the heads."""
+        b, t, _ = x_BTD.shape
+        q, k = self.wq(x_BTD), self.wk(x_BTD)
+        if self.qk_norm_scope == "width":  # over all heads together (OLMo 2)
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.view(b, t, -1, self.head_dim), k.view(b, t, -1, self.head_dim)
+        if self.qk_norm_scope == "head":  # each head over its dimensions (Qwen3)
+            q, k = self.q_norm(q), self.k_norm(k)
+        elif self.qk_norm is not None:
+            q, k = self.qk_norm(q), self.qk_norm(k)
+        return q.transpose(1, 2), k.transpose(1, 2)
+
+
+def _shared_qk_norm(args: ModelArgs) -> nn.Module:
+    """GPT-NeoX's qk_layernorm: one module over [heads, head_dim] for both queries and keys,
+    rmsnorm per head, layernorm over all the heads."""
+    if args.norm == "rmsnorm":
+        return HeadRMSNorm(args.num_heads, args.head_dim, args.norm_eps)
+    shape = (args.num_heads, args.head_dim)
+    return nn.LayerNorm(shape, eps=args.norm_eps, bias=args.norm_bias)

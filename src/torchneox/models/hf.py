@@ -1,13 +1,16 @@
-"""Hugging Face interop: config and weight adapters for GPTNeoX, Llama and Mistral.
+"""Hugging Face interop: configs of GPTNeoX, Llama, Mistral, Qwen2/3, OLMo 2 and Mixtral as
+GPT-NeoX keys and back, and the weight files of a local folder (models/hf_weights.py maps the
+tensors' names).
 
 Works from local folders only (config.json + safetensors or pytorch_model.bin) and does not
-need the transformers package. The fused GPTNeoX query_key_value weight is laid out per head
-([heads, (q, k, v), head_dim, hidden]); torchneox keeps q, k and v separate.
+need the transformers package. What a model computes that no mapping expresses is refused in
+one line naming it, never converted into a model that computes something else.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,9 @@ ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Olmo2ForCausalLM",
+    "MixtralForCausalLM",
 )
 # Hugging Face hidden_act -> GPT-NeoX config keys. The tanh gelus (gelu_new, gelu_fast,
 # gelu_pytorch_tanh: the same function) are GPT-NeoX's gelu under bias_gelu_fusion.
@@ -56,56 +62,72 @@ def read_config(folder: Path) -> dict[str, Any]:
         raise HFError(f"config.json is not valid JSON ({e})", source=str(folder)) from None
 
 
-def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(path)
-    except FileNotFoundError:
-        raise HFError("is missing (the index names it)", source=str(path)) from None
-    except Exception as e:  # a truncated or foreign file
-        first = first_line(e)
-        raise HFError(
-            f"cannot be read as safetensors ({first}); is it truncated? download it again",
-            source=str(path),
-        ) from None
-
-
-def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a local HF folder: model.safetensors, sharded safetensors, or .bin."""
-    load_file = _load_safetensors
+def weight_files(folder: Path) -> list[Path]:
+    """The files holding a local HF folder's tensors: model.safetensors, the shards its index
+    names, or pytorch_model*.bin."""
     single = folder / "model.safetensors"
     index = folder / "model.safetensors.index.json"
     if single.is_file():
-        return load_file(single)
+        return [single]
     if index.is_file():
         try:
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, AttributeError):
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, AttributeError, TypeError):
             raise HFError("is not a safetensors index (no weight_map)", source=str(index)) from None
-        out: dict[str, torch.Tensor] = {}
-        for name in files:
-            out.update(load_file(folder / name))
-        return out
+        return [folder / name for name in names]
     bins = sorted(folder.glob("pytorch_model*.bin"))
     if bins:
-        out = {}
-        for path in bins:
-            try:
-                out.update(torch.load(path, map_location="cpu", weights_only=True))
-            except Exception as e:
-                first = first_line(e)
-                raise HFError(
-                    f"cannot be read as torch weights ({first})", source=str(path)
-                ) from None
-        return out
+        return bins
     raise HFError("no model.safetensors or pytorch_model.bin found", source=str(folder))
+
+
+def iter_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """One weight file's tensors, read one at a time (safetensors) or memory-mapped (.bin):
+    a shard is never held whole beside what it is converted into."""
+    if path.suffix == ".bin":
+        try:
+            tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except FileNotFoundError:
+            raise HFError("is missing (the index names it)", source=str(path)) from None
+        except Exception as e:
+            raise HFError(
+                f"cannot be read as torch weights ({first_line(e)})", source=str(path)
+            ) from None
+        yield from tensors.items()
+        return
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                yield name, f.get_tensor(name)
+    except FileNotFoundError:
+        raise HFError("is missing (the index names it)", source=str(path)) from None
+    except HFError:
+        raise
+    except Exception as e:  # a truncated or foreign file
+        raise HFError(
+            f"cannot be read as safetensors ({first_line(e)}); is it truncated? download it again",
+            source=str(path),
+        ) from None
 
 
 SCALED_ROPE = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "dynamic": ("factor",),
+    "yarn": (
+        "factor",
+        "original_max_position_embeddings",
+        "attention_factor",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "truncate",
+    ),
 }
+"""The rope scaling types torchneox computes, and the fields it reads of each."""
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, float, dict[str, Any] | None]:
@@ -126,12 +148,29 @@ def _rope(hf: dict[str, Any]) -> tuple[float, float, dict[str, Any] | None]:
                 f"{', '.join(SCALED_ROPE)}); the model would compute other logits without it",
                 key=key,
             )
-        chosen = {"type": kind} | {name: spec[name] for name in SCALED_ROPE[kind] if name in spec}
+        fields = {n: spec[n] for n in SCALED_ROPE[kind] if spec.get(n) is not None}
+        chosen = {"type": kind} | fields
+    if chosen is not None:
+        _original_context(hf, chosen)
     theta = params.get("rope_theta", hf.get("rope_theta", hf.get("rotary_emb_base", 10000.0)))
     pct = params.get(
         "partial_rotary_factor", hf.get("partial_rotary_factor", hf.get("rotary_pct", 1.0))
     )
     return float(theta), float(pct), chosen
+
+
+def _original_context(hf: dict[str, Any], spec: dict[str, Any]) -> None:
+    """The pretraining context the scaling counts from, as transformers finds it: a top-level
+    original_max_position_embeddings first, then the scaling's own, then max_position_
+    embeddings (dynamic scaling always counts from max_position_embeddings)."""
+    context = hf.get("max_position_embeddings", 2048)
+    if spec["type"] == "dynamic":
+        spec["original_max_position_embeddings"] = context
+    elif spec["type"] in ("llama3", "yarn"):
+        top = hf.get("original_max_position_embeddings")
+        spec["original_max_position_embeddings"] = top or spec.get(
+            "original_max_position_embeddings", context
+        )
 
 
 def neox_config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
@@ -144,14 +183,13 @@ def neox_config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         )
     theta, pct, scaling = _rope(hf)
     h, heads = hf["hidden_size"], hf["num_attention_heads"]
-    if hf.get("head_dim") not in (None, h // heads):
-        raise HFError(f"head_dim {hf['head_dim']} differs from hidden_size / heads", key="head_dim")
+    context = hf.get("max_position_embeddings", 2048)
     cfg: dict[str, Any] = {
         "num_layers": hf["num_hidden_layers"],
         "hidden_size": h,
         "num_attention_heads": heads,
-        "seq_length": hf.get("max_position_embeddings", 2048),
-        "max_position_embeddings": hf.get("max_position_embeddings", 2048),
+        "seq_length": context,
+        "max_position_embeddings": context,
         "pos_emb": "rotary",
         "rotary_pct": pct,
         "rotary_emb_base": int(theta) if float(theta).is_integer() else theta,
@@ -160,14 +198,33 @@ def neox_config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "make_vocab_size_divisible_by": 1,
         "attention_dropout": float(hf.get("attention_dropout", 0.0)),
     }
+    if hf.get("head_dim") not in (None, h // heads):
+        if arch == "GPTNeoXForCausalLM":
+            raise HFError(
+                f"head_dim {hf['head_dim']} differs from hidden_size / heads", key="head_dim"
+            )
+        cfg["head_dim"] = hf["head_dim"]
     if scaling is not None:
         cfg["rope_scaling"] = scaling
+        if scaling["type"] == "dynamic":  # positions reach factor x the original context
+            cfg["max_position_embeddings"] = int(context * scaling["factor"])
+    _full_attention_only(hf)
     act = hf.get("hidden_act", "gelu")
     if arch == "GPTNeoXForCausalLM":
         cfg.update(_gpt_neox_keys(hf, act))
     else:
         cfg.update(_llama_family_keys(hf, arch, act))
     return cfg
+
+
+def _full_attention_only(hf: dict[str, Any]) -> None:
+    kinds = set(hf.get("layer_types") or ["full_attention"])
+    if kinds - {"full_attention"}:
+        raise HFError(
+            f"layer_types {sorted(kinds)}: per-layer attention kinds are not mapped (torchneox "
+            "gives every layer the same attention)",
+            key="layer_types",
+        )
 
 
 def _gpt_neox_keys(hf: dict[str, Any], act: str) -> dict[str, Any]:
@@ -191,11 +248,13 @@ def _gpt_neox_keys(hf: dict[str, Any], act: str) -> dict[str, Any]:
 
 
 def _llama_family_keys(hf: dict[str, Any], arch: str, act: str) -> dict[str, Any]:
-    """Llama, Mistral and Qwen2: rmsnorm, SwiGLU, sequential residual, GQA; Qwen2's q/k/v
-    biases, Mistral's sliding window."""
+    """Llama, Mistral, Qwen2/3, OLMo 2 and Mixtral: rmsnorm, SwiGLU, sequential residual,
+    GQA; Qwen2's q/k/v biases, Qwen3's and OLMo 2's query/key norms, OLMo 2's post-norm,
+    Mistral's sliding window, Mixtral's experts."""
     if act != "silu":
         raise HFError(f"hidden_act {act!r} is not supported for {arch}", key="hidden_act")
     width = hf["intermediate_size"]
+    bias = bool(hf.get("attention_bias", False))
     keys = {
         "norm": "rmsnorm",
         "rms_norm_epsilon": hf.get("rms_norm_eps", 1e-6),
@@ -205,96 +264,52 @@ def _llama_family_keys(hf: dict[str, Any], arch: str, act: str) -> dict[str, Any
         "mlp_multiple_of": width,
         "gpt_j_residual": False,
         "use_bias_in_norms": False,
-        "use_bias_in_attn_linear": hf.get("attention_bias", False),
+        "use_bias_in_attn_linear": bias,
         "use_bias_in_mlp": hf.get("mlp_bias", False),
         "num_kv_heads": hf.get("num_key_value_heads", hf["num_attention_heads"]),
     }
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and hf.get("use_sliding_window"):
+        raise HFError(
+            f"{arch}'s per-layer sliding window (use_sliding_window) is not supported",
+            key="use_sliding_window",
+        )
     if arch == "Qwen2ForCausalLM":  # biases on q, k and v, none on the output
-        if hf.get("use_sliding_window"):
-            raise HFError(
-                "Qwen2's per-layer sliding window (use_sliding_window) is not supported",
-                key="use_sliding_window",
-            )
         keys.update(use_bias_in_attn_linear=True, attention_output_bias=False)
-    window = hf.get("sliding_window") if arch == "MistralForCausalLM" else None
+    if arch == "Qwen3ForCausalLM":  # each head's queries and keys normalised
+        keys.update(use_qk_layernorm=True, qk_norm_scope="head")
+    if arch == "Olmo2ForCausalLM":  # all heads' queries (keys) normalised; post-norm blocks
+        keys.update(use_qk_layernorm=True, qk_norm_scope="width", norm_position="output")
+    if arch == "MixtralForCausalLM":
+        keys.update(_mixtral_keys(hf))
+    window = hf.get("sliding_window") if arch in SLIDING_WINDOW else None
     if window:
         keys["sliding_window_width"] = window
     return keys
 
 
+SLIDING_WINDOW = ("MistralForCausalLM", "MixtralForCausalLM")
+"""The architectures whose sliding_window applies to every layer."""
+
+
+def _mixtral_keys(hf: dict[str, Any]) -> dict[str, Any]:
+    """Mixtral: every MLP is top-k experts; the k gates are renormalised to sum to 1."""
+    if hf.get("router_jitter_noise"):
+        raise HFError(
+            f"router_jitter_noise {hf['router_jitter_noise']} is not mapped (it scales what the "
+            "experts read too; GPT-NeoX's moe_jitter_eps only the router's input); set it to 0",
+            key="router_jitter_noise",
+        )
+    return {
+        "moe_num_experts": hf["num_local_experts"],
+        "moe_top_k": hf["num_experts_per_tok"],
+        "moe_router_type": "topk",
+        "moe_expert_interval": 1,
+        "moe_renormalize_top_k": True,
+    }
+
+
 def architecture_of(hf: dict[str, Any]) -> str:
     return hf["architectures"][0]
-
-
-def state_dict_from_hf(
-    arch: str, hf: dict[str, torch.Tensor], args: ModelArgs
-) -> dict[str, torch.Tensor]:
-    """HF tensors -> torchneox names (see models/transformer.py)."""
-    out: dict[str, torch.Tensor] = {}
-    if arch == "GPTNeoXForCausalLM":
-        p = "gpt_neox."
-        out["embed.weight"] = hf[p + "embed_in.weight"]
-        for i in range(args.num_layers):
-            src, dst = f"{p}layers.{i}.", f"layers.{i}."
-            _norm(out, hf, src + "input_layernorm", dst + "attention_norm")
-            _norm(out, hf, src + "post_attention_layernorm", dst + "mlp_norm")
-            for kind in ("weight", "bias"):
-                name = f"{src}attention.query_key_value.{kind}"
-                if name in hf:
-                    q, k, v = _split_qkv(hf[name], args.num_heads, args.head_dim)
-                    out[f"{dst}attention.wq.{kind}"] = q
-                    out[f"{dst}attention.wk.{kind}"] = k
-                    out[f"{dst}attention.wv.{kind}"] = v
-            _linear(out, hf, src + "attention.dense", dst + "attention.wo")
-            _linear(out, hf, src + "mlp.dense_h_to_4h", dst + "mlp.up")
-            _linear(out, hf, src + "mlp.dense_4h_to_h", dst + "mlp.down")
-        _norm(out, hf, p + "final_layer_norm", "final_norm")
-        head = hf.get("embed_out.weight", hf.get("lm_head.weight"))
-    else:
-        p = "model."
-        out["embed.weight"] = hf[p + "embed_tokens.weight"]
-        for i in range(args.num_layers):
-            src, dst = f"{p}layers.{i}.", f"layers.{i}."
-            _norm(out, hf, src + "input_layernorm", dst + "attention_norm")
-            _norm(out, hf, src + "post_attention_layernorm", dst + "mlp_norm")
-            for theirs, ours in (
-                ("q_proj", "wq"),
-                ("k_proj", "wk"),
-                ("v_proj", "wv"),
-                ("o_proj", "wo"),
-            ):
-                _linear(out, hf, f"{src}self_attn.{theirs}", f"{dst}attention.{ours}")
-            for theirs, ours in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
-                _linear(out, hf, f"{src}mlp.{theirs}", f"{dst}mlp.{ours}")
-        _norm(out, hf, p + "norm", "final_norm")
-        head = hf.get("lm_head.weight")
-    if not args.tied_embeddings:
-        if head is None:
-            raise HFError("the output head (lm_head / embed_out) is missing from the weights")
-        out["output.weight"] = head
-    return out
-
-
-def _norm(out: dict, hf: dict, src: str, dst: str) -> None:
-    for kind in ("weight", "bias"):
-        if f"{src}.{kind}" in hf:
-            out[f"{dst}.{kind}"] = hf[f"{src}.{kind}"]
-
-
-def _linear(out: dict, hf: dict, src: str, dst: str) -> None:
-    _norm(out, hf, src, dst)
-
-
-def _split_qkv(t: torch.Tensor, heads: int, d: int) -> tuple[torch.Tensor, ...]:
-    grouped = t.reshape(heads, 3, d, *t.shape[1:])
-    return tuple(grouped[:, j].reshape(heads * d, *t.shape[1:]).contiguous() for j in range(3))
-
-
-def _fuse_qkv(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, d: int
-) -> torch.Tensor:
-    parts = [x.reshape(heads, 1, d, *x.shape[1:]) for x in (q, k, v)]
-    return torch.cat(parts, dim=1).reshape(3 * heads * d, *q.shape[1:]).contiguous()
 
 
 # ---------------------------------------------------------------------------- writing
@@ -302,66 +317,115 @@ def _fuse_qkv(
 
 def export_architecture(args: ModelArgs) -> str:
     """The HF architecture that expresses ``args`` exactly, or an HFError naming what cannot."""
-    problems = []
-    if args.moe_num_experts > 1:
-        problems.append(
-            "mixture-of-experts layers (Hugging Face's GPTNeoX and Llama have none; its MoE "
-            "architectures route and name experts differently)"
-        )
-    if args.pos_emb != "rotary":
-        problems.append(f"pos_emb {args.pos_emb!r} (Hugging Face GPTNeoX and Llama use rotary)")
-    if args.shared_norm:
-        problems.append("gpt_j_tied (one norm for attention and MLP)")
     llama_like = args.norm == "rmsnorm" and args.activation == "swiglu"
-    if llama_like:
-        if args.parallel_residual:
-            problems.append("gpt_j_residual with rmsnorm/swiglu (Llama has a sequential residual)")
-        if args.rotary_dims != args.head_dim:
-            problems.append("rotary_pct < 1 with rmsnorm/swiglu (Llama rotates whole heads)")
-    else:
-        if args.norm != "layernorm":
-            problems.append(
-                f"norm {args.norm!r} (GPTNeoX uses layernorm, Llama rmsnorm with swiglu)"
-            )
-        elif not args.norm_bias:
-            problems.append("use_bias_in_norms: false with layernorm (GPTNeoX's norms have biases)")
-        if args.gated or args.activation not in TO_HF_ACTIVATIONS:
-            problems.append(
-                f"activation {args.activation!r} (GPTNeoX takes gelu, tanh gelu, relu, silu or "
-                "mish; onnx_safe's gelu has none)"
-            )
-        if not args.mlp_bias:
-            problems.append("use_bias_in_mlp: false (GPTNeoX's MLP has biases)")
-        if args.num_kv_heads != args.num_heads:
-            problems.append("num_kv_heads (GPTNeoX has no grouped-query attention)")
-        if args.sliding_window:
-            problems.append("sliding_window_width (GPTNeoX has no sliding window)")
-        if args.norm_eps <= 0:
-            problems.append("layernorm_epsilon <= 0")
+    problems = _common_problems(args)
+    problems += _llama_problems(args) if llama_like else _gpt_neox_problems(args)
     if problems:
         raise HFError(
             "cannot be exported to Hugging Face without changing the model: " + "; ".join(problems)
         )
-    qkv_bias_only = args.attn_bias and not args.attn_out_bias
-    if args.attn_out_bias and not args.attn_bias:
-        problems.append("an attention output bias without q/k/v biases")
-    if qkv_bias_only and not llama_like:
-        problems.append("q/k/v biases without an output bias with the GPTNeoX layout")
-    if qkv_bias_only and args.sliding_window:
-        problems.append("q/k/v biases only with a sliding window (Qwen2 has no such layout)")
-    if problems:
-        raise HFError(
-            "cannot be exported to Hugging Face without changing the model: " + "; ".join(problems)
-        )
-    arch = _causal_architecture(args, llama_like, qkv_bias_only)
+    arch = _causal_architecture(args, llama_like)
     # a reward model: the same trunk with a one-value head, read at the last real token
     return arch.replace("ForCausalLM", SEQUENCE_CLASSIFICATION) if args.value_head else arch
 
 
-def _causal_architecture(args: ModelArgs, llama_like: bool, qkv_bias_only: bool) -> str:
+def _common_problems(args: ModelArgs) -> list[str]:
+    problems = []
+    if args.pos_emb != "rotary":
+        problems.append(f"pos_emb {args.pos_emb!r} (Hugging Face GPTNeoX and Llama use rotary)")
+    if args.shared_norm:
+        problems.append("gpt_j_tied (one norm for attention and MLP)")
+    if args.qk_norm == "neox":
+        problems.append(
+            "qk_norm_scope neox (GPT-NeoX's one query/key norm; Qwen3 normalises each head, "
+            "OLMo 2 all heads, each with its own query and key norm)"
+        )
+    if args.attn_out_bias and not args.attn_bias:
+        problems.append("an attention output bias without q/k/v biases")
+    return problems
+
+
+def _gpt_neox_problems(args: ModelArgs) -> list[str]:
+    problems = []
+    if args.norm != "layernorm":
+        problems.append(f"norm {args.norm!r} (GPTNeoX uses layernorm, Llama rmsnorm with swiglu)")
+    elif not args.norm_bias:
+        problems.append("use_bias_in_norms: false with layernorm (GPTNeoX's norms have biases)")
+    if args.gated or args.activation not in TO_HF_ACTIVATIONS:
+        problems.append(
+            f"activation {args.activation!r} (GPTNeoX takes gelu, tanh gelu, relu, silu or "
+            "mish; onnx_safe's gelu has none)"
+        )
+    if not args.mlp_bias:
+        problems.append("use_bias_in_mlp: false (GPTNeoX's MLP has biases)")
+    if args.num_kv_heads != args.num_heads:
+        problems.append("num_kv_heads (GPTNeoX has no grouped-query attention)")
+    if args.sliding_window:
+        problems.append("sliding_window_width (GPTNeoX has no sliding window)")
+    if args.norm_eps <= 0:
+        problems.append("layernorm_epsilon <= 0")
+    if args.attn_bias and not args.attn_out_bias:
+        problems.append("q/k/v biases without an output bias with the GPTNeoX layout")
+    if args.head_dim * args.num_heads != args.hidden_size:
+        problems.append("head_dim (GPTNeoX's heads are hidden_size / num_attention_heads wide)")
+    if args.qk_norm or args.norm_position != "input":
+        problems.append("query/key norms or norm_position output with the GPTNeoX layout")
+    if args.moe_num_experts > 1:
+        problems.append("mixture-of-experts layers with the GPTNeoX layout (Mixtral's is Llama's)")
+    return problems
+
+
+def _llama_problems(args: ModelArgs) -> list[str]:
+    problems = []
+    if args.parallel_residual:
+        problems.append("gpt_j_residual with rmsnorm/swiglu (Llama has a sequential residual)")
+    if args.rotary_dims != args.head_dim:
+        problems.append("rotary_pct < 1 with rmsnorm/swiglu (Llama rotates whole heads)")
+    olmo = args.qk_norm == "width"
+    if olmo != (args.norm_position == "output"):
+        problems.append(
+            "query/key norms over all heads (qk_norm_scope width) go with norm_position output "
+            "only (OLMo 2 has both, every other architecture neither)"
+        )
+    qkv_bias_only = args.attn_bias and not args.attn_out_bias
+    if qkv_bias_only and (args.sliding_window or args.qk_norm or args.moe_num_experts > 1):
+        problems.append("q/k/v biases only (Qwen2's) with a sliding window, qk norms or experts")
+    if args.qk_norm and args.sliding_window:
+        problems.append("query/key norms with sliding_window_width (Qwen3 and OLMo 2 have none)")
+    if args.moe_num_experts > 1:
+        problems += _mixtral_problems(args)
+    return problems
+
+
+def _mixtral_problems(args: ModelArgs) -> list[str]:
+    """Mixtral: top-k experts in every layer, gates renormalised, no biases or qk norms."""
+    problems = []
+    if args.moe_interval != 1:
+        problems.append("moe_expert_interval > 1 (Mixtral's every MLP is an MoE layer)")
+    if args.moe_router_type != "topk":
+        problems.append(f"moe_router_type {args.moe_router_type!r} (Mixtral routes top-k)")
+    if not args.moe_renormalize:
+        problems.append(
+            "GPT-NeoX's top-k gates, which Mixtral renormalises to sum to 1 (train with "
+            "moe_renormalize_top_k: true to export as Mixtral)"
+        )
+    if args.mlp_bias or args.attn_bias:
+        problems.append("biases with mixture-of-experts layers (Mixtral has none)")
+    if args.qk_norm:
+        problems.append("query/key norms with mixture-of-experts layers (Mixtral has none)")
+    return problems
+
+
+def _causal_architecture(args: ModelArgs, llama_like: bool) -> str:
     if not llama_like:
         return "GPTNeoXForCausalLM"
-    if qkv_bias_only:
+    if args.moe_num_experts > 1:
+        return "MixtralForCausalLM"
+    if args.qk_norm == "width":
+        return "Olmo2ForCausalLM"
+    if args.qk_norm == "head":
+        return "Qwen3ForCausalLM"
+    if args.attn_bias and not args.attn_out_bias:
         return "Qwen2ForCausalLM"
     return "MistralForCausalLM" if args.sliding_window else "LlamaForCausalLM"
 
@@ -387,13 +451,23 @@ def hf_config(
     return out
 
 
-def _hf_config(arch: str, args: ModelArgs, eod_id: int | None = None) -> dict[str, Any]:
+def _rope_fields(args: ModelArgs) -> tuple[str, dict[str, Any], int]:
+    """(rope type, its fields as Hugging Face writes them, max_position_embeddings)."""
     scaling = dict(args.rope_scaling)
     kind = scaling.pop("type", "default")
-    if "original_max_position_embeddings" in scaling:
-        scaling["original_max_position_embeddings"] = int(
-            scaling["original_max_position_embeddings"]
-        )
+    context = args.max_positions
+    for name in ("original_max_position_embeddings", "beta_fast", "beta_slow"):
+        if name in scaling and float(scaling[name]).is_integer():
+            scaling[name] = int(scaling[name])
+    if "truncate" in scaling:
+        scaling["truncate"] = bool(scaling["truncate"])
+    if kind == "dynamic":  # Hugging Face counts dynamic scaling from max_position_embeddings
+        context = scaling.pop("original_max_position_embeddings")
+    return kind, scaling, context
+
+
+def _hf_config(arch: str, args: ModelArgs, eod_id: int | None = None) -> dict[str, Any]:
+    kind, scaling, context = _rope_fields(args)
     rope = {"rope_theta": args.rotary_base, "rope_type": kind, **scaling}
     common: dict[str, Any] = {
         "architectures": [arch],
@@ -401,7 +475,7 @@ def _hf_config(arch: str, args: ModelArgs, eod_id: int | None = None) -> dict[st
         "hidden_size": args.hidden_size,
         "num_hidden_layers": args.num_layers,
         "num_attention_heads": args.num_heads,
-        "max_position_embeddings": args.max_positions,
+        "max_position_embeddings": context,
         "tie_word_embeddings": args.tied_embeddings,
         "attention_dropout": args.attention_dropout,
         "initializer_range": args.init_std,
@@ -427,8 +501,22 @@ def _hf_config(arch: str, args: ModelArgs, eod_id: int | None = None) -> dict[st
             "rotary_pct": pct,
             "rotary_emb_base": args.rotary_base,
         }
-    out = common | {
-        "model_type": "mistral" if arch == "MistralForCausalLM" else "llama",
+    return common | _llama_family_config(arch, args, rope)
+
+
+MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Olmo2ForCausalLM": "olmo2",
+    "MixtralForCausalLM": "mixtral",
+}
+
+
+def _llama_family_config(arch: str, args: ModelArgs, rope: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "model_type": MODEL_TYPES[arch],
         "intermediate_size": args.mlp_width,
         "hidden_act": "silu",
         "rms_norm_eps": args.norm_eps,
@@ -439,67 +527,19 @@ def _hf_config(arch: str, args: ModelArgs, eod_id: int | None = None) -> dict[st
         "rope_parameters": rope,
         "rope_theta": args.rotary_base,
     }
-    if arch == "MistralForCausalLM":
+    if arch in SLIDING_WINDOW:
         out["sliding_window"] = args.sliding_window
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        del out["mlp_bias"]
+        out |= {"use_sliding_window": False, "sliding_window": None}
     if arch == "Qwen2ForCausalLM":
+        del out["attention_bias"]
+    if arch == "MixtralForCausalLM":
         del out["attention_bias"], out["mlp_bias"]
-        out |= {"model_type": "qwen2", "use_sliding_window": False, "sliding_window": None}
-    return out
-
-
-def state_dict_to_hf(
-    arch: str, sd: dict[str, torch.Tensor], args: ModelArgs
-) -> dict[str, torch.Tensor]:
-    """torchneox names -> HF names (the inverse of state_dict_from_hf)."""
-    out: dict[str, torch.Tensor] = {}
-    arch = causal_family(arch)
-
-    def copy(src: str, dst: str) -> None:
-        for kind in ("weight", "bias"):
-            if f"{src}.{kind}" in sd:
-                out[f"{dst}.{kind}"] = sd[f"{src}.{kind}"].contiguous()
-
-    if arch == "GPTNeoXForCausalLM":
-        p = "gpt_neox."
-        out[p + "embed_in.weight"] = sd["embed.weight"]
-        for i in range(args.num_layers):
-            src, dst = f"layers.{i}.", f"{p}layers.{i}."
-            copy(src + "attention_norm", dst + "input_layernorm")
-            copy(src + "mlp_norm", dst + "post_attention_layernorm")
-            for kind in ("weight", "bias"):
-                if f"{src}attention.wq.{kind}" in sd:
-                    out[f"{dst}attention.query_key_value.{kind}"] = _fuse_qkv(
-                        *(sd[f"{src}attention.{w}.{kind}"] for w in ("wq", "wk", "wv")),
-                        args.num_heads,
-                        args.head_dim,
-                    )
-            copy(src + "attention.wo", dst + "attention.dense")
-            copy(src + "mlp.up", dst + "mlp.dense_h_to_4h")
-            copy(src + "mlp.down", dst + "mlp.dense_4h_to_h")
-        copy("final_norm", p + "final_layer_norm")
-        if args.value_head:
-            out["score.weight"] = sd["value_head.weight"]
-        elif not args.tied_embeddings:
-            out["embed_out.weight"] = sd["output.weight"]
-        return out
-    p = "model."
-    out[p + "embed_tokens.weight"] = sd["embed.weight"]
-    for i in range(args.num_layers):
-        src, dst = f"layers.{i}.", f"{p}layers.{i}."
-        copy(src + "attention_norm", dst + "input_layernorm")
-        copy(src + "mlp_norm", dst + "post_attention_layernorm")
-        for ours, theirs in (
-            ("wq", "q_proj"),
-            ("wk", "k_proj"),
-            ("wv", "v_proj"),
-            ("wo", "o_proj"),
-        ):
-            copy(f"{src}attention.{ours}", f"{dst}self_attn.{theirs}")
-        for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
-            copy(f"{src}mlp.{ours}", f"{dst}mlp.{theirs}")
-    copy("final_norm", p + "norm")
-    if args.value_head:
-        out["score.weight"] = sd["value_head.weight"]
-    elif not args.tied_embeddings:
-        out["lm_head.weight"] = sd["output.weight"]
+        out |= {
+            "num_local_experts": args.moe_num_experts,
+            "num_experts_per_tok": args.moe_top_k,
+            "router_jitter_noise": 0.0,
+            "output_router_logits": False,
+        }
     return out

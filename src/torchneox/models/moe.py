@@ -139,6 +139,7 @@ class MoE(nn.Module):
         self.num_experts, self.top_k = e, args.moe_top_k
         self.router_type = args.moe_router_type
         self.jitter = args.moe_jitter_eps
+        self.renormalize = args.moe_renormalize
         self.act = ACTIVATIONS[args.activation]
         self.router = nn.Linear(h, e, bias=False)
         self.experts_up = nn.Parameter(torch.empty(e, h, w))
@@ -175,7 +176,8 @@ class MoE(nn.Module):
         """(experts [T, k], gates [T, k], router probabilities [T, E]), as GPT-NeoX routes:
         ``topk`` takes the k largest softmax probabilities (jittered inputs while training);
         ``sinkhorn`` scores experts by the sigmoid of the logits (k = 1) or their softmax
-        (k > 1), and while training picks them from the Sinkhorn-balanced logits."""
+        (k > 1), and while training picks them from the Sinkhorn-balanced logits. With
+        ``moe_renormalize_top_k`` (Mixtral) the k gates are divided by their sum."""
         if self.training and self.jitter and self.router_type == "topk":
             noise = torch.empty_like(x_TH).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
             x_TH = x_TH * noise
@@ -192,6 +194,8 @@ class MoE(nn.Module):
                 gates, experts = scores.topk(self.top_k, dim=-1)
         else:
             gates, experts = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            gates = gates / gates.sum(-1, keepdim=True)
         return experts, gates, probs
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:

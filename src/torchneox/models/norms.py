@@ -22,6 +22,22 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
+class HeadRMSNorm(nn.Module):
+    """GPT-NeoX's query/key rmsnorm: each head normalised over its dimensions, with a weight
+    for every head and dimension ([heads, head_dim]); the input is [..., heads, head_dim]."""
+
+    def __init__(self, heads: int, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(heads, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (self.weight.shape[-1],), None, self.eps) * self.weight
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
 class ScaleNorm(nn.Module):
     """x / max(||x||, eps) * g, with one learned scalar g."""
 

@@ -11,19 +11,41 @@ import math
 import torch
 
 
-def rotary_inv_freq(dims: int, base: float, scaling: tuple = ()) -> torch.Tensor:
+def rotary_inv_freq(dims: int, base: float, scaling: tuple = (), length: int = 0) -> torch.Tensor:
+    """The rotary frequencies, under ``scaling`` (``ModelArgs.rope_scaling``) when given;
+    ``length`` is the sequence length dynamic scaling adapts to."""
+    spec = dict(scaling)
+    if spec.get("type") == "dynamic":
+        base = dynamic_base(dims, base, spec, length)
     inv = 1.0 / (base ** (torch.arange(0, dims, 2, dtype=torch.float64) / dims)).float()
-    return scale_inv_freq(inv, dict(scaling)) if scaling else inv
+    return scale_inv_freq(inv, spec, dims, base) if spec else inv
 
 
-def scale_inv_freq(inv_freq: torch.Tensor, spec: dict) -> torch.Tensor:
+def dynamic_base(dims: int, base: float, spec: dict, length: int) -> float:
+    """Dynamic NTK scaling: past original_max_position_embeddings the base grows with the
+    sequence length (Hugging Face's ``dynamic`` rope); up to it nothing changes."""
+    original = spec["original_max_position_embeddings"]
+    if length <= original:
+        return base
+    factor = spec["factor"]
+    return base * ((factor * length / original) - (factor - 1)) ** (dims / (dims - 2))
+
+
+def scale_inv_freq(inv_freq: torch.Tensor, spec: dict, dims: int, base: float) -> torch.Tensor:
     """Rotary frequencies under Hugging Face's rope scaling. ``linear``: every frequency divided
     by the factor (positions stretched). ``llama3`` (Llama 3.1): wavelengths longer than
     original_max_position_embeddings / low_freq_factor divided by the factor, shorter than
-    .. / high_freq_factor kept, the ones between blended smoothly."""
-    factor = spec["factor"]
-    if spec["type"] == "linear":
+    .. / high_freq_factor kept, the ones between blended smoothly. ``yarn``: frequencies that
+    turn fewer than beta_slow times over the original context divided by the factor, more than
+    beta_fast times kept, a linear ramp between (its attention factor scales the tables).
+    ``dynamic`` changed the base instead."""
+    kind, factor = spec["type"], spec.get("factor", 1.0)
+    if kind == "dynamic":
+        return inv_freq
+    if kind == "linear":
         return inv_freq / factor
+    if kind == "yarn":
+        return _yarn_inv_freq(inv_freq, spec, dims, base)
     low, high = spec["low_freq_factor"], spec["high_freq_factor"]
     context = spec["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv_freq
@@ -34,14 +56,52 @@ def scale_inv_freq(inv_freq: torch.Tensor, spec: dict) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
+def _yarn_inv_freq(inv_freq: torch.Tensor, spec: dict, dims: int, base: float) -> torch.Tensor:
+    context = spec["original_max_position_embeddings"]
+    fast, slow = spec.get("beta_fast") or 32.0, spec.get("beta_slow") or 1.0
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns this often over context
+        return dims * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if spec.get("truncate", 1.0):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dims - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dims // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp
+    return inv_freq / spec["factor"] * (1 - keep) + inv_freq * keep
+
+
+def attention_factor(scaling: tuple) -> float:
+    """YaRN's scale of cos and sin (attention_factor, else from factor and mscale); 1 for
+    every other kind."""
+    spec = dict(scaling)
+    if spec.get("type") != "yarn":
+        return 1.0
+    if spec.get("attention_factor") is not None:
+        return spec["attention_factor"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor = spec["factor"]
+    if spec.get("mscale") and spec.get("mscale_all_dim"):
+        return mscale(factor, spec["mscale"]) / mscale(factor, spec["mscale_all_dim"])
+    return mscale(factor)
+
+
 def rotary_tables(
-    dims: int, base: float, length: int, scaling: tuple = ()
+    dims: int, base: float, length: int, scaling: tuple = (), seq_len: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, [length, dims], for positions 0..length-1 (each frequency used twice)."""
+    """cos and sin, [length, dims], for positions 0..length-1 (each frequency used twice);
+    ``seq_len`` is the sequence length dynamic scaling adapts to."""
     t = torch.arange(length, dtype=torch.float32)
-    freqs = torch.outer(t, rotary_inv_freq(dims, base, scaling))
+    freqs = torch.outer(t, rotary_inv_freq(dims, base, scaling, seq_len))
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+    scale = attention_factor(scaling)
+    return emb.cos() * scale, emb.sin() * scale
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

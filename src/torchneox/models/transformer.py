@@ -4,6 +4,7 @@ Parallelism is applied from outside. Parameter names are stable:
 
     embed.weight                      pos_embed.weight (learned positions)
     layers.{i}.attention_norm.*       layers.{i}.attention.{wq,wk,wv,wo}.{weight,bias}
+    layers.{i}.attention.{qk_norm,q_norm,k_norm}.* (use_qk_layernorm, by qk_norm_scope)
     layers.{i}.mlp_norm.*             layers.{i}.mlp.{up,gate,down}.{weight,bias}
     final_norm.*                      output.weight (untied head), value_head.weight (rm)
 
@@ -23,7 +24,7 @@ from torchneox.models.attention import Attention, AttentionBias, KVCache
 from torchneox.models.init import init_function
 from torchneox.models.mlp import MLP
 from torchneox.models.moe import MoE, RouterStats
-from torchneox.models.norms import RMSNorm, ScaleNorm, build_norm
+from torchneox.models.norms import HeadRMSNorm, RMSNorm, ScaleNorm, build_norm
 from torchneox.models.positions import alibi_slopes, rotary_tables, sinusoidal_table
 
 
@@ -35,6 +36,7 @@ class Block(nn.Module):
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
         self.parallel_residual = args.parallel_residual
+        self.norm_output = args.norm_position == "output"
         self.attention_norm = build_norm(args.norm, args.hidden_size, args.norm_eps, args.norm_bias)
         self.attention = Attention(args, layer)
         self.mlp_norm = (
@@ -54,6 +56,10 @@ class Block(nn.Module):
         cache: KVCache | None = None,
     ) -> tuple[torch.Tensor, RouterStats | None]:
         """The block's output, and its router's statistics when its MLP is an MoE layer."""
+        if self.norm_output:  # OLMo 2: each sublayer's output normalised, then added
+            x = x + self.dropout(self.attention_norm(self.attention(x, rope, bias, cache)))
+            mlp_out, stats = self._mlp(x)
+            return x + self.dropout(self.mlp_norm(mlp_out)), stats
         normed = self.attention_norm(x)
         attn = self.dropout(self.attention(normed, rope, bias, cache))
         if self.parallel_residual:
@@ -126,7 +132,7 @@ class Transformer(nn.Module):
         for name, param in self.named_parameters():
             leaf = name.rsplit(".", 1)[-1]
             owner = self.get_submodule(name.rsplit(".", 1)[0])
-            if isinstance(owner, nn.LayerNorm | RMSNorm | ScaleNorm):
+            if isinstance(owner, nn.LayerNorm | RMSNorm | ScaleNorm | HeadRMSNorm):
                 nn.init.ones_(param) if leaf in ("weight", "g") else nn.init.zeros_(param)
             elif leaf == "bias" or leaf.endswith("_bias"):
                 nn.init.zeros_(param)
@@ -168,11 +174,23 @@ class Transformer(nn.Module):
     def _rope(
         self, positions_BT: torch.Tensor | None, start: int, t: int
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if self.args.pos_emb != "rotary":
+        a = self.args
+        if a.pos_emb != "rotary":
             return None
+        cos, sin = self.rope_cos, self.rope_sin
+        spec = dict(a.rope_scaling)
+        if spec.get("type") == "dynamic":
+            # past the original context the frequencies follow the sequence's length, as
+            # Hugging Face recomputes them for each forward's last position
+            end = start + t if positions_BT is None else int(positions_BT.max()) + 1
+            if end > spec["original_max_position_embeddings"]:
+                cos, sin = rotary_tables(
+                    a.rotary_dims, a.rotary_base, end, a.rope_scaling, seq_len=end
+                )
+                cos, sin = cos.to(self.rope_cos.device), sin.to(self.rope_cos.device)
         if positions_BT is None:
-            return self.rope_cos[start : start + t], self.rope_sin[start : start + t]
-        return self.rope_cos[positions_BT][:, None], self.rope_sin[positions_BT][:, None]
+            return cos[start : start + t], sin[start : start + t]
+        return cos[positions_BT][:, None], sin[positions_BT][:, None]
 
     def forward(
         self,

@@ -1,0 +1,146 @@
+"""Every Hugging Face architecture torchneox maps, end to end as a user runs it: converted in,
+trained a few steps with `torchneox train`, converted back, and reloaded by transformers to
+the logits the trained torchneox checkpoint computes; what cannot be mapped is refused in one
+line. (Logits, round trips and greedy generation at import: test_huggingface.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import metric_rows
+from tests.interop.test_huggingface import CASES, _hf_model
+from torchneox.cli import main
+from torchneox.data.indexed import IndexedDatasetWriter
+from torchneox.train.checkpoint import load_model
+
+transformers = pytest.importorskip("transformers")
+
+TRAINING = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 1,
+    "train_iters": 3,
+    "optimizer": {"type": "Adam", "params": {"lr": 0.001, "betas": [0.9, 0.95], "eps": 1e-8}},
+    "lr_decay_style": "constant",
+    "warmup": 0.0,
+    "num_workers": 0,
+    "eval_interval": 100,
+    "eval_iters": 1,
+    "log_interval": 1,
+    "finetune": True,
+    "split": "100,0,0",
+}
+TRAINED = [
+    "llama3-rope",
+    "llama-linear-rope",
+    "llama-yarn-rope",
+    "llama-dynamic-rope",
+    "qwen2-tied",
+    "qwen3",
+    "qwen3-tied-yarn",
+    "olmo2",
+    "mixtral",
+    "mistral-window",
+    "gelu-new",
+]
+
+
+def random_tokens(prefix, vocab: int) -> str:
+    writer = IndexedDatasetWriter(prefix, np.dtype(np.int32))
+    rng = np.random.default_rng(0)
+    for _ in range(64):
+        writer.add_document(rng.integers(1, vocab, 40))
+    writer.finish()
+    return str(prefix)
+
+
+@pytest.mark.parametrize("name", TRAINED)
+def test_converts_in_trains_and_exports_with_equal_logits(tmp_path, name):
+    hf_model, folder = _hf_model(tmp_path, name)
+    base = tmp_path / "base"
+    assert main(["convert", "from-hf", str(folder), str(base)]) == 0
+    run = tmp_path / "run"
+    keys = TRAINING | {
+        "data_path": random_tokens(tmp_path / "tokens", hf_model.config.vocab_size),
+        "load": str(base),
+        "save": str(run),
+        "log_dir": str(run),
+    }
+    (tmp_path / "train.yml").write_text(json.dumps(keys))
+    config = base / "global_step0" / "config.yml"
+    assert main(["train", str(config), str(tmp_path / "train.yml"), "--set", "seq_length=32"]) == 0
+    assert len([r for r in metric_rows(run) if "lm_loss" in r]) == 3
+    out = tmp_path / "back"
+    assert main(["convert", "to-hf", str(run), str(out)]) == 0
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(reloaded) is type(hf_model)
+    _, trained = load_model(run)
+    tokens = torch.randint(0, hf_model.config.vocab_size, (2, 40))
+    with torch.no_grad():
+        ours = trained.eval()(tokens)
+        torch.testing.assert_close(reloaded(tokens).logits, ours, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(hf_model(tokens).logits, ours, atol=1e-3)  # it trained
+
+
+def test_every_architecture_and_rope_scaling_is_trained():
+    assert {CASES[n][0] for n in TRAINED} == {family for family, _ in CASES.values()}
+    scalings = {
+        (make().to_dict().get("rope_scaling") or {}).get("rope_type") for _, make in CASES.values()
+    }
+    trained = {
+        (CASES[n][1]().to_dict().get("rope_scaling") or {}).get("rope_type") for n in TRAINED
+    }
+    assert scalings == trained
+
+
+@pytest.mark.parametrize(
+    ("edit", "fragment"),
+    [
+        ({"architectures": ["Gemma2ForCausalLM"]}, "architecture 'Gemma2ForCausalLM'"),
+        ({"router_jitter_noise": 0.1}, "router_jitter_noise 0.1 is not mapped"),
+        ({"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
+        ({"use_sliding_window": True}, "use_sliding_window"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ],
+    ids=["architecture", "router-jitter", "layer-types", "qwen3-sliding", "activation"],
+)
+def test_unmapped_options_are_refused_in_one_line(tmp_path, capsys, edit, fragment):
+    name = "mixtral" if "router" in fragment else "qwen3"
+    _, folder = _hf_model(tmp_path, name)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | edit))
+    capsys.readouterr()
+    assert main(["convert", "from-hf", str(folder), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and fragment in err and str(folder / "config.json") in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        (
+            "model.layers.0.mlp.extra_proj.weight",
+            "model.layers.0.mlp.extra_proj.weight is not mapped",
+        ),
+        ("model.layers.0.self_attn.q_norm.bias", "unexpected layers.0.attention.q_norm.bias"),
+    ],
+    ids=["unknown-module", "undeclared-bias"],
+)
+def test_a_tensor_the_model_does_not_have_is_refused(tmp_path, capsys, extra, fragment):
+    """An extra weight (a module no rule names, a bias the config does not declare) is
+    refused, not dropped."""
+    from safetensors.torch import load_file, save_file
+
+    _, folder = _hf_model(tmp_path, "qwen3")
+    weights = load_file(folder / "model.safetensors")
+    weights[extra] = torch.zeros(32)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()
+    assert main(["convert", "from-hf", str(folder), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and fragment in err and str(folder) in err, err
+    assert not (tmp_path / "out").exists()
