@@ -144,3 +144,48 @@ def test_a_tensor_the_model_does_not_have_is_refused(tmp_path, capsys, extra, fr
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and fragment in err and str(folder) in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", TRAINED)
+def test_generate_and_eval_run_on_the_converted_model(tmp_path, capsys, name):
+    """`torchneox generate` continues a prompt as transformers does greedily; `torchneox eval`
+    gives transformers' loss on the same samples."""
+    from tests.helpers import make_chat_tokenizer
+    from torchneox.data.gpt_dataset import GPTDataset
+    from torchneox.data.indexed import IndexedDataset
+
+    hf_model, folder = _hf_model(tmp_path, name)
+    with torch.no_grad():  # the end-of-text (id 0) never the likeliest: continuations run on
+        hf_model.get_output_embeddings().weight[0] = 0.0
+    hf_model.save_pretrained(folder)
+    make_chat_tokenizer(folder)
+    ckpt = tmp_path / "ckpt"
+    assert main(["convert", "from-hf", str(folder), str(ckpt)]) == 0
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    prompt = tok("thou art the king", return_tensors="pt").input_ids
+    with torch.no_grad():
+        greedy = hf_model.generate(
+            prompt, do_sample=False, max_new_tokens=10, min_new_tokens=10, eos_token_id=None,
+            pad_token_id=0,
+        )[0, prompt.shape[1] :]  # fmt: skip
+    capsys.readouterr()
+    flags = ["--prompt", "thou art the king", "--temperature", "0", "--maximum-tokens", "10"]
+    assert main(["generate", "--checkpoint", str(ckpt), *flags]) == 0
+    assert tok.decode(greedy) in capsys.readouterr().out
+    data = random_tokens(tmp_path / "tokens", 77)
+    assert main(["eval", "--checkpoint", str(ckpt), "--data-path", data, "--iters", "2",
+                 "--batch-size", "2", "--set", "seq_length=32"]) == 0  # fmt: skip
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ds = IndexedDataset(data)
+    seq = 32
+    assert result["batches"] == 2 and result["tokens"] == 2 * 2 * seq
+    samples = GPTDataset(ds, "eval", np.arange(len(ds), dtype=np.int32), 4, seq, 1234)
+    losses = []
+    with torch.no_grad():
+        for b in range(2):
+            rows = torch.from_numpy(np.stack([samples[2 * b], samples[2 * b + 1]])).long()
+            logits = hf_model(rows[:, :-1]).logits
+            losses.append(
+                torch.nn.functional.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten())
+            )
+    assert result["lm_loss"] == pytest.approx(torch.stack(losses).mean().item(), rel=1e-5)
