@@ -104,7 +104,7 @@ def test_llama3_base_sft_on_its_chat_template_exports_and_chats_in_transformers(
                 "--jsonl-keys",
                 "messages",
             ]
-        )  # fmt: skip
+        )
         == 0
     )
     keys = {
@@ -152,7 +152,7 @@ def test_llama3_base_sft_on_its_chat_template_exports_and_chats_in_transformers(
 
 
 def test_export_in_bf16_cut_into_shards_with_an_index(tmp_path):
-    hf_model, folder = _hf_model(tmp_path, "qwen3")
+    _, folder = _hf_model(tmp_path, "qwen3")
     assert main(["convert", "from-hf", str(folder), str(tmp_path / "ckpt")]) == 0
     out = tmp_path / "bf16"
     assert (
@@ -167,7 +167,7 @@ def test_export_in_bf16_cut_into_shards_with_an_index(tmp_path):
                 "--max-shard-size",
                 "200KB",
             ]
-        )  # fmt: skip
+        )
         == 0
     )
     index = json.loads((out / "model.safetensors.index.json").read_text())
