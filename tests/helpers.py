@@ -200,26 +200,30 @@ TEMPLATE = (
 )
 
 
-def make_chat_tokenizer(folder: Path, template: str = TEMPLATE) -> Path:
-    """A character-level tokenizer.json with chat specials and a tokenizer_config.json."""
+CHAT_SPECIALS = ["<|endoftext|>", "<|padding|>", "<|system|>", "<|user|>", "<|assistant|>"]
+
+
+def make_chat_tokenizer(
+    folder: Path,
+    template: str = TEMPLATE,
+    specials: list[str] = CHAT_SPECIALS,
+    config: dict | None = None,
+) -> Path:
+    """A character-level tokenizer.json with chat specials (ids 0.. in order) and a
+    tokenizer_config.json (``config`` replaces its special tokens)."""
     from tokenizers import Tokenizer, decoders, models
 
     # 77 tokens: a vocabulary padded to 128 both by 64 on one tensor rank and by 2 x 64 on two
     chars = sorted(set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 ,.!?'-:\n"))
-    specials = ["<|endoftext|>", "<|padding|>", "<|system|>", "<|user|>", "<|assistant|>"]
     vocab = {t: i for i, t in enumerate(specials + chars)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.add_special_tokens(specials)
     tok.decoder = decoders.Fuse()
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": "<|endoftext|>",
-        "pad_token": "<|padding|>",
-        "chat_template": template,
-    }
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tokens = config or {"eos_token": "<|endoftext|>", "pad_token": "<|padding|>"}
+    tokens = {"tokenizer_class": "PreTrainedTokenizerFast"} | tokens
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokens | {"chat_template": template}))
     return folder
 
 

@@ -74,6 +74,38 @@ def test_pp0_layout(tmp_path):
     assert_golden_logits(tmp_path / "ckpt")
 
 
+def test_qk_layernorm_weights_come_in(tmp_path):
+    """use_qk_layernorm: GPT-NeoX's one query/key layernorm per block ([heads, head_dim] weight
+    and bias) is the block's attention.qk_norm; the converted model computes with it."""
+    src = G / "pp1" / "global_step10"
+    out = tmp_path / "neox" / "global_step10"
+    (out / "configs").mkdir(parents=True)
+    config = (
+        (G / "configs/tiny_pp1.yml").read_text().replace("{", "{\n  use_qk_layernorm: true,", 1)
+    )
+    (out / "configs" / "tiny_pp1.yml").write_text(config)
+    shutil.copy(src / "mp_rank_00_model_states.pt", out)
+    norms = {}
+    for layer, tensors in _layer_files(src).items():
+        if "attention.query_key_value.weight" in tensors:
+            g = torch.Generator().manual_seed(layer)
+            norms[layer] = (torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g))
+            tensors["attention.qk_layernorm.weight"], tensors["attention.qk_layernorm.bias"] = (
+                norms[layer]
+            )
+        torch.save(tensors, out / f"layer_{layer:02d}-model_00-model_states.pt")
+    (tmp_path / "neox" / "latest").write_text("global_step10")
+    convert(tmp_path / "neox", tmp_path / "ckpt")
+    _, model = load_model(tmp_path / "ckpt")
+    for layer, (weight, bias) in norms.items():
+        qk = model.layers[str(layer - 2)].attention.qk_norm
+        assert torch.equal(qk.weight, weight) and torch.equal(qk.bias, bias)
+    ids = torch.from_numpy(np.load(G / "input/input_ids.npy"))
+    with torch.no_grad():
+        logits = model.eval()(ids).numpy()
+    assert not np.allclose(logits, np.load(G / "logits/logits_pp1_step10.npy"), atol=1e-3)
+
+
 def test_tensor_parallel_shards_merge_with_the_bias_quirk(tmp_path):
     """Shards of model_parallel_size 2 laid out as GPT-NeoX writes them. GPT-NeoX adds the
     output biases once per rank with gpt_j_residual, so shards holding b/2 compute b."""

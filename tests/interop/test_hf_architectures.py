@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import metric_rows
+from tests.helpers import BASE, VARIANTS, metric_rows
 from tests.interop.test_huggingface import CASES, _hf_model
 from torchneox.cli import main
 from torchneox.data.indexed import IndexedDatasetWriter
@@ -189,3 +189,55 @@ def test_generate_and_eval_run_on_the_converted_model(tmp_path, capsys, name):
                 torch.nn.functional.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten())
             )
     assert result["lm_loss"] == pytest.approx(torch.stack(losses).mean().item(), rel=1e-5)
+
+
+MOE_RUN = (
+    BASE
+    | VARIANTS["rmsnorm-swiglu-gqa"]
+    | {
+        "mlp_multiple_of": 8,  # transformers' expert kernels want 16-byte rows
+        "no_weight_tying": True,
+        "moe_num_experts": 4,
+        "moe_top_k": 2,
+        "moe_router_type": "topk",
+        "moe_renormalize_top_k": True,
+        "train_micro_batch_size_per_gpu": 2,
+        "train_iters": 3,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.003}},
+        "eval_interval": 100,
+        "eval_iters": 1,
+        "num_workers": 0,
+    }
+)
+
+
+def test_a_torchneox_moe_run_exports_as_mixtral(tmp_path, capsys):
+    """A mixture-of-experts model trained in torchneox (not converted from anywhere) comes out
+    as Mixtral, computing in transformers what it computes here; with GPT-NeoX's gates, which
+    are not renormalised, it is refused in one line naming the key to set."""
+    run = tmp_path / "run"
+    cfg = tmp_path / "moe.yml"
+    data = {"data_path": random_tokens(tmp_path / "tokens", 256), "split": "100,0,0"}
+    cfg.write_text(json.dumps(MOE_RUN | data | {"save": str(run), "log_dir": str(run)}))
+    assert main(["train", str(cfg)]) == 0
+    out = tmp_path / "mixtral"
+    assert main(["convert", "to-hf", str(run), str(out)]) == 0
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(reloaded).__name__ == "MixtralForCausalLM"
+    _, ours = load_model(run)
+    tokens = torch.randint(0, 256, (2, 48))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            reloaded(tokens).logits, ours.eval()(tokens), atol=1e-5, rtol=1e-5
+        )
+    neox = tmp_path / "neox"
+    keys = (
+        MOE_RUN | data | {"moe_renormalize_top_k": False, "save": str(neox), "log_dir": str(neox)}
+    )
+    cfg.write_text(json.dumps(keys | {"train_iters": 1}))
+    assert main(["train", str(cfg)]) == 0
+    capsys.readouterr()
+    assert main(["convert", "to-hf", str(neox), str(tmp_path / "refused")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "moe_renormalize_top_k: true" in err, err
+    assert not (tmp_path / "refused").exists()

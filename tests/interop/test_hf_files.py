@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.helpers import CHAT_WORDS, metric_rows
+from tests.helpers import CHAT_WORDS, make_chat_tokenizer, metric_rows
 from tests.interop.test_huggingface import _hf_model
 from torchneox.cli import main
 from torchneox.train.checkpoint import load_model
@@ -39,22 +39,8 @@ LLAMA3_TEMPLATE = (
 def llama3_tokenizer(folder: Path) -> Path:
     """Characters plus Llama 3's chat specials; eos is <|eot_id|>, as Llama 3 Instruct's is,
     and there is no <|endoftext|>. A generation_config.json with Llama 3's list of eos ids."""
-    from tokenizers import Tokenizer, decoders, models
-
-    chars = sorted(set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ ,.!?'-:\n"))
-    vocab = {t: i for i, t in enumerate(LLAMA3_SPECIALS + chars)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.add_special_tokens(LLAMA3_SPECIALS)
-    tok.decoder = decoders.Fuse()
-    folder.mkdir(parents=True, exist_ok=True)
-    tok.save(str(folder / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<|begin_of_text|>",
-        "eos_token": "<|eot_id|>",
-        "chat_template": LLAMA3_TEMPLATE,
-    }
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    specials = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
+    make_chat_tokenizer(folder, LLAMA3_TEMPLATE, LLAMA3_SPECIALS, specials)
     generation = {"bos_token_id": 0, "eos_token_id": [1, 4], "temperature": 0.6, "top_p": 0.9}
     (folder / "generation_config.json").write_text(json.dumps(generation))
     return folder

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -361,7 +363,7 @@ def test_rope_scaling_not_built_is_refused_not_dropped(tmp_path, capsys, extra):
         "llama-dynamic-rope",
     ],
 )
-def test_explain_counts_the_converted_model(tmp_path, name):
+def test_explain_counts_the_converted_model(tmp_path, capsys, name):
     """config explain (and estimate, which shares the count) on the config a conversion wrote."""
     from torchneox.config.derive import derive
     from torchneox.config.load import load_config
@@ -369,5 +371,17 @@ def test_explain_counts_the_converted_model(tmp_path, name):
     _, folder = _hf_model(tmp_path, name)
     convert.from_hf(folder, tmp_path / "ckpt")
     _, ours = load_model(tmp_path / "ckpt")
-    counted = derive(load_config([tmp_path / "ckpt" / "global_step0" / "config.yml"]))
+    config = tmp_path / "ckpt" / "global_step0" / "config.yml"
+    counted = derive(load_config([config]))
     assert counted["num_parameters"] == sum(p.numel() for p in ours.parameters())
+    from torchneox.cli import main
+
+    capsys.readouterr()  # a converted config has no batch: the estimate asks for one
+    assert main(["estimate", str(config), "--gpus", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "train_micro_batch_size_per_gpu" in err, err
+    batch = ["--set", "train_micro_batch_size_per_gpu=4"]
+    assert main(["estimate", str(config), "--gpus", "8", "--json", *batch]) == 0
+    estimate = json.loads(capsys.readouterr().out)
+    assert estimate["num_parameters"] == counted["num_parameters"]
+    assert sum(estimate["parameters_per_stage"]) == counted["num_parameters"]

@@ -46,6 +46,12 @@ def estimate(
     _check_request(gpus, gpu, nodes, mfu)
     cfg = loaded.config
     d = derive(loaded, world_size=gpus)
+    if d["train_micro_batch_size_per_gpu"] is None:  # a converted model's config has no batch
+        raise ConfigError(
+            "the estimate needs the batch: give train_micro_batch_size_per_gpu or "
+            "train_batch_size (e.g. --set train_micro_batch_size_per_gpu=4)",
+            key="train_micro_batch_size_per_gpu",
+        )
     layout = Layout.from_derived(cfg, d)
     check_layout(loaded, layout)
     acc = ACCELERATORS[gpu]

@@ -276,7 +276,11 @@ def block_tensors(
     dst: str, src: dict[str, torch.Tensor], args: ModelArgs, bias_factor: float
 ) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
-    names = {"input_layernorm": "attention_norm", "post_attention_layernorm": "mlp_norm"}
+    names = {
+        "input_layernorm": "attention_norm",
+        "post_attention_layernorm": "mlp_norm",
+        "attention.qk_layernorm": "attention.qk_norm",  # use_qk_layernorm: one norm, [heads, d]
+    }
     for theirs, ours in names.items():
         for kind in ("weight", "bias", "scale"):  # rmsnorm's weight is called scale
             if f"{theirs}.{kind}" in src:

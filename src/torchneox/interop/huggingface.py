@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import sys
@@ -113,23 +114,31 @@ def _read_hf(
     meter = _Progress("read", sum(f.stat().st_size for f in files if f.is_file()), progress)
     importer = WeightImporter(hf.architecture_of(hf_cfg), args)
     for path in files:
-        try:
+        with _naming(path):
             for name, tensor in hf.iter_tensors(path):
                 importer.add(name, tensor)
-            sd = importer.result() if path == files[-1] else {}
-        except hf.HFError as e:
-            if e.source is not None:
-                raise
-            raise hf.HFError(e.message, source=str(path)) from None
-        except RuntimeError as e:  # a reshape of a tensor whose size config.json does not give
-            raise ConfigError(
-                f"the weights do not match config.json ({str(e).splitlines()[0]}); do they "
-                "belong to this config.json?",
-                source=str(path),
-            ) from None
         meter.advance(path.stat().st_size, path.name)
+    with _naming(hf_dir):
+        sd = importer.result()
     _check_shapes(args, sd, str(hf_dir))
     return loaded, sd
+
+
+@contextlib.contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """Conversion errors that name no file name ``path``."""
+    try:
+        yield
+    except hf.HFError as e:
+        if e.source is not None:
+            raise
+        raise hf.HFError(e.message, source=str(path)) from None
+    except RuntimeError as e:  # a reshape of a tensor whose size config.json does not give
+        raise ConfigError(
+            f"the weights do not match config.json ({str(e).splitlines()[0]}); do they "
+            "belong to this config.json?",
+            source=str(path),
+        ) from None
 
 
 def from_hf(

@@ -36,7 +36,7 @@ LLAMA_LAYER = {
     "mlp.down_proj": "mlp.down",
 }
 # OLMo 2 normalises each sublayer's output: its two norms are torchneox's two block norms
-OLMO2_LAYER = LLAMA_LAYER | {
+OLMO2_LAYER = {k: v for k, v in LLAMA_LAYER.items() if k != "input_layernorm"} | {
     "post_attention_layernorm": "attention_norm",
     "post_feedforward_layernorm": "mlp_norm",
 }
