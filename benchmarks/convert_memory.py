@@ -6,8 +6,8 @@ near one copy of the model plus one shard, not two copies.
 
 The Hugging Face folder is written here directly (random bf16 tensors in shards with an
 index, as the hub holds them), without transformers. Each conversion runs in its own process;
-its peak resident memory (ru_maxrss) less the peak of a process that only imports torchneox is
-compared with the model's size in the checkpoint (fp32) and the shard size.
+its peak resident memory (VmHWM, Linux) less the peak of a process that only imports torchneox
+is compared with the model's size and the shard size.
 """
 
 from __future__ import annotations
@@ -81,17 +81,18 @@ def llama_folder(folder: Path, layers: int, hidden: int, shard_bytes: int) -> in
 
 def peak_mb(args: list[str]) -> float:
     """Peak resident memory of one child process, MiB."""
+    # VmHWM: this process image's peak (ru_maxrss would carry the parent's over the fork)
     code = (
-        "import resource, sys; from torchneox.cli import main; code = main(sys.argv[1:]); "
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); "
-        "sys.exit(code)"
+        "import sys, torch; from torchneox.cli import main; code = main(sys.argv[1:]); "
+        "hwm = [x for x in open('/proc/self/status') if x.startswith('VmHWM')][0]; "
+        "print(hwm.split()[1], file=sys.stderr); sys.exit(code)"
     )
     run = subprocess.run(
         [sys.executable, "-c", code, *args], capture_output=True, text=True, check=False
     )
     if run.returncode != 0:
         raise SystemExit(run.stderr[-2000:])
-    return int(run.stderr.strip().splitlines()[-1]) / 1024  # ru_maxrss is KiB on Linux
+    return int(run.stderr.strip().splitlines()[-1]) / 1024  # kB
 
 
 def main() -> None:

@@ -214,3 +214,21 @@ def test_a_bad_shard_size_is_one_line(tmp_path, capsys, size):
     )
     err = capsys.readouterr().err
     assert status == 2 and err.count("\n") == 1 and "--max-shard-size" in err, err
+
+
+def test_a_bf16_hub_model_stays_one_bf16_copy_and_comes_back_identical(tmp_path):
+    """A bf16 model (as the hub holds them) is kept in bf16: the export loads it in the dtype
+    the checkpoint stores (one copy, not an fp32 one) and writes back the same bytes."""
+    from safetensors.torch import load_file
+
+    hf_model, folder = _hf_model(tmp_path, "mixtral")
+    hf_model.to(torch.bfloat16).save_pretrained(folder)
+    assert main(["convert", "from-hf", str(folder), str(tmp_path / "ckpt")]) == 0
+    _, stored = load_model(tmp_path / "ckpt", stored_dtype=True)
+    assert {p.dtype for p in stored.parameters()} == {torch.bfloat16}
+    out = tmp_path / "back"
+    assert main(["convert", "to-hf", str(tmp_path / "ckpt"), str(out), "--dtype", "bf16"]) == 0
+    original, back = load_file(folder / "model.safetensors"), load_file(out / "model.safetensors")
+    assert set(original) == set(back)
+    for name, tensor in original.items():
+        assert back[name].dtype == torch.bfloat16 and torch.equal(tensor, back[name]), name

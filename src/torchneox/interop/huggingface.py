@@ -200,7 +200,7 @@ def to_hf(
     loaded = checkpoint.checkpoint_config(step_dir)
     args = model_args(loaded)
     arch = hf.export_architecture(args)
-    _, model = checkpoint.load_model(step_dir)
+    _, model = checkpoint.load_model(step_dir, stored_dtype=True)  # one copy, as stored
     out = Path(out_dir)
     with new_output_dir(out, force, "convert to-hf") as tmp:
         tensors = hf_tensors(hf.causal_family(arch), model.state_dict(), args)

@@ -376,14 +376,35 @@ def load_model(
     overrides: list[str] | None = None,
     device: str = "cpu",
     step: int | None = None,
+    stored_dtype: bool = False,
 ) -> tuple[LoadedConfig, Transformer]:
     """The model a checkpoint holds (its step, or the latest), on ``device``, with its config
-    (``overrides`` applied): the one way every verb turns a checkpoint into a model."""
+    (``overrides`` applied): the one way every verb turns a checkpoint into a model. Its
+    parameters are fp32, or with ``stored_dtype`` the dtype the checkpoint keeps them in (a
+    bf16 model converted from the hub is then one bf16 copy in memory, not an fp32 one)."""
     step_dir = resolve(ckpt, step)
     loaded = checkpoint_config(step_dir, overrides)
-    model = build_model(model_args(loaded), device=device)
+    dtype = _stored_dtype(step_dir) if stored_dtype else torch.float32
+    if dtype == torch.float32:
+        model = build_model(model_args(loaded), device=device)
+    else:  # no initialisation: every weight is read from the checkpoint
+        with torch.device("meta"):
+            model = Transformer(model_args(loaded)).to(dtype)
+        model.to_empty(device=device)
+        model.init_buffers(device)
     load_model_weights(step_dir, model)
     return loaded, model
+
+
+def _stored_dtype(step_dir: Path) -> torch.dtype:
+    """The one floating dtype of the checkpoint's model tensors (fp32 when they mix)."""
+    metadata = dcp.FileSystemReader(str(step_dir)).read_metadata()
+    dtypes = {
+        getattr(entry, "properties", None) and entry.properties.dtype
+        for name, entry in metadata.state_dict_metadata.items()
+        if name.startswith("model.")
+    }
+    return dtypes.pop() if len(dtypes) == 1 and None not in dtypes else torch.float32
 
 
 # ------------------------------------------------------------------------- the manager
