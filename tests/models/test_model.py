@@ -130,3 +130,30 @@ def test_gpt_neox_qk_norm_is_one_norm_for_queries_and_keys(norm):
                 expected = normed.view(2, 5, 4, 16) * attention.qk_norm.weight
                 expected = expected + attention.qk_norm.bias
             torch.testing.assert_close(got, expected.transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["neox-rotary", "learned", "alibi", "window", "qwen3-like"])
+def test_documents_in_a_packed_sample_see_only_themselves(variant):
+    """inter_document_attention_masking: with each token's document and its position in it, a
+    document's logits in a packed row are those of the document run alone, whatever the other
+    documents hold."""
+    from torchneox.models.attention import documents
+
+    _, model = build(variant)
+    model.eval()
+    eod = 0
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randint(1, 256, (n,), generator=g) for n in (7, 9, 5))
+    row = torch.cat([a, torch.tensor([eod]), b, torch.tensor([eod]), c])[None]
+    positions, segments = documents(row, eod)
+    assert positions[0, :8].tolist() == list(range(8)) and positions[0, 8].item() == 0
+    assert segments[0].tolist() == [0] * 8 + [1] * 10 + [2] * 5
+    with torch.no_grad():
+        packed = model(row, positions_BT=positions, segments_BT=segments)
+        alone = model(torch.cat([b, torch.tensor([eod])])[None])
+        torch.testing.assert_close(packed[0, 8:18], alone[0], atol=1e-5, rtol=1e-5)
+        other = row.clone()
+        other[0, :7] = torch.randint(1, 256, (7,), generator=g)
+        changed = model(other, positions_BT=positions, segments_BT=segments)
+        torch.testing.assert_close(changed[0, 8:], packed[0, 8:], atol=1e-6, rtol=1e-6)
+        assert not torch.allclose(model(other)[0, 8:], model(row)[0, 8:])  # unmasked: it leaks

@@ -317,7 +317,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if not args.data_path:
             return 0
     seq = cfg.model.seq_length or loaded.config.model.seq_length
-    result = perplexity(model, args.data_path, seq, args.iters, args.batch_size, cfg.training.seed)
+    eod = None
+    if cfg.model.inter_document_attention_masking:
+        from torchneox.data.tokenizers import build_tokenizer
+
+        eod = build_tokenizer(cfg).eod_id
+    result = perplexity(
+        model, args.data_path, seq, args.iters, args.batch_size, cfg.training.seed, eod
+    )
     print(json.dumps(result))
     return 0
 

@@ -178,6 +178,18 @@ def _tensor_parallel_qk_norm(cfg: NeoXConfig, lay: Layout) -> ConfigError | None
     return None
 
 
+def _pipelined_documents(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
+    if lay.pp > 1 and cfg.model.inter_document_attention_masking:
+        return _refuse(
+            "inter_document_attention_masking with pipe_parallel_size >= 2 is not built yet "
+            "(the stages would need each micro-batch's documents beside its hidden states); "
+            "use data, ZeRO or tensor parallelism",
+            key="inter_document_attention_masking",
+            cause="pipe_parallel_size",
+        )
+    return None
+
+
 def _sequence_parallel(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     if not lay.sequence_parallel:
         return None
@@ -280,5 +292,6 @@ RULES = (
     _tied_embeddings,
     _tensor_parallel_positions,
     _tensor_parallel_qk_norm,
+    _pipelined_documents,
 )
 """Every layout rule, in the order they are checked."""

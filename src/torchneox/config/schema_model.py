@@ -81,6 +81,13 @@ class ModelConfig:
     sliding_window_width: int | None = key(
         None, "Each token attends only to this many previous tokens (itself included)."
     )
+    inter_document_attention_masking: bool = extension(
+        False,
+        "In a packed sample, each token attends only to earlier tokens of its own document "
+        "(documents end at the end-of-text token, which belongs to the one it ends) and "
+        "positions restart at each document; false: one causal window over the sample, as "
+        "GPT-NeoX trains (the key is named as GPT-NeoX's pull request #1416 names it).",
+    )
     norm: Literal[
         "layernorm",
         "rmsnorm",

@@ -46,12 +46,7 @@ def estimate(
     _check_request(gpus, gpu, nodes, mfu)
     cfg = loaded.config
     d = derive(loaded, world_size=gpus)
-    if d["train_micro_batch_size_per_gpu"] is None:  # a converted model's config has no batch
-        raise ConfigError(
-            "the estimate needs the batch: give train_micro_batch_size_per_gpu or "
-            "train_batch_size (e.g. --set train_micro_batch_size_per_gpu=4)",
-            key="train_micro_batch_size_per_gpu",
-        )
+    _check_batch(d)
     layout = Layout.from_derived(cfg, d)
     check_layout(loaded, layout)
     acc = ACCELERATORS[gpu]
@@ -118,6 +113,15 @@ def _check_request(gpus: int, gpu: str, nodes: int, mfu: float) -> None:
         raise ConfigError(f"--gpus {gpus} must be a positive multiple of --nodes {nodes}")
     if not 0 < mfu <= 1:
         raise ConfigError(f"--mfu {mfu} must be in (0, 1]")
+
+
+def _check_batch(d: Any) -> None:
+    if d["train_micro_batch_size_per_gpu"] is None:  # a converted model's config has no batch
+        raise ConfigError(
+            "the estimate needs the batch: give train_micro_batch_size_per_gpu or "
+            "train_batch_size (e.g. --set train_micro_batch_size_per_gpu=4)",
+            key="train_micro_batch_size_per_gpu",
+        )
 
 
 def _parameters(d: Any, stages: list) -> dict[str, Any]:

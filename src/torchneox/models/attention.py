@@ -22,6 +22,20 @@ class AttentionBias:
     is_causal: bool
 
 
+def documents(tokens_BT: torch.Tensor, eod_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, segments) of a packed batch: each token's document number in its row
+    (an end-of-text token closes the document it ends) and its position inside it, from 0
+    at the row's start and after every end-of-text."""
+    is_eod = (tokens_BT == eod_id).long()
+    segments = torch.cumsum(is_eod, dim=1) - is_eod
+    index = torch.arange(tokens_BT.shape[1], device=tokens_BT.device).expand_as(tokens_BT)
+    starts_here = torch.zeros_like(is_eod, dtype=torch.bool)
+    starts_here[:, 0] = True
+    starts_here[:, 1:] = is_eod[:, :-1].bool()
+    start = torch.cummax(torch.where(starts_here, index, torch.zeros_like(index)), dim=1).values
+    return index - start, segments
+
+
 class KVCache:
     """Keys and values of every layer, preallocated for ``max_len`` positions."""
 

@@ -147,10 +147,16 @@ class Transformer(nn.Module):
     # -------------------------------------------------------------------------- forward
 
     def _attention_bias(
-        self, t: int, start: int, key_valid_BS: torch.Tensor | None, device: torch.device
+        self,
+        t: int,
+        start: int,
+        key_valid_BS: torch.Tensor | None,
+        device: torch.device,
+        segments_BT: torch.Tensor | None = None,
     ) -> AttentionBias:
         a = self.args
         extras = key_valid_BS is not None or a.sliding_window is not None or a.pos_emb == "alibi"
+        extras = extras or segments_BT is not None
         if not extras and start == 0:
             return AttentionBias(None, is_causal=True)
         if not extras and t == 1:
@@ -161,6 +167,9 @@ class Transformer(nn.Module):
         if a.sliding_window is not None:
             allowed = allowed & (q - k < a.sliding_window)
         allowed = allowed[None, None]  # [1, 1, T, S]
+        if segments_BT is not None:  # inter_document_attention_masking: within one's document
+            assert start == 0, "document masking is for whole sequences, not cached decoding"
+            allowed = allowed & (segments_BT[:, None, :, None] == segments_BT[:, None, None, :])
         if key_valid_BS is not None:
             # a padded query still sees itself, so no row is empty (its output is never used)
             allowed = (allowed & key_valid_BS[:, None, None, :]) | (k == q)[None, None]
@@ -200,11 +209,13 @@ class Transformer(nn.Module):
         key_valid_BS: torch.Tensor | None = None,
         cache: KVCache | None = None,
         router_stats: bool = False,
+        segments_BT: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, list[RouterStats]]:
         """Logits [B, T, vocab] (a middle pipeline stage: hidden states), and with
         ``router_stats`` each MoE layer's ``RouterStats`` too. ``positions_BT`` default to 0..
         (after the cache's length); ``key_valid_BS`` marks the keys (cache + new tokens) that
-        are real, not padding."""
+        are real, not padding; ``segments_BT`` numbers each token's document, and a token
+        attends only to its own (``attention.documents`` gives both for a packed batch)."""
         t = tokens_BT.shape[1]
         start = cache.length if cache is not None else 0
         if self.embed is None:  # a later pipeline stage: the input is hidden states
@@ -212,7 +223,7 @@ class Transformer(nn.Module):
         else:
             x = self._embed(tokens_BT, positions_BT, start, t)
         rope = self._rope(positions_BT, start, t)
-        bias = self._attention_bias(t, start, key_valid_BS, x.device)
+        bias = self._attention_bias(t, start, key_valid_BS, x.device, segments_BT)
         stats = []
         for block in self.layers.values():
             x, layer_stats = block(x, rope, bias, cache)

@@ -16,6 +16,7 @@ from torchneox.base.errors import DataError
 from torchneox.data.gpt_dataset import GPTDataset
 from torchneox.data.indexed import IndexedDataset
 from torchneox.data.loader import BatchLoader
+from torchneox.models.attention import documents
 from torchneox.models.transformer import Transformer
 from torchneox.train.loss import lm_loss
 
@@ -132,10 +133,12 @@ def perplexity(
     batches: int,
     batch_size: int,
     seed: int = 1234,
+    document_eod: int | None = None,
 ) -> dict[str, float]:
     """``torchneox eval --data-path``: the mean loss over ``batches`` batches of packed samples
     from all of the dataset's documents (in GPT-NeoX's sample order for ``seed``), and its
-    perplexity."""
+    perplexity; with ``document_eod`` (inter_document_attention_masking) each token sees only
+    its own document, as in training."""
     ds = IndexedDataset(prefix)
     if len(ds) == 0:
         raise DataError(f"{prefix}: the dataset has no documents")
@@ -157,7 +160,14 @@ def perplexity(
         return [torch.from_numpy(np.stack(rows)).to(device)]
 
     def losses_of(tokens: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [lm_loss(model(t[:, :-1]), t[:, 1:], None) for t in tokens]
+        out = []
+        for t in tokens:
+            extra = {}
+            if document_eod is not None:
+                positions, segments = documents(t[:, :-1], document_eod)
+                extra = {"positions_BT": positions, "segments_BT": segments}
+            out.append(lm_loss(model(t[:, :-1], **extra), t[:, 1:], None))
+        return out
 
     loss = mean_loss(model, (batch(b) for b in range(batches)), losses_of).item()
     return {

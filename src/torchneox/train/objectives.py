@@ -50,6 +50,14 @@ class Prepared:
     mask: torch.Tensor | None
     rewards: torch.Tensor | None = None
     reference_logp: torch.Tensor | None = None  # precomputed per position (precompute_model_name)
+    positions: torch.Tensor | None = None  # inter_document_attention_masking: within documents
+    segments: torch.Tensor | None = None  # ... and each token's document
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """What the model takes besides the inputs (nothing, unless documents are masked)."""
+        if self.segments is None:
+            return {}
+        return {"positions_BT": self.positions, "segments_BT": self.segments}
 
 
 def shifted(
@@ -318,12 +326,43 @@ class RewardModel(_Pairs):
 Objective = LanguageModeling | DPO | KTO | RewardModel
 
 
+@dataclass
+class DocumentMasked:
+    """inter_document_attention_masking around any objective: each prepared micro-batch also
+    carries its tokens' documents and their positions within them, for the model."""
+
+    inner: Any
+    eod_id: int
+
+    def prepare(self, batch: Any) -> Prepared:
+        from torchneox.models.attention import documents
+
+        prep = self.inner.prepare(batch)
+        prep.positions, prep.segments = documents(prep.inputs, self.eod_id)
+        return prep
+
+    def __getattr__(self, name: str) -> Any:  # terms, needs_reference, metric_names, ...
+        return getattr(self.inner, name)
+
+
 def build_objective(
-    training: Any, moe_aux_loss_coeff: float, eod_id: int | None, precomputed: bool = False
+    training: Any,
+    moe_aux_loss_coeff: float,
+    eod_id: int | None,
+    precomputed: bool = False,
+    document_eod: int | None = None,
 ) -> Objective:
     """The objective of ``training.train_impl`` from the training config group (``eod_id``:
     the end-of-document token when eod_mask_loss is set; ``precomputed``: the reference's
-    log-probabilities come with the data)."""
+    log-probabilities come with the data; ``document_eod``: the end-of-document token when
+    inter_document_attention_masking is set)."""
+    objective = _objective(training, moe_aux_loss_coeff, eod_id, precomputed)
+    return objective if document_eod is None else DocumentMasked(objective, document_eod)
+
+
+def _objective(
+    training: Any, moe_aux_loss_coeff: float, eod_id: int | None, precomputed: bool
+) -> Objective:
     t = training
     if t.train_impl == "dpo":
         return DPO(t.dpo_beta, t.dpo_reference_free, t.dpo_fp32, eod_id, precomputed)

@@ -76,14 +76,14 @@ class TrainStep:
         prep = self.objective.prepare(batch)
         stats = whole = None
         if self.moe_layers:
-            out, stats = self.parts.module(prep.inputs, router_stats=True)
+            out, stats = self.parts.module(prep.inputs, router_stats=True, **prep.model_inputs())
             # the load-balancing loss sees the whole batch: the router statistics summed
             # over the ranks that split it (one process's loss, in any layout)
             whole = stats
             if self.dims.dp > 1:
                 whole = [sum_router_stats(s, self.dims.mesh["dp"]) for s in stats]
         else:
-            out = self.parts.module(prep.inputs)
+            out = self.parts.module(prep.inputs, **prep.model_inputs())
         terms = self.objective.terms(out, prep, self._reference(prep), whole, placed_like)
         for name in ("z_loss", "moe_aux_loss"):
             value = getattr(terms, name)
@@ -101,7 +101,7 @@ class TrainStep:
         if not self.objective.needs_reference:
             return None
         assert self.parts.reference is not None
-        return self.parts.reference(prep.inputs)
+        return self.parts.reference(prep.inputs, **prep.model_inputs())
 
     def _forward_backward(self, batch: Batch, last: bool, sums: dict) -> torch.Tensor:
         batch = to_device(batch, self.device)
@@ -261,7 +261,7 @@ class TrainStep:
         for batch in micro_batches:
             prep = self.objective.prepare(to_device(batch, self.device))
             with self._loss_context(), self._autocast():
-                out = self.parts.module(prep.inputs)
+                out = self.parts.module(prep.inputs, **prep.model_inputs())
                 terms = self.objective.terms(out, prep, self._reference(prep))
             row = {"lm_loss": plain(terms.loss)}
             values.append(row | {k: plain(v).float() for k, v in terms.metrics.items()})

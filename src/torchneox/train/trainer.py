@@ -145,9 +145,12 @@ class Trainer:
         )
         self.model, self.pipeline = self.parts.model, self.parts.pipeline
         t = cfg.training
-        eod = build_tokenizer(cfg).eod_id if t.eod_mask_loss else None
+        masked = t.eod_mask_loss or cfg.model.inter_document_attention_masking
+        tokenizer_eod = build_tokenizer(cfg).eod_id if masked else None
+        eod = tokenizer_eod if t.eod_mask_loss else None
+        documents = tokenizer_eod if cfg.model.inter_document_attention_masking else None
         precomputed = bool(cfg.textgen.precompute_model_name)
-        self.objective = build_objective(t, cfg.moe.moe_aux_loss_coeff, eod, precomputed)
+        self.objective = build_objective(t, cfg.moe.moe_aux_loss_coeff, eod, precomputed, documents)
         if self.objective.needs_reference:
             self.parts.reference, self.parts.reference_pipeline = build_reference(
                 self.args,
@@ -241,6 +244,15 @@ class Trainer:
                 "learning-rate schedule taken from the checkpoint (use_checkpoint_lr_scheduler)"
             )
         self.logger.line(f"resumed from {resumed.step_dir} at iteration {self.iteration}")
+        from torchneox.train.checkpoint import checkpoint_config
+
+        changed = context_changes(checkpoint_config(resumed.step_dir).config, self.cfg)
+        if changed:
+            self.logger.line(
+                f"context extended: {'; '.join(changed)}; the samples are "
+                f"{self.cfg.model.seq_length} tokens from here on (the sample index is built for "
+                "that length; the run goes on at the same sample count)"
+            )
         return resumed
 
     # -------------------------------------------------------------------------- step
@@ -423,3 +435,17 @@ class _Progress:
         if lg.wall_clock_breakdown:
             tr.logger.line("  " + tr.timers.report(self.window_steps))
         self.window_start, self.window_steps = time.perf_counter(), 0
+
+
+CONTEXT_KEYS = ("seq_length", "max_position_embeddings", "rotary_emb_base", "rope_scaling")
+"""What continued pretraining at a longer context changes (the weights carry over as they are)."""
+
+
+def context_changes(saved: Any, now: Any) -> list[str]:
+    """'key old -> new' for each context key a resumed run changes."""
+    out = []
+    for key in CONTEXT_KEYS:
+        before, after = getattr(saved.model, key), getattr(now.model, key)
+        if before != after:
+            out.append(f"{key} {before if before is not None else 'unset'} -> {after}")
+    return out
