@@ -131,3 +131,31 @@ def test_moe_models_are_estimated(tmp_path, capsys):
     assert main(["estimate", moe_config(tmp_path), "--gpus", "4", *bad]) == 2
     err = capsys.readouterr().err.strip()
     assert "moe_num_experts:" in err and "pipeline" in err and len(err.splitlines()) == 1
+
+
+def test_hybrid_sharding_shards_over_one_group_and_is_a_candidate_across_nodes():
+    """mics_shard_size: ZeRO's shards span one group of data-parallel ranks, so each rank holds
+    dp / group times more optimizer state; on several nodes the layout search also tries
+    sharding within a node."""
+    full = estimate(load_config([NEOX_20B]), gpus=96, gpu="a100-40gb", nodes=12)
+    hybrid = estimate(
+        load_config([NEOX_20B], ["zero_optimization.mics_shard_size=4"]),
+        gpus=96,
+        gpu="a100-40gb",
+        nodes=12,
+    )
+    assert hybrid["layout"]["dp_shard"] == 4 and full["layout"]["dp"] == 12
+    ratio = (
+        hybrid["memory_per_rank_bytes"]["optimizer"] / full["memory_per_rank_bytes"]["optimizer"]
+    )
+    assert ratio == pytest.approx(3, rel=0.02)
+    # the search's candidates on 12 nodes of 8 (tp 2): ZeRO over all 12 ranks, or within a node's 4
+    from torchneox.config.derive import derive
+    from torchneox.config.layout import Layout
+    from torchneox.estimate.search import _shard_groups
+
+    loaded = load_config([NEOX_20B])
+    layout = Layout.from_derived(loaded.config, derive(loaded, world_size=96))
+    assert (layout.dp, layout.tp) == (12, 2)
+    assert _shard_groups(layout, per_node=8, nodes=12) == [None, 4]
+    assert _shard_groups(layout, per_node=8, nodes=1) == [None]

@@ -205,6 +205,12 @@ def _zero(cfg: NeoXConfig, out: Derived, mp: int, dp: int) -> None:
     why = f"{zero}, from zero_optimization.stage: {zero_what}"
     if zero == 0 and mp > 1 and dp > 1:
         why += "; with tensor parallelism it runs as stage 2 (DDP takes no DTensor parameters), with the same results"
+    shard = (cfg.optimizer.zero_optimization or {}).get("mics_shard_size")
+    if zero and isinstance(shard, int) and 0 < shard < dp and not dp % shard:
+        why += (
+            f"; hybrid sharding (mics_shard_size {shard}): sharded within {dp // shard} groups "
+            f"of {shard} data-parallel ranks, replicated across them (FSDP2 HSDP)"
+        )
     out.put("zero_stage", zero, why)
 
 
@@ -467,7 +473,7 @@ def _no_effect(loaded: LoadedConfig, out: Derived) -> None:
     for sub, value in (cfg.optimizer.zero_optimization or {}).items():
         if sub in ZERO_OFFLOAD_KEYS and not value:
             continue  # offload switched off, as torchneox requires
-        if sub != "stage" and sub in ZERO_KEYS:
+        if sub not in ("stage", "mics_shard_size") and sub in ZERO_KEYS:
             out.no_effect[f"zero_optimization.{sub}"] = (
                 "DeepSpeed ZeRO tuning; FSDP2 sizes its own communication"
             )

@@ -27,6 +27,7 @@ KEYS = {
     "zero": "zero_optimization.stage",
     "micro_batch": "train_micro_batch_size_per_gpu",
     "checkpoint": "checkpoint_activations",
+    "dp_shard": "zero_optimization.mics_shard_size",
 }
 
 
@@ -47,6 +48,18 @@ class Layout:
     schedule: str = "1f1b"  # the pipeline schedule (what runs only when pp >= 2)
     ep: int = 1  # expert parallelism: experts split over this many data-parallel ranks
     virtual_stages: int = 1
+    dp_shard: int | None = None
+    """Hybrid sharding (zero_optimization.mics_shard_size): ZeRO shards within groups of this
+    many data-parallel ranks, replicated across the groups; None: over all of them."""
+
+    @property
+    def shard_ranks(self) -> int:
+        """The data-parallel ranks one ZeRO shard group spans."""
+        return self.dp_shard or self.dp
+
+    @property
+    def hybrid(self) -> bool:
+        return self.dp_shard is not None and self.dp_shard < self.dp
 
     @classmethod
     def from_derived(cls, cfg: NeoXConfig, derived: Derived) -> Layout:
@@ -66,6 +79,7 @@ class Layout:
             schedule=d["pipeline_schedule"] or "1f1b",
             ep=cfg.moe.expert_parallel_size,
             virtual_stages=cfg.parallel.pipeline_virtual_stages,
+            dp_shard=(cfg.optimizer.zero_optimization or {}).get("mics_shard_size"),
         )
 
     @property
@@ -190,6 +204,33 @@ def _pipelined_documents(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     return None
 
 
+def _hybrid_sharding(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
+    size = lay.dp_shard
+    if size is None:
+        return None
+    key = "zero_optimization"
+    if lay.zero == 0:
+        return _refuse(
+            "mics_shard_size (hybrid sharding) shards ZeRO's state: it needs stage 1, 2 or 3",
+            key=key,
+            cause=key,
+        )
+    if lay.dp % size:
+        return _refuse(
+            f"mics_shard_size {size} must divide the data-parallel size {lay.dp} (each group "
+            "of that many ranks holds one whole copy of the sharded state)",
+            key=key,
+            cause="model_parallel_size",
+        )
+    if lay.ep > 1 and lay.hybrid:
+        return _refuse(
+            "mics_shard_size (hybrid sharding) with expert_parallel_size > 1 is not built yet",
+            key=key,
+            cause="expert_parallel_size",
+        )
+    return None
+
+
 def _sequence_parallel(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     if not lay.sequence_parallel:
         return None
@@ -293,5 +334,6 @@ RULES = (
     _tensor_parallel_positions,
     _tensor_parallel_qk_norm,
     _pipelined_documents,
+    _hybrid_sharding,
 )
 """Every layout rule, in the order they are checked."""

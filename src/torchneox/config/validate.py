@@ -62,6 +62,8 @@ ZERO_KEYS = (
     "stage3_param_persistence_threshold",
     "stage3_gather_16bit_weights_on_model_save",
     "stage3_gather_fp16_weights_on_model_save",
+    "mics_shard_size",
+    "mics_hierarchical_params_gather",
 )
 ZERO_OFFLOAD_KEYS = ("cpu_offload", "cpu_offload_params", "offload_optimizer", "offload_param")
 FP16_KEYS = (
@@ -337,6 +339,9 @@ def _check_zero(ch: Checker) -> None:
                 "zero_optimization",
                 f"{name}: CPU/NVMe offload is not supported; remove it or set it to false",
             )
+    shard = zero.get("mics_shard_size")
+    if shard is not None and (isinstance(shard, bool) or not isinstance(shard, int) or shard < 1):
+        ch.fail("zero_optimization", f"mics_shard_size must be a positive integer, got {shard!r}")
     stage = zero.get("stage", 0)
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         ch.fail("zero_optimization", f"stage must be 0, 1, 2 or 3, got {stage!r}")

@@ -31,7 +31,8 @@ def memory_per_rank(
 ) -> dict[str, Any]:
     """Bytes on the most loaded rank, by part, and which stage that is."""
     opt_per_param = _optimizer_bytes_per_param(loaded)
-    fsdp = layout.dp if (layout.zero > 0 or layout.tp > 1 or layout.pp > 1) else 1
+    # ZeRO shards over the data-parallel ranks (with hybrid sharding, over one group of them)
+    fsdp = layout.shard_ranks if (layout.zero > 0 or layout.tp > 1 or layout.pp > 1) else 1
     worst: dict[str, Any] | None = None
     for k, params in enumerate(stages):
         state = _state_bytes(params, layout, fsdp, opt_per_param)

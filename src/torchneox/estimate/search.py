@@ -163,25 +163,35 @@ def _alternatives(
             gas = tbs // (mb * dp)
             if pp > 1 and gas < pp:
                 continue  # more bubble than work, whatever the schedule
-            cand = dataclasses.replace(
+            base = dataclasses.replace(
                 layout, tp=tp, pp=pp, dp=dp, zero=zero, checkpoint=ckpt, micro_batch=mb, gas=gas
             )
-            if cand == layout or layout_problem(cfg, cand) is not None:
-                continue
-            mem = memory_per_rank(loaded, cand, stages_for(pp), trace, method)
-            if mem["bytes"]["total"] > usable:
-                continue
-            changes = cand.changes_from(layout)
-            seconds = step_time(flops_step, cand, peak, mfu)
-            found.append(
-                {
-                    "changes": changes,
-                    "memory_per_rank_bytes": mem["bytes"]["total"],
-                    "step_time_s": seconds,
-                }
-            )
+            for shard in _shard_groups(base, per_node, nodes):
+                cand = dataclasses.replace(base, dp_shard=shard)
+                if cand == layout or layout_problem(cfg, cand) is not None:
+                    continue
+                mem = memory_per_rank(loaded, cand, stages_for(pp), trace, method)
+                if mem["bytes"]["total"] > usable:
+                    continue
+                found.append(
+                    {
+                        "changes": cand.changes_from(layout),
+                        "memory_per_rank_bytes": mem["bytes"]["total"],
+                        "step_time_s": step_time(flops_step, cand, peak, mfu),
+                    }
+                )
     found.sort(key=lambda f: (len(f["changes"]), f["step_time_s"]))
     return found
+
+
+def _shard_groups(layout: Layout, per_node: int, nodes: int) -> list[int | None]:
+    """ZeRO over all data-parallel ranks, and on several nodes hybrid sharding within one
+    node's ranks (the gathers then stay inside the node; the replicas all-reduce across)."""
+    out: list[int | None] = [None]
+    within = per_node // layout.tp if per_node % layout.tp == 0 else 0
+    if nodes > 1 and layout.zero > 0 and 1 < within < layout.dp and layout.dp % within == 0:
+        out.append(within)
+    return out
 
 
 def render(est: dict[str, Any]) -> str:

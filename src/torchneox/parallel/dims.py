@@ -26,6 +26,8 @@ class ParallelDims:
     device_type: str
     ep: int = 1
     """Expert-parallel ranks: a sub-axis of the data-parallel one."""
+    dp_shard: int | None = None
+    """Hybrid sharding: the data-parallel ranks a ZeRO shard group spans (None: all)."""
     mesh: DeviceMesh | None = field(default=None, repr=False)
 
     @classmethod
@@ -37,6 +39,7 @@ class ParallelDims:
             world_size=layout.gpus,
             device_type=device_type,
             ep=layout.ep,
+            dp_shard=layout.dp_shard if layout.hybrid else None,
         )
 
     def __post_init__(self) -> None:
@@ -74,10 +77,27 @@ class ParallelDims:
             )
             self.mesh["dp_replicate", "ep"]._flatten("dp")
             return self.mesh
+        if self.dp_shard is not None:
+            # hybrid sharding: data parallel = (replicas) x (ranks one shard group spans)
+            self.mesh = init_device_mesh(
+                self.device_type,
+                (self.pp, self.dp // self.dp_shard, self.dp_shard, self.tp),
+                mesh_dim_names=("pp", "dp_hybrid_replicate", "dp_hybrid_shard", "tp"),
+            )
+            self.mesh[self.HYBRID]._flatten("dp")
+            return self.mesh
         self.mesh = init_device_mesh(
             self.device_type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp")
         )
         return self.mesh
+
+    HYBRID = ("dp_hybrid_replicate", "dp_hybrid_shard")
+
+    def shard_mesh(self) -> DeviceMesh:
+        """The mesh ZeRO shards over: the data-parallel axis, or with hybrid sharding the 2-D
+        (replicate, shard) mesh that makes FSDP2 shard within groups and replicate across."""
+        assert self.mesh is not None
+        return self.mesh[self.HYBRID] if self.dp_shard is not None else self.mesh["dp"]
 
 
 def init_distributed(device_type: str, backend: str | None, timeout_minutes: float) -> int:

@@ -56,7 +56,7 @@ def parallelize(
     if dims.dp > 1:
         return apply_data_parallel(
             model,
-            dims.mesh["dp"],
+            dims.shard_mesh(),
             layout.zero,
             reduce_dtype,
             tensor_parallel=dims.tp > 1 or dims.pp > 1,  # DDP takes neither
@@ -109,7 +109,7 @@ def _freeze(model: Transformer, dims: ParallelDims, layout: Layout) -> None:
         expert_params = apply_expert_parallel(model, dims.mesh)
     model.requires_grad_(False)
     if dims.dp > 1 and layout.zero >= 1:
-        shard_frozen(model, dims.mesh["dp"], expert_params)
+        shard_frozen(model, dims.shard_mesh(), expert_params)
     model.eval()
 
 

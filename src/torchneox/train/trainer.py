@@ -336,6 +336,12 @@ class Trainer:
         )
         for note in self.data_notes:
             self.logger.line(note)
+        if self.dims.dp_shard is not None:
+            groups = self.dims.dp // self.dims.dp_shard
+            self.logger.line(
+                f"hybrid sharding: ZeRO {self.layout.zero} state sharded within {groups} groups "
+                f"of {self.dims.dp_shard} data-parallel ranks, replicated across the groups"
+            )
         if self.checkpoints.save_dir is None:
             self.logger.line(
                 "warning: no save is set, so nothing of this run is kept (no checkpoint); set "
