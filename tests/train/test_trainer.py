@@ -522,3 +522,13 @@ def test_mfu_is_against_a_peak_measured_once_and_never_above_100(
     rows = metric_rows(tmp_path / "r")
     assert all(r["mfu"] <= 1.0 for r in rows if "mfu" in r)
     assert max(json.loads((tmp_path / "peak.json").read_text()).values()) > 1e-6
+
+
+def test_measuring_the_cpu_peak_leaves_the_rng_alone():
+    """The first run on a machine measures the CPU's matmul peak for MFU; it drew its matrices
+    from the global RNG, so that run's dropout masks differed from every later run's."""
+    from torchneox.train import hardware
+
+    before = torch.get_rng_state()
+    hardware.measure_cpu_tflops(size=64, seconds=0.01)
+    assert torch.equal(before, torch.get_rng_state())

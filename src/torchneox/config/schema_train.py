@@ -318,6 +318,12 @@ class CheckpointConfig:
     no_load_optim: bool = key(False, "Do not restore the optimizer state.")
     no_load_rng: bool = key(False, "Do not restore RNG states.")
     finetune: bool = key(False, "Load weights only and start at step 0 with a fresh optimizer.")
+    async_checkpointing: bool = extension(
+        False,
+        "Write checkpoints in the background (torch distributed checkpoint's async save): the "
+        "state is copied at the save step and training goes on while it is written; 'latest' "
+        "moves only once every rank's files are complete.",
+    )
     checkpoint_validation_with_forward_pass: bool = no_effect(
         False,
         "Store a forward pass with the checkpoint and check it on load.",

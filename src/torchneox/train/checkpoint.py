@@ -173,23 +173,31 @@ def save_checkpoint(
     state: dict[str, Any],
     config_yaml: str,
     meta: dict[str, Any] | None = None,
+    writer: Any = None,
 ) -> Path:
     """Write ``state`` (nested dicts of tensors, DTensors included) as global_step{iteration} and
     point latest at it. Collective when a process group exists: every rank writes its shards,
-    rank 0 the config, the metadata and the rename."""
+    rank 0 the config, the metadata and the rename. ``writer(state, tmp)``: what writes the
+    shards (``dcp.save`` by default; the asynchronous path hands its finished write here)."""
     root = Path(save_dir)
     final = root / step_dir_name(iteration)
     tmp = root / f".{final.name}.partial"
     try:
-        _save(root, final, tmp, iteration, state, config_yaml, meta)
+        _save(root, final, tmp, iteration, state, config_yaml, meta, writer)
     except (OSError, CheckpointException) as e:
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointWriteError(_write_failure(root, final, e)) from None
+        raise CheckpointWriteError(write_failure(root, final, e)) from None
     return final
 
 
-def _write_failure(root: Path, final: Path, error: BaseException) -> str:
+def _dcp_save(state: dict[str, Any], tmp: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns when no process group is initialised
+        dcp.save(state, checkpoint_id=str(tmp))
+
+
+def write_failure(root: Path, final: Path, error: BaseException) -> str:
     if isinstance(error, CheckpointException):
         ranks = sorted(error.failures)
         first = next(iter(error.failures.values()))
@@ -219,17 +227,12 @@ def _save(
     state: dict[str, Any],
     config_yaml: str,
     meta: dict[str, Any] | None,
+    writer: Any = None,
 ) -> None:
     fault_point("save.start", iteration)
-    if _rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-    _barrier()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # DCP warns when no process group is initialised
-        dcp.save(state, checkpoint_id=str(tmp))
+    if writer is None:  # the asynchronous path made the directory when its write began
+        prepare_partial(root, tmp)
+    (writer or _dcp_save)(state, tmp)
     fault_point("save.shards", iteration)
     if _rank() == 0:
         _write_synced(tmp / CONFIG_FILE, config_yaml)
@@ -248,6 +251,16 @@ def _save(
         fault_point("save.renamed", iteration)
         _write_atomic(root / "latest", final.name + "\n")
         _sync_dir(root)
+    _barrier()
+
+
+def prepare_partial(root: Path, tmp: Path) -> None:
+    """The empty directory a save writes into before its rename (collective)."""
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
     _barrier()
 
 
@@ -461,6 +474,11 @@ class CheckpointManager:
         if self.save_dir is not None:
             ensure_writable(self.save_dir)
         self.save_at = save_iterations(ck, train_iters)
+        self.background = None
+        if self.save_dir is not None and ck.async_checkpointing:
+            from torchneox.train.async_checkpoint import BackgroundSaves
+
+            self.background = BackgroundSaves(self.save_dir, config_yaml, line)
 
     def last_good(self) -> str:
         latest = self.save_dir / "latest" if self.save_dir is not None else None
@@ -491,12 +509,25 @@ class CheckpointManager:
             "has_rng": "rng" in tensors,
             "has_reference": "reference" in tensors,
         }
+        if self.background is not None:  # async_checkpointing: finished at a later step
+            self.background.start(iteration, tensors, meta)
+            return None
         try:
             path = save_checkpoint(self.save_dir, iteration, tensors, self.config_yaml, meta)
         except CheckpointWriteError as e:
             raise TrainingStopped(str(e)) from None
         self._rotate()
         return path
+
+    def poll(self) -> None:
+        """Finish a background save whose files every rank has written (at a step boundary)."""
+        if self.background is not None and self.background.finish(wait=False):
+            self._rotate()
+
+    def finish(self) -> None:
+        """Wait for a background save and finish it (before the run ends)."""
+        if self.background is not None and self.background.finish(wait=True):
+            self._rotate()
 
     def _rotate(self) -> None:
         keep = self.ck.keep_last_n_checkpoints

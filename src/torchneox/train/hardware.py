@@ -64,8 +64,11 @@ def measure_cpu_tflops(
 ) -> float:
     """Achieved matmul TFLOP/s of this CPU (all threads torch uses): the best of ``trials``
     timings, so that a moment of competition for the cores does not lower the peak."""
-    a = torch.randn(size, size, dtype=dtype)
-    b = torch.randn(size, size, dtype=dtype)
+    # its own generator: measuring (the first run on a machine) must not move the global RNG
+    # that dropout draws from, or that run would train differently from every later one
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=g).to(dtype)
+    b = torch.randn(size, size, generator=g).to(dtype)
     a @ b
     best = 0.0
     for _ in range(trials):

@@ -363,6 +363,7 @@ class Trainer:
         )
         while self.iteration < self.train_iters:
             out = self.train_step()
+            self.checkpoints.poll()  # a background save all ranks have written: finish it
             profiler.step()
             progress.report(out)
             if self.iteration % t.eval_interval == 0:
@@ -378,6 +379,7 @@ class Trainer:
                     f"stopped at step {self.iteration}; rerun the same command to resume"
                 )
                 break
+        self.checkpoints.finish()
         profiler.stop()
         return self._summary(progress.last_row)
 
