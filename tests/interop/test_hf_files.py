@@ -59,7 +59,7 @@ def llama3_base(folder: Path) -> Path:
     return llama3_tokenizer(folder)  # after: save_pretrained writes a generation_config.json
 
 
-def test_llama3_base_sft_on_its_chat_template_exports_and_chats_in_transformers(tmp_path):
+def test_llama3_base_sft_on_its_chat_template_exports_and_chats_in_transformers(tmp_path, capsys):
     import random
 
     hf_in = llama3_base(tmp_path / "hf_base")
@@ -132,9 +132,25 @@ def test_llama3_base_sft_on_its_chat_template_exports_and_chats_in_transformers(
     assert tok.decode(ids[0]).startswith("<|begin_of_text|><|start_header_id|>user")
     generated = model.generate(ids, max_new_tokens=12, do_sample=False)
     assert generated.shape[1] > ids.shape[1]
-    _, ours = load_model(tmp_path / "sft")
+    loaded, ours = load_model(tmp_path / "sft")
     with torch.no_grad():
         torch.testing.assert_close(ours(generated), model(generated).logits, rtol=1e-4, atol=1e-4)
+    # `torchneox generate` stops where the generation config says: at any of its eos ids
+    from torchneox.data.tokenizers import build_tokenizer
+    from torchneox.inference.generate import Sampling, generate, generation_stop_ids
+
+    assert generation_stop_ids(loaded.config.tokenizer.vocab_file) == {1, 4}
+    text = "Speak now?"
+    ids = build_tokenizer(loaded.config).encode(text)
+    whole = generate(ours, [ids], Sampling(maximum_tokens=12))[0]
+    # make the second new token one of the eos ids: generation must stop before it
+    assert whole[1] not in (whole[0], 1, 4)
+    config_file = Path(loaded.config.tokenizer.vocab_file).with_name("generation_config.json")
+    config_file.write_text(json.dumps({"eos_token_id": [1, whole[1]]}))
+    capsys.readouterr()
+    flags = ["--prompt", text, "--temperature", "0", "--maximum-tokens", "12"]
+    assert main(["generate", "--checkpoint", str(tmp_path / "sft"), *flags]) == 0
+    assert capsys.readouterr().out.rstrip("\n") == tok.decode(whole[:1])
 
 
 def test_export_in_bf16_cut_into_shards_with_an_index(tmp_path):

@@ -110,7 +110,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from torchneox.config.load import load_config
     from torchneox.data.tokenizers import build_tokenizer
-    from torchneox.inference.generate import TextGenerator, run_mode, sampling_from
+    from torchneox.inference.generate import (
+        TextGenerator,
+        generation_stop_ids,
+        run_mode,
+        sampling_from,
+    )
     from torchneox.train import checkpoint
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -135,6 +140,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     tokenizer = build_tokenizer(tok_cfg)
     sampling = sampling_from(settings.textgen, tokenizer.eod_id, args.seed)
+    sampling.stop_ids |= generation_stop_ids(tok_cfg.tokenizer.vocab_file)
     generator = TextGenerator(model, tokenizer, sampling)
     if args.prompt is not None:
         print(generator.complete([args.prompt])[0])

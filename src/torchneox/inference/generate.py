@@ -184,6 +184,24 @@ def sampling_from(cfg: TextGenConfig, eod_id: int, seed: int | None) -> Sampling
     )
 
 
+def generation_stop_ids(tokenizer_file: str | None) -> set[int]:
+    """The eos ids of the Hugging Face generation_config.json beside a tokenizer file (a model
+    converted from the hub: Llama 3 Instruct ends turns with <|eot_id|> as well as its
+    end-of-text); empty when there is none. Generation stops at these and the end-of-text."""
+    import json
+    from pathlib import Path
+
+    if not tokenizer_file:
+        return set()
+    try:
+        config = json.loads(Path(tokenizer_file).with_name("generation_config.json").read_text())
+    except (OSError, ValueError):
+        return set()
+    eos = config.get("eos_token_id") if isinstance(config, dict) else None
+    ids = eos if isinstance(eos, list) else [eos]
+    return {i for i in ids if isinstance(i, int) and not isinstance(i, bool)}
+
+
 def run_mode(gen: TextGenerator, cfg: TextGenConfig, batch_size: int = 8) -> None:
     """GPT-NeoX's text_gen_type modes: unconditional, input-file, interactive."""
     mode = cfg.text_gen_type or "interactive"
