@@ -180,27 +180,31 @@ def _tensor_parallel_positions(cfg: NeoXConfig, lay: Layout) -> ConfigError | No
     return None
 
 
-def _tensor_parallel_qk_norm(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
-    if lay.tp > 1 and cfg.model.use_qk_layernorm:
-        return _refuse(
-            "use_qk_layernorm with model_parallel_size > 1 is not built yet (each tensor rank "
-            "holds some heads; the query/key norms would need their gradients summed); use "
-            "data parallelism, ZeRO or pipeline stages",
-            key="use_qk_layernorm",
-            cause="model_parallel_size",
-        )
-    return None
+NOT_BUILT_WITH = (
+    (
+        "tp",
+        "use_qk_layernorm",
+        "model_parallel_size",
+        "use_qk_layernorm with model_parallel_size > 1 is not built yet (each tensor rank holds "
+        "some heads; the query/key norms would need their gradients summed); use data "
+        "parallelism, ZeRO or pipeline stages",
+    ),
+    (
+        "pp",
+        "inter_document_attention_masking",
+        "pipe_parallel_size",
+        "inter_document_attention_masking with pipe_parallel_size >= 2 is not built yet (the "
+        "stages would need each micro-batch's documents beside its hidden states); use data, "
+        "ZeRO or tensor parallelism",
+    ),
+)
+"""(layout axis, model key, the layout key, why): model options not built yet beside an axis."""
 
 
-def _pipelined_documents(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
-    if lay.pp > 1 and cfg.model.inter_document_attention_masking:
-        return _refuse(
-            "inter_document_attention_masking with pipe_parallel_size >= 2 is not built yet "
-            "(the stages would need each micro-batch's documents beside its hidden states); "
-            "use data, ZeRO or tensor parallelism",
-            key="inter_document_attention_masking",
-            cause="pipe_parallel_size",
-        )
+def _not_built_with(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
+    for axis, key, cause, message in NOT_BUILT_WITH:
+        if getattr(lay, axis) > 1 and getattr(cfg.model, key):
+            return _refuse(message, key=key, cause=cause)
     return None
 
 
@@ -332,8 +336,7 @@ RULES = (
     _sequence_parallel,
     _tied_embeddings,
     _tensor_parallel_positions,
-    _tensor_parallel_qk_norm,
-    _pipelined_documents,
+    _not_built_with,
     _hybrid_sharding,
 )
 """Every layout rule, in the order they are checked."""
