@@ -241,3 +241,32 @@ def test_a_torchneox_moe_run_exports_as_mixtral(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "moe_renormalize_top_k: true" in err, err
     assert not (tmp_path / "refused").exists()
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen3", "pythia-14m"])
+def test_a_reward_model_converts_in_with_its_scores(tmp_path, capsys, name):
+    """*ForSequenceClassification with one label: a reward model (train_impl rm) whose value
+    at the last token is transformers' score; a classifier of several labels is refused."""
+    family, make = CASES[name]
+    config = make()
+    config.num_labels = 1
+    config.pad_token_id = 0
+    cls = getattr(transformers, family.__name__.replace("ForCausalLM", "ForSequenceClassification"))
+    torch.manual_seed(0)
+    scorer = cls(config).eval()
+    folder = tmp_path / "rm"
+    scorer.save_pretrained(folder)
+    assert main(["convert", "from-hf", str(folder), str(tmp_path / "ckpt")]) == 0
+    loaded, ours = load_model(tmp_path / "ckpt")
+    assert loaded.config.training.train_impl == "rm" and ours.value_head is not None
+    tokens = torch.randint(1, 500, (3, 20))
+    with torch.no_grad():
+        expected = scorer(tokens).logits[:, 0]
+        torch.testing.assert_close(ours.eval()(tokens)[:, -1, 0], expected, atol=1e-5, rtol=1e-5)
+    raw = json.loads((folder / "config.json").read_text())
+    raw |= {"num_labels": 3, "id2label": {str(i): f"L{i}" for i in range(3)}}
+    (folder / "config.json").write_text(json.dumps(raw))
+    capsys.readouterr()
+    assert main(["convert", "from-hf", str(folder), str(tmp_path / "classifier")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "num_labels 3 is a classifier" in err, err

@@ -112,7 +112,7 @@ def _read_hf(
     args = model_args(loaded)
     files = hf.weight_files(hf_dir)
     meter = _Progress("read", sum(f.stat().st_size for f in files if f.is_file()), progress)
-    importer = WeightImporter(hf.architecture_of(hf_cfg), args)
+    importer = WeightImporter(hf.causal_family(hf.architecture_of(hf_cfg)), args)
     for path in files:
         with _naming(path):
             for name, tensor in hf.iter_tensors(path):

@@ -175,12 +175,15 @@ def _original_context(hf: dict[str, Any], spec: dict[str, Any]) -> None:
 
 def neox_config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     """A GPT-NeoX-style config (flat keys) describing the same model as the HF config."""
-    arch = (hf.get("architectures") or [None])[0]
+    named = (hf.get("architectures") or [None])[0]
+    arch = causal_family(named) if isinstance(named, str) else named
     if arch not in ARCHITECTURES:
         raise HFError(
-            f"architecture {arch!r} is not supported; torchneox reads {', '.join(ARCHITECTURES)}",
+            f"architecture {named!r} is not supported; torchneox reads {', '.join(ARCHITECTURES)}"
+            " (and their ForSequenceClassification reward models)",
             key="architectures",
         )
+    reward = _reward_model_keys(hf, named)
     theta, pct, scaling = _rope(hf)
     h, heads = hf["hidden_size"], hf["num_attention_heads"]
     context = hf.get("max_position_embeddings", 2048)
@@ -214,7 +217,22 @@ def neox_config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         cfg.update(_gpt_neox_keys(hf, act))
     else:
         cfg.update(_llama_family_keys(hf, arch, act))
-    return cfg
+    return cfg | reward
+
+
+def _reward_model_keys(hf: dict[str, Any], named: Any) -> dict[str, Any]:
+    """A *ForSequenceClassification with one score: a reward model (train_impl rm, its
+    value head the score)."""
+    if not (isinstance(named, str) and named.endswith(SEQUENCE_CLASSIFICATION)):
+        return {}
+    labels = hf.get("num_labels", len(hf.get("id2label") or {}) or 2)
+    if labels != 1:
+        raise HFError(
+            f"{named} with num_labels {labels} is a classifier, not a reward model (one score); "
+            "torchneox reads reward models",
+            key="num_labels",
+        )
+    return {"train_impl": "rm", "dataset_impl": "pairwise", "pack_impl": "unpacked"}
 
 
 def _full_attention_only(hf: dict[str, Any]) -> None:

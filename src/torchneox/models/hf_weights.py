@@ -80,6 +80,10 @@ class WeightImporter:
         self.arch, self.args = arch, args
         self.layer, self.top = layer_names(arch), top_names(arch)
         self.top.setdefault("lm_head", "output")  # GPTNeoX's head as transformers 5 names it
+        if args.value_head:  # a reward model (*ForSequenceClassification): one score
+            self.top = {k: v for k, v in self.top.items() if v != "output"} | {
+                "score": "value_head"
+            }
         self.out: dict[str, torch.Tensor] = {}
         self._experts_seen: dict[str, set[int]] = {}
 
