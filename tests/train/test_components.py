@@ -37,6 +37,7 @@ def checkpoint_group(save, **keys) -> SimpleNamespace:
         no_load_optim=False,
         no_load_rng=False,
         finetune=False,
+        async_checkpointing=False,
     )
     return SimpleNamespace(**(ck | keys))
 
