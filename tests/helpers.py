@@ -63,6 +63,14 @@ def reference(folder):
     return losses(folder), losses(folder, "grad_norm"), weights(folder)
 
 
+def one_process(config: str, tmp_path_factory, *overrides: str):
+    """The reference of a one-process run of ``config``: the parity tests' global batch of 8 as
+    micro-batches of 4 (``overrides`` on top)."""
+    folder = tmp_path_factory.mktemp("baseline") / "one"
+    train(config, f"save={folder}", "load=null", "train_micro_batch_size_per_gpu=4", *overrides)
+    return reference(folder)
+
+
 def assert_same_training(out, baseline) -> None:
     """The run in ``out`` has the losses, gradient norms (the gradients of every step, taken
     whole) and final weights of the one-process ``baseline``."""

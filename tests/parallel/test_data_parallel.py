@@ -14,7 +14,7 @@ from tests.helpers import (
     assert_resumes_like_whole,
     assert_same_training,
     losses,
-    reference,
+    one_process,
     train,
 )
 from torchneox.config.load import load_config
@@ -28,9 +28,7 @@ def config(make_module_config):
 
 @pytest.fixture(scope="module")
 def baseline(config, tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("baseline")
-    train(config, f"save={tmp_path / 'one'}", "load=null", "train_micro_batch_size_per_gpu=4")
-    return reference(tmp_path / "one")
+    return one_process(config, tmp_path_factory)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.helpers import DP_KEYS, assert_same_training, losses, reference, train
+from tests.helpers import DP_KEYS, assert_same_training, losses, one_process, train
 
 MASKED = "inter_document_attention_masking=true"
 
@@ -22,11 +22,7 @@ def config(make_module_config):
 
 @pytest.fixture(scope="module")
 def baseline(config, tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("baseline")
-    train(
-        config, f"save={tmp_path / 'one'}", "load=null", "train_micro_batch_size_per_gpu=4", MASKED
-    )
-    return reference(tmp_path / "one")
+    return one_process(config, tmp_path_factory, MASKED)
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import DP_KEYS, assert_resumes_like_whole, assert_same_training, reference, train
+from tests.helpers import (
+    DP_KEYS,
+    assert_resumes_like_whole,
+    assert_same_training,
+    one_process,
+    train,
+)
 
 HYBRID = "zero_optimization={stage: 3, mics_shard_size: 2}"
 
@@ -20,9 +26,7 @@ def config(make_module_config):
 
 @pytest.fixture(scope="module")
 def baseline(config, tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("baseline")
-    train(config, f"save={tmp_path / 'one'}", "load=null", "train_micro_batch_size_per_gpu=4")
-    return reference(tmp_path / "one")
+    return one_process(config, tmp_path_factory)
 
 
 @pytest.mark.parametrize("stage", [1, 3])

@@ -212,16 +212,18 @@ def _check_rope_scaling(ch: Checker) -> None:
             "rope_scaling",
             f"{extra[0]!r} is not a field of {kind} scaling ({', '.join(fields + optional)})",
         )
-    for name in fields + tuple(n for n in optional if spec.get(n) is not None):
+    given = [(n, True) for n in fields] + [(n, False) for n in optional if n in spec]
+    for name, required in given:
         value = spec.get(name)
+        if value is None and not required:
+            continue
         if name == "truncate":
             if not isinstance(value, bool):
                 ch.fail("rope_scaling", f"yarn's truncate is true or false, got {value!r}")
             continue
-        least = 0 if name in optional else None
         number = not isinstance(value, bool) and isinstance(value, int | float)
-        if not number or (value < least if least is not None else value <= 0):
-            bound = ">= 0" if least is not None else "> 0"
+        if not number or value < 0 or (required and value == 0):
+            bound = "> 0" if required else ">= 0"
             ch.fail("rope_scaling", f"{kind} scaling needs {name} {bound}, got {value!r}")
     if kind == "llama3" and spec["high_freq_factor"] <= spec["low_freq_factor"]:
         ch.fail("rope_scaling", "llama3 scaling needs high_freq_factor > low_freq_factor")

@@ -234,19 +234,17 @@ class Trainer:
         if resumed is None or not resumed.training_state:
             return resumed
         self.iteration = resumed.iteration
-        if self.cfg.lr.use_checkpoint_lr_scheduler:
-            from torchneox.train.checkpoint import checkpoint_config
+        from torchneox.train.checkpoint import checkpoint_config
 
-            saved = checkpoint_config(resumed.step_dir)
+        saved = checkpoint_config(resumed.step_dir)
+        if self.cfg.lr.use_checkpoint_lr_scheduler:
             sd = derive(saved, world_size=self.dims.world_size)
             self.schedule = Schedule.from_config(saved.config, sd)
             self.logger.line(
                 "learning-rate schedule taken from the checkpoint (use_checkpoint_lr_scheduler)"
             )
         self.logger.line(f"resumed from {resumed.step_dir} at iteration {self.iteration}")
-        from torchneox.train.checkpoint import checkpoint_config
-
-        changed = context_changes(checkpoint_config(resumed.step_dir).config, self.cfg)
+        changed = context_changes(saved.config, self.cfg)
         if changed:
             self.logger.line(
                 f"context extended: {'; '.join(changed)}; the samples are "
