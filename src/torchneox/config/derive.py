@@ -101,7 +101,7 @@ def _world_size(
 ) -> int:
     cfg = loaded.config
     stages = max(cfg.parallel.pipe_parallel_size, 1)
-    minimum = stages * cfg.parallel.model_parallel_size
+    minimum = stages * cfg.parallel.model_parallel_size * cfg.parallel.context_parallel_size
     if given is not None:
         if given < 1:
             raise ConfigError(f"--world-size must be >= 1, got {given}")
@@ -123,24 +123,37 @@ def _world_size(
         "world_size",
         minimum,
         f"{minimum}: not given (--world-size or a launcher), so the smallest world the layout "
-        f"needs, pipeline stages {stages} x model_parallel_size {cfg.parallel.model_parallel_size}",
+        f"needs, pipeline stages {stages} x model_parallel_size {cfg.parallel.model_parallel_size}"
+        + _context_factor(cfg.parallel.context_parallel_size),
     )
+
+
+def _context_factor(cp: int) -> str:
+    return f" x context_parallel_size {cp}" if cp > 1 else ""
 
 
 def _layout(loaded: LoadedConfig, out: Derived, given: int | None, env: Mapping[str, str]) -> None:
     cfg = loaded.config
     p = cfg.parallel
     world = _world_size(loaded, out, given, env)
-    pp, mp = p.pipe_parallel_size, p.model_parallel_size
+    pp, mp, cp = p.pipe_parallel_size, p.model_parallel_size, p.context_parallel_size
     stages = max(pp, 1)
-    if world % (stages * mp):
+    if world % (stages * mp * cp):
+        key = (
+            "context_parallel_size"
+            if cp > 1
+            else "model_parallel_size"
+            if mp > 1
+            else "pipe_parallel_size"
+        )
         raise ConfigError(
             f"world size {world} is not divisible by pipeline stages {stages} x "
-            f"model_parallel_size {mp} = {stages * mp}; data-parallel ranks must fill the layout",
-            source=loaded.source("model_parallel_size" if mp > 1 else "pipe_parallel_size"),
-            key="model_parallel_size" if mp > 1 else "pipe_parallel_size",
+            f"model_parallel_size {mp}{_context_factor(cp)} = {stages * mp * cp}; data-parallel "
+            "ranks must fill the layout",
+            source=loaded.source(key),
+            key=key,
         )
-    dp = world // (stages * mp)
+    dp = world // (stages * mp * cp)
     out.put(
         "pipe_parallel_size",
         pp,
@@ -154,9 +167,19 @@ def _layout(loaded: LoadedConfig, out: Derived, given: int | None, env: Mapping[
         f"{mp} tensor-parallel ranks split every layer" if mp > 1 else "1: layers are not split",
     )
     out.put(
+        "context_parallel_size",
+        cp,
+        f"{cp} ranks split every sample's sequence into {2 * cp} chunks, two each (the first and "
+        "the last pair up, so every rank gets as much causal attention work); each attention "
+        "layer gathers the whole sequence's keys and values"
+        if cp > 1
+        else "1: every rank holds whole sequences",
+    )
+    out.put(
         "data_parallel_size",
         dp,
-        f"{dp} = world size {world} / (pipeline stages {stages} x model_parallel_size {mp})",
+        f"{dp} = world size {world} / (pipeline stages {stages} x model_parallel_size {mp}"
+        f"{_context_factor(cp)})",
     )
     _zero(cfg, out, mp, dp)
     backend = "nccl on GPU, gloo on CPU"

@@ -28,6 +28,7 @@ KEYS = {
     "micro_batch": "train_micro_batch_size_per_gpu",
     "checkpoint": "checkpoint_activations",
     "dp_shard": "zero_optimization.mics_shard_size",
+    "cp": "context_parallel_size",
 }
 
 
@@ -51,6 +52,8 @@ class Layout:
     dp_shard: int | None = None
     """Hybrid sharding (zero_optimization.mics_shard_size): ZeRO shards within groups of this
     many data-parallel ranks, replicated across the groups; None: over all of them."""
+    cp: int = 1
+    """Context parallelism: the ranks that split each sample's sequence (beside dp, tp, pp)."""
 
     @property
     def shard_ranks(self) -> int:
@@ -64,9 +67,9 @@ class Layout:
     @classmethod
     def from_derived(cls, cfg: NeoXConfig, derived: Derived) -> Layout:
         d, t = derived, cfg.training
-        tp = d["model_parallel_size"]
+        tp, cp = d["model_parallel_size"], d["context_parallel_size"]
         return cls(
-            gpus=d["data_parallel_size"] * tp * d["pipeline_stages"],
+            gpus=d["data_parallel_size"] * tp * d["pipeline_stages"] * cp,
             dp=d["data_parallel_size"],
             tp=tp,
             pp=d["pipeline_stages"],
@@ -80,6 +83,7 @@ class Layout:
             ep=cfg.moe.expert_parallel_size,
             virtual_stages=cfg.parallel.pipeline_virtual_stages,
             dp_shard=(cfg.optimizer.zero_optimization or {}).get("mics_shard_size"),
+            cp=cp,
         )
 
     @property
@@ -328,6 +332,38 @@ def _z_loss(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     return None
 
 
+def _context_parallel(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
+    if lay.cp == 1:
+        return None
+    key, seq = "context_parallel_size", cfg.model.seq_length
+    if seq and seq % (2 * lay.cp):
+        return _refuse(
+            f"seq_length {seq} must be a multiple of 2 x context_parallel_size = {2 * lay.cp} "
+            "(each rank takes two equal chunks of every sequence)",
+            key=key,
+            cause="seq_length",
+        )
+    others = (
+        (lay.pp > 1, "pipe_parallel_size >= 2", "pipe_parallel_size"),
+        (lay.ep > 1, "expert_parallel_size > 1", "expert_parallel_size"),
+        (lay.hybrid, "mics_shard_size (hybrid sharding)", "zero_optimization"),
+        (
+            cfg.training.train_impl != "normal",
+            f"train_impl {cfg.training.train_impl!r}",
+            "train_impl",
+        ),
+    )
+    for broken, what, cause in others:
+        if broken:
+            return _refuse(
+                f"context_parallel_size > 1 with {what} is not built yet; context parallelism "
+                "runs with data parallelism (any ZeRO stage) and tensor parallelism",
+                key=key,
+                cause=cause,
+            )
+    return None
+
+
 RULES = (
     _whole_heads,
     _pipeline,
@@ -338,5 +374,6 @@ RULES = (
     _tensor_parallel_positions,
     _not_built_with,
     _hybrid_sharding,
+    _context_parallel,
 )
 """Every layout rule, in the order they are checked."""

@@ -21,6 +21,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "pipeline_schedule_runs",
         "pipeline_schedule",
         "model_parallel_size",
+        "context_parallel_size",
         "data_parallel_size",
         "zero_stage",
         "distributed_backend",

@@ -24,6 +24,11 @@ class ParallelConfig:
     sequence_parallel: bool = key(
         False, "With tensor parallelism, also split norms and dropout along the sequence."
     )
+    context_parallel_size: int = extension(
+        1,
+        "Context-parallel ranks that split every sample's sequence (load-balanced chunks; each "
+        "attention layer gathers the keys and values of the whole sequence).",
+    )
     pipe_partition_method: str = key(
         "type:transformer|mlp",
         "How layers are spread over pipeline stages: 'type:REGEX', 'parameters' or 'uniform'.",

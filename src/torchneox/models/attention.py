@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,25 @@ class AttentionBias:
     mask: torch.Tensor | None
     """bool [B|1, 1, T, S] (True = attend) or float [B|1, H, T, S] added to the scores."""
     is_causal: bool
+    gather: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+    """Context parallelism: the whole sequence's keys and values from this rank's."""
+
+
+@dataclass
+class ContextShard:
+    """This rank's part of a context-parallel micro-batch, as the model needs it: the sequence
+    positions of its tokens, those of the keys ``gather`` returns (in the order it returns
+    them), and the keys' documents under document masking."""
+
+    index: torch.Tensor
+    """[T_local] the positions in the whole sequence of this rank's tokens."""
+    keys: torch.Tensor
+    """[T] the positions of the gathered keys, in gather order."""
+    length: int
+    """The whole sequence's length."""
+    gather: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    key_segments: torch.Tensor | None = None
+    """[B, T] each gathered key's document (inter_document_attention_masking)."""
 
 
 def documents(tokens_BT: torch.Tensor, eod_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,6 +126,8 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)
+        if bias.gather is not None:  # context parallel: this rank's queries, every key
+            k, v = bias.gather(k, v)
         out = F.scaled_dot_product_attention(
             q,
             k,

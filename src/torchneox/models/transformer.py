@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from torchneox.models.args import ModelArgs
-from torchneox.models.attention import Attention, AttentionBias, KVCache
+from torchneox.models.attention import Attention, AttentionBias, ContextShard, KVCache
 from torchneox.models.init import init_function
 from torchneox.models.mlp import MLP
 from torchneox.models.moe import MoE, RouterStats
@@ -153,36 +153,44 @@ class Transformer(nn.Module):
         key_valid_BS: torch.Tensor | None,
         device: torch.device,
         segments_BT: torch.Tensor | None = None,
+        context: ContextShard | None = None,
     ) -> AttentionBias:
         a = self.args
         extras = key_valid_BS is not None or a.sliding_window is not None or a.pos_emb == "alibi"
-        extras = extras or segments_BT is not None
+        extras = extras or segments_BT is not None or context is not None
         if not extras and start == 0:
             return AttentionBias(None, is_causal=True)
         if not extras and t == 1:
             return AttentionBias(None, is_causal=False)
-        q = torch.arange(start, start + t, device=device)[:, None]
-        k = torch.arange(start + t, device=device)[None, :]
+        if context is not None:  # this rank's queries against the gathered keys
+            q, k = context.index[:, None], context.keys[None, :]
+        else:
+            q = torch.arange(start, start + t, device=device)[:, None]
+            k = torch.arange(start + t, device=device)[None, :]
         allowed = k <= q
         if a.sliding_window is not None:
             allowed = allowed & (q - k < a.sliding_window)
         allowed = allowed[None, None]  # [1, 1, T, S]
         if segments_BT is not None:  # inter_document_attention_masking: within one's document
             assert start == 0, "document masking is for whole sequences, not cached decoding"
-            allowed = allowed & (segments_BT[:, None, :, None] == segments_BT[:, None, None, :])
+            keys = segments_BT if context is None else context.key_segments
+            allowed = allowed & (segments_BT[:, None, :, None] == keys[:, None, None, :])
         if key_valid_BS is not None:
             # a padded query still sees itself, so no row is empty (its output is never used)
             allowed = (allowed & key_valid_BS[:, None, None, :]) | (k == q)[None, None]
+        gather = context.gather if context is not None else None
         if a.pos_emb != "alibi":
-            return AttentionBias(allowed, is_causal=False)
+            return AttentionBias(allowed, is_causal=False, gather=gather)
         distance = (q - k).clamp(min=0).float()
         scores = -self.alibi[:, None, None] * distance[None]  # [H, T, S]
         mask = scores[None].masked_fill(~allowed, float("-inf"))
-        return AttentionBias(mask, is_causal=False)
+        return AttentionBias(mask, is_causal=False, gather=gather)
 
     def _rope(
-        self, positions_BT: torch.Tensor | None, start: int, t: int
+        self, positions_BT: torch.Tensor | None, start: int, t: int, length: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos and sin at the positions (``positions_BT``: [B, T], or [T] for every row);
+        ``length``: the whole sequence's, when this process holds part of it."""
         a = self.args
         if a.pos_emb != "rotary":
             return None
@@ -192,6 +200,7 @@ class Transformer(nn.Module):
             # past the original context the frequencies follow the sequence's length, as
             # Hugging Face recomputes them for each forward's last position
             end = start + t if positions_BT is None else int(positions_BT.max()) + 1
+            end = length or end
             if end > spec["original_max_position_embeddings"]:
                 cos, sin = rotary_tables(
                     a.rotary_dims, a.rotary_base, end, a.rope_scaling, seq_len=end
@@ -199,6 +208,8 @@ class Transformer(nn.Module):
                 cos, sin = cos.to(self.rope_cos.device), sin.to(self.rope_cos.device)
         if positions_BT is None:
             return cos[start : start + t], sin[start : start + t]
+        if positions_BT.dim() == 1:
+            return cos[positions_BT], sin[positions_BT]
         return cos[positions_BT][:, None], sin[positions_BT][:, None]
 
     def forward(
@@ -210,20 +221,27 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         router_stats: bool = False,
         segments_BT: torch.Tensor | None = None,
+        context: ContextShard | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, list[RouterStats]]:
         """Logits [B, T, vocab] (a middle pipeline stage: hidden states), and with
         ``router_stats`` each MoE layer's ``RouterStats`` too. ``positions_BT`` default to 0..
         (after the cache's length); ``key_valid_BS`` marks the keys (cache + new tokens) that
         are real, not padding; ``segments_BT`` numbers each token's document, and a token
-        attends only to its own (``attention.documents`` gives both for a packed batch)."""
+        attends only to its own (``attention.documents`` gives both for a packed batch);
+        ``context``: the tokens are this rank's part of each sequence (context parallelism)."""
         t = tokens_BT.shape[1]
         start = cache.length if cache is not None else 0
+        length = None
+        if context is not None:
+            length = context.length
+            if positions_BT is None:
+                positions_BT = context.index
         if self.embed is None:  # a later pipeline stage: the input is hidden states
             x = tokens_BT
         else:
             x = self._embed(tokens_BT, positions_BT, start, t)
-        rope = self._rope(positions_BT, start, t)
-        bias = self._attention_bias(t, start, key_valid_BS, x.device, segments_BT)
+        rope = self._rope(positions_BT, start, t, length)
+        bias = self._attention_bias(t, start, key_valid_BS, x.device, segments_BT, context)
         stats = []
         for block in self.layers.values():
             x, layer_stats = block(x, rope, bias, cache)

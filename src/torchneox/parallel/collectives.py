@@ -18,18 +18,20 @@ def plain(t: torch.Tensor) -> torch.Tensor:
 
 
 def mean_over_dp(value: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
-    """The mean of ``value`` over the data-parallel ranks (each holds part of the batch)."""
+    """The mean of ``value`` over the data-parallel ranks (each holds part of the batch); with
+    context parallelism each rank's value is its share of its micro-batches' and the shares
+    are added first."""
     if not dims.distributed:
         return value
     value = value.clone()
-    dist.all_reduce(value, op=dist.ReduceOp.SUM, group=dims.mesh["dp"].get_group())
+    dist.all_reduce(value, op=dist.ReduceOp.SUM, group=dims.batch_mesh.get_group())
     return value / dims.dp
 
 
 def sum_over_dp(value: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
-    """``value`` summed over the data-parallel ranks, in place."""
+    """``value`` summed over the ranks that split the batch, in place."""
     if dims.distributed:
-        dist.all_reduce(value, group=dims.mesh["dp"].get_group())
+        dist.all_reduce(value, group=dims.batch_mesh.get_group())
     return value
 
 

@@ -28,6 +28,8 @@ class ParallelDims:
     """Expert-parallel ranks: a sub-axis of the data-parallel one."""
     dp_shard: int | None = None
     """Hybrid sharding: the data-parallel ranks a ZeRO shard group spans (None: all)."""
+    cp: int = 1
+    """Context-parallel ranks: they split each sample's sequence."""
     mesh: DeviceMesh | None = field(default=None, repr=False)
 
     @classmethod
@@ -40,13 +42,16 @@ class ParallelDims:
             device_type=device_type,
             ep=layout.ep,
             dp_shard=layout.dp_shard if layout.hybrid else None,
+            cp=layout.cp,
         )
 
     def __post_init__(self) -> None:
-        if self.dp * self.tp * self.pp != self.world_size:
+        if self.dp * self.tp * self.pp * self.cp != self.world_size:
+            context = f" x context {self.cp}" if self.cp > 1 else ""
             raise ConfigError(
-                f"data {self.dp} x tensor {self.tp} x pipeline {self.pp} parallel ranks make "
-                f"{self.dp * self.tp * self.pp} processes, but {self.world_size} are running"
+                f"data {self.dp} x tensor {self.tp} x pipeline {self.pp}{context} parallel ranks "
+                f"make {self.dp * self.tp * self.pp * self.cp} processes, but {self.world_size} "
+                "are running"
             )
 
     @property
@@ -60,6 +65,17 @@ class ParallelDims:
     @property
     def is_rank0(self) -> bool:
         return self.rank == 0
+
+    @property
+    def batch_ranks(self) -> int:
+        """The ranks that split a step's tokens: data-parallel x context-parallel."""
+        return self.dp * self.cp
+
+    @property
+    def batch_mesh(self) -> DeviceMesh:
+        """Their mesh: the ranks gradients are reduced over and a batch's sums are added over."""
+        assert self.mesh is not None
+        return self.mesh["dp_cp"] if self.cp > 1 else self.mesh["dp"]
 
     @property
     def dp_rank(self) -> int:
@@ -86,6 +102,14 @@ class ParallelDims:
             )
             self.mesh[self.HYBRID]._flatten("dp")
             return self.mesh
+        if self.cp > 1:  # the sequence's ranks sit between data and tensor parallel
+            self.mesh = init_device_mesh(
+                self.device_type,
+                (self.pp, self.dp, self.cp, self.tp),
+                mesh_dim_names=("pp", "dp", "cp", "tp"),
+            )
+            self.mesh["dp", "cp"]._flatten("dp_cp")
+            return self.mesh
         self.mesh = init_device_mesh(
             self.device_type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp")
         )
@@ -94,10 +118,11 @@ class ParallelDims:
     HYBRID = ("dp_hybrid_replicate", "dp_hybrid_shard")
 
     def shard_mesh(self) -> DeviceMesh:
-        """The mesh ZeRO shards over: the data-parallel axis, or with hybrid sharding the 2-D
+        """The mesh ZeRO shards over: the data-parallel axis (with context parallelism, the
+        data- and context-parallel ranks together), or with hybrid sharding the 2-D
         (replicate, shard) mesh that makes FSDP2 shard within groups and replicate across."""
         assert self.mesh is not None
-        return self.mesh[self.HYBRID] if self.dp_shard is not None else self.mesh["dp"]
+        return self.mesh[self.HYBRID] if self.dp_shard is not None else self.batch_mesh
 
 
 def init_distributed(device_type: str, backend: str | None, timeout_minutes: float) -> int:

@@ -53,7 +53,7 @@ def parallelize(
         )
     if training.compile:
         compile_blocks(model)
-    if dims.dp > 1:
+    if dims.batch_ranks > 1:
         return apply_data_parallel(
             model,
             dims.shard_mesh(),
@@ -108,7 +108,7 @@ def _freeze(model: Transformer, dims: ParallelDims, layout: Layout) -> None:
     if dims.ep > 1:
         expert_params = apply_expert_parallel(model, dims.mesh)
     model.requires_grad_(False)
-    if dims.dp > 1 and layout.zero >= 1:
+    if dims.batch_ranks > 1 and layout.zero >= 1:
         shard_frozen(model, dims.shard_mesh(), expert_params)
     model.eval()
 

@@ -83,12 +83,17 @@ def _token_terms(
     return losses, torch.logsumexp(flat_NV.float(), dim=-1) if with_z else None
 
 
-def _mean(values_N: torch.Tensor, mask_BT: torch.Tensor | None) -> torch.Tensor:
+def _mean(
+    values_N: torch.Tensor, mask_BT: torch.Tensor | None, total: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The mean over the masked tokens; ``total``: divide the sum by this count instead (the
+    tokens of a whole micro-batch this process holds part of)."""
     if mask_BT is None:
-        return values_N.mean()
+        return values_N.mean() if total is None else plain(values_N).sum() / total
     values_N = plain(values_N)  # vocabulary-parallel per-token values: whole, beside the mask
     mask = mask_BT.reshape(-1).float()
-    return (values_N * mask).sum() / mask.sum().clamp(min=1.0)
+    count = mask.sum() if total is None else total
+    return (values_N * mask).sum() / count.clamp(min=1.0)
 
 
 def lm_loss(
@@ -97,26 +102,31 @@ def lm_loss(
     mask_BT: torch.Tensor | None,
     *,
     blocked: bool = True,
+    total: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean cross-entropy over the (unmasked) tokens, computed in fp32. `blocked=False` keeps
-    F.cross_entropy on the CPU too (the estimate traces what a GPU runs)."""
+    F.cross_entropy on the CPU too (the estimate traces what a GPU runs); ``total``: the
+    count to divide by (context parallelism: the whole micro-batch's)."""
     flat = logits_BTV.reshape(-1, logits_BTV.shape[-1])
     labels = labels_BT.reshape(-1)
-    if not (blocked and _blockable(flat)) and mask_BT is None:
+    if not (blocked and _blockable(flat)) and mask_BT is None and total is None:
         return F.cross_entropy(flat.float(), labels)
     losses, _ = _token_terms(flat, labels, blocked, with_z=False)
-    return _mean(losses, mask_BT)
+    return _mean(losses, mask_BT, total)
 
 
 def lm_loss_and_z(
-    logits_BTV: torch.Tensor, labels_BT: torch.Tensor, mask_BT: torch.Tensor | None
+    logits_BTV: torch.Tensor,
+    labels_BT: torch.Tensor,
+    mask_BT: torch.Tensor | None,
+    total: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The mean cross-entropy and PaLM's z-loss term, the mean of logsumexp(logits)^2 over the
     same tokens (``lm_z_loss`` weighs it into the objective)."""
     flat = logits_BTV.reshape(-1, logits_BTV.shape[-1])
     losses, lse = _token_terms(flat, labels_BT.reshape(-1), True, with_z=True)
     assert lse is not None
-    return _mean(losses, mask_BT), _mean(lse.square(), mask_BT)
+    return _mean(losses, mask_BT, total), _mean(lse.square(), mask_BT, total)
 
 
 def token_logp(logits_BTV: torch.Tensor, labels_BT: torch.Tensor, fp32: bool) -> torch.Tensor:

@@ -52,12 +52,19 @@ class Prepared:
     reference_logp: torch.Tensor | None = None  # precomputed per position (precompute_model_name)
     positions: torch.Tensor | None = None  # inter_document_attention_masking: within documents
     segments: torch.Tensor | None = None  # ... and each token's document
+    context: Any = None  # context parallelism: this rank's part of the sequence (ContextShard)
+    counted: torch.Tensor | None = None  # ... and the whole micro-batch's tokens in the loss
+    context_ranks: int = 1
 
-    def model_inputs(self) -> dict[str, torch.Tensor]:
-        """What the model takes besides the inputs (nothing, unless documents are masked)."""
-        if self.segments is None:
-            return {}
-        return {"positions_BT": self.positions, "segments_BT": self.segments}
+    def model_inputs(self) -> dict[str, Any]:
+        """What the model takes besides the inputs (nothing, unless documents are masked or
+        the sequence is split)."""
+        out: dict[str, Any] = {}
+        if self.segments is not None:
+            out = {"positions_BT": self.positions, "segments_BT": self.segments}
+        if self.context is not None:
+            out["context"] = self.context
+        return out
 
 
 def shifted(
@@ -122,17 +129,20 @@ class LanguageModeling:
     ) -> Terms:
         """``router_stats``: every MoE layer's statistics over the whole batch (summed over the
         ranks that split it); ``placed(term, like)`` puts a term beside a distributed loss."""
+        # context parallel: each rank's loss is its tokens' share of the micro-batch's, and its
+        # gradient counts ``context_ranks`` times (the reduction averages over those ranks too)
+        share, total = prep.context_ranks, prep.counted
         if self.z_weight:
-            loss, z = lm_loss_and_z(logits, prep.labels, prep.mask)
-            out = Terms(loss, loss + self.z_weight * z, z_loss=z.detach())
+            loss, z = lm_loss_and_z(logits, prep.labels, prep.mask, total=total)
+            out = Terms(loss, (loss + self.z_weight * z) * share, z_loss=z.detach())
         else:
-            loss = lm_loss(logits, prep.labels, prep.mask)
-            out = Terms(loss, loss)
+            loss = lm_loss(logits, prep.labels, prep.mask, total=total)
+            out = Terms(loss, loss * share if share > 1 else loss)
         if router_stats:
             aux = torch.stack([balancing_loss(s) for s in router_stats]).mean()
             weighted = self.aux_weight * aux
             out.objective = out.objective + (placed(weighted, loss) if placed else weighted)
-            out.moe_aux_loss = aux.detach().float()
+            out.moe_aux_loss = aux.detach().float() / share  # every rank has the whole value
         return out
 
 

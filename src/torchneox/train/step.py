@@ -16,6 +16,7 @@ from torchneox.base.faults import fault_point
 from torchneox.data.loader import Batch
 from torchneox.models.moe import MoE
 from torchneox.parallel.collectives import mean_over_dp, plain, sum_over_pp, sum_router_stats
+from torchneox.parallel.context_parallel import split_sequence
 from torchneox.parallel.data_parallel import set_gradient_sync
 from torchneox.parallel.dims import ParallelDims
 from torchneox.parallel.expert_parallel import sync_expert_gradients
@@ -72,16 +73,23 @@ class TrainStep:
 
     # ------------------------------------------------------------------ forward/backward
 
-    def _forward(self, batch: Batch, sums: dict) -> Any:
+    def _prepare(self, batch: Batch) -> Any:
+        """The objective's micro-batch, with context parallelism this rank's part of it."""
         prep = self.objective.prepare(batch)
+        if self.dims.cp > 1:
+            prep = split_sequence(prep, self.dims.mesh["cp"])
+        return prep
+
+    def _forward(self, batch: Batch, sums: dict) -> Any:
+        prep = self._prepare(batch)
         stats = whole = None
         if self.moe_layers:
             out, stats = self.parts.module(prep.inputs, router_stats=True, **prep.model_inputs())
             # the load-balancing loss sees the whole batch: the router statistics summed
             # over the ranks that split it (one process's loss, in any layout)
             whole = stats
-            if self.dims.dp > 1:
-                whole = [sum_router_stats(s, self.dims.mesh["dp"]) for s in stats]
+            if self.dims.batch_ranks > 1:
+                whole = [sum_router_stats(s, self.dims.batch_mesh) for s in stats]
         else:
             out = self.parts.module(prep.inputs, **prep.model_inputs())
         terms = self.objective.terms(out, prep, self._reference(prep), whole, placed_like)
@@ -259,7 +267,7 @@ class TrainStep:
             return [{"lm_loss": loss, **self.pipeline_metrics}]
         values = []
         for batch in micro_batches:
-            prep = self.objective.prepare(to_device(batch, self.device))
+            prep = self._prepare(to_device(batch, self.device))
             with self._loss_context(), self._autocast():
                 out = self.parts.module(prep.inputs, **prep.model_inputs())
                 terms = self.objective.terms(out, prep, self._reference(prep))

@@ -1,0 +1,136 @@
+"""Context parallelism (``context_parallel_size``): every sample's sequence split over ranks in
+load-balanced chunks, attention over the gathered keys and values. With 2 and 4 context ranks,
+alone, with data parallelism (each ZeRO stage) and with tensor parallelism, training equals
+one process over several steps; with document masking too; checkpoints resume across layouts;
+what is not built is refused in one line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.helpers import (
+    DP_KEYS,
+    assert_resumes_like_whole,
+    assert_same_training,
+    losses,
+    one_process,
+    reference,
+    train,
+)
+from torchneox.parallel.context_parallel import chunk_positions
+
+KEYS = DP_KEYS | {"no_weight_tying": True, "eval_interval": 2, "eval_iters": 1}
+
+
+def test_chunks_pair_early_with_late_and_cover_the_sequence():
+    parts = [chunk_positions(16, 4, r, torch.device("cpu")).tolist() for r in range(4)]
+    assert parts[0] == [0, 1, 14, 15] and parts[3] == [6, 7, 8, 9]
+    assert sorted(x for part in parts for x in part) == list(range(16))
+
+
+@pytest.fixture(scope="module")
+def config(make_module_config):
+    return make_module_config(train_micro_batch_size_per_gpu=1, train_iters=3, **KEYS)
+
+
+@pytest.fixture(scope="module")
+def baseline(config, tmp_path_factory):
+    return one_process(config, tmp_path_factory)
+
+
+@pytest.mark.parametrize(
+    ("cp", "others", "nproc"),
+    [
+        (2, ["train_micro_batch_size_per_gpu=4"], 2),
+        (4, ["train_micro_batch_size_per_gpu=4"], 4),
+        (2, ["zero_optimization.stage=0", "train_micro_batch_size_per_gpu=2"], 4),  # x dp 2
+        (2, ["zero_optimization.stage=1", "train_micro_batch_size_per_gpu=2"], 4),
+        (2, ["zero_optimization.stage=3"], 8),  # x data parallel 4
+        (2, ["model_parallel_size=2", "train_micro_batch_size_per_gpu=4"], 4),
+    ],
+    ids=["cp2", "cp4", "cp2-dp2-zero0", "cp2-dp2-zero1", "cp2-dp4-zero3", "cp2-tp2"],
+)
+def test_equals_one_process(config, tmp_path, baseline, cp, others, nproc):
+    out = tmp_path / "cp"
+    train(config, f"save={out}", "load=null", f"context_parallel_size={cp}", *others, nproc=nproc)
+    assert_same_training(out, baseline)
+
+
+VARIANTS = {
+    # documents: positions restart and attention stays inside each, the loss skips EOD inputs
+    "documents": ["inter_document_attention_masking=true", "eod_mask_loss=true"],
+    "alibi-window": ["pos_emb=alibi", "sliding_window_width=12", "lm_z_loss=0.01"],
+    # top-k routing is per token (sinkhorn balances the tokens a rank holds, as in GPT-NeoX)
+    "moe": ["moe_num_experts=4", "moe_top_k=2", "moe_router_type=topk", "moe_aux_loss_coeff=0.01"],
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_model_options_equal_one_process(config, tmp_path, variant):
+    keys = VARIANTS[variant]
+    one, out = tmp_path / "one", tmp_path / "cp"
+    mb = "train_micro_batch_size_per_gpu=4"  # the same micro-batches: their masked means agree
+    train(config, f"save={one}", "load=null", mb, *keys)
+    train(config, f"save={out}", "load=null", "context_parallel_size=2", mb, *keys, nproc=2)
+    assert_same_training(out, reference(one))
+    for extra in ("moe_aux_loss", "z_loss"):  # the extra terms, each over the whole batch
+        want = losses(one, extra)
+        assert losses(out, extra) == pytest.approx(want, rel=1e-5)
+        assert bool(want) == (
+            extra in {"moe": "moe_aux_loss", "alibi-window": "z_loss"}.get(variant, "")
+        )
+
+
+@pytest.mark.parametrize(
+    ("first", "first_nproc", "then", "then_nproc"),
+    [
+        (["context_parallel_size=2"], 2, ["train_micro_batch_size_per_gpu=4"], 1),
+        (["train_micro_batch_size_per_gpu=4"], 1, ["context_parallel_size=4"], 4),
+        (["context_parallel_size=2", "zero_optimization.stage=3", "train_micro_batch_size_per_gpu=2"], 4,
+         ["context_parallel_size=2", "model_parallel_size=2"], 4),
+    ],
+    ids=["cp2-to-one", "one-to-cp4", "cp2-zero3-to-cp2-tp2"],
+)  # fmt: skip
+def test_checkpoints_resume_across_layouts(
+    make_config, tmp_path, first, first_nproc, then, then_nproc
+):
+    cfg = make_config("long.yml", train_micro_batch_size_per_gpu=4, train_iters=6, **KEYS)
+    assert_resumes_like_whole(cfg, tmp_path, [], first, first_nproc, then, then_nproc)
+
+
+@pytest.mark.parametrize(
+    ("keys", "nproc", "said"),
+    [
+        (["seq_length=36"], 4, "seq_length 36 must be a multiple of 2 x context_parallel_size = 8"),
+        (["pipe_parallel_size=2"], 8, "with pipe_parallel_size >= 2 is not built yet"),
+        (["model_parallel_size=3"], 8, "world size 8 is not divisible by pipeline stages 1 x "
+         "model_parallel_size 3 x context_parallel_size 4"),
+    ],
+    ids=["seq-length", "pipeline", "world"],
+)  # fmt: skip
+def test_what_is_not_built_is_one_line(config, keys, nproc, said):
+    args = [sys.executable, "-m", "torchneox", "train", config, "--nproc", str(nproc)]
+    for key in ["context_parallel_size=4", "train_micro_batch_size_per_gpu=4", "load=null", *keys]:
+        args += ["--set", key]
+    run = subprocess.run(args, capture_output=True, text=True, timeout=120, check=False)
+    lines = [x for x in run.stderr.splitlines() if x.startswith("torchneox:")]
+    assert run.returncode == 2 and len(lines) == 1 and said in lines[0], run.stderr
+    assert "context_parallel_size" in lines[0]
+
+
+@pytest.mark.parametrize("impl", ["dpo", "kto", "rm"])
+def test_post_training_objectives_are_refused(make_config, impl):
+    from torchneox.config.derive import derive
+    from torchneox.config.layout import Layout, layout_problem
+    from torchneox.config.load import load_config
+
+    loaded = load_config([make_config(context_parallel_size=2)], [])
+    layout = Layout.from_derived(loaded.config, derive(loaded, world_size=2))
+    loaded.config.training.train_impl = impl
+    problem = layout_problem(loaded.config, layout)
+    assert problem is not None and problem.key == "context_parallel_size"
+    assert f"with train_impl {impl!r} is not built yet" in problem.message
