@@ -33,6 +33,24 @@ LAYOUTS = {
 }
 
 
+def probe(cfg: str, out: Path, nproc: int, overrides: list[str]) -> dict:
+    """What rank 0 of a run of ``cfg`` holds after one step (see memory_probe.py)."""
+    out.mkdir()
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         str(nproc), str(PROBE), cfg, str(out), *overrides],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        timeout=300,
+        check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads((out / "rank0.json").read_text()) | json.loads(
+        (out / "activations0.json").read_text()
+    )
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_estimated_bytes_per_rank_equal_the_processes(make_config, tmp_path, layout):
     nproc, overrides = LAYOUTS[layout]
@@ -47,28 +65,35 @@ def test_estimated_bytes_per_rank_equal_the_processes(make_config, tmp_path, lay
         hidden_dropout=0.0,
         num_workers=0,
     )
-    out = tmp_path / "probe"
-    out.mkdir()
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(nproc),
-            str(PROBE),
-            cfg,
-            str(out),
-            *overrides,
-        ],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        timeout=300,
-        check=False,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    measured = json.loads((out / "rank0.json").read_text())
+    measured = probe(cfg, tmp_path / "probe", nproc, overrides)
+    measured.pop("activations")
     est = estimate(load_config([cfg], overrides), gpus=nproc, gpu="h100")
     assert est["resident_bytes"] == measured
+
+
+@pytest.mark.parametrize(
+    ("nproc", "overrides"),
+    [
+        (1, []),
+        (2, ["context_parallel_size=2"]),
+        (4, ["context_parallel_size=4"]),
+        (4, ["context_parallel_size=2", "zero_optimization.stage=1"]),  # x data parallel 2
+    ],
+    ids=["one", "cp2", "cp4", "cp2-dp2"],
+)
+def test_activation_memory_per_rank_within_ten_percent(make_config, tmp_path, nproc, overrides):
+    """With context parallelism a rank keeps its share of the tokens' activations and every
+    layer's gathered keys and values: the estimate is within 10% of what autograd saves."""
+    cfg = make_config(
+        seq_length=256,
+        hidden_size=64,
+        num_attention_heads=4,
+        no_weight_tying=True,
+        train_micro_batch_size_per_gpu=2,
+        gradient_accumulation_steps=1,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    measured = probe(cfg, tmp_path / "probe", nproc, overrides)["activations"]
+    est = estimate(load_config([cfg], overrides), gpus=nproc, gpu="h100")
+    assert est["activations_after_forward_bytes"] == pytest.approx(measured, rel=0.10)

@@ -37,18 +37,25 @@ class Trace:
 
 
 def _trace_saved(
-    loaded: LoadedConfig, vocab: int, layers: int, precision: str, batch: int = 1, moe: bool = False
+    loaded: LoadedConfig,
+    vocab: int,
+    layers: int,
+    precision: str,
+    batch: int = 1,
+    moe: bool = False,
+    cp: int = 1,
 ) -> tuple[float, float, float, float]:
     """(replicated, split, kept, experts) bytes saved by a forward + loss on fake tensors: on
     (fake) CUDA tensors on a GPU machine, so autocast and attention pick what training picks
     there, else on the CPU, whose autocast keeps the same dtypes. ``moe``: every layer an MoE
-    layer with balanced routing (else every layer dense)."""
+    layer with balanced routing (else every layer dense). ``cp``: as context-parallel rank 0 of
+    ``cp`` holds it (its share of the tokens, every rank's keys and values)."""
     if torch.cuda.is_available():
         try:
-            return _trace_on(loaded, vocab, layers, precision, "cuda", batch, moe)
+            return _trace_on(loaded, vocab, layers, precision, "cuda", batch, moe, cp)
         except Exception:  # a kernel with no fake implementation: trace on the CPU instead
             pass
-    return _trace_on(loaded, vocab, layers, precision, "cpu", batch, moe)
+    return _trace_on(loaded, vocab, layers, precision, "cpu", batch, moe, cp)
 
 
 class _BalancedCounts(LocalTokenDispatcher):
@@ -126,6 +133,7 @@ def _trace_on(
     device: str,
     batch: int = 1,
     moe: bool = False,
+    cp: int = 1,
 ) -> tuple[float, float, float, float]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -148,19 +156,41 @@ def _trace_on(
                 module.sinkhorn_tol = None  # no early stop: fake tensors cannot be compared
                 module.register_forward_pre_hook(rec.enter)
                 module.register_forward_hook(rec.leave)
-        tokens = torch.zeros(batch, seq + 1, dtype=torch.long)
+        tokens = torch.zeros(batch, seq // cp + 1, dtype=torch.long)
+        context = _traced_context(seq, cp, torch.device(device)) if cp > 1 else None
         # parameters saved for backward (a matmul keeps its weight) are not activations
         rec.exclude([*model.parameters(), *model.buffers(), tokens])
         hooks = torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t)
         with hooks, rec.kept_ops(), autocast(precision, device):
-            lm_loss(model(tokens[:, :-1]), tokens[:, 1:], None, blocked=False)
+            logits = model(tokens[:, :-1], context=context)
+            lm_loss(logits, tokens[:, 1:], None, blocked=False)
     return rec.total("replicated"), rec.total("split"), rec.kept, rec.total("experts")
 
 
-def _layer_terms(loaded: LoadedConfig, vocab: int, precision: str, moe: bool) -> dict[str, float]:
+def _traced_context(seq: int, cp: int, device: torch.device):
+    """Context-parallel rank 0's part of a sequence, its gather standing in for the all-gather
+    (a fresh tensor of every rank's keys and values, as the collective returns)."""
+    from torchneox.models.attention import ContextShard
+    from torchneox.parallel.context_parallel import chunk_positions
+
+    def gather(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        both = torch.cat([torch.stack([k, v])] * cp, dim=3)
+        return both[0], both[1]
+
+    keys = torch.cat([chunk_positions(seq, cp, r, device) for r in range(cp)])
+    return ContextShard(chunk_positions(seq, cp, 0, device), keys, seq, gather)
+
+
+def _layer_terms(
+    loaded: LoadedConfig, vocab: int, precision: str, moe: bool, cp: int = 1
+) -> dict[str, float]:
     """Four traces (1 and 2 layers, micro-batch 1 and 2) separate what grows with the layers
     and with the micro-batch from what does not."""
-    t = {(n, b): _trace_saved(loaded, vocab, n, precision, b, moe) for n in (1, 2) for b in (1, 2)}
+    t = {
+        (n, b): _trace_saved(loaded, vocab, n, precision, b, moe, cp)
+        for n in (1, 2)
+        for b in (1, 2)
+    }
 
     def per_sample(i: int) -> list[float]:  # for 1 and 2 layers
         return [t[(n, 2)][i] - t[(n, 1)][i] for n in (1, 2)]
@@ -183,10 +213,11 @@ def _layer_terms(loaded: LoadedConfig, vocab: int, precision: str, moe: bool) ->
     }
 
 
-def trace_activations(loaded: LoadedConfig, vocab: int, precision: str) -> Trace:
-    """Per dense layer, per MoE layer (when the model has them) and for the rest."""
-    seq, h = loaded.config.model.seq_length, loaded.config.model.hidden_size
-    dense = _layer_terms(loaded, vocab, precision, moe=False)
+def trace_activations(loaded: LoadedConfig, vocab: int, precision: str, cp: int = 1) -> Trace:
+    """Per dense layer, per MoE layer (when the model has them) and for the rest, on one of
+    ``cp`` context-parallel ranks."""
+    seq, h = loaded.config.model.seq_length // cp, loaded.config.model.hidden_size
+    dense = _layer_terms(loaded, vocab, precision, moe=False, cp=cp)
     trace = Trace(
         layer_replicated=dense["replicated"],
         layer_split=dense["split"],
@@ -199,7 +230,7 @@ def trace_activations(loaded: LoadedConfig, vocab: int, precision: str) -> Trace
         vocab=vocab,
     )
     if loaded.config.moe.moe_num_experts > 1:
-        moe = _layer_terms(loaded, vocab, precision, moe=True)
+        moe = _layer_terms(loaded, vocab, precision, moe=True, cp=cp)
         trace.moe_replicated = moe["replicated"]
         trace.moe_split = moe["split"]
         trace.moe_kept = moe["kept"]

@@ -41,7 +41,7 @@ def memory_per_rank(
         acts = _activation_bytes(loaded, layout, trace, params, k, last)
         parts["activations"] = acts["stored_after_forward"] + acts["recompute"]
         if last:  # the gradient of the logits (a tied head has them too)
-            seq = loaded.config.model.seq_length
+            seq = loaded.config.model.seq_length // layout.cp  # this rank's tokens
             temporary += layout.micro_batch * seq * math.ceil(trace.vocab / layout.tp) * 4
         parts["temporary"] = temporary
         parts = {key: int(v) for key, v in parts.items()}

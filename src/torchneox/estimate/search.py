@@ -54,7 +54,7 @@ def estimate(
     peak = peak_tflops(acc, precision)
     method = cfg.parallel.pipe_partition_method
     vocab = d["padded_vocab_size"]
-    trace = trace_activations(loaded, vocab, precision)
+    trace = trace_activations(loaded, vocab, precision, layout.cp)
     stages_for = functools.cache(lambda pp: stage_params(loaded, vocab, pp, method))
 
     mem = memory_per_rank(loaded, layout, stages_for(layout.pp), trace, method)
@@ -154,9 +154,9 @@ def _alternatives(
         (0, 1, 2, 3),
         ("none", "selective", "full"),
     ):
-        if layout.gpus % (tp * pp):
+        if layout.gpus % (tp * pp * layout.cp):
             continue
-        dp = layout.gpus // (tp * pp)
+        dp = layout.gpus // (tp * pp * layout.cp)  # the context-parallel ranks stay as given
         for mb in _divisors(layout.micro_batch):
             if tbs % (mb * dp):
                 continue
@@ -214,6 +214,7 @@ def render(est: dict[str, Any]) -> str:
         f"{est['flops_per_step'] / 1e15:,.2f} PFLOP per step of {est['tokens_per_step']:,} tokens",
         f"layout: {lay['gpus']} x {est['device']['name']} on {lay['nodes']} node(s): "
         f"data {lay['dp']} x tensor {lay['tp']} x pipeline {lay['pp']}"
+        + (f" x context {lay['cp']}" if lay["cp"] > 1 else "")
         + (f" (experts split over {lay['ep']} of the data ranks)" if lay["ep"] > 1 else "")
         + f", ZeRO-{lay['zero']}, "
         f"micro-batch {lay['micro_batch']} x {lay['gas']} accumulation steps, "
