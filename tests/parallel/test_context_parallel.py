@@ -51,12 +51,21 @@ def baseline(config, tmp_path_factory):
         (2, ["zero_optimization.stage=1", "train_micro_batch_size_per_gpu=2"], 4),
         (2, ["zero_optimization.stage=3"], 8),  # x data parallel 4
         (2, ["model_parallel_size=2", "train_micro_batch_size_per_gpu=4"], 4),
+        (
+            2,
+            ["model_parallel_size=2", "sequence_parallel=true", "train_micro_batch_size_per_gpu=4"],
+            4,
+        ),
     ],
-    ids=["cp2", "cp4", "cp2-dp2-zero0", "cp2-dp2-zero1", "cp2-dp4-zero3", "cp2-tp2"],
+    ids=["cp2", "cp4", "cp2-dp2-zero0", "cp2-dp2-zero1", "cp2-dp4-zero3", "cp2-tp2", "cp2-tp2-sp"],
 )
 def test_equals_one_process(config, tmp_path, baseline, cp, others, nproc):
     out = tmp_path / "cp"
-    train(config, f"save={out}", "load=null", f"context_parallel_size={cp}", *others, nproc=nproc)
+    run = train(
+        config, f"save={out}", "load=null", f"context_parallel_size={cp}", *others, nproc=nproc
+    )
+    said = f"context parallel: each sample's 32 tokens split over {cp} ranks ({32 // cp} each"
+    assert said in run.stdout + run.stderr
     assert_same_training(out, baseline)
 
 

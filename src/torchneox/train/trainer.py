@@ -340,6 +340,12 @@ class Trainer:
                 f"hybrid sharding: ZeRO {self.layout.zero} state sharded within {groups} groups "
                 f"of {self.dims.dp_shard} data-parallel ranks, replicated across the groups"
             )
+        if self.dims.cp > 1:
+            seq, cp = self.cfg.model.seq_length, self.dims.cp
+            self.logger.line(
+                f"context parallel: each sample's {seq} tokens split over {cp} ranks "
+                f"({seq // cp} each, two chunks); attention gathers every rank's keys and values"
+            )
         if self.checkpoints.save_dir is None:
             self.logger.line(
                 "warning: no save is set, so nothing of this run is kept (no checkpoint); set "
