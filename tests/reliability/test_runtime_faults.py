@@ -85,6 +85,13 @@ def test_a_rank_that_hangs_ends_the_run_within_the_timeout(make_config, tmp_path
     assert "distributed_timeout_minutes is 0.1" in run.stderr
     assert f"the last good checkpoint is {tmp_path / 'h' / 'global_step2'}" in run.stderr
     assert seconds < 200
+    # what rank 0 was waiting in, from torch's flight recorder, kept beside the checkpoints
+    record = tmp_path / "h" / "flight_recorder" / "rank0.json"
+    assert f"(flight record: {record})" in run.stderr
+    last = json.loads(record.read_text())["entries"][-1]
+    assert last["profiling_name"].startswith("gloo:")
+    said = f"the last collective it entered: {last['profiling_name']} #{last['collective_seq_id']} "
+    assert said + f"of process group {last['process_group'][1]}" in run.stderr
 
 
 # ------------------------------------------------------------------------------- bad data

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from torchneox.base.errors import ConfigError
 from torchneox.config.layout import Layout
+from torchneox.parallel import flight_recorder
 
 
 @dataclass
@@ -133,6 +134,7 @@ def init_distributed(device_type: str, backend: str | None, timeout_minutes: flo
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     chosen = "gloo" if device_type == "cpu" else (backend or "nccl")
+    flight_recorder.enable()
     dist.init_process_group(chosen, timeout=timedelta(minutes=timeout_minutes))
     return world
 

@@ -23,6 +23,7 @@ from torchneox.data.datasets import build_splits
 from torchneox.data.loader import BatchLoader
 from torchneox.data.tokenizers import build_tokenizer
 from torchneox.models.args import ModelArgs
+from torchneox.parallel import flight_recorder
 from torchneox.parallel.collectives import any_rank, mean_over_dp, sum_over_dp
 from torchneox.parallel.dims import ParallelDims, init_distributed
 from torchneox.parallel.parallelize import build_parallel_model, build_reference
@@ -317,11 +318,16 @@ class Trainer:
     def _lost_rank_message(self, error: RuntimeError) -> str:
         minutes = self.cfg.parallel.distributed_timeout_minutes
         first = str(error).strip().splitlines()[0]
+        path, last = flight_recorder.dump(self.checkpoints.save_dir, self.dims.rank)
+        where = ""
+        if last is not None:
+            where = f"; the last collective it entered: {last}"
+            where += f" (flight record: {path})" if path is not None else ""
         return (
             f"rank {self.dims.rank}: a collective did not complete at step {self.iteration + 1} "
-            f"(distributed_timeout_minutes is {minutes:g}): another rank died or hangs ({first}); "
-            f"{self.checkpoints.last_good()}; rerun the same command to resume once every rank "
-            "is healthy"
+            f"(distributed_timeout_minutes is {minutes:g}): another rank died or hangs ({first})"
+            f"{where}; {self.checkpoints.last_good()}; rerun the same command to resume once "
+            "every rank is healthy"
         )
 
     def _announce(self) -> None:
