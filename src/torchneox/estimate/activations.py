@@ -170,15 +170,13 @@ def _trace_on(
 def _traced_context(seq: int, cp: int, device: torch.device):
     """Context-parallel rank 0's part of a sequence, its gather standing in for the all-gather
     (a fresh tensor of every rank's keys and values, as the collective returns)."""
-    from torchneox.models.attention import ContextShard
-    from torchneox.parallel.context_parallel import chunk_positions
+    from torchneox.parallel.context_parallel import shard_of
 
     def gather(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         both = torch.cat([torch.stack([k, v])] * cp, dim=3)
         return both[0], both[1]
 
-    keys = torch.cat([chunk_positions(seq, cp, r, device) for r in range(cp)])
-    return ContextShard(chunk_positions(seq, cp, 0, device), keys, seq, gather)
+    return shard_of(seq, cp, 0, gather, device)
 
 
 def _layer_terms(

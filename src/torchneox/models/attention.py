@@ -13,6 +13,9 @@ from torchneox.models.args import ModelArgs
 from torchneox.models.norms import HeadRMSNorm, build_norm
 from torchneox.models.positions import apply_rotary
 
+Gather = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""Context parallelism: every rank's keys and values from this rank's."""
+
 
 @dataclass
 class AttentionBias:
@@ -21,7 +24,7 @@ class AttentionBias:
     mask: torch.Tensor | None
     """bool [B|1, 1, T, S] (True = attend) or float [B|1, H, T, S] added to the scores."""
     is_causal: bool
-    gather: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+    gather: Gather | None = None
     """Context parallelism: the whole sequence's keys and values from this rank's."""
 
 
@@ -37,9 +40,14 @@ class ContextShard:
     """[T] the positions of the gathered keys, in gather order."""
     length: int
     """The whole sequence's length."""
-    gather: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    gather: Gather
     key_segments: torch.Tensor | None = None
     """[B, T] each gathered key's document (inter_document_attention_masking)."""
+
+    @property
+    def ranks(self) -> int:
+        """The ranks that split the sequence (each holds as many of its tokens)."""
+        return self.keys.numel() // self.index.numel()
 
 
 def documents(tokens_BT: torch.Tensor, eod_id: int) -> tuple[torch.Tensor, torch.Tensor]:

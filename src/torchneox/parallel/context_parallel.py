@@ -21,7 +21,7 @@ import torch
 from torch.distributed._functional_collectives import all_gather_tensor_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchneox.models.attention import ContextShard
+from torchneox.models.attention import ContextShard, Gather
 
 
 def chunk_positions(length: int, ranks: int, rank: int, device: torch.device) -> torch.Tensor:
@@ -32,7 +32,28 @@ def chunk_positions(length: int, ranks: int, rank: int, device: torch.device) ->
     return torch.cat([first, torch.arange(last * size, (last + 1) * size, device=device)])
 
 
-def _gatherer(mesh: DeviceMesh):
+def shard_of(
+    length: int,
+    ranks: int,
+    rank: int,
+    gather: Gather,
+    device: torch.device,
+    segments: torch.Tensor | None = None,
+) -> ContextShard:
+    """Rank ``rank``'s ``ContextShard`` of a sequence of ``length`` tokens: its positions, the
+    gathered keys' (every rank's, in rank order, as ``gather`` returns them) and, under document
+    masking, the keys' documents from the whole sequence's ``segments`` [B, length]."""
+    keys = torch.cat([chunk_positions(length, ranks, r, device) for r in range(ranks)])
+    return ContextShard(
+        index=chunk_positions(length, ranks, rank, device),
+        keys=keys,
+        length=length,
+        gather=gather,
+        key_segments=None if segments is None else segments[:, keys],
+    )
+
+
+def _gatherer(mesh: DeviceMesh) -> Gather:
     group = mesh.get_group()
 
     def gather(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,27 +69,23 @@ def split_sequence(prep, mesh: DeviceMesh):
     """This rank's part of a prepared micro-batch (``objectives.Prepared``): its chunks of the
     inputs, labels, loss mask and document positions, with the ``ContextShard`` the model
     takes and the whole micro-batch's count of tokens in the loss."""
-    ranks, rank = mesh.size(), mesh.get_local_rank()
     b, t = prep.inputs.shape
     device = prep.inputs.device
-    index = chunk_positions(t, ranks, rank, device)
-    keys = torch.cat([chunk_positions(t, ranks, r, device) for r in range(ranks)])
-    counted = prep.mask.sum() if prep.mask is not None else torch.tensor(b * t, device=device)
-    segments = prep.segments
-    context = ContextShard(
-        index=index,
-        keys=keys,
-        length=t,
-        gather=_gatherer(mesh),
-        key_segments=None if segments is None else segments[:, keys],
+    context = shard_of(
+        t, mesh.size(), mesh.get_local_rank(), _gatherer(mesh), device, prep.segments
     )
+    index = context.index
+    counted = prep.mask.sum() if prep.mask is not None else torch.tensor(b * t, device=device)
+
+    def part(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x[:, index]
+
     return type(prep)(
         inputs=prep.inputs[:, index],
         labels=prep.labels[:, index],
-        mask=None if prep.mask is None else prep.mask[:, index],
-        positions=None if prep.positions is None else prep.positions[:, index],
-        segments=None if segments is None else segments[:, index],
+        mask=part(prep.mask),
+        positions=part(prep.positions),
+        segments=part(prep.segments),
         context=context,
         counted=counted,
-        context_ranks=ranks,
     )

@@ -54,7 +54,10 @@ class Prepared:
     segments: torch.Tensor | None = None  # ... and each token's document
     context: Any = None  # context parallelism: this rank's part of the sequence (ContextShard)
     counted: torch.Tensor | None = None  # ... and the whole micro-batch's tokens in the loss
-    context_ranks: int = 1
+
+    @property
+    def context_ranks(self) -> int:
+        return 1 if self.context is None else self.context.ranks
 
     def model_inputs(self) -> dict[str, Any]:
         """What the model takes besides the inputs (nothing, unless documents are masked or
@@ -134,10 +137,12 @@ class LanguageModeling:
         share, total = prep.context_ranks, prep.counted
         if self.z_weight:
             loss, z = lm_loss_and_z(logits, prep.labels, prep.mask, total=total)
-            out = Terms(loss, (loss + self.z_weight * z) * share, z_loss=z.detach())
+            out = Terms(loss, loss + self.z_weight * z, z_loss=z.detach())
         else:
             loss = lm_loss(logits, prep.labels, prep.mask, total=total)
-            out = Terms(loss, loss * share if share > 1 else loss)
+            out = Terms(loss, loss)
+        if share > 1:
+            out.objective = out.objective * share
         if router_stats:
             aux = torch.stack([balancing_loss(s) for s in router_stats]).mean()
             weighted = self.aux_weight * aux
