@@ -238,6 +238,22 @@ def _train_verbs(verbs: argparse._SubParsersAction) -> None:
     train.add_argument(
         "--nproc", type=POSITIVE, help="start this many local processes (torchrun --standalone)"
     )
+    dry = train.add_argument_group(
+        "dry run",
+        "build the run as each rank of a cluster would, on a fake process group and fake "
+        "tensors, in this one process: no data, no GPU, nothing written (docs/parallelism.md)",
+    )
+    dry.add_argument("--dry-run", action="store_true", help="rehearse instead of training")
+    dry.add_argument(
+        "--world-size", type=POSITIVE, metavar="N", help="ranks in all (default: the config's)"
+    )
+    dry.add_argument("--nodes", type=POSITIVE, default=1, help="nodes they run on (default 1)")
+    dry.add_argument(
+        "--ranks",
+        metavar="LIST",
+        help="'all' or ranks like 0,5,17 (default: the first and last along every mesh axis)",
+    )
+    dry.add_argument("--json", action="store_true", help="print the reports as one JSON object")
 
     pre = verbs.add_parser("preprocess", help="jsonl/text -> GPT-NeoX .bin/.idx token datasets")
     source_group = pre.add_mutually_exclusive_group(required=True)

@@ -160,6 +160,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     from torchneox.parallel.dims import shutdown
     from torchneox.train.trainer import Trainer
 
+    dry_flags = [f for f in ("world_size", "ranks", "json") if getattr(args, f)]
+    if args.nodes != 1:
+        dry_flags.append("nodes")
+    if dry_flags and not args.dry_run:
+        raise ConfigError(f"--{dry_flags[0].replace('_', '-')} is for a dry run: add --dry-run")
+    if args.dry_run:
+        return _dry_run(args)
     if args.nproc and args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         from torchneox.cli.launch import launch_local
 
@@ -172,6 +179,33 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise
     shutdown()
     return 0
+
+
+def _dry_run(args: argparse.Namespace) -> int:
+    """``train --dry-run``: 0 when every rehearsed rank builds, agrees and holds what
+    estimate computes, 1 when the report lists problems."""
+    import dataclasses
+
+    from torchneox.config.derive import derive
+    from torchneox.config.load import load_config
+    from torchneox.estimate.dry_run import dry_run, render
+
+    if args.nproc:
+        raise ConfigError("--nproc starts processes; a dry run needs none (give --world-size)")
+    loaded = load_config(args.files, args.overrides)
+    world = args.world_size or derive(loaded)["world_size"]
+    if not world:
+        raise ConfigError("a dry run needs the ranks in all: give --world-size N", key="num_gpus")
+
+    def progress(done: int, total: int, report) -> None:
+        if not args.json:
+            print(
+                f"[{done}/{total}] rank {report.rank} built in {report.seconds:.1f} s", flush=True
+            )
+
+    run = dry_run(loaded, world, args.nodes, args.ranks, progress)
+    print(json.dumps(dataclasses.asdict(run)) if args.json else render(run))
+    return 1 if run.problems else 0
 
 
 def _preprocess_args(args: argparse.Namespace, inputs: list[str]):

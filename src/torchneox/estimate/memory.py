@@ -18,8 +18,16 @@ CUDA_RESERVE = 1.5 * GIB  # CUDA context, cuBLAS/NCCL workspaces
 USABLE = 0.95  # of the rest: the allocator's fragmentation
 
 
-def _optimizer_bytes_per_param(loaded: LoadedConfig) -> int:
+def optimizer_bytes_per_param(loaded: LoadedConfig) -> int:
     return optimizer_spec(loaded.config).state_tensors * PARAM_BYTES
+
+
+def fsdp_ranks(layout: Layout) -> int:
+    """The ranks ZeRO shards over: the data-parallel ones (with hybrid sharding, one group of
+    them), with context parallelism times its ranks (they shard as data-parallel ones do); 1
+    under DDP (ZeRO 0 without tensor or pipeline parallelism)."""
+    sharded = layout.zero > 0 or layout.tp > 1 or layout.pp > 1
+    return layout.shard_ranks * layout.cp if sharded else 1
 
 
 def memory_per_rank(
@@ -30,12 +38,11 @@ def memory_per_rank(
     method: str,
 ) -> dict[str, Any]:
     """Bytes on the most loaded rank, by part, and which stage that is."""
-    opt_per_param = _optimizer_bytes_per_param(loaded)
-    # ZeRO shards over the data-parallel ranks (with hybrid sharding, over one group of them)
-    fsdp = layout.shard_ranks if (layout.zero > 0 or layout.tp > 1 or layout.pp > 1) else 1
+    opt_per_param = optimizer_bytes_per_param(loaded)
+    fsdp = fsdp_ranks(layout)
     worst: dict[str, Any] | None = None
     for k, params in enumerate(stages):
-        state = _state_bytes(params, layout, fsdp, opt_per_param)
+        state = state_bytes(params, layout, fsdp, opt_per_param)
         parts, temporary = state["parts"], state["temporary"]
         last = k == len(stages) - 1
         acts = _activation_bytes(loaded, layout, trace, params, k, last)
@@ -58,7 +65,7 @@ def memory_per_rank(
     return worst
 
 
-def _state_bytes(
+def state_bytes(
     params: list[tuple[str, tuple]], layout: Layout, fsdp: int, opt_per_param: int
 ) -> dict[str, Any]:
     """A stage's parameters, gradients and optimizer state on one rank, and the temporary
@@ -97,7 +104,7 @@ def _state_bytes(
         temporary += 2 * per_block * PARAM_BYTES  # ZeRO-3: the block in use and the next
     if fsdp > 1 and layout.gas > 1:
         parts["gradients"] += gathered * PARAM_BYTES  # unsharded until the last micro-batch
-    if fsdp == 1 and layout.dp > 1:
+    if fsdp == 1 and layout.dp * layout.cp > 1:
         parts["gradients"] += gathered * PARAM_BYTES  # DDP's gradient buckets
     if tp > 1 and fsdp == 1:
         # the vocabulary-parallel embedding's gradient arrives whole on every tensor rank

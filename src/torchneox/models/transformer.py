@@ -127,6 +127,8 @@ class Transformer(nn.Module):
         if device is None:
             device = next(self.parameters()).device
         self.init_buffers(device)
+        if torch.device(device).type == "meta":  # shapes only (the dry run): nothing to draw
+            return
         main = init_function(a.init_method, a.init_std, a.num_layers, a.hidden_size)
         out = init_function(a.output_init_method, a.init_std, a.num_layers, a.hidden_size)
         for name, param in self.named_parameters():

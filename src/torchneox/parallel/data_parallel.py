@@ -30,6 +30,8 @@ def apply_data_parallel(
     call. DDP does not take tensor-parallel (DTensor) parameters, so ZeRO 0 with tensor
     parallelism runs as ZeRO 2 (sharded gradients and optimizer state; the same results)."""
     if zero_stage == 0 and not tensor_parallel:
+        if next(model.parameters()).is_meta:  # the dry run: DDP needs values (it broadcasts)
+            return model
         if ignored:  # expert-parallel weights: their gradients are reduced elsewhere
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
         return DistributedDataParallel(model, process_group=mesh.get_group())

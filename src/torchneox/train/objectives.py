@@ -375,6 +375,16 @@ def build_objective(
     return objective if document_eod is None else DocumentMasked(objective, document_eod)
 
 
+def objective_for(cfg: Any, eod_id: int | None) -> Objective:
+    """The objective a config trains (``eod_id``: the tokenizer's end-of-document token, used
+    where eod_mask_loss or inter_document_attention_masking asks for it)."""
+    t = cfg.training
+    eod = eod_id if t.eod_mask_loss else None
+    documents = eod_id if cfg.model.inter_document_attention_masking else None
+    precomputed = bool(cfg.textgen.precompute_model_name)
+    return build_objective(t, cfg.moe.moe_aux_loss_coeff, eod, precomputed, documents)
+
+
 def _objective(
     training: Any, moe_aux_loss_coeff: float, eod_id: int | None, precomputed: bool
 ) -> Objective:

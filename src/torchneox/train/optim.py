@@ -88,6 +88,27 @@ def shard_gradients_like_parameters(params: list[torch.Tensor]) -> None:
             p.grad = p.grad.redistribute(p.device_mesh, p.placements)
 
 
+def _dtensor_squares(grads: list[Any]) -> list[torch.Tensor]:
+    """The squared L2 norms of DTensor gradients, one reduction per (mesh, placements) group:
+    the local shards' squares summed, then added over the mesh dimensions they are sharded
+    on (a per-tensor ``full_tensor`` would run one all-reduce per gradient)."""
+    groups: dict[tuple, list[Any]] = {}
+    for g in grads:
+        groups.setdefault((g.device_mesh, g.placements), []).append(g)
+    out = []
+    for (mesh, placements), members in groups.items():
+        if any(p.is_partial() for p in placements):  # not reduced yet: DTensor's own norm
+            out += [torch.linalg.vector_norm(g).full_tensor().float().pow(2) for g in members]
+            continue
+        local = torch._foreach_norm([g.to_local() for g in members])
+        total = torch.stack(local).float().pow(2).sum()
+        for dim, placement in enumerate(placements):
+            if not placement.is_replicate():  # Shard, or FSDP's _StridedShard over a tp shard
+                torch.distributed.all_reduce(total, group=mesh.get_group(dim))
+        out.append(total)
+    return out
+
+
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float, group=None) -> torch.Tensor:
     """Global L2 norm of the gradients (sharded DTensor gradients included), clipped to
     ``max_norm`` in place; returns the norm before clipping, as a plain tensor. ``group``: the
@@ -98,9 +119,7 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, group=None) -> t
     plain = [p.grad for p in params if not isinstance(p.grad, DTensor)]
     if plain:
         squares.append(torch.stack(torch._foreach_norm(plain)).float().pow(2).sum())
-    for p in params:
-        if isinstance(p.grad, DTensor):
-            squares.append(torch.linalg.vector_norm(p.grad).full_tensor().float().pow(2))
+    squares += _dtensor_squares([p.grad for p in params if isinstance(p.grad, DTensor)])
     device = params[0].device if params else torch.device("cpu")
     total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
     if group is not None:  # pipeline stages hold disjoint parameters: add their squares
@@ -108,6 +127,7 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, group=None) -> t
     total = total.sqrt()
     if max_norm != float("inf"):
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        for p in params:
-            p.grad.mul_(coef.to(p.grad.device) if not isinstance(p.grad, DTensor) else coef.item())
+        for p in params:  # a DTensor's local shard scaled in place: no read-back to the host
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            grad.mul_(coef.to(grad.device))
     return total

@@ -111,7 +111,7 @@ class TrainStep:
         assert self.parts.reference is not None
         return self.parts.reference(prep.inputs, **prep.model_inputs())
 
-    def _forward_backward(self, batch: Batch, last: bool, sums: dict) -> torch.Tensor:
+    def forward_backward(self, batch: Batch, last: bool, sums: dict) -> torch.Tensor:
         batch = to_device(batch, self.device)
         set_gradient_sync(self.parts.module, last)
         with self._loss_context():
@@ -199,7 +199,7 @@ class TrainStep:
         else:
             total = torch.zeros((), device=self.device)
             for m, tokens in enumerate(micro_batches):
-                total += self._forward_backward(tokens, m == len(micro_batches) - 1, sums)
+                total += self.forward_backward(tokens, m == len(micro_batches) - 1, sums)
         if self.dims.ep > 1:
             sync_expert_gradients(self.parts.model, self.dims.mesh, self.dims.dp)
         fault_point("step.backward", iteration)
@@ -218,17 +218,21 @@ class TrainStep:
                 out[name] = mean_over_dp(value / self.grad_accum, self.dims).item()
         return out
 
-    def apply_gradients(self, iteration: int, bad: str | None) -> tuple[float, bool]:
-        """Unscale, clip and apply the gradients; returns the gradient norm and whether the step
-        was skipped. Non-finite values: in fp16 the loss scaler skips the step and lowers the
-        scale; otherwise up to skip_nonfinite_steps steps are skipped, then the run stops."""
+    def clip_gradients(self) -> torch.Tensor:
+        """Unscale the gradients and clip them; their norm before clipping (not read back)."""
         params = [p for p in self.parts.model.parameters() if p.grad is not None]
         shard_gradients_like_parameters(params)
         if self.scaler.scale != 1.0:
             torch._foreach_div_([p.grad for p in params], self.scaler.scale)
         clip = self.policy.clip
         pp_group = self.dims.mesh["pp"].get_group() if self.parts.pipeline is not None else None
-        norm = clip_grad_norm(params, clip if clip > 0 else float("inf"), pp_group).item()
+        return clip_grad_norm(params, clip if clip > 0 else float("inf"), pp_group)
+
+    def apply_gradients(self, iteration: int, bad: str | None) -> tuple[float, bool]:
+        """Unscale, clip and apply the gradients; returns the gradient norm and whether the step
+        was skipped. Non-finite values: in fp16 the loss scaler skips the step and lowers the
+        scale; otherwise up to skip_nonfinite_steps steps are skipped, then the run stops."""
+        norm = self.clip_gradients().item()
         if bad is None and not math.isfinite(norm):
             bad = f"the gradient norm is {norm}"
         if bad is not None and self.precision != "fp16":

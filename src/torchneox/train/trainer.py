@@ -31,7 +31,7 @@ from torchneox.train.checkpoint import CheckpointManager, Resumed, TrainingState
 from torchneox.train.evaluation import Evaluator
 from torchneox.train.lr import Schedule
 from torchneox.train.metrics import MetricsLogger, Throughput, Timers
-from torchneox.train.objectives import build_objective
+from torchneox.train.objectives import objective_for
 from torchneox.train.optim import build_optimizer
 from torchneox.train.precision import LossScaler
 from torchneox.train.profiling import Profiler
@@ -147,11 +147,7 @@ class Trainer:
         self.model, self.pipeline = self.parts.model, self.parts.pipeline
         t = cfg.training
         masked = t.eod_mask_loss or cfg.model.inter_document_attention_masking
-        tokenizer_eod = build_tokenizer(cfg).eod_id if masked else None
-        eod = tokenizer_eod if t.eod_mask_loss else None
-        documents = tokenizer_eod if cfg.model.inter_document_attention_masking else None
-        precomputed = bool(cfg.textgen.precompute_model_name)
-        self.objective = build_objective(t, cfg.moe.moe_aux_loss_coeff, eod, precomputed, documents)
+        self.objective = objective_for(cfg, build_tokenizer(cfg).eod_id if masked else None)
         if self.objective.needs_reference:
             self.parts.reference, self.parts.reference_pipeline = build_reference(
                 self.args,

@@ -1,0 +1,473 @@
+"""One rank of a dry run (see ``dry_run``): the run built as rank r of N builds it, with the
+training code itself, on torch's fake process group (collectives return at once) and on fake
+tensors (shapes without memory or compute); one fake step (forward, backward, gradient
+clipping, the optimizer step) with every collective it calls recorded; and what the rank
+holds, measured on the built tensors, beside what ``estimate`` computes for it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from torchneox.config.derive import derive
+from torchneox.config.layout import Layout
+from torchneox.config.load import LoadedConfig
+from torchneox.estimate.memory import optimizer_bytes_per_param, state_bytes
+from torchneox.estimate.parameters import stage_params
+
+AXES = ("pp", "dp", "cp", "tp")
+STEPPED = "forward, backward, gradient clipping and the optimizer step ran on fake tensors"
+
+
+@dataclass(frozen=True)
+class Collective:
+    op: str
+    group: tuple[int, ...]
+    """The global ranks of the process group it runs on (sender, receiver for "p2p")."""
+    shapes: tuple
+
+
+@dataclass
+class RankReport:
+    rank: int
+    node: int
+    coordinates: dict[str, int]
+    stages: list[int]
+    layers: list[int]
+    holds: list[str]
+    """The ends of the model on this rank: "embedding", "head"."""
+    tensors: int
+    bytes: dict[str, int]
+    """Measured: parameters, gradients, optimizer (this rank's shards)."""
+    expected: dict[str, int]
+    """``estimate``'s for the same stage(s): the shard rank 0 of each group holds."""
+    files: list[str]
+    step: str
+    """What the fake step ran, or why it could not."""
+    stepped: bool = False
+    """Whether the fake step ran to the end (gradients and optimizer state measured)."""
+    collectives: list[Collective] = field(default_factory=list)
+    spans: dict[str, int] = field(default_factory=dict)
+    """The nodes each axis' process group of this rank spans."""
+    seconds: float = 0.0
+
+
+# ----------------------------------------------------------------------------- the ranks
+
+
+def mesh_sizes(layout: Layout) -> dict[str, int]:
+    return {"pp": layout.pp, "dp": layout.dp, "cp": layout.cp, "tp": layout.tp}
+
+
+def rank_of(coordinates: dict[str, int], layout: Layout) -> int:
+    """The global rank at ``coordinates`` (the mesh is row-major over pp, dp, cp, tp)."""
+    sizes, rank = mesh_sizes(layout), 0
+    for axis in AXES:
+        rank = rank * sizes[axis] + coordinates[axis]
+    return rank
+
+
+# ----------------------------------------------------------------------------- the world
+
+
+def _join(rank: int, world: int) -> None:
+    """Become rank ``rank`` of ``world`` on the fake backend (leaving any earlier group)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+
+
+def group_ranks(group: Any) -> tuple[int, ...]:
+    if isinstance(group, str):
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        group = _resolve_process_group(group)
+    elif not isinstance(group, dist.ProcessGroup):
+        group = dist.ProcessGroup.unbox(group)
+    return tuple(dist.get_process_group_ranks(group))
+
+
+class CollectiveRecorder(TorchDispatchMode):
+    """Records every collective dispatched while active: the c10d ops FSDP and the process
+    groups call, and the functional ones DTensor and tensor parallelism call."""
+
+    NAMESPACES = ("c10d", "_c10d_functional")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[Collective] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.name().split("::")[-1]
+        if func.namespace in self.NAMESPACES and not name.startswith("wait"):
+            self.calls.append(_describe(name, list(args) + list(kwargs.values())))
+        return func(*args, **kwargs)
+
+
+def _is_group(a: Any) -> bool:
+    if not isinstance(a, torch.ScriptObject):
+        return False
+    try:
+        dist.ProcessGroup.unbox(a)
+    except RuntimeError:  # another c10d class (a ReduceOp)
+        return False
+    return True
+
+
+def _describe(name: str, args: list[Any]) -> Collective:
+    shapes: list[tuple] = []
+    group: tuple[int, ...] = ()
+    for a in args:
+        for t in a if isinstance(a, list | tuple) else [a]:
+            if isinstance(t, torch.Tensor):
+                shapes.append(tuple(t.shape))
+    for a in reversed(args):
+        if isinstance(a, dist.ProcessGroup) or _is_group(a):
+            group = group_ranks(a)
+            break
+    else:  # functional collectives name their group last
+        names = [a for a in args if isinstance(a, str)]
+        if names:
+            group = group_ranks(names[-1])
+    op = name.strip("_").replace("_base", "")
+    return Collective(OP_NAMES.get(op, op), group, tuple(shapes))
+
+
+OP_NAMES = {  # c10d's and the functional collectives' names for the same operation
+    "allreduce": "all_reduce",
+    "allgather": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "alltoall": "all_to_all",
+    "all_to_all_single": "all_to_all",
+}
+
+
+# ----------------------------------------------------------------------------- one rank
+
+
+@dataclass
+class _Built:
+    """One rank's run as the trainer builds it, on meta tensors."""
+
+    derived: Any
+    layout: Layout
+    dims: Any
+    args: Any
+    parts: Any
+    note: str = ""
+
+
+def _build(loaded: LoadedConfig, world: int) -> _Built:
+    from torchneox.models.args import ModelArgs
+    from torchneox.parallel.dims import ParallelDims
+    from torchneox.parallel.parallelize import build_parallel_model, build_reference
+    from torchneox.train.trainer import require
+
+    cfg = loaded.config
+    d = derive(loaded, world_size=world)
+    layout = require(loaded, d)
+    dims = ParallelDims.from_layout(layout, "cpu")
+    dims.build_mesh()
+    args = ModelArgs.from_config(cfg, d["padded_vocab_size"])
+    meta = torch.device("meta")
+    training = _without_compile(cfg.training)
+    method = cfg.parallel.pipe_partition_method
+    parts = build_parallel_model(
+        args, dims, layout, training, d["gradient_reduce_dtype"], meta, method, None
+    )
+    note = ""
+    if layout.zero == 0 and dims.batch_ranks > 1 and dims.tp == 1 and dims.pp == 1:
+        note = "DDP is not built on meta tensors: its gradient all-reduce is not recorded"
+    if cfg.training.train_impl in ("dpo", "kto") and not cfg.textgen.precompute_model_name:
+        parts.reference, parts.reference_pipeline = build_reference(
+            args, dims, layout, meta, training.seed, method
+        )
+    return _Built(d, layout, dims, args, parts, note)
+
+
+def _without_compile(training: Any) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(training, compile=False)  # compiled code cannot run fake
+
+
+def _fake_empty(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        local = torch.empty(t._local_tensor.shape, dtype=t.dtype)
+        return DTensor.from_local(
+            local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+        )
+    return torch.empty(t.shape, dtype=t.dtype)
+
+
+def _materialize(modules: list[nn.Module]) -> None:
+    """Give meta modules fake storage on the CPU (inside an active FakeTensorMode): FSDP's
+    through its own ``to_empty``; others tensor by tensor (``to_empty`` cannot swap a meta
+    parameter for a fake one)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in modules:
+        if any(isinstance(m, FSDPModule) for m in module.modules()):
+            module.to_empty(device="cpu")
+            continue
+        for sub in module.modules():
+            for name, p in list(sub._parameters.items()):
+                if p is not None and p.is_meta:
+                    sub._parameters[name] = nn.Parameter(_fake_empty(p), p.requires_grad)
+            for name, b in list(sub._buffers.items()):
+                if b is not None and b.is_meta:
+                    sub._buffers[name] = _fake_empty(b)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def _bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
+
+
+def _measured(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [p.grad for p in params if p.grad is not None]
+    out = {"gradients": _bytes(grads)}
+    states = []
+    for state in optimizer.state.values() if optimizer is not None else []:
+        states += [v for k, v in state.items() if k != "step" and isinstance(v, torch.Tensor)]
+    out["optimizer"] = _bytes(states)
+    return out
+
+
+def _train_step(built: _Built, loaded: LoadedConfig, optimizer: torch.optim.Optimizer) -> Any:
+    """The trainer's TrainStep over the built model (its forward/backward and clipping run)."""
+    from torchneox.train.metrics import Timers
+    from torchneox.train.objectives import objective_for
+    from torchneox.train.precision import LossScaler
+    from torchneox.train.step import GradientPolicy, TrainStep
+
+    cfg, d = loaded.config, built.derived
+    objective = objective_for(cfg, 0)  # fake tokens have no values: any end-of-document id
+    policy = GradientPolicy(d["gradient_clipping"], cfg.training.skip_nonfinite_steps)
+    return TrainStep(
+        built.parts, optimizer, LossScaler.from_config(cfg, d["precision"]), objective, policy,
+        built.dims, torch.device("cpu"), d["precision"], built.layout.gas, Timers(False, None),
+        lambda text: None, lambda: "",
+    )  # fmt: skip
+
+
+def _balanced_routing(model: nn.Module) -> None:
+    """MoE layers route fake tokens evenly (fake tensors have no values to route by)."""
+    from torchneox.estimate.activations import _BalancedCounts
+    from torchneox.models.moe import LocalTokenDispatcher, MoE
+
+    for module in model.modules():
+        if isinstance(module, MoE):
+            if type(module.dispatcher) is LocalTokenDispatcher:
+                module.dispatcher = _BalancedCounts()
+            module.sinkhorn_tol = None
+
+
+def _fake_step(
+    built: _Built, loaded: LoadedConfig, optimizer: torch.optim.Optimizer, record: Any
+) -> str:
+    """One step on fake tensors, as the trainer runs it (inside the fake mode and the recorder):
+    forward and backward of a micro-batch, gradient clipping, the optimizer step."""
+    from torchneox.parallel.expert_parallel import sync_expert_gradients
+
+    cfg = loaded.config
+    if cfg.training.train_impl != "normal":
+        return "not rehearsed: the fake step feeds language-modelling batches only"
+    if built.dims.ep > 1:
+        return "not rehearsed: expert parallelism sizes its all-to-all by the routing's values"
+    step = _train_step(built, loaded, optimizer)
+    step.moe_counts = [torch.zeros(m.num_experts, dtype=torch.long) for m in step.moe_layers]
+    _balanced_routing(built.parts.model)
+    tokens = torch.zeros(built.layout.micro_batch, cfg.model.seq_length + 1, dtype=torch.long)
+    if built.parts.pipeline is not None:
+        _pipeline_step(built, step, tokens, record)
+    else:
+        step.forward_backward(tokens, True, {})
+    if built.dims.ep > 1:
+        sync_expert_gradients(built.parts.model, built.dims.mesh, built.dims.dp)
+    step.clip_gradients()
+    optimizer.step()
+    return STEPPED
+
+
+def _stage_owners(built: _Built) -> dict[int, int]:
+    """The global rank holding each pipeline stage in this rank's pipeline group."""
+    from torchneox.parallel.pipeline import rank_stage_indices
+
+    lay = built.layout
+    members = dist.get_process_group_ranks(built.dims.mesh["pp"].get_group())
+    owners = {}
+    for pp_rank, rank in enumerate(members):
+        for index in rank_stage_indices(lay.schedule, pp_rank, lay.pp, lay.virtual_stages):
+            owners[index] = rank
+    return owners
+
+
+def _pipeline_step(built: _Built, step: Any, tokens: torch.Tensor, record: Any) -> None:
+    """Each of this rank's stages forward then backward on one micro-batch, the activations
+    and gradients a stage exchanges with its neighbours recorded as point-to-point transfers."""
+    p, me = built.parts.pipeline, dist.get_rank()
+    owners = _stage_owners(built)
+    last = max(owners)
+    mb, seq, hidden = tokens.shape[0], tokens.shape[1] - 1, built.args.hidden_size
+    pending = []
+    with step._loss_context(), step._autocast():
+        for part, stage in zip(p.parts, p.stages, strict=True):
+            s = stage.stage_index
+            if s == 0:
+                x = tokens[:, :-1]
+            else:
+                x = torch.empty(mb, seq, hidden, requires_grad=True)
+                if owners[s - 1] != me:
+                    record(Collective("p2p", (owners[s - 1], me), ((mb, seq, hidden),)))
+            out = part(x)
+            if s == last:
+                pending.append((s, step.pipeline_loss(out, tokens[:, 1:]), None))
+                continue
+            if owners[s + 1] != me:
+                record(Collective("p2p", (me, owners[s + 1]), (tuple(out.shape),)))
+            pending.append((s, out, torch.empty_like(out)))
+        for s, out, grad in reversed(pending):
+            if s != last and owners[s + 1] != me:
+                record(Collective("p2p", (owners[s + 1], me), (tuple(out.shape),)))
+            out.backward(grad)
+            if s != 0 and owners[s - 1] != me:
+                record(Collective("p2p", (me, owners[s - 1]), ((mb, seq, hidden),)))
+
+
+def rehearse_rank(loaded: LoadedConfig, world: int, rank: int, nodes: int) -> RankReport:
+    """Rank ``rank`` of ``world`` built and stepped on the fake process group."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from torchneox.train.optim import build_optimizer
+
+    start = time.perf_counter()
+    _join(rank, world)
+    built = _build(loaded, world)
+    model = built.parts.model
+    modules = list(built.parts.pipeline.parts) if built.parts.pipeline else [model]
+    if built.parts.reference is not None:
+        refs = built.parts.reference_pipeline
+        modules += list(refs.parts) if refs else [built.parts.reference]
+    recorder = CollectiveRecorder()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        _materialize(modules)
+        held = _bytes(list(model.parameters()))  # (sharded: FSDP gathers during the step)
+        optimizer = build_optimizer(model, loaded.config, "cpu")
+        try:
+            with recorder:
+                step = _fake_step(built, loaded, optimizer, recorder.calls.append)
+        except Exception as e:  # an op torch cannot run on fake tensors
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            step = f"stopped, {type(e).__name__}: {first[:160]}"
+        measured = {"parameters": held} | _measured(model, optimizer)
+    if built.note:
+        step += f" ({built.note})"
+    report = _report(loaded, built, rank, nodes, world, measured, step)
+    report.collectives, report.stepped = recorder.calls, step.startswith(STEPPED)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _coordinates(rank: int, layout: Layout) -> dict[str, int]:
+    sizes, out = mesh_sizes(layout), {}
+    for axis in reversed(AXES):
+        rank, out[axis] = divmod(rank, sizes[axis])
+    return {a: out[a] for a in AXES}
+
+
+def _stage_count(layout: Layout) -> int:
+    from torchneox.parallel.pipeline import SINGLE
+
+    if layout.pp <= 1:
+        return 1
+    per_rank = 2 if layout.schedule == "zbv" else (1 if layout.schedule in SINGLE else 0)
+    return layout.pp * (per_rank or layout.virtual_stages)
+
+
+def expected_bytes(loaded: LoadedConfig, built: _Built, stages: list[int]) -> dict[str, int]:
+    """What ``estimate`` computes for the shards of ``stages`` (those of shard rank 0)."""
+    from torchneox.estimate.memory import fsdp_ranks
+
+    lay = built.layout
+    method = loaded.config.parallel.pipe_partition_method
+    params = stage_params(loaded, built.derived["padded_vocab_size"], _stage_count(lay), method)
+    opt = optimizer_bytes_per_param(loaded)
+    out = {"parameters": 0, "gradients": 0, "optimizer": 0}
+    for k in stages:
+        resident = state_bytes(params[k], lay, fsdp_ranks(lay), opt)["resident"]
+        out["parameters"] += resident["parameter_shard"]
+        out["gradients"] += resident["gradient_shard"]
+        out["optimizer"] += resident["optimizer"]
+    return out
+
+
+def _files(loaded: LoadedConfig, rank: int) -> list[str]:
+    """The checkpoint files this rank writes at the run's first save."""
+    from torchneox.train.checkpoint import CONFIG_FILE, MANIFEST_FILE, META_FILE, save_iterations
+
+    ck = loaded.config.checkpoint
+    if not ck.save:
+        return []
+    first = min(save_iterations(ck, loaded.config.training.train_iters))
+    step_dir = f"{ck.save}/global_step{first}"
+    files = [f"{step_dir}/__{rank}_0.distcp"]
+    if rank == 0:
+        files += [f"{step_dir}/{n}" for n in (".metadata", CONFIG_FILE, META_FILE, MANIFEST_FILE)]
+        files.append(f"{ck.save}/latest")
+    return files
+
+
+def _spans(built: _Built, per_node: int) -> dict[str, int]:
+    sizes, out = mesh_sizes(built.layout), {}
+    for axis in AXES:
+        if sizes[axis] > 1:
+            ranks = dist.get_process_group_ranks(built.dims.mesh[axis].get_group())
+            out[axis] = len({r // per_node for r in ranks})
+    return out
+
+
+def _report(
+    loaded: LoadedConfig,
+    built: _Built,
+    rank: int,
+    nodes: int,
+    world: int,
+    measured: dict[str, int],
+    step: str,
+) -> RankReport:
+    model, pipeline = built.parts.model, built.parts.pipeline
+    stages = [s.stage_index for s in pipeline.stages] if pipeline else [0]
+    ends = (("embedding", model.embed), ("head", model.final_norm))
+    holds = [name for name, part in ends if part is not None]
+    per_node = world // nodes
+    return RankReport(
+        rank=rank,
+        node=rank // per_node,
+        coordinates=_coordinates(rank, built.layout),
+        stages=stages,
+        layers=sorted(int(n) for n in model.layers),
+        holds=holds,
+        tensors=sum(1 for _ in model.parameters()),
+        bytes=measured,
+        expected=expected_bytes(loaded, built, stages),
+        files=_files(loaded, rank),
+        step=step,
+        spans=_spans(built, per_node) if built.dims.mesh is not None else {},
+    )

@@ -1,0 +1,125 @@
+"""The dry run (train --dry-run): every rank of a layout built on the fake process group, its
+shards equal to what estimate computes, and the collectives of every group agreed on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import torchneox
+from torchneox.cli import main
+from torchneox.config.load import load_config
+from torchneox.estimate.dry_run import check_agreement, dry_run, sample_ranks
+from torchneox.estimate.rehearsal import Collective, RankReport
+from torchneox.estimate.search import estimate
+
+TINY = str(Path(torchneox.__file__).parent / "configs" / "tiny_cpu.yml")
+UNTIED = ["no_weight_tying=true", "train_micro_batch_size_per_gpu=2"]
+
+
+def _loaded(*sets: str):
+    return load_config([TINY], [*UNTIED, *sets])
+
+
+def _assert_holds_estimate(run) -> None:
+    """Every rank stepped; the first shard rank of each stage holds exactly estimate's bytes
+    (torch gives it the rounded-up share), the others no more."""
+    assert not run.problems, run.problems
+    for r in run.ranks:
+        assert r.stepped, (r.rank, r.step)
+        first = r.coordinates["dp"] == r.coordinates["tp"] == r.coordinates["cp"] == 0
+        for part in ("parameters", "gradients", "optimizer"):
+            got, want = r.bytes[part], r.expected[part]
+            assert got == want if first else 0 < got <= want, (r.rank, part, got, want)
+
+
+@pytest.mark.parametrize(
+    "world,sets",
+    [
+        (8, ["pipe_parallel_size=2", "model_parallel_size=2", "zero_optimization.stage=1"]),
+        (8, ["model_parallel_size=2", "zero_optimization.stage=3"]),
+        (4, ["context_parallel_size=2", "zero_optimization.stage=2"]),
+        (4, ["zero_optimization.stage=3", "zero_optimization.mics_shard_size=2"]),
+    ],
+    ids=["pp2-tp2-dp2-zero1", "tp2-dp4-zero3", "cp2-dp2-zero2", "hybrid-2x2"],
+)
+def test_every_rank_builds_agrees_and_holds_estimates_bytes(world, sets):
+    loaded = _loaded(*sets)
+    run = dry_run(loaded, world, ranks="all", workers=2)
+    assert [r.rank for r in run.ranks] == list(range(world))
+    _assert_holds_estimate(run)
+    assert run.groups_checked > 0
+    # the estimate verb's most loaded rank is the heaviest rehearsed one
+    est = estimate(loaded, world)["resident_bytes"]
+    heaviest = max(run.ranks, key=lambda r: r.bytes["parameters"])
+    assert heaviest.bytes["parameters"] == est["parameter_shard"]
+    assert heaviest.bytes["optimizer"] == est["optimizer"]
+
+
+def test_pipeline_ranks_hold_their_stages_and_exchange_activations():
+    loaded = _loaded("pipe_parallel_size=2", "model_parallel_size=2")
+    run = dry_run(loaded, 8, ranks="0,7", workers=2)
+    first, last = run.ranks
+    assert (first.stages, first.layers, first.holds) == ([0], [0, 1], ["embedding"])
+    assert (last.stages, last.layers, last.holds) == ([1], [2, 3], ["head"])
+    sends = [c for c in first.collectives if c.op == "p2p"]
+    hidden = (2, 128, 128)  # micro-batch x sequence x width
+    assert [c.shapes for c in sends] == [(hidden,), (hidden,)]  # activations out, gradients in
+    assert {c.group for c in sends} == {(0, 4), (4, 0)}
+
+
+def test_the_default_sample_is_the_ends_of_every_axis():
+    loaded = _loaded("pipe_parallel_size=2", "model_parallel_size=2")
+    run = dry_run(loaded, 16, workers=2)
+    # mesh (pp 2, dp 4, tp 2): ranks at pp in {0,1} x dp in {0,3} x tp in {0,1}
+    assert [r.rank for r in run.ranks] == [0, 1, 6, 7, 8, 9, 14, 15]
+    assert sample_ranks(run.layout) == [0, 1, 6, 7, 8, 9, 14, 15]
+    _assert_holds_estimate(run)
+
+
+def test_a_disagreement_names_the_ranks_and_the_collective():
+    def report(rank, calls):
+        return RankReport(rank, 0, {}, [0], [], [], 0, {}, {}, [], "", collectives=calls)
+
+    a = Collective("all_gather", (0, 1), ((8,), (16,)))
+    b = Collective("all_gather", (0, 1), ((8,), (32,)))
+    checked, problems = check_agreement([report(0, [a, a]), report(1, [a, b])])
+    assert checked == 1
+    assert problems == [
+        "ranks 0 and 1 disagree on collective 2 of the group of ranks 0, 1: "
+        "all_gather [(8,), (16,)] vs all_gather [(8,), (32,)]"
+    ]
+    _, missing = check_agreement([report(0, [a]), report(1, [])])
+    assert "all_gather [(8,), (16,)] vs nothing (rank 1 made 0)" in missing[0]
+
+
+def test_cli_reports_ranks_files_and_nodes(tmp_path, capsys):
+    sets = [*UNTIED, "model_parallel_size=4", f"save={tmp_path}/ck"]
+    argv = ["train", TINY, *[f"--set={s}" for s in sets], "--dry-run", "--world-size", "8"]
+    assert main([*argv, "--nodes", "4", "--ranks", "0,5"]) == 0
+    text = capsys.readouterr().out
+    assert "rank 0 (node 0): pp 0 dp 0 cp 0 tp 0" in text
+    assert "rank 5 (node 2): pp 0 dp 1 cp 0 tp 1" in text
+    assert f"writes {tmp_path}/ck/global_step800/__5_0.distcp" in text
+    assert "tensor-parallel groups span 2 node(s)" in text
+    assert "keep model_parallel_size within one node's GPUs" in text
+    assert "every rehearsed rank built and holds what estimate computes" in text
+    assert not (tmp_path / "ck").exists()  # nothing written
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--dry-run", "--world-size", "4", "--ranks", "9"], "--ranks '9': ranks run from 0 to 3"),
+        (["--dry-run", "--world-size", "6", "--nodes", "4"], "does not split over --nodes 4"),
+        (["--world-size", "4"], "--world-size is for a dry run: add --dry-run"),
+        (["--dry-run", "--world-size", "3"], "model_parallel_size"),
+    ],
+)
+def test_cli_refuses_in_one_line(flags, message, capsys):
+    sets = [*UNTIED, "model_parallel_size=2"]
+    assert main(["train", TINY, *[f"--set={s}" for s in sets], *flags]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and message in captured.err, captured.err
+    assert captured.out == ""
