@@ -39,6 +39,7 @@ BENCHMARKS = {
     "activation_memory": ("activation_memory.py", [], False),
     "moe": ("moe.py", ["--train-steps", "20"], False),
     "async_checkpoint": ("async_checkpoint.py", ["--layers", "4", "--steps", "12"], False),
+    "dry_run": ("dry_run.py", [], False),
     "convert_memory": ("convert_memory.py", ["--layers", "8", "--hidden", "768"], False),
     "gpu_check": ("gpu_check.py", ["--steps", "10"], True),
 }
