@@ -123,3 +123,44 @@ def test_cli_refuses_in_one_line(flags, message, capsys):
     captured = capsys.readouterr()
     assert captured.err.count("\n") == 1 and message in captured.err, captured.err
     assert captured.out == ""
+
+
+def _as_gloo_runs_it(c: Collective) -> tuple[str, tuple]:
+    """A recorded collective as torch's flight recorder names it on gloo: by its input; FSDP's
+    reduce-scatter runs there as an all-reduce of the whole gradient (gloo has none)."""
+    if c.op == "reduce_scatter":
+        return "all_reduce", c.shapes[-1]
+    return c.op, c.shapes[-1] if c.op == "all_gather" else c.shapes[0]
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [{"zero_optimization": {"stage": 3}}, {"model_parallel_size": 2, "no_weight_tying": True}],
+    ids=["dp2-zero3", "tp2"],
+)
+def test_the_rehearsed_step_calls_the_collectives_a_real_step_calls(keys, make_config, tmp_path):
+    """A real two-process step on gloo, its collectives read from torch's flight recorder,
+    against the dry run of the same config: the same operations in the same order on the
+    same shapes, on each rank."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cfg = make_config(**keys, train_micro_batch_size_per_gpu=2, num_workers=0)
+    out = tmp_path / "flight"
+    out.mkdir()
+    script = Path(__file__).with_name("flight_step.py")
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    run = subprocess.run(
+        [*argv, str(script), cfg, str(out)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    rehearsed = dry_run(load_config([cfg]), 2, ranks="all", workers=2)
+    assert not rehearsed.problems and all(r.stepped for r in rehearsed.ranks)
+    for r in rehearsed.ranks:
+        real = json.loads((out / f"rank{r.rank}.json").read_text())
+        real = [(name.split(":")[-1], tuple(sizes[0]) if sizes else ()) for name, sizes in real]
+        assert [_as_gloo_runs_it(c) for c in r.collectives] == real
+        assert len(real) > 4

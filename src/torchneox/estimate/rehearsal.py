@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from torchneox.config.derive import derive
 from torchneox.config.layout import Layout
@@ -95,22 +95,26 @@ def group_ranks(group: Any) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
 
 
-class CollectiveRecorder(TorchDispatchMode):
-    """Records every collective dispatched while active: the c10d ops FSDP and the process
-    groups call, and the functional ones DTensor and tensor parallelism call."""
+class RecordingFakeMode(FakeTensorMode):
+    """Fake tensors that record every collective run on them while ``recording``: the c10d ops
+    FSDP and the process groups call and the functional ones DTensor and tensor parallelism
+    call. Recorded where fake tensors run their ops, so the collectives DTensor issues inside
+    its own dispatch (the loss-parallel reductions) are seen too; a mode stacked above DTensor
+    would miss those."""
 
     NAMESPACES = ("c10d", "_c10d_functional")
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(allow_non_fake_inputs=True)
         self.calls: list[Collective] = []
+        self.recording = False
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def dispatch(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.name().split("::")[-1]
-        if func.namespace in self.NAMESPACES and not name.startswith("wait"):
+        if self.recording and func.namespace in self.NAMESPACES and not name.startswith("wait"):
             self.calls.append(_describe(name, list(args) + list(kwargs.values())))
-        return func(*args, **kwargs)
+        return super().dispatch(func, types, args, kwargs)
 
 
 def _is_group(a: Any) -> bool:
@@ -284,6 +288,7 @@ def _fake_step(
 ) -> str:
     """One step on fake tensors, as the trainer runs it (inside the fake mode and the recorder):
     forward and backward of a micro-batch, gradient clipping, the optimizer step."""
+    from torchneox.parallel.collectives import mean_over_dp
     from torchneox.parallel.expert_parallel import sync_expert_gradients
 
     cfg = loaded.config
@@ -295,14 +300,18 @@ def _fake_step(
     step.moe_counts = [torch.zeros(m.num_experts, dtype=torch.long) for m in step.moe_layers]
     _balanced_routing(built.parts.model)
     tokens = torch.zeros(built.layout.micro_batch, cfg.model.seq_length + 1, dtype=torch.long)
+    sums: dict[str, torch.Tensor] = {}
     if built.parts.pipeline is not None:
-        _pipeline_step(built, step, tokens, record)
+        loss = _pipeline_step(built, step, tokens, record)
     else:
-        step.forward_backward(tokens, True, {})
+        loss = step.forward_backward(tokens, True, sums)
     if built.dims.ep > 1:
         sync_expert_gradients(built.parts.model, built.dims.mesh, built.dims.dp)
+    # then as TrainStep.__call__ goes on: the loss averaged, gradients applied, metrics averaged
+    mean_over_dp(loss, built.dims)
     step.clip_gradients()
     optimizer.step()
+    step.averaged_metrics(sums)
     return STEPPED
 
 
@@ -319,9 +328,12 @@ def _stage_owners(built: _Built) -> dict[int, int]:
     return owners
 
 
-def _pipeline_step(built: _Built, step: Any, tokens: torch.Tensor, record: Any) -> None:
+def _pipeline_step(built: _Built, step: Any, tokens: torch.Tensor, record: Any) -> torch.Tensor:
     """Each of this rank's stages forward then backward on one micro-batch, the activations
-    and gradients a stage exchanges with its neighbours recorded as point-to-point transfers."""
+    and gradients a stage exchanges with its neighbours recorded as point-to-point transfers;
+    then the loss shared over the stages as the training step shares it."""
+    from torchneox.parallel.collectives import plain, sum_over_pp
+
     p, me = built.parts.pipeline, dist.get_rank()
     owners = _stage_owners(built)
     last = max(owners)
@@ -349,12 +361,14 @@ def _pipeline_step(built: _Built, step: Any, tokens: torch.Tensor, record: Any) 
             out.backward(grad)
             if s != 0 and owners[s - 1] != me:
                 record(Collective("p2p", (me, owners[s - 1]), ((mb, seq, hidden),)))
+    losses = [plain(out).detach().float() for s, out, _ in pending if s == last]
+    local = losses[0] if losses else torch.zeros(())
+    step._share_pipeline_metrics()
+    return sum_over_pp(local, built.dims)
 
 
 def rehearse_rank(loaded: LoadedConfig, world: int, rank: int, nodes: int) -> RankReport:
     """Rank ``rank`` of ``world`` built and stepped on the fake process group."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from torchneox.train.optim import build_optimizer
 
     start = time.perf_counter()
@@ -365,17 +379,18 @@ def rehearse_rank(loaded: LoadedConfig, world: int, rank: int, nodes: int) -> Ra
     if built.parts.reference is not None:
         refs = built.parts.reference_pipeline
         modules += list(refs.parts) if refs else [built.parts.reference]
-    recorder = CollectiveRecorder()
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    recorder = RecordingFakeMode()
+    with recorder:
         _materialize(modules)
         held = _bytes(list(model.parameters()))  # (sharded: FSDP gathers during the step)
         optimizer = build_optimizer(model, loaded.config, "cpu")
+        recorder.recording = True
         try:
-            with recorder:
-                step = _fake_step(built, loaded, optimizer, recorder.calls.append)
+            step = _fake_step(built, loaded, optimizer, recorder.calls.append)
         except Exception as e:  # an op torch cannot run on fake tensors
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             step = f"stopped, {type(e).__name__}: {first[:160]}"
+        recorder.recording = False
         measured = {"parameters": held} | _measured(model, optimizer)
     if built.note:
         step += f" ({built.note})"

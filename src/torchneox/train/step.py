@@ -208,14 +208,20 @@ class TrainStep:
         with self.timers("optimizer"):
             grad_norm, skipped = self.apply_gradients(iteration, bad)
         out = {"lm_loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": float(skipped)}
+        return out | {name: v.item() for name, v in self.averaged_metrics(sums).items()}
+
+    def averaged_metrics(self, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The step's other logged values, each a mean over the data-parallel ranks: the MoE
+        balancing loss, the z-loss, the objective's metrics (as GPT-NeoX averages them)."""
+        out = {}
         if self.moe_layers:
             aux = sums.get("moe_aux_loss", torch.zeros((), device=self.device))
-            out["moe_aux_loss"] = mean_over_dp(aux / self.grad_accum, self.dims).item()
+            out["moe_aux_loss"] = mean_over_dp(aux / self.grad_accum, self.dims)
         if "z_loss" in sums:  # lm_z_loss is set
-            out["z_loss"] = mean_over_dp(sums["z_loss"] / self.grad_accum, self.dims).item()
-        for name, value in sums.items():  # the objective's metrics, as GPT-NeoX averages them
+            out["z_loss"] = mean_over_dp(sums["z_loss"] / self.grad_accum, self.dims)
+        for name, value in sums.items():
             if name not in ("z_loss", "moe_aux_loss"):
-                out[name] = mean_over_dp(value / self.grad_accum, self.dims).item()
+                out[name] = mean_over_dp(value / self.grad_accum, self.dims)
         return out
 
     def clip_gradients(self) -> torch.Tensor:
