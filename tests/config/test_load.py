@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import typing
@@ -344,7 +345,10 @@ def test_config_path_is_read_relative_to_cwd(tmp_path, monkeypatch):
     ids=lambda p: p.name,
 )
 def test_shipped_configs_explain(path):
-    derived = derive(load_config([path]), world_size=8)
+    loaded = load_config([path])
+    par = loaded.config.parallel
+    ranks = max(par.pipe_parallel_size, 1) * par.model_parallel_size * par.context_parallel_size
+    derived = derive(loaded, world_size=math.lcm(8, ranks))  # llama2-70b: tp 8 x pp 4 = 32
     assert derived["num_parameters"] > 0 and derived["train_batch_size"] > 0
 
 
