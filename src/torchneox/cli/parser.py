@@ -228,20 +228,11 @@ def _generate_verb(verbs: argparse._SubParsersAction) -> None:
     )
 
 
-def _train_verbs(verbs: argparse._SubParsersAction) -> None:
-    train = verbs.add_parser("train", help="train a model from GPT-NeoX configs")
-    _add_config_inputs(train)
-    train.add_argument(
-        "--device", type=device_name, help="cpu or cuda (default: cuda when available)"
-    )
-    train.add_argument("--load-step", type=COUNT, help="resume from global_stepN instead of latest")
-    train.add_argument(
-        "--nproc", type=POSITIVE, help="start this many local processes (torchrun --standalone)"
-    )
+def _dry_run_arguments(train: argparse.ArgumentParser) -> None:
     dry = train.add_argument_group(
         "dry run",
         "build the run as each rank of a cluster would, on a fake process group and fake "
-        "tensors, in this one process: no data, no GPU, nothing written (docs/parallelism.md)",
+        "tensors, on this machine: no data, no GPU, nothing written (docs/parallelism.md)",
     )
     dry.add_argument("--dry-run", action="store_true", help="rehearse instead of training")
     dry.add_argument(
@@ -254,6 +245,19 @@ def _train_verbs(verbs: argparse._SubParsersAction) -> None:
         help="'all' or ranks like 0,5,17 (default: the first and last along every mesh axis)",
     )
     dry.add_argument("--json", action="store_true", help="print the reports as one JSON object")
+
+
+def _train_verbs(verbs: argparse._SubParsersAction) -> None:
+    train = verbs.add_parser("train", help="train a model from GPT-NeoX configs")
+    _add_config_inputs(train)
+    train.add_argument(
+        "--device", type=device_name, help="cpu or cuda (default: cuda when available)"
+    )
+    train.add_argument("--load-step", type=COUNT, help="resume from global_stepN instead of latest")
+    train.add_argument(
+        "--nproc", type=POSITIVE, help="start this many local processes (torchrun --standalone)"
+    )
+    _dry_run_arguments(train)
 
     pre = verbs.add_parser("preprocess", help="jsonl/text -> GPT-NeoX .bin/.idx token datasets")
     source_group = pre.add_mutually_exclusive_group(required=True)

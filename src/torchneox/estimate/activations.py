@@ -4,6 +4,7 @@ memory, no compute, only what autograd saves for backward, per layer and for the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -66,6 +67,17 @@ class _BalancedCounts(LocalTokenDispatcher):
         base, extra = divmod(experts.numel(), num_experts)
         counts = [base + (e < extra) for e in range(num_experts)]
         return torch.tensor(counts, device=experts.device), counts
+
+
+def route_evenly(moe: Any) -> None:
+    """An MoE layer made to route fake tokens: every expert an equal share (fake tensors have
+    no values to route by), Sinkhorn without its early stop (they cannot be compared). Expert
+    parallelism's dispatcher is left as it is (its all-to-all is sized by the routing)."""
+    from torchneox.parallel.expert_parallel import AllToAllTokenDispatcher
+
+    if not isinstance(moe.dispatcher, AllToAllTokenDispatcher):
+        moe.dispatcher = _BalancedCounts()
+    moe.sinkhorn_tol = None
 
 
 class _SavedBytes:
@@ -152,8 +164,7 @@ def _trace_on(
         model.train()
         for module in model.modules():
             if isinstance(module, MoE):
-                module.dispatcher = _BalancedCounts()
-                module.sinkhorn_tol = None  # no early stop: fake tensors cannot be compared
+                route_evenly(module)
                 module.register_forward_pre_hook(rec.enter)
                 module.register_forward_hook(rec.leave)
         tokens = torch.zeros(batch, seq // cp + 1, dtype=torch.long)

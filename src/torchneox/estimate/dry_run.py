@@ -1,5 +1,6 @@
 """The dry run (``train CONFIGS --dry-run --world-size N``): a run's parallel build rehearsed,
-rank after rank, in this one process (``rehearsal``), before a cluster's time is spent.
+rank after rank on this machine (``rehearsal``, in a forked process per rank), before a
+cluster's time is spent.
 
 Reported per rank: its coordinates in the mesh, its pipeline stage and layers, the bytes of its
 parameter, gradient and optimizer shards (measured, beside ``estimate``'s), the checkpoint

@@ -86,13 +86,24 @@ def _join(rank: int, world: int) -> None:
 
 
 def group_ranks(group: Any) -> tuple[int, ...]:
+    """The global ranks of a collective's group: a ProcessGroup (as c10d ops get it, boxed) or
+    a registered group name (as the functional collectives get it)."""
     if isinstance(group, str):
         from torch.distributed.distributed_c10d import _resolve_process_group
 
         group = _resolve_process_group(group)
-    elif not isinstance(group, dist.ProcessGroup):
-        group = dist.ProcessGroup.unbox(group)
     return tuple(dist.get_process_group_ranks(group))
+
+
+def _as_group(a: Any) -> dist.ProcessGroup | None:
+    if isinstance(a, dist.ProcessGroup):
+        return a
+    if isinstance(a, torch.ScriptObject):
+        try:
+            return dist.ProcessGroup.unbox(a)
+        except RuntimeError:  # another c10d class (a ReduceOp)
+            return None
+    return None
 
 
 class RecordingFakeMode(FakeTensorMode):
@@ -117,16 +128,6 @@ class RecordingFakeMode(FakeTensorMode):
         return super().dispatch(func, types, args, kwargs)
 
 
-def _is_group(a: Any) -> bool:
-    if not isinstance(a, torch.ScriptObject):
-        return False
-    try:
-        dist.ProcessGroup.unbox(a)
-    except RuntimeError:  # another c10d class (a ReduceOp)
-        return False
-    return True
-
-
 def _describe(name: str, args: list[Any]) -> Collective:
     shapes: list[tuple] = []
     group: tuple[int, ...] = ()
@@ -135,8 +136,8 @@ def _describe(name: str, args: list[Any]) -> Collective:
             if isinstance(t, torch.Tensor):
                 shapes.append(tuple(t.shape))
     for a in reversed(args):
-        if isinstance(a, dist.ProcessGroup) or _is_group(a):
-            group = group_ranks(a)
+        if (pg := _as_group(a)) is not None:
+            group = group_ranks(pg)
             break
     else:  # functional collectives name their group last
         names = [a for a in args if isinstance(a, str)]
@@ -168,6 +169,7 @@ class _Built:
     dims: Any
     args: Any
     parts: Any
+    objective: Any
     note: str = ""
 
 
@@ -175,6 +177,7 @@ def _build(loaded: LoadedConfig, world: int) -> _Built:
     from torchneox.models.args import ModelArgs
     from torchneox.parallel.dims import ParallelDims
     from torchneox.parallel.parallelize import build_parallel_model, build_reference
+    from torchneox.train.objectives import objective_for
     from torchneox.train.trainer import require
 
     cfg = loaded.config
@@ -192,11 +195,12 @@ def _build(loaded: LoadedConfig, world: int) -> _Built:
     note = ""
     if layout.zero == 0 and dims.batch_ranks > 1 and dims.tp == 1 and dims.pp == 1:
         note = "DDP is not built on meta tensors: its gradient all-reduce is not recorded"
-    if cfg.training.train_impl in ("dpo", "kto") and not cfg.textgen.precompute_model_name:
+    objective = objective_for(cfg, 0)  # fake tokens have no values: any end-of-document id
+    if objective.needs_reference:
         parts.reference, parts.reference_pipeline = build_reference(
             args, dims, layout, meta, training.seed, method
         )
-    return _Built(d, layout, dims, args, parts, note)
+    return _Built(d, layout, dims, args, parts, objective, note)
 
 
 def _without_compile(training: Any) -> Any:
@@ -257,30 +261,16 @@ def _measured(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict
 def _train_step(built: _Built, loaded: LoadedConfig, optimizer: torch.optim.Optimizer) -> Any:
     """The trainer's TrainStep over the built model (its forward/backward and clipping run)."""
     from torchneox.train.metrics import Timers
-    from torchneox.train.objectives import objective_for
     from torchneox.train.precision import LossScaler
     from torchneox.train.step import GradientPolicy, TrainStep
 
     cfg, d = loaded.config, built.derived
-    objective = objective_for(cfg, 0)  # fake tokens have no values: any end-of-document id
     policy = GradientPolicy(d["gradient_clipping"], cfg.training.skip_nonfinite_steps)
     return TrainStep(
-        built.parts, optimizer, LossScaler.from_config(cfg, d["precision"]), objective, policy,
+        built.parts, optimizer, LossScaler.from_config(cfg, d["precision"]), built.objective, policy,
         built.dims, torch.device("cpu"), d["precision"], built.layout.gas, Timers(False, None),
         lambda text: None, lambda: "",
     )  # fmt: skip
-
-
-def _balanced_routing(model: nn.Module) -> None:
-    """MoE layers route fake tokens evenly (fake tensors have no values to route by)."""
-    from torchneox.estimate.activations import _BalancedCounts
-    from torchneox.models.moe import LocalTokenDispatcher, MoE
-
-    for module in model.modules():
-        if isinstance(module, MoE):
-            if type(module.dispatcher) is LocalTokenDispatcher:
-                module.dispatcher = _BalancedCounts()
-            module.sinkhorn_tol = None
 
 
 def _fake_step(
@@ -288,8 +278,8 @@ def _fake_step(
 ) -> str:
     """One step on fake tensors, as the trainer runs it (inside the fake mode and the recorder):
     forward and backward of a micro-batch, gradient clipping, the optimizer step."""
+    from torchneox.estimate.activations import route_evenly
     from torchneox.parallel.collectives import mean_over_dp
-    from torchneox.parallel.expert_parallel import sync_expert_gradients
 
     cfg = loaded.config
     if cfg.training.train_impl != "normal":
@@ -298,15 +288,14 @@ def _fake_step(
         return "not rehearsed: expert parallelism sizes its all-to-all by the routing's values"
     step = _train_step(built, loaded, optimizer)
     step.moe_counts = [torch.zeros(m.num_experts, dtype=torch.long) for m in step.moe_layers]
-    _balanced_routing(built.parts.model)
+    for moe in step.moe_layers:
+        route_evenly(moe)
     tokens = torch.zeros(built.layout.micro_batch, cfg.model.seq_length + 1, dtype=torch.long)
     sums: dict[str, torch.Tensor] = {}
     if built.parts.pipeline is not None:
         loss = _pipeline_step(built, step, tokens, record)
     else:
         loss = step.forward_backward(tokens, True, sums)
-    if built.dims.ep > 1:
-        sync_expert_gradients(built.parts.model, built.dims.mesh, built.dims.dp)
     # then as TrainStep.__call__ goes on: the loss averaged, gradients applied, metrics averaged
     mean_over_dp(loss, built.dims)
     step.clip_gradients()
