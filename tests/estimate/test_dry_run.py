@@ -41,8 +41,9 @@ def _assert_holds_estimate(run) -> None:
         (8, ["model_parallel_size=2", "zero_optimization.stage=3"]),
         (4, ["context_parallel_size=2", "zero_optimization.stage=2"]),
         (4, ["zero_optimization.stage=3", "zero_optimization.mics_shard_size=2"]),
+        (8, ["pipe_parallel_size=2", "context_parallel_size=2", "zero_optimization.stage=1"]),
     ],
-    ids=["pp2-tp2-dp2-zero1", "tp2-dp4-zero3", "cp2-dp2-zero2", "hybrid-2x2"],
+    ids=["pp2-tp2-dp2-zero1", "tp2-dp4-zero3", "cp2-dp2-zero2", "hybrid-2x2", "pp2-cp2-dp2-zero1"],
 )
 def test_every_rank_builds_agrees_and_holds_estimates_bytes(world, sets):
     loaded = _loaded(*sets)
@@ -57,16 +58,23 @@ def test_every_rank_builds_agrees_and_holds_estimates_bytes(world, sets):
     assert heaviest.bytes["optimizer"] == est["optimizer"]
 
 
-def test_pipeline_ranks_hold_their_stages_and_exchange_activations():
-    loaded = _loaded("pipe_parallel_size=2", "model_parallel_size=2")
-    run = dry_run(loaded, 8, ranks="0,7", workers=2)
+@pytest.mark.parametrize("cp", [1, 2])
+def test_pipeline_ranks_hold_their_stages_and_exchange_activations(cp):
+    loaded = _loaded("pipe_parallel_size=2", "model_parallel_size=2", f"context_parallel_size={cp}")
+    run = dry_run(loaded, 8 * cp, ranks=f"0,{8 * cp - 1}", workers=2)
     first, last = run.ranks
     assert (first.stages, first.layers, first.holds) == ([0], [0, 1], ["embedding"])
     assert (last.stages, last.layers, last.holds) == ([1], [2, 3], ["head"])
     sends = [c for c in first.collectives if c.op == "p2p"]
-    hidden = (2, 128, 128)  # micro-batch x sequence x width
+    hidden = (2, 128 // cp, 128)  # micro-batch x this rank's part of the sequence x width
     assert [c.shapes for c in sends] == [(hidden,), (hidden,)]  # activations out, gradients in
-    assert {c.group for c in sends} == {(0, 4), (4, 0)}
+    assert {c.group for c in sends} == {(0, 4 * cp), (4 * cp, 0)}
+    # context parallel: each of the stage's 2 layers gathers its keys and values stacked
+    # [2, micro-batch, local heads, local sequence, head size] over the context ranks (0, 2)
+    gathers = [c for c in first.collectives if c.op == "all_gather" and len(c.shapes[0]) == 5]
+    assert [(c.group, c.shapes) for c in gathers] == [((0, 2), ((2, 2, 2, 64, 32),))] * (
+        2 if cp > 1 else 0
+    )
 
 
 def test_the_default_sample_is_the_ends_of_every_axis():

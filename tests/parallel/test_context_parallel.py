@@ -1,6 +1,6 @@
 """Context parallelism (``context_parallel_size``): every sample's sequence split over ranks in
 load-balanced chunks, attention over the gathered keys and values. With 2 and 4 context ranks,
-alone, with data parallelism (each ZeRO stage) and with tensor parallelism, training equals
+alone, with data parallelism (each ZeRO stage), with tensor and with pipeline parallelism, training equals
 one process over several steps; with document masking too; checkpoints resume across layouts;
 what is not built is refused in one line."""
 
@@ -56,9 +56,16 @@ def baseline(config, tmp_path_factory):
             ["model_parallel_size=2", "sequence_parallel=true", "train_micro_batch_size_per_gpu=4"],
             4,
         ),
+        (2, ["pipe_parallel_size=2", "train_micro_batch_size_per_gpu=4"], 4),
+        (2, ["pipe_parallel_size=2", "pipeline_schedule=gpipe", "zero_optimization.stage=3",
+          "train_micro_batch_size_per_gpu=2"], 8),
+        (2, ["pipe_parallel_size=2", "model_parallel_size=2", "train_micro_batch_size_per_gpu=4"], 8),
     ],
-    ids=["cp2", "cp4", "cp2-dp2-zero0", "cp2-dp2-zero1", "cp2-dp4-zero3", "cp2-tp2", "cp2-tp2-sp"],
-)
+    ids=[
+        "cp2", "cp4", "cp2-dp2-zero0", "cp2-dp2-zero1", "cp2-dp4-zero3", "cp2-tp2", "cp2-tp2-sp",
+        "cp2-pp2", "cp2-pp2-gpipe-dp2-zero3", "cp2-pp2-tp2",
+    ],
+)  # fmt: skip
 def test_equals_one_process(config, tmp_path, baseline, cp, others, nproc):
     out = tmp_path / "cp"
     run = train(
@@ -111,15 +118,29 @@ def test_checkpoints_resume_across_layouts(
     assert_resumes_like_whole(cfg, tmp_path, [], first, first_nproc, then, then_nproc)
 
 
+def test_interleaved_pipeline_stages_resume_as_one_process(make_config, tmp_path):
+    # two stages per pipeline rank, each running under the rank's part of the sequence
+    cfg = make_config(
+        "long.yml", train_micro_batch_size_per_gpu=4, train_iters=6, num_layers=4, **KEYS
+    )
+    first = [
+        "context_parallel_size=2",
+        "pipe_parallel_size=2",
+        "pipeline_schedule=interleaved_1f1b",
+    ]
+    assert_resumes_like_whole(cfg, tmp_path, [], first, 4, [], 1)
+
+
 @pytest.mark.parametrize(
     ("keys", "nproc", "said"),
     [
         (["seq_length=36"], 4, "seq_length 36 must be a multiple of 2 x context_parallel_size = 8"),
-        (["pipe_parallel_size=2"], 8, "with pipe_parallel_size >= 2 is not built yet"),
+        (["moe_num_experts=2", "expert_parallel_size=2", "train_micro_batch_size_per_gpu=2"], 8,
+         "with expert_parallel_size > 1 is not built yet"),
         (["model_parallel_size=3"], 8, "world size 8 is not divisible by pipeline stages 1 x "
          "model_parallel_size 3 x context_parallel_size 4"),
     ],
-    ids=["seq-length", "pipeline", "world"],
+    ids=["seq-length", "experts", "world"],
 )  # fmt: skip
 def test_what_is_not_built_is_one_line(config, keys, nproc, said):
     args = [sys.executable, "-m", "torchneox", "train", config, "--nproc", str(nproc)]

@@ -344,7 +344,6 @@ def _context_parallel(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
             cause="seq_length",
         )
     others = (
-        (lay.pp > 1, "pipe_parallel_size >= 2", "pipe_parallel_size"),
         (lay.ep > 1, "expert_parallel_size > 1", "expert_parallel_size"),
         (lay.hybrid, "mics_shard_size (hybrid sharding)", "zero_optimization"),
         (
@@ -357,7 +356,7 @@ def _context_parallel(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
         if broken:
             return _refuse(
                 f"context_parallel_size > 1 with {what} is not built yet; context parallelism "
-                "runs with data parallelism (any ZeRO stage) and tensor parallelism",
+                "runs with data parallelism (any ZeRO stage), tensor and pipeline parallelism",
                 key=key,
                 cause=cause,
             )

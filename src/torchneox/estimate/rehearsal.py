@@ -326,20 +326,21 @@ def _pipeline_step(built: _Built, step: Any, tokens: torch.Tensor, record: Any) 
     p, me = built.parts.pipeline, dist.get_rank()
     owners = _stage_owners(built)
     last = max(owners)
-    mb, seq, hidden = tokens.shape[0], tokens.shape[1] - 1, built.args.hidden_size
+    inputs, target = step._pipeline_inputs([tokens])  # context parallel: this rank's chunks
+    mb, seq, hidden = inputs.shape[0], inputs.shape[1], built.args.hidden_size
     pending = []
     with step._loss_context(), step._autocast():
         for part, stage in zip(p.parts, p.stages, strict=True):
             s = stage.stage_index
             if s == 0:
-                x = tokens[:, :-1]
+                x = inputs
             else:
                 x = torch.empty(mb, seq, hidden, requires_grad=True)
                 if owners[s - 1] != me:
                     record(Collective("p2p", (owners[s - 1], me), ((mb, seq, hidden),)))
             out = part(x)
             if s == last:
-                pending.append((s, step.pipeline_loss(out, tokens[:, 1:]), None))
+                pending.append((s, step.pipeline_loss(out, target), None))
                 continue
             if owners[s + 1] != me:
                 record(Collective("p2p", (me, owners[s + 1]), (tuple(out.shape),)))

@@ -97,6 +97,9 @@ class Transformer(nn.Module):
         )
         # a reward model's head (GPT-NeoX's rm_linear): one value per position
         self.value_head = nn.Linear(h, 1, bias=False) if args.value_head else None
+        self.stage_context: ContextShard | None = None
+        """A pipeline stage under context parallelism: the ``context`` of every forward (the
+        schedule passes a later stage only the hidden states)."""
         self._make_buffers(device=None)
 
     # ------------------------------------------------------------------ buffers and init
@@ -234,6 +237,7 @@ class Transformer(nn.Module):
         t = tokens_BT.shape[1]
         start = cache.length if cache is not None else 0
         length = None
+        context = context if context is not None else self.stage_context
         if context is not None:
             length = context.length
             if positions_BT is None:

@@ -89,3 +89,17 @@ def split_sequence(prep, mesh: DeviceMesh):
         context=context,
         counted=counted,
     )
+
+
+def split_pipeline_batch(
+    inputs: torch.Tensor, target: torch.Tensor, mesh: DeviceMesh
+) -> tuple[torch.Tensor, torch.Tensor, ContextShard]:
+    """This rank's part of a pipeline's language-modelling batch (inputs and next tokens,
+    [B, T] each), and the ``ContextShard`` every stage runs under. Under a pipeline every
+    token counts (its stages refuse loss masks), so a rank's mean loss over its own tokens
+    is its share of the micro-batch's loss times ``cp``: the gradient the reduction over the
+    data- and context-parallel ranks averages; the logged loss divides by ``cp``."""
+    context = shard_of(
+        inputs.shape[1], mesh.size(), mesh.get_local_rank(), _gatherer(mesh), inputs.device
+    )
+    return inputs[:, context.index], target[:, context.index], context

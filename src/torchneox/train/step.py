@@ -16,7 +16,7 @@ from torchneox.base.faults import fault_point
 from torchneox.data.loader import Batch
 from torchneox.models.moe import MoE
 from torchneox.parallel.collectives import mean_over_dp, plain, sum_over_pp, sum_router_stats
-from torchneox.parallel.context_parallel import split_sequence
+from torchneox.parallel.context_parallel import split_pipeline_batch, split_sequence
 from torchneox.parallel.data_parallel import set_gradient_sync
 from torchneox.parallel.dims import ParallelDims
 from torchneox.parallel.expert_parallel import sync_expert_gradients
@@ -133,6 +133,13 @@ class TrainStep:
         post-training micro-batches prepared, with the reference's log-probabilities."""
         if not isinstance(micro_batches[0], dict):
             tokens = torch.cat(micro_batches).to(self.device, non_blocking=True)
+            if self.dims.cp > 1:  # this rank's chunks of every sequence, in every stage
+                inputs, target, context = split_pipeline_batch(
+                    tokens[:, :-1], tokens[:, 1:], self.dims.mesh["cp"]
+                )
+                for part in self.parts.pipeline.parts:
+                    part.stage_context = context
+                return inputs, target
             return tokens[:, :-1], tokens[:, 1:]
         batches = [to_device(b, self.device) for b in micro_batches]
         inputs, target, preps = prepared_batch(self.objective, batches)
@@ -163,7 +170,8 @@ class TrainStep:
                     p, inputs, target, self.grad_accum, self.dims.mesh["pp"], loss_fn
                 )
                 self._share_pipeline_metrics()
-                return sum_over_pp(local, self.dims)  # only the last stage adds a loss
+                # only the last stage adds a loss; a context rank's is its tokens' mean
+                return sum_over_pp(local / self.dims.cp, self.dims)
             losses: list[torch.Tensor] = []
             args = (inputs,) if p.has_first else ()
             kwargs = {"target": target, "losses": losses} if p.has_last else {}
@@ -171,9 +179,8 @@ class TrainStep:
                 p.schedule.step(*args, **kwargs)
         local = torch.zeros((), device=self.device)
         if p.has_last:
-            local = (
-                torch.stack([plain(x).detach().float() for x in losses]).mean() / self.scaler.scale
-            )
+            local = torch.stack([plain(x).detach().float() for x in losses]).mean()
+            local = local / (self.scaler.scale * self.dims.cp)  # cp: its tokens' share
         self._share_pipeline_metrics()
         return sum_over_pp(local, self.dims)
 
