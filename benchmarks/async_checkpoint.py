@@ -1,6 +1,7 @@
 """Training with checkpoints written in the step (the default) against in the background
-(`async_checkpointing: true`): the run's wall time, and the step time of steps that run while a
-background save is in flight against steps that do not.
+(`async_checkpointing: true`, with the writer process and with the writer thread): the run's
+wall time, and the step time of steps that run while a background save is in flight against
+steps that do not (with the spread of the latter: the noise).
 
     python benchmarks/async_checkpoint.py [--layers 8] [--hidden 512] [--steps 24] [--every 4]
 
@@ -76,28 +77,41 @@ def main() -> None:
             "eval_iters": 0,
         }
         sync = run(root, "sync", keys)
-        background = run(root, "background", keys | {"async_checkpointing": True})
+        writers = {
+            kind: run(
+                root, kind, keys | {"async_checkpointing": True, "async_checkpoint_writer": kind}
+            )
+            for kind in ("process", "thread")
+        }
     # the step right after each save runs while its files are written
     after_save = [s + 1 for s in range(args.every, args.steps, args.every)]
-    in_flight = [background["steps"][s] for s in after_save if s in background["steps"]]
-    quiet = [t for s, t in background["steps"].items() if s not in after_save and s > 1]
-    print(
-        json.dumps(
-            {
-                "benchmark": "async_checkpoint",
-                "layers": args.layers,
-                "hidden": args.hidden,
-                "saves": args.steps // args.every,
-                "sync_wall_s": round(sync["wall_s"], 2),
-                "async_wall_s": round(background["wall_s"], 2),
-                "async_step_ms_save_in_flight": round(1000 * statistics.median(in_flight), 1),
-                "async_step_ms_no_save": round(1000 * statistics.median(quiet), 1),
-                "sync_step_ms": round(
-                    1000 * statistics.median(t for s, t in sync["steps"].items() if s > 1), 1
-                ),
-            }
-        )
-    )
+    row = {
+        "benchmark": "async_checkpoint",
+        "layers": args.layers,
+        "hidden": args.hidden,
+        "saves": args.steps // args.every,
+        "sync_wall_s": round(sync["wall_s"], 2),
+        "sync_step_ms": _ms(statistics.median(t for s, t in sync["steps"].items() if s > 1)),
+        # the same steps of the run that saves in the step: after a save, none in flight
+        "sync_step_ms_after_save": _ms(
+            statistics.median(sync["steps"][s] for s in after_save if s in sync["steps"])
+        ),
+    }
+    for kind, result in writers.items():
+        steps = result["steps"]
+        in_flight = [steps[s] for s in after_save if s in steps]
+        quiet = [t for s, t in steps.items() if s not in after_save and s > 1]
+        row |= {
+            f"{kind}_wall_s": round(result["wall_s"], 2),
+            f"{kind}_step_ms_save_in_flight": _ms(statistics.median(in_flight)),
+            f"{kind}_step_ms_no_save": _ms(statistics.median(quiet)),
+            f"{kind}_step_ms_no_save_stdev": _ms(statistics.stdev(quiet)),
+        }
+    print(json.dumps(row))
+
+
+def _ms(seconds: float) -> float:
+    return round(1000 * seconds, 1)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ def checkpoint_group(save, **keys) -> SimpleNamespace:
         no_load_rng=False,
         finetune=False,
         async_checkpointing=False,
+        async_checkpoint_writer="process",
     )
     return SimpleNamespace(**(ck | keys))
 

@@ -329,6 +329,13 @@ class CheckpointConfig:
         "state is copied at the save step and training goes on while it is written; 'latest' "
         "moves only once every rank's files are complete.",
     )
+    async_checkpoint_writer: Literal["process", "thread"] = extension(
+        "process",
+        "What writes a background checkpoint: 'process', a writer process per rank started "
+        "with the run (the step does not share its interpreter; the state is staged in shared "
+        "memory, /dev/shm), or 'thread', torch distributed checkpoint's writer thread (staged in "
+        "the process's memory). Without room in /dev/shm the run says so and uses the thread.",
+    )
     checkpoint_validation_with_forward_pass: bool = no_effect(
         False,
         "Store a forward pass with the checkpoint and check it on load.",

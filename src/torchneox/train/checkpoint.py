@@ -478,7 +478,9 @@ class CheckpointManager:
         if self.save_dir is not None and ck.async_checkpointing:
             from torchneox.train.async_checkpoint import BackgroundSaves
 
-            self.background = BackgroundSaves(self.save_dir, config_yaml, line)
+            self.background = BackgroundSaves(
+                self.save_dir, config_yaml, line, ck.async_checkpoint_writer
+            )
 
     def last_good(self) -> str:
         latest = self.save_dir / "latest" if self.save_dir is not None else None
@@ -526,8 +528,10 @@ class CheckpointManager:
 
     def finish(self) -> None:
         """Wait for a background save and finish it (before the run ends)."""
-        if self.background is not None and self.background.finish(wait=True):
-            self._rotate()
+        if self.background is not None:
+            if self.background.finish(wait=True):
+                self._rotate()
+            self.background.close()
 
     def _rotate(self) -> None:
         keep = self.ck.keep_last_n_checkpoints
