@@ -91,10 +91,43 @@ def test_the_writer_process_writes_the_files_dcp_save_writes(tmp_path):
             dcp.load(back, checkpoint_id=str(tmp_path / attempt))
             assert torch.equal(back["model"]["w"], written)
             dcp.save(state, checkpoint_id=str(tmp_path / "dcp"))
-        assert len(writer.buffers) == 3  # w, b and the RNG state; the objects go as bytes
+            if attempt == "first":
+                flat = writer.flat
+        assert writer.flat is flat  # the same shapes: the same shared buffer
+        assert len(writer.layout) == 3  # w, b and the RNG state; the objects go as bytes
     finally:
         writer.close()
     assert not writer.proc.is_alive()
+
+
+def test_thousands_of_tensors_stage_in_one_shared_buffer(tmp_path):
+    # a large model's optimizer has thousands of tensors; each in shared memory of its own
+    # would hold a file descriptor, past the usual limit of 1024
+    script = (
+        "import resource, sys, torch\n"
+        "import torch.distributed.checkpoint as dcp\n"
+        "from torchneox.train.checkpoint_writer import WriterProcess\n"
+        "if __name__ == '__main__':\n"
+        "    resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))\n"
+        "    state = {'opt': {str(i): torch.full((3, i % 5), float(i)) for i in range(3000)}}\n"
+        "    w = WriterProcess()\n"
+        "    w.start(state, sys.argv[1], None)\n"
+        "    w.finish(None)\n"
+        "    w.close()\n"
+        "    back = {'opt': {str(i): torch.zeros(3, i % 5) for i in range(3000)}}\n"
+        "    dcp.load(back, checkpoint_id=sys.argv[1])\n"
+        "    assert all(torch.equal(back['opt'][k], state['opt'][k]) for k in state['opt'])\n"
+        "    print('ok')\n"
+    )
+    path = tmp_path / "many.py"
+    path.write_text(script)
+    run = subprocess.run(
+        [sys.executable, str(path), str(tmp_path / "ck")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
 
 
 def test_the_writer_process_dies_with_its_parent(tmp_path):

@@ -93,7 +93,7 @@ class BackgroundSaves:
         """Whether shared memory can hold the staged state (once its buffers exist, it can);
         if not, the run says so and the writer thread takes over."""
         assert self.process is not None
-        if self.process.buffers:
+        if self.process.layout:
             return True
         need = sum(t.numel() * t.element_size() for t in _local_tensors(tensors))
         try:

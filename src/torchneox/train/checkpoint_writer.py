@@ -40,15 +40,26 @@ def _key(item: WriteItem) -> Key:
     return item.index.fqn, None if offset is None else tuple(offset)
 
 
+Layout = dict[Key, tuple[int, torch.dtype, tuple[int, ...]]]
+"""Where each staged tensor sits in the one shared buffer: byte offset, dtype, shape."""
+
+
+def _piece(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]):
+    size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    return flat[offset : offset + size].view(dtype).view(shape)
+
+
 class _Staged(SavePlanner):
     """The writer process's planner: it only hands the file writer the staged pieces."""
 
-    def __init__(self, data: dict[Key, Any]):
-        self.data = data
+    def __init__(self, flat: torch.Tensor, layout: Layout, objects: dict[Key, bytes]):
+        self.flat, self.layout, self.objects = flat, layout, objects
 
     def resolve_data(self, write_item: WriteItem) -> Any:
-        value = self.data[_key(write_item)]
-        return io.BytesIO(value) if isinstance(value, bytes) else value
+        key = _key(write_item)
+        if key in self.objects:
+            return io.BytesIO(self.objects[key])
+        return _piece(self.flat, *self.layout[key])
 
     def set_up_planner(self, *args: Any, **kwargs: Any) -> None:  # pragma: no cover
         raise NotImplementedError("the writer process only writes a finished plan")
@@ -74,14 +85,14 @@ def _serve(conn: Any, parent: int) -> None:
             return
         if request is None:
             return
-        writer, plan, data = request
+        writer, plan, staged = request
         try:
-            written = writer.write_data(plan, _Staged(data))
+            written = writer.write_data(plan, _Staged(*staged))
             written.wait()
             conn.send(written.value())
         except Exception as e:  # sent back, raised in the training process
             conn.send(OSError(f"{type(e).__name__}: {e}"))
-        del request, data
+        del request, staged
 
 
 class WriterProcess:
@@ -93,20 +104,30 @@ class WriterProcess:
         self.proc = ctx.Process(target=_serve, args=(child, os.getpid()), daemon=True)
         self.proc.start()
         child.close()
-        self.buffers: dict[Key, torch.Tensor] = {}
+        self.flat = torch.empty(0, dtype=torch.uint8)
+        """The staged tensors, in one shared-memory buffer (one file descriptor, however many
+        tensors; reused while the state keeps its shapes)."""
+        self.layout: Layout = {}
         self.pending: tuple[FileSystemWriter, Metadata | None] | None = None
         self.answer: Any = None
 
-    def _stage(self, item: WriteItem, value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value.getvalue()  # a pickled object: its bytes
-        value = value.detach()
-        buffer = self.buffers.get(_key(item))
-        if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
-            buffer = torch.empty(value.shape, dtype=value.dtype).share_memory_()
-            self.buffers[_key(item)] = buffer
-        buffer.copy_(value)
-        return buffer
+    def _stage(self, values: dict[Key, Any]) -> tuple[torch.Tensor, Layout, dict[Key, bytes]]:
+        """Copy this rank's pieces: tensors into the shared buffer, objects as their bytes."""
+        layout: Layout = {}
+        objects: dict[Key, bytes] = {}
+        end = 0
+        for key, value in values.items():
+            if not isinstance(value, torch.Tensor):
+                objects[key] = value.getvalue()  # a pickled object
+                continue
+            layout[key] = (end, value.dtype, tuple(value.shape))
+            end += -(-value.numel() * value.element_size() // 64) * 64  # aligned for any dtype
+        if layout != self.layout:
+            self.flat = torch.empty(end, dtype=torch.uint8).share_memory_()
+            self.layout = layout
+        for key, where in layout.items():
+            _piece(self.flat, *where).copy_(values[key].detach())
+        return self.flat, layout, objects
 
     def start(self, state: dict[str, Any], path: str, group: Any) -> None:
         """Plan ``state``'s save into ``path`` with the other ranks (collective over ``group``),
@@ -133,9 +154,9 @@ class WriterProcess:
         else:
             central = plans
         plan = planner.finish_plan(central[0])
-        data = {_key(item): self._stage(item, planner.resolve_data(item)) for item in plan.items}
+        staged = self._stage({_key(item): planner.resolve_data(item) for item in plan.items})
         self.answer = None
-        self.conn.send((writer, plan, data))
+        self.conn.send((writer, plan, staged))
         self.pending = (writer, metadata)
 
     def done(self) -> bool:
