@@ -325,9 +325,9 @@ class CheckpointConfig:
     finetune: bool = key(False, "Load weights only and start at step 0 with a fresh optimizer.")
     async_checkpointing: bool = extension(
         False,
-        "Write checkpoints in the background (torch distributed checkpoint's async save): the "
-        "state is copied at the save step and training goes on while it is written; 'latest' "
-        "moves only once every rank's files are complete.",
+        "Write checkpoints in the background (async_checkpoint_writer says what writes them): "
+        "the state is copied at the save step and training goes on while it is written; "
+        "'latest' moves only once every rank's files are complete.",
     )
     async_checkpoint_writer: Literal["process", "thread"] = extension(
         "process",
