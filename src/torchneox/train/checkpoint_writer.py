@@ -45,7 +45,7 @@ Layout = dict[Key, tuple[int, torch.dtype, tuple[int, ...]]]
 
 
 def _piece(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]):
-    size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    size = torch.Size(shape).numel() * dtype.itemsize
     return flat[offset : offset + size].view(dtype).view(shape)
 
 
