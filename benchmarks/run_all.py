@@ -21,6 +21,11 @@ HERE = Path(__file__).resolve().parent
 # name: (script, arguments, needs a GPU)
 BENCHMARKS = {
     "train_vs_hf": ("train_vs_hf.py", ["--shape", "14m", "--steps", "20"], False),
+    "cpu_speed": (  # nanoGPT's recipe side by side, and the Pythia shapes against transformers
+        "cpu_speed.py",
+        ["--steps", "20", "--rounds", "3", "--shapes", "14m", "70m", "--pythia-scale", "0.5"],
+        False,
+    ),
     "generation": ("generation.py", ["--shape", "70m", "--tokens", "32"], False),
     "preprocess": ("preprocess.py", ["--mb", "5"], False),
     "index_build": ("index_build.py", ["--tokens", "1e8"], False),

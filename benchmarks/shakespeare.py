@@ -22,17 +22,10 @@ from torchneox.train.trainer import Trainer
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument(
-        "--text", default=str(ROOT.parent / "shared/data/corpora/tinyshakespeare.txt")
-    )
-    parser.add_argument("--out", default=str(ROOT / "runs" / "shakespeare"))
-    parser.add_argument("--set", dest="overrides", action="append", default=[])
-    args = parser.parse_args()
-    out = Path(args.out)
+def prepare(text: Path, out: Path) -> str:
+    """The text as speeches in a jsonl file, preprocessed character-level; the data prefix."""
     out.mkdir(parents=True, exist_ok=True)
-    speeches = [s.strip("\n") for s in re.split(r"\n\n+", Path(args.text).read_text()) if s.strip()]
+    speeches = [s.strip("\n") for s in re.split(r"\n\n+", text.read_text()) if s.strip()]
     (out / "shakespeare.jsonl").write_text(
         "".join(json.dumps({"text": s}) + "\n" for s in speeches)
     )
@@ -44,6 +37,19 @@ def main() -> None:
             append_eod=True,
         )
     )
+    return prefix
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument(
+        "--text", default=str(ROOT.parent / "shared/data/corpora/tinyshakespeare.txt")
+    )
+    parser.add_argument("--out", default=str(ROOT / "runs" / "shakespeare"))
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    args = parser.parse_args()
+    out = Path(args.out)
+    prefix = prepare(Path(args.text), out)
     settings = [f"data_path={prefix}", f"save={out / 'run'}", "load=null", *args.overrides]
     trainer = Trainer(load_config([ROOT / "configs" / "shakespeare_char.yml"], settings))
     start = time.perf_counter()

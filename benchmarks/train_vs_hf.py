@@ -38,8 +38,9 @@ def synthetic_data(folder: Path, tokens: int) -> str:
     return str(folder / "random")
 
 
-def torchneox_side(shape, args, data: str, save: str) -> float:
-    keys = SHAPES[shape] | {
+def torchneox_keys(shape: str, args, data: str) -> dict:
+    """The torchneox config of a shape: the architecture of transformers' GPTNeoX defaults."""
+    return SHAPES[shape] | {
         "seq_length": args.seq,
         "max_position_embeddings": 2048,
         "pos_emb": "rotary",
@@ -61,6 +62,10 @@ def torchneox_side(shape, args, data: str, save: str) -> float:
         "save": None,
         "seed": 1,
     }
+
+
+def torchneox_side(shape, args, data: str, save: str) -> float:
+    keys = torchneox_keys(shape, args, data)
     trainer = Trainer(load_mapping(keys, "benchmark"), device=args.device)
     for _ in range(args.warmup):
         trainer.train_step()

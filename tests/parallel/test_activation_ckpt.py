@@ -68,7 +68,8 @@ def test_full_recomputes_matmuls_and_selective_only_elementwise_work(plain):
     _, none_ops = plain
     _, full_ops = grads_and_backward_ops("full")
     _, sel_ops = grads_and_backward_ops("selective")
-    matmuls = ("mm", "addmm", "bmm")  # with dropout, CPU attention is bmm-softmax-bmm
+    # with dropout, CPU attention is bmm-softmax-bmm; _linear_pointwise: a linear on oneDNN
+    matmuls = ("mm", "addmm", "bmm", "_linear_pointwise")
     recomputed = lambda ops, op: ops[op] - none_ops[op]  # noqa: E731
     # full: every block's forward runs again in backward, matmuls and attention included
     assert sum(recomputed(full_ops, op) for op in matmuls) >= 4 * 6  # qkv, dense, 2 MLP, 2 attn

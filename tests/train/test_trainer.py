@@ -531,4 +531,17 @@ def test_measuring_the_cpu_peak_leaves_the_rng_alone():
 
     before = torch.get_rng_state()
     hardware.measure_cpu_tflops(size=64, seconds=0.01)
+    assert hardware.measure_cpu_tflops(size=64, seconds=0.01, kernel="onednn") > 0
     assert torch.equal(before, torch.get_rng_state())
+
+
+def test_the_fp32_peak_is_the_faster_kernels(monkeypatch):
+    """The fp32 linears run on oneDNN where it beats MKL (models/linear.py): MFU measured
+    against MKL's peak alone would read above 100%."""
+    from torchneox.train import hardware
+
+    speeds = {"default": 0.2, "onednn": 0.5}
+    monkeypatch.setattr(hardware, "measure_cpu_tflops", lambda *a, kernel="default": speeds[kernel])
+    expected = 0.5 if torch.backends.mkldnn.is_available() else 0.2
+    assert hardware.machine_cpu_tflops(torch.float32) == expected
+    assert hardware.machine_cpu_tflops(torch.bfloat16) == 0.2  # bf16: PyTorch's kernel is oneDNN's

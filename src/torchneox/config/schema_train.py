@@ -169,6 +169,11 @@ class PrecisionConfig:
         "Divide gradients by this before the all-reduce.",
         "FSDP2/DDP average gradients themselves",
     )
+    cpu_matmul: Literal["auto", "onednn", "default"] = extension(
+        "auto",
+        "Kernel of the fp32 CPU linears: auto (per shape the faster of oneDNN and PyTorch's "
+        "default, timed once per machine and cached), onednn, default (PyTorch's, MKL).",
+    )
 
 
 @dataclass

@@ -59,6 +59,8 @@ class ModelArgs:
     """input: pre-norm; output: each sublayer's output normalised (OLMo 2)."""
     value_head: bool = False
     """A reward model (train_impl rm): the head gives one value per position, not logits."""
+    cpu_matmul: str = "auto"
+    """The kernel of fp32 CPU linears (models/linear.py); build_model selects it."""
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe_num_experts > 1 and layer % self.moe_interval == 0
@@ -75,10 +77,8 @@ class ModelArgs:
             raise ConfigError(f"the model needs {', '.join(missing)}", key=missing[0])
         widths = mlp_widths(cfg)
         norm = {"te_layernorm": "layernorm", "te_rmsnorm": "rmsnorm"}.get(m.norm, m.norm)
-        eps = {
-            "rmsnorm": m.rms_norm_epsilon,
-            "scalenorm": m.scalenorm_epsilon,
-        }.get(norm, m.layernorm_epsilon)
+        epsilons = {"rmsnorm": m.rms_norm_epsilon, "scalenorm": m.scalenorm_epsilon}
+        eps = epsilons.get(norm, m.layernorm_epsilon)
         return cls(
             vocab_size=vocab_size,
             hidden_size=m.hidden_size,
@@ -123,6 +123,7 @@ class ModelArgs:
             qk_norm=m.qk_norm_scope if m.use_qk_layernorm else None,
             norm_position=m.norm_position,
             value_head=cfg.training.train_impl == "rm",
+            cpu_matmul=cfg.precision.cpu_matmul,
         )
 
 

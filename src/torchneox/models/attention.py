@@ -10,6 +10,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from torchneox.models.args import ModelArgs
+from torchneox.models.linear import Linear
 from torchneox.models.norms import HeadRMSNorm, build_norm
 from torchneox.models.positions import apply_rotary
 
@@ -105,10 +106,10 @@ class Attention(nn.Module):
             args.num_heads * args.head_dim,
             args.num_kv_heads * args.head_dim,
         )
-        self.wq = nn.Linear(h, q_width, bias=bias)
-        self.wk = nn.Linear(h, kv_width, bias=bias)
-        self.wv = nn.Linear(h, kv_width, bias=bias)
-        self.wo = nn.Linear(q_width, h, bias=args.attn_out_bias)
+        self.wq = Linear(h, q_width, bias=bias)
+        self.wk = Linear(h, kv_width, bias=bias)
+        self.wv = Linear(h, kv_width, bias=bias)
+        self.wo = Linear(q_width, h, bias=args.attn_out_bias)
         self.qk_norm_scope = args.qk_norm
         self.qk_norm = self.q_norm = self.k_norm = None
         if args.qk_norm == "neox":  # one norm for queries and keys (GPT-NeoX)

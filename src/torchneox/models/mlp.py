@@ -9,6 +9,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from torchneox.models.args import ModelArgs
+from torchneox.models.linear import Linear
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -68,9 +69,9 @@ class MLP(nn.Module):
         super().__init__()
         h, w, bias = args.hidden_size, args.mlp_width, args.mlp_bias
         self.act = ACTIVATIONS[args.activation]
-        self.up = nn.Linear(h, w, bias=bias)
-        self.gate = nn.Linear(h, w, bias=bias) if args.gated else None
-        self.down = nn.Linear(w, h, bias=bias)
+        self.up = Linear(h, w, bias=bias)
+        self.gate = Linear(h, w, bias=bias) if args.gated else None
+        self.down = Linear(w, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate is None:

@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from torchneox.models.args import ModelArgs
+from torchneox.models.linear import Linear
 from torchneox.models.mlp import ACTIVATIONS
 
 
@@ -141,7 +142,7 @@ class MoE(nn.Module):
         self.jitter = args.moe_jitter_eps
         self.renormalize = args.moe_renormalize
         self.act = ACTIVATIONS[args.activation]
-        self.router = nn.Linear(h, e, bias=False)
+        self.router = Linear(h, e, bias=False)
         self.experts_up = nn.Parameter(torch.empty(e, h, w))
         self.experts_gate = nn.Parameter(torch.empty(e, h, w)) if args.gated else None
         self.experts_down = nn.Parameter(torch.empty(e, w, h))

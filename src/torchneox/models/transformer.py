@@ -17,11 +17,11 @@ import zlib
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from torchneox.models.args import ModelArgs
 from torchneox.models.attention import Attention, AttentionBias, ContextShard, KVCache
 from torchneox.models.init import init_function
+from torchneox.models.linear import Linear, linear, set_cpu_matmul
 from torchneox.models.mlp import MLP
 from torchneox.models.moe import MoE, RouterStats
 from torchneox.models.norms import HeadRMSNorm, RMSNorm, ScaleNorm, build_norm
@@ -93,10 +93,10 @@ class Transformer(nn.Module):
         self.output = (
             None
             if args.tied_embeddings or args.value_head
-            else nn.Linear(h, args.vocab_size, bias=False)
+            else Linear(h, args.vocab_size, bias=False)
         )
         # a reward model's head (GPT-NeoX's rm_linear): one value per position
-        self.value_head = nn.Linear(h, 1, bias=False) if args.value_head else None
+        self.value_head = Linear(h, 1, bias=False) if args.value_head else None
         self.stage_context: ContextShard | None = None
         """A pipeline stage under context parallelism: the ``context`` of every forward (the
         schedule passes a later stage only the hidden states)."""
@@ -265,7 +265,7 @@ class Transformer(nn.Module):
         if self.value_head is not None:
             return self.value_head(x)
         if self.output is None:
-            return F.linear(x, self.embed.weight)
+            return linear(x, self.embed.weight)
         return self.output(x)
 
     def _embed(
@@ -288,7 +288,9 @@ class Transformer(nn.Module):
 def build_model(
     args: ModelArgs, device: torch.device | str = "cpu", seed: int | None = None
 ) -> Transformer:
-    """A model built on the meta device, materialised on ``device`` and initialised."""
+    """A model built on the meta device, materialised on ``device`` and initialised; the
+    process's fp32 CPU linears take ``args.cpu_matmul``'s kernel."""
+    set_cpu_matmul(args.cpu_matmul)
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device=device)

@@ -21,6 +21,7 @@ KEPT_OPS = {
     _aten.bmm.default,
     _aten.baddbmm.default,
     _aten.linear.default,
+    torch.ops.mkldnn._linear_pointwise.default,  # the fp32 CPU linears on oneDNN (models/linear.py)
     _aten._scaled_dot_product_flash_attention.default,
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
     _aten._scaled_dot_product_efficient_attention.default,

@@ -127,7 +127,12 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, group=None) -> t
     total = total.sqrt()
     if max_norm != float("inf"):
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        for p in params:  # a DTensor's local shard scaled in place: no read-back to the host
-            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            grad.mul_(coef.to(grad.device))
+        # one fused multiply over every gradient (a DTensor's local shard in place), the
+        # coefficient staying on the device: no read-back to the host
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+        by_kind: dict[tuple, list[torch.Tensor]] = {}
+        for g in grads:
+            by_kind.setdefault((g.device, g.dtype), []).append(g)
+        for (device, _), same in by_kind.items():
+            torch._foreach_mul_(same, coef.to(device))
     return total

@@ -1,0 +1,196 @@
+"""The model's linear layers, and which CPU kernel runs their fp32 matrix multiplies.
+
+On the CPU, PyTorch runs an fp32 ``F.linear`` (and its two backward products) through MKL's
+sgemm. On AMD processors MKL takes a generic code path: with AVX-512, oneDNN (also inside
+PyTorch) runs the same products about twice as fast; with AVX2 only, oneDNN wins on large
+products and loses on small ones. ``cpu_matmul`` chooses:
+
+- ``auto`` (the default): per product shape (rows rounded up to a power of two, inner and
+  output widths), the faster of the two, measured on the forward and both backward products
+  the first time the shape is met, oneDNN only when it is at least 5% faster (never slower
+  than PyTorch's own choice). The verdicts are cached per CPU model, thread count and torch
+  version (``~/.cache/torchneox/cpu_matmul.json``, or ``$TORCHNEOX_CPU_MATMUL_CACHE``) and
+  read, not measured again, by every later run on the machine: two runs compute with the same
+  kernels, so a resumed run still equals an uninterrupted one bit for bit.
+- ``onednn``: oneDNN wherever PyTorch was built with it.
+- ``default``: PyTorch's own choice, as before.
+
+oneDNN serves only plain fp32 CPU tensors outside autocast and ``torch.compile``: a
+tensor-parallel DTensor, bf16 or fp16 autocast (already oneDNN in PyTorch), a GPU and a
+compiled graph all take ``F.linear``. The two kernels agree to float tolerance, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import platform
+import time
+from functools import cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+CPU_MATMUL_CHOICES = ("auto", "onednn", "default")
+CACHE_ENV = "TORCHNEOX_CPU_MATMUL_CACHE"
+MARGIN = 0.95  # oneDNN must take at most this share of the default kernel's time
+_mode = "auto"
+_verdicts: dict[tuple[int, int, int], bool] = {}  # this process's, by (rows bucket, k, n)
+
+
+def set_cpu_matmul(mode: str) -> None:
+    """Choose the CPU fp32 matrix-multiply kernel for this process (see the module's text)."""
+    global _mode
+    if mode not in CPU_MATMUL_CHOICES:
+        raise ValueError(f"cpu_matmul must be one of {CPU_MATMUL_CHOICES}, not {mode!r}")
+    _mode = mode
+
+
+@cache
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _machine_key() -> str:
+    return f"{cpu_model()} | {torch.get_num_threads()} threads | torch {torch.__version__}"
+
+
+def onednn_selected(rows: int, k: int, n: int, mode: str | None = None) -> bool:
+    """Whether an fp32 CPU product of [rows, k] by [k, n] runs on oneDNN under ``mode`` (this
+    process's when None)."""
+    mode = _mode if mode is None else mode
+    if mode == "default" or not torch.backends.mkldnn.is_available():
+        return False
+    if mode == "onednn":
+        return True
+    key = (1 << max(0, rows - 1).bit_length(), k, n)
+    if key not in _verdicts:
+        _verdicts[key] = _cached_verdict(key)
+    return _verdicts[key]
+
+
+def _cache_file() -> Path:
+    default = Path.home() / ".cache" / "torchneox" / "cpu_matmul.json"
+    return Path(os.environ.get(CACHE_ENV, default))
+
+
+def _cached_verdict(key: tuple[int, int, int]) -> bool:
+    """The machine's verdict for a shape: read from the cache, else measured and written there
+    (under a lock: processes starting together measure once and agree)."""
+    path, name = _cache_file(), f"{_machine_key()} | {key[0]}x{key[1]}x{key[2]}"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_name(path.name + ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                table = json.loads(path.read_text())
+            except (OSError, ValueError):
+                table = {}
+            if not isinstance(table, dict):
+                table = {}
+            if isinstance(table.get(name), bool):
+                return table[name]
+            table[name] = verdict = measure_onednn_faster(*key)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}")
+            tmp.write_text(json.dumps(table, indent=1))
+            os.replace(tmp, path)
+            return verdict
+    except OSError:  # a read-only home: measured in this process only
+        return measure_onednn_faster(*key)
+
+
+def measure_onednn_faster(rows: int, k: int, n: int) -> bool:
+    """Whether oneDNN runs a linear's three products (forward, input and weight gradients) at
+    this shape in at most MARGIN of the default kernel's time, best of two rounds after a
+    warm-up. Large shapes are timed on fewer rows (at least 256: fewer would time a
+    different, matrix-vector regime)."""
+    rows = min(rows, max(256, int(2e9 // (6 * k * n))))
+    g = torch.Generator().manual_seed(0)  # its own: the global RNG is left alone
+    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+    grad = torch.randn(rows, n, generator=g)
+    kernels = {
+        "default": lambda: (F.linear(x, w), grad.mm(w), grad.t().mm(x)),
+        "onednn": lambda: (_mm(x, w), _mm(grad, w.t()), _mm(grad.t(), x.t())),
+    }
+    reps = max(1, int(3e8 // (6 * rows * k * n)))  # a few milliseconds a round at least
+    best = dict.fromkeys(kernels, float("inf"))
+    with torch.no_grad():
+        for round_ in range(3):
+            for name, run in kernels.items():
+                start = time.perf_counter()
+                for _ in range(reps):
+                    run()
+                if round_:  # the first round warms both up
+                    best[name] = min(best[name], time.perf_counter() - start)
+    return best["onednn"] <= MARGIN * best["default"]
+
+
+def _mm(a: torch.Tensor, b_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b_t.T (+ bias)`` by oneDNN, for 2-D ``a`` and ``b_t``."""
+    return torch.ops.mkldnn._linear_pointwise(a, b_t, bias, "none", [], "")
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    """``x @ w.T + b`` for 2-D ``x``, the forward and both backward products run by oneDNN."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _mm(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _mm(grad, weight.t())
+        if ctx.needs_input_grad[1]:
+            grad_w = _mm(grad.t(), x.t())
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad.sum(0)
+        return grad_x, grad_w, grad_b
+
+
+def _plain_fp32_cpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and not isinstance(weight, DTensor)
+        and not isinstance(x, DTensor)
+        and not torch.is_autocast_enabled("cpu")
+        and not torch.compiler.is_compiling()
+        and x.numel() > 0
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """``F.linear``, with plain fp32 CPU products on oneDNN where ``cpu_matmul`` selects it."""
+    if _plain_fp32_cpu(x, weight) and onednn_selected(
+        x.numel() // x.shape[-1], *weight.shape[::-1]
+    ):
+        # the reshapes outside the Function: the result is then a view of a tensor with a
+        # history, as F.linear's is (the blocked loss tells a caller's leaf by that)
+        out = _OneDNNLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias)
+        return out.view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (the same parameters, names and tensor-parallel plans) computed by
+    :func:`linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
