@@ -57,6 +57,20 @@ def test_generate_prompt_prints_the_continuation(tmp_path, capsys):
     assert out.endswith("\n") and len(out.encode()) <= 5 * 4 + 1
 
 
+def test_generate_decode_loops_print_the_same_continuation(tmp_path, capsys):
+    char_checkpoint(tmp_path)
+    outs = []
+    for loop in ("static", "dynamic"):
+        argv = ["generate", "--checkpoint", str(tmp_path / "ckpt"), "--prompt", "Hi"]
+        assert main([*argv, "--maximum-tokens", "20", "--decode-loop", loop]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] and len(outs[0]) > 1
+    argv += ["--recompute", "--decode-loop", "static"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "decode_loop" in err and "recompute" in err
+
+
 def test_generate_input_file_writes_one_json_line_per_prompt(tmp_path, capsys):
     char_checkpoint(tmp_path)
     prompts = tmp_path / "prompts.txt"

@@ -30,6 +30,12 @@ CASES = [
     ),
     ("unknown-no-match", {"a.yml": "{zzqqxx: 1}"}, [], ["a.yml: zzqqxx: unknown key"]),
     (
+        "bf16-gather-without-bf16",
+        {"a.yml": "{precision: fp16, zero_param_dtype: bf16}"},
+        [],
+        ["a.yml", "zero_param_dtype: bf16 weights are for precision: bfloat16"],
+    ),
+    (
         "int-as-word",
         {"a.yml": "{num_layers: twelve}"},
         [],

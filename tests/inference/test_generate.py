@@ -53,3 +53,47 @@ def test_top_k_and_top_p_filters():
     assert torch.isinf(filter_logits(logits, 0, 0.8)).tolist() == [[False, False, True, True]]
     assert torch.isinf(filter_logits(logits, 0, 0.81)).tolist() == [[False, False, False, True]]
     assert torch.isinf(filter_logits(logits, 0, 0.1)).tolist() == [[False, True, True, True]]
+
+
+@pytest.mark.parametrize(
+    "variant", ["neox-rotary", "alibi", "learned", "window", "rmsnorm-swiglu-gqa"]
+)
+def test_static_decode_loop_equals_the_dynamic_one(variant):
+    """The fixed-shape loop (a StaticKVCache attended over in full, the stop check every
+    STOP_CHECK_INTERVAL tokens) gives today's tokens, padded prompts and stop tokens included."""
+    _, model = build(variant)
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
+    dynamic = generate(model, prompts, Sampling(maximum_tokens=40, decode_loop="dynamic"))
+    static = generate(model, prompts, Sampling(maximum_tokens=40, decode_loop="static"))
+    assert static == dynamic
+    assert all(len(c) == 40 for c in static)
+    stop = dynamic[1][3]
+    stops = {"stop_ids": {stop}, "maximum_tokens": 40}
+    cut = generate(model, prompts, Sampling(**stops, decode_loop="static"))
+    assert cut == generate(model, prompts, Sampling(**stops, decode_loop="dynamic"))
+    assert cut[1] == dynamic[1][: dynamic[1].index(stop)]
+    seeded = {"temperature": 1.0, "top_k": 20, "maximum_tokens": 20, "seed": 3}
+    assert generate(model, prompts, Sampling(**seeded, decode_loop="static")) == generate(
+        model, prompts, Sampling(**seeded, decode_loop="dynamic")
+    )
+
+
+def test_static_decode_loop_reads_back_only_at_stop_checks(monkeypatch):
+    """No host synchronisation per token: the only read back inside the loop is the stop
+    check, once every STOP_CHECK_INTERVAL tokens."""
+    from torchneox.inference import generate as gen
+
+    _, model = build("neox-rotary")
+    assert model.args.max_positions == 64  # 3 prompt tokens leave room for 61
+    reads = []
+    for name in ("__bool__", "item"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, f=real: reads.append(1) or f(t))
+    counts = {}
+    for n in (20, 61):
+        reads.clear()
+        out = generate(model, [[5, 6, 7]], Sampling(maximum_tokens=n, decode_loop="static"))
+        assert len(out[0]) == n
+        counts[n] = len(reads)
+    # one read before decoding (whether any prompt is padded), then one per stop check
+    assert counts == {20: 1, 61: 1 + 60 // gen.STOP_CHECK_INTERVAL} == {20: 1, 61: 2}

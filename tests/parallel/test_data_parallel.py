@@ -81,3 +81,18 @@ def test_world_size_that_does_not_fit_the_batch_is_refused(config, tmp_path):
 
 def test_config_is_loadable_for_the_tests(config):
     assert load_config([config]).config.training.train_batch_size == 8
+
+
+def test_bf16_gathered_weights_train_like_fp32_gathered_ones(config, tmp_path):
+    """FSDP2 mixed precision: ZeRO 3 in bfloat16 gathers its weights in bf16 (auto), and
+    trains as the run that gathers them in fp32 does, to bf16's tolerance."""
+    runs = {}
+    for gather in ("auto", "fp32"):
+        out = tmp_path / gather
+        keys = ["precision=bfloat16", "zero_optimization.stage=3", f"zero_param_dtype={gather}"]
+        train(config, f"save={out}", "load=null", *keys, nproc=2)
+        runs[gather] = losses(out)
+    assert sorted(runs["auto"]) == [1, 2, 3, 4]
+    assert runs["auto"] != runs["fp32"]  # the weights were gathered in another dtype
+    for step, loss in runs["fp32"].items():
+        assert runs["auto"][step] == pytest.approx(loss, rel=2e-2)

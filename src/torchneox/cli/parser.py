@@ -219,6 +219,11 @@ def _generate_verb(verbs: argparse._SubParsersAction) -> None:
     gen.add_argument("--force", action="store_true", help="replace an existing output file")
     gen.add_argument("--num-samples", type=POSITIVE)
     gen.add_argument("--recompute", action="store_true", default=None, help="no KV cache")
+    gen.add_argument(
+        "--decode-loop",
+        choices=("auto", "static", "dynamic"),
+        help="static: fixed-shape steps, CUDA graphs on a GPU; auto: static on CUDA",
+    )
     gen.add_argument("--seed", type=COUNT, help="seed for sampling")
     gen.add_argument(
         "--device",

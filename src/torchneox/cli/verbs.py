@@ -80,6 +80,7 @@ GEN_FLAGS = (
     "sample_output_file",
     "num_samples",
     "recompute",
+    "decode_loop",
 )
 
 

@@ -377,6 +377,13 @@ def _precision(cfg: NeoXConfig, out: Derived) -> None:
             else ("bf16 like the compute; set fp32_allreduce: true for fp32 reduction")
         )
     out.put("gradient_reduce_dtype", reduce, why)
+    gather = pr.zero_param_dtype
+    if gather == "auto":
+        gather = "bf16" if precision == "bfloat16" else "fp32"
+        why = "auto: bf16 weights when training in bfloat16" if gather == "bf16" else "auto"
+    else:
+        why = "zero_param_dtype"
+    out.put("zero_param_dtype", gather, why + "; FSDP2 gathers ZeRO's weights in it (not DDP)")
 
 
 # --------------------------------------------------------------------------- optimizer

@@ -226,6 +226,13 @@ class TextGenConfig:
     sample_output_file: str = key("samples.txt", "Where generations are written.")
     num_samples: int = key(1, "Samples drawn in unconditional mode.")
     recompute: bool = key(False, "Recompute attention over the whole text each step (no KV cache).")
+    decode_loop: Literal["auto", "static", "dynamic"] = extension(
+        "auto",
+        "How generate decodes with the KV cache: static (fixed-shape steps over a preallocated "
+        "cache, replayed as a CUDA graph on a GPU, no host read per token), dynamic (each step "
+        "attends over the keys so far), auto (static on CUDA, dynamic on the CPU). Both give "
+        "the same tokens.",
+    )
     return_logits: bool = no_effect(
         False,
         "Also return the logits of generated tokens.",

@@ -169,6 +169,13 @@ class PrecisionConfig:
         "Divide gradients by this before the all-reduce.",
         "FSDP2/DDP average gradients themselves",
     )
+    zero_param_dtype: Literal["auto", "fp32", "bf16"] = extension(
+        "auto",
+        "Dtype ZeRO's sharded weights are gathered in for forward and backward (FSDP2's "
+        "mixed precision; fp32 master weights stay sharded): auto is bf16 when training in "
+        "bfloat16 (half the gather, weights cast once per step, as DeepSpeed's bf16 weights), "
+        "else fp32. ZeRO 0 (DDP) keeps fp32 weights that autocast casts at each use.",
+    )
     cpu_matmul: Literal["auto", "onednn", "default"] = extension(
         "auto",
         "Kernel of the fp32 CPU linears: auto (per shape the faster of oneDNN and PyTorch's "

@@ -399,6 +399,11 @@ def _check_precision(ch: Checker) -> None:
             "communication_data_type",
             f"{pr.communication_data_type!r} is not one of {', '.join(COMM_DTYPES)}",
         )
+    bf16_training = pr.precision == "bfloat16" or (pr.precision is None and bf16_on)
+    if pr.zero_param_dtype == "bf16" and not bf16_training:
+        ch.fail(
+            "zero_param_dtype", "bf16 weights are for precision: bfloat16; use auto or fp32"
+        )  # fmt: skip
     ch.positive("loss_scale", allow_zero=True)
     ch.positive("hysteresis")
     ch.positive("loss_scale_window")

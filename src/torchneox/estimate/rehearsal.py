@@ -190,8 +190,9 @@ def _build(loaded: LoadedConfig, world: int) -> _Built:
     training = _without_compile(cfg.training)
     method = cfg.parallel.pipe_partition_method
     parts = build_parallel_model(
-        args, dims, layout, training, d["gradient_reduce_dtype"], meta, method, None
-    )
+        args, dims, layout, training, d["gradient_reduce_dtype"], meta, method, None,
+        param_dtype=d["zero_param_dtype"],
+    )  # fmt: skip
     note = ""
     if layout.zero == 0 and dims.batch_ranks > 1 and dims.tp == 1 and dims.pp == 1:
         note = "DDP is not built on meta tensors: its gradient all-reduce is not recorded"

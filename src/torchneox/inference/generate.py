@@ -14,7 +14,7 @@ from torchneox.base.errors import ConfigError
 from torchneox.config.paths import atomic_output
 from torchneox.config.schema_io import TextGenConfig
 from torchneox.data.tokenizers import Tokenizer
-from torchneox.models.attention import KVCache
+from torchneox.models.attention import KVCache, StaticKVCache
 from torchneox.models.transformer import Transformer
 
 
@@ -28,6 +28,8 @@ class Sampling:
     stop_ids: set[int] = field(default_factory=set)
     use_cache: bool = True
     seed: int | None = None
+    decode_loop: str = "auto"
+    """static: fixed-shape steps (CUDA graphs on a GPU); dynamic; auto: static on CUDA."""
 
 
 def filter_logits(logits_BV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -89,6 +91,10 @@ def generate(
     steps = min(s.maximum_tokens, limit - longest)
     b = len(prompts)
     tokens, positions, valid, padded = _left_padded(prompts, longest + steps, pad_id, device)
+    if s.use_cache and static_decoding(s.decode_loop, device):
+        mask = valid if padded else None
+        out_BN = _static_loop(model, tokens, positions, mask, longest, s, pad_id)
+        return _cut_at_stops(out_BN.tolist(), s.stop_ids)
     cache = (
         KVCache(model.args, b, tokens.shape[1], model.embed.weight.dtype, device)
         if s.use_cache
@@ -114,11 +120,101 @@ def generate(
             begin = end - 1
         if bool(done.all()):
             break
+    return _cut_at_stops(tokens[:, longest:end].tolist(), s.stop_ids)
+
+
+def _cut_at_stops(rows: list[list[int]], stop_ids: set[int]) -> list[list[int]]:
     out = []
-    for row in tokens[:, longest:end].tolist():
-        cut = next((i for i, t in enumerate(row) if t in s.stop_ids), len(row))
+    for row in rows:
+        cut = next((i for i, t in enumerate(row) if t in stop_ids), len(row))
         out.append(row[:cut])
     return out
+
+
+def static_decoding(decode_loop: str, device: torch.device) -> bool:
+    return decode_loop == "static" or (decode_loop == "auto" and device.type == "cuda")
+
+
+# How many tokens the static loop generates between looks at whether every row has stopped
+# (the one read back to the host).
+STOP_CHECK_INTERVAL = 32
+
+
+def _static_loop(
+    model: Transformer,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    valid: torch.Tensor | None,
+    longest: int,
+    s: Sampling,
+    pad_id: int,
+) -> torch.Tensor:
+    """The generated tokens [B, steps] (pad after a row's stop token): the prompts in one
+    forward into a StaticKVCache, then one fixed-shape step per token, replayed as a CUDA
+    graph on a GPU; nothing is read back to the host but the stop check every
+    STOP_CHECK_INTERVAL tokens."""
+    b, width = tokens.shape
+    device, steps = tokens.device, width - longest
+    generator = None
+    if s.seed is not None:
+        generator = torch.Generator(device=device).manual_seed(s.seed)
+    cache = StaticKVCache(model.args, b, width, model.embed.weight.dtype, device)
+    logits = model(
+        tokens[:, :longest], positions_BT=positions[:, :longest], key_valid_BS=valid, cache=cache
+    )[:, -1]
+    token_B1, position_B1 = tokens[:, longest - 1 : longest].clone(), positions[:, :1].clone()
+
+    def step() -> torch.Tensor:
+        return model(token_B1, positions_BT=position_B1, key_valid_BS=valid, cache=cache)[:, -1]
+
+    if device.type == "cuda" and graph_capturable(model):
+        step = _cuda_graph(step, cache)
+    out = torch.full((b, steps), pad_id, dtype=torch.long, device=device)
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    stop = torch.tensor(sorted(s.stop_ids), dtype=torch.long, device=device)
+    pad = torch.full((b,), pad_id, dtype=torch.long, device=device)
+    for i in range(steps):
+        new = torch.where(done, pad, next_tokens(logits, s, generator))
+        out[:, i] = new
+        done |= torch.isin(new, stop)
+        if i + 1 == steps or ((i + 1) % STOP_CHECK_INTERVAL == 0 and bool(done.all())):
+            break
+        token_B1.copy_(new[:, None])
+        position_B1.copy_(positions[:, longest + i : longest + i + 1])
+        logits = step()
+    return out
+
+
+def graph_capturable(model: Transformer) -> bool:
+    """Whether a decode step can be captured as a CUDA graph: MoE routing sizes its dispatch
+    on the host, and dynamic rope scaling reads the longest position back."""
+    a = model.args
+    return a.moe_num_experts <= 1 and dict(a.rope_scaling).get("type") != "dynamic"
+
+
+def _cuda_graph(step, cache: StaticKVCache):
+    """``step`` captured as a CUDA graph: replaying it runs the same kernels on the same
+    buffers (its inputs are copied into them beforehand) without launching each one.
+    Warm-up runs on a side stream first, as capture asks; each writes the keys the real
+    step writes and the slot is put back after it."""
+    slot = cache.slot.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+            cache.slot.copy_(slot)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logits = step()
+    cache.slot.copy_(slot)
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return logits
+
+    return replay
 
 
 def _left_padded(
@@ -173,6 +269,11 @@ class TextGenerator:
 
 
 def sampling_from(cfg: TextGenConfig, eod_id: int, seed: int | None) -> Sampling:
+    if cfg.recompute and cfg.decode_loop == "static":
+        raise ConfigError(
+            "a static decode loop runs on the KV cache, which recompute turns off: drop one",
+            key="decode_loop",
+        )
     return Sampling(
         temperature=cfg.temperature,
         top_k=cfg.top_k,
@@ -180,6 +281,7 @@ def sampling_from(cfg: TextGenConfig, eod_id: int, seed: int | None) -> Sampling
         maximum_tokens=cfg.maximum_tokens,
         stop_ids={eod_id},
         use_cache=not cfg.recompute,
+        decode_loop=cfg.decode_loop,
         seed=seed,
     )
 

@@ -93,6 +93,33 @@ class KVCache:
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
 
+class StaticKVCache(KVCache):
+    """A cache whose shapes never change, for a decode loop that runs (or replays as a CUDA
+    graph) without reading anything back to the host: each forward writes its keys at the
+    device position ``slot`` and attends over all ``max_len`` positions, the unwritten ones
+    masked (``Transformer`` builds that mask from ``queries`` and ``keys``)."""
+
+    def __init__(self, args, batch, max_len, dtype, device):
+        super().__init__(args, batch, max_len, dtype, device)
+        self.slot = torch.zeros((), dtype=torch.long, device=device)
+        self.keys = torch.arange(max_len, device=device)
+
+    def queries(self, t: int) -> torch.Tensor:
+        """[t] the positions in the cache of the tokens this forward writes."""
+        return self.slot + torch.arange(t, device=self.slot.device)
+
+    def update(
+        self, layer: int, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        index = self.queries(k_BHTD.shape[2])
+        self.k[layer].index_copy_(2, index, k_BHTD)
+        self.v[layer].index_copy_(2, index, v_BHTD)
+        return self.k[layer], self.v[layer]
+
+    def advance(self, t: int) -> None:
+        self.slot += t
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()

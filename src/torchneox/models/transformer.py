@@ -19,7 +19,13 @@ import torch
 from torch import nn
 
 from torchneox.models.args import ModelArgs
-from torchneox.models.attention import Attention, AttentionBias, ContextShard, KVCache
+from torchneox.models.attention import (
+    Attention,
+    AttentionBias,
+    ContextShard,
+    KVCache,
+    StaticKVCache,
+)
 from torchneox.models.init import init_function
 from torchneox.models.linear import Linear, linear, set_cpu_matmul
 from torchneox.models.mlp import MLP
@@ -159,16 +165,19 @@ class Transformer(nn.Module):
         device: torch.device,
         segments_BT: torch.Tensor | None = None,
         context: ContextShard | None = None,
+        static: StaticKVCache | None = None,
     ) -> AttentionBias:
         a = self.args
         extras = key_valid_BS is not None or a.sliding_window is not None or a.pos_emb == "alibi"
-        extras = extras or segments_BT is not None or context is not None
+        extras = extras or segments_BT is not None or context is not None or static is not None
         if not extras and start == 0:
             return AttentionBias(None, is_causal=True)
         if not extras and t == 1:
             return AttentionBias(None, is_causal=False)
         if context is not None:  # this rank's queries against the gathered keys
             q, k = context.index[:, None], context.keys[None, :]
+        elif static is not None:  # every position of the cache, the unwritten ones masked
+            q, k = static.queries(t)[:, None], static.keys[None, :]
         else:
             q = torch.arange(start, start + t, device=device)[:, None]
             k = torch.arange(start + t, device=device)[None, :]
@@ -242,18 +251,25 @@ class Transformer(nn.Module):
             length = context.length
             if positions_BT is None:
                 positions_BT = context.index
+        static = cache if isinstance(cache, StaticKVCache) else None
+        if static is not None and positions_BT is None:
+            positions_BT = static.queries(t)
         if self.embed is None:  # a later pipeline stage: the input is hidden states
             x = tokens_BT
         else:
             x = self._embed(tokens_BT, positions_BT, start, t)
         rope = self._rope(positions_BT, start, t, length)
-        bias = self._attention_bias(t, start, key_valid_BS, x.device, segments_BT, context)
+        bias = self._attention_bias(
+            t, start, key_valid_BS, x.device, segments_BT, context, static
+        )  # fmt: skip
         stats = []
         for block in self.layers.values():
             x, layer_stats = block(x, rope, bias, cache)
             if layer_stats is not None:
                 stats.append(layer_stats)
-        if cache is not None:
+        if static is not None:
+            static.advance(t)
+        elif cache is not None:
             cache.length += t
         out = self._head(x)
         return (out, stats) if router_stats else out

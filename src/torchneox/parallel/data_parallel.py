@@ -25,17 +25,24 @@ def apply_data_parallel(
     reduce_dtype: str,
     tensor_parallel: bool = False,
     ignored: list[str] | None = None,
+    param_dtype: str = "fp32",
 ) -> torch.nn.Module:
     """Shard or replicate ``model`` over ``mesh`` (the data-parallel axis); returns the module to
     call. DDP does not take tensor-parallel (DTensor) parameters, so ZeRO 0 with tensor
-    parallelism runs as ZeRO 2 (sharded gradients and optimizer state; the same results)."""
+    parallelism runs as ZeRO 2 (sharded gradients and optimizer state; the same results).
+    FSDP2 gathers the weights in ``param_dtype`` (the fp32 shards are the master weights) and
+    reduces gradients in ``reduce_dtype``."""
     if zero_stage == 0 and not tensor_parallel:
         if next(model.parameters()).is_meta:  # the dry run: DDP needs values (it broadcasts)
             return model
         if ignored:  # expert-parallel weights: their gradients are reduced elsewhere
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
         return DistributedDataParallel(model, process_group=mesh.get_group())
-    policy = MixedPrecisionPolicy(reduce_dtype=REDUCE_DTYPES[reduce_dtype])
+    gather = REDUCE_DTYPES[param_dtype]
+    policy = MixedPrecisionPolicy(
+        param_dtype=gather if gather != torch.float32 else None,
+        reduce_dtype=REDUCE_DTYPES[reduce_dtype],
+    )
     reshard = zero_stage == 3
     skip = {model.get_parameter(n) for n in ignored or []}
     for block in model.layers.values():

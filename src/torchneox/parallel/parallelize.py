@@ -38,10 +38,16 @@ class ParallelModel:
 
 
 def parallelize(
-    model: Transformer, dims: ParallelDims, layout: Layout, training: Any, reduce_dtype: Any
+    model: Transformer,
+    dims: ParallelDims,
+    layout: Layout,
+    training: Any,
+    reduce_dtype: Any,
+    param_dtype: str = "fp32",
 ) -> nn.Module:
     """Apply the layout to ``model`` in place; returns the module to call. ``training``: the
-    training config group (activation checkpointing, compile)."""
+    training config group (activation checkpointing, compile); ``param_dtype``: what ZeRO
+    (FSDP2) gathers the weights in."""
     if dims.tp > 1:
         apply_tensor_parallel(model, dims.mesh["tp"], layout.sequence_parallel)
     expert_params: list[str] = []
@@ -61,6 +67,7 @@ def parallelize(
             reduce_dtype,
             tensor_parallel=dims.tp > 1 or dims.pp > 1,  # DDP takes neither
             ignored=expert_params,
+            param_dtype=param_dtype,
         )
     return model
 
@@ -74,12 +81,13 @@ def build_parallel_model(
     device: torch.device,
     partition_method: str,
     pipeline_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    param_dtype: str = "fp32",
 ) -> ParallelModel:
     """The model of a run, initialised from ``training.seed`` and parallelized; with a
     pipeline, this rank's stages and the schedule that runs them with ``pipeline_loss``."""
 
     def prepare(model: Transformer) -> nn.Module:
-        return parallelize(model, dims, layout, training, reduce_dtype)
+        return parallelize(model, dims, layout, training, reduce_dtype, param_dtype)
 
     if dims.pp > 1:
         pipeline = build_pipeline(

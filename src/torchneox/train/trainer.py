@@ -143,6 +143,7 @@ class Trainer:
             self.device,
             cfg.parallel.pipe_partition_method,
             lambda logits, labels: self.step.pipeline_loss(logits, labels),
+            param_dtype=d["zero_param_dtype"],
         )
         self.model, self.pipeline = self.parts.model, self.parts.pipeline
         t = cfg.training
