@@ -30,6 +30,12 @@ CASES = [
     ),
     ("unknown-no-match", {"a.yml": "{zzqqxx: 1}"}, [], ["a.yml: zzqqxx: unknown key"]),
     (
+        "fp8-margin",
+        {"a.yml": "{te_fp8_mha: true, te_fp8_margin: 2}"},
+        [],
+        ["te_fp8_margin: torchao's fp8 scales have no margin; set te_fp8_margin 0"],
+    ),
+    (
         "bf16-gather-without-bf16",
         {"a.yml": "{precision: fp16, zero_param_dtype: bf16}"},
         [],
@@ -228,10 +234,10 @@ CASES = [
         ],
     ),
     (
-        "fp8-attention",
-        {"a.yml": "{te_fp8_mha: true}"},
+        "fp8-delayed-scaling",
+        {"a.yml": "{te_fp8_mha: true, te_fp8_amax_compute_algo: max}"},
         [],
-        ["te_fp8_mha: fp8 training (TransformerEngine's te_fp8_mha) is not built yet"],
+        ["a.yml", "te_fp8_amax_compute_algo: torchao scales fp8 from each tensor's current amax"],
     ),
     (
         "z-loss-with-tensor-parallelism",

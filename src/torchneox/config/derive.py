@@ -384,6 +384,21 @@ def _precision(cfg: NeoXConfig, out: Derived) -> None:
     else:
         why = "zero_param_dtype"
     out.put("zero_param_dtype", gather, why + "; FSDP2 gathers ZeRO's weights in it (not DDP)")
+    _fp8(cfg, out)
+
+
+def _fp8(cfg: NeoXConfig, out: Derived) -> None:
+    m, recipe = cfg.model, cfg.precision.fp8_recipe
+    if m.te_fp8_mha:
+        grads = "e5m2" if m.te_fp8_format == "hybrid" else "e4m3"
+        wgrad = "" if m.te_fp8_wgrad else ", weight gradients in high precision"
+        value = f"attention linears, {recipe or 'tensorwise'}"
+        why = f"te_fp8_mha on torchao's float8; output gradients {grads} (te_fp8_format){wgrad}"
+    elif recipe:
+        value, why = f"block linears, {recipe}", "fp8_recipe on torchao's float8"
+    else:
+        value, why = "off", "neither fp8_recipe nor te_fp8_mha is set"
+    out.put("fp8", value, why)
 
 
 # --------------------------------------------------------------------------- optimizer

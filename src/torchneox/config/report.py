@@ -32,7 +32,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "gradient_accumulation_steps",
         "tokens_per_step",
     ),
-    "Precision": ("precision", "loss_scale", "gradient_reduce_dtype", "zero_param_dtype"),
+    "Precision": ("precision", "loss_scale", "gradient_reduce_dtype", "zero_param_dtype", "fp8"),
     "Optimizer": ("optimizer_type", "lr", "weight_decay", "gradient_clipping"),
     "Learning-rate schedule": ("lr_schedule", "lr_decay_iters", "warmup_iters"),
     "Model": (

@@ -17,10 +17,6 @@ TE_LAYER = (
     "selects TransformerEngine's fused module for the same layer; torchneox computes that "
     "layer with torch's own kernels (the same numbers in fp32/bf16)"
 )
-TE_FP8 = (
-    "only read by TransformerEngine's fp8 recipe, which GPT-NeoX builds only for te_fp8_mha "
-    "(refused until torchneox's fp8 path exists)"
-)
 ONLINE = (
     "only used by GPT-NeoX's online REINFORCE setup (serve_model_weights, dataset_impl "
     "'online'), which torchneox does not build"
@@ -285,23 +281,27 @@ class ModelConfig:
         False, "TransformerEngine's fused layernorm + MLP.", TE_LAYER
     )
     te_mha: bool = no_effect(False, "TransformerEngine's multi-head attention.", TE_LAYER)
-    te_fp8_mha: bool = unsupported(
+    te_fp8_mha: bool = key(
         False,
-        "fp8 attention through TransformerEngine (GPT-NeoX's only switch that enables fp8).",
-        "fp8 training (TransformerEngine's te_fp8_mha) is not built yet; remove te_fp8_mha "
-        "or set it to false to train in bf16/fp16",
+        "fp8 for the attention's linears (GPT-NeoX's TransformerEngine switch); torchneox runs "
+        "it on torchao's float8, tensorwise unless fp8_recipe says otherwise.",
     )
-    te_fp8_format: Literal["e4m3", "hybrid"] = no_effect(
-        "hybrid", "fp8 format: e4m3, or hybrid (e4m3 forward, e5m2 backward).", TE_FP8
+    te_fp8_format: Literal["e4m3", "hybrid"] = key(
+        "hybrid",
+        "With te_fp8_mha: e4m3 everywhere, or hybrid (e4m3 forward, e5m2 output gradients).",
     )
-    te_fp8_wgrad: bool = no_effect(True, "Weight gradients in fp8 too.", TE_FP8)
-    te_fp8_amax_history_len: int = no_effect(1, "Length of the fp8 amax history.", TE_FP8)
-    te_fp8_amax_compute_algo: str = no_effect(
+    te_fp8_wgrad: bool = key(
+        True, "With te_fp8_mha: weight gradients in fp8 too (false: in high precision)."
+    )
+    te_fp8_amax_history_len: int = key(
+        1, "With te_fp8_mha: length of the amax history; torchao scales from the current one (1)."
+    )
+    te_fp8_amax_compute_algo: str = key(
         "most_recent",
-        "How the fp8 scale's amax is taken from its history (max, most_recent).",
-        TE_FP8,
+        "With te_fp8_mha: how the scale's amax is taken from its history; only most_recent "
+        "(torchao's current scaling).",
     )
-    te_fp8_margin: int = no_effect(0, "Margin of the fp8 scaling factor.", TE_FP8)
+    te_fp8_margin: int = key(0, "With te_fp8_mha: margin of the fp8 scale; only 0 (torchao).")
     serve_model_weights: bool = unsupported(
         False,
         "Serve the weights over a socket to an online data server (GPT-NeoX's online REINFORCE).",

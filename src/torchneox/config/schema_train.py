@@ -176,6 +176,12 @@ class PrecisionConfig:
         "bfloat16 (half the gather, weights cast once per step, as DeepSpeed's bf16 weights), "
         "else fp32. ZeRO 0 (DDP) keeps fp32 weights that autocast casts at each use.",
     )
+    fp8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = extension(
+        None,
+        "fp8 training of every block linear through torchao's float8 with this recipe "
+        "(needs torchao; a GPU of compute capability 8.9+, or the CPU; not with tensor "
+        "parallelism). Unset: no fp8 unless te_fp8_mha.",
+    )
     cpu_matmul: Literal["auto", "onednn", "default"] = extension(
         "auto",
         "Kernel of the fp32 CPU linears: auto (per shape the faster of oneDNN and PyTorch's "

@@ -404,10 +404,27 @@ def _check_precision(ch: Checker) -> None:
         ch.fail(
             "zero_param_dtype", "bf16 weights are for precision: bfloat16; use auto or fp32"
         )  # fmt: skip
+    _check_fp8(ch)
     ch.positive("loss_scale", allow_zero=True)
     ch.positive("hysteresis")
     ch.positive("loss_scale_window")
     ch.positive("min_scale")
+
+
+def _check_fp8(ch: Checker) -> None:
+    m = ch.c.model
+    if not m.te_fp8_mha:
+        return
+    delayed = (
+        "torchao scales fp8 from each tensor's current amax; TransformerEngine's delayed "
+        "scaling over an amax history is not built: "
+    )
+    if m.te_fp8_amax_history_len != 1:
+        ch.fail("te_fp8_amax_history_len", delayed + "set te_fp8_amax_history_len 1")
+    if m.te_fp8_amax_compute_algo != "most_recent":
+        ch.fail("te_fp8_amax_compute_algo", delayed + "set te_fp8_amax_compute_algo most_recent")
+    if m.te_fp8_margin:
+        ch.fail("te_fp8_margin", "torchao's fp8 scales have no margin; set te_fp8_margin 0")
 
 
 def _check_training(ch: Checker) -> None:

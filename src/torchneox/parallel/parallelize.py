@@ -18,6 +18,7 @@ from torchneox.parallel.activation_ckpt import apply_activation_checkpointing, c
 from torchneox.parallel.data_parallel import apply_data_parallel, shard_frozen
 from torchneox.parallel.dims import ParallelDims
 from torchneox.parallel.expert_parallel import apply_expert_parallel
+from torchneox.parallel.fp8 import FP8Plan, apply_fp8
 from torchneox.parallel.pipeline import Pipeline, build_pipeline
 from torchneox.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -44,10 +45,13 @@ def parallelize(
     training: Any,
     reduce_dtype: Any,
     param_dtype: str = "fp32",
+    fp8: FP8Plan | None = None,
 ) -> nn.Module:
     """Apply the layout to ``model`` in place; returns the module to call. ``training``: the
     training config group (activation checkpointing, compile); ``param_dtype``: what ZeRO
-    (FSDP2) gathers the weights in."""
+    (FSDP2) gathers the weights in; ``fp8``: the linears torchao's float8 runs."""
+    if fp8 is not None:  # first, as torchao asks: the swapped modules are then sharded
+        apply_fp8(model, fp8)
     if dims.tp > 1:
         apply_tensor_parallel(model, dims.mesh["tp"], layout.sequence_parallel)
     expert_params: list[str] = []
@@ -82,12 +86,13 @@ def build_parallel_model(
     partition_method: str,
     pipeline_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     param_dtype: str = "fp32",
+    fp8: FP8Plan | None = None,
 ) -> ParallelModel:
     """The model of a run, initialised from ``training.seed`` and parallelized; with a
     pipeline, this rank's stages and the schedule that runs them with ``pipeline_loss``."""
 
     def prepare(model: Transformer) -> nn.Module:
-        return parallelize(model, dims, layout, training, reduce_dtype, param_dtype)
+        return parallelize(model, dims, layout, training, reduce_dtype, param_dtype, fp8)
 
     if dims.pp > 1:
         pipeline = build_pipeline(

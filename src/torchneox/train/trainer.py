@@ -26,6 +26,7 @@ from torchneox.models.args import ModelArgs
 from torchneox.parallel import flight_recorder
 from torchneox.parallel.collectives import any_rank, mean_over_dp, sum_over_dp
 from torchneox.parallel.dims import ParallelDims, init_distributed
+from torchneox.parallel.fp8 import FP8Plan, check_fp8_hardware, fp8_plan
 from torchneox.parallel.parallelize import build_parallel_model, build_reference
 from torchneox.train.checkpoint import CheckpointManager, Resumed, TrainingState, copy_weights
 from torchneox.train.evaluation import Evaluator
@@ -129,6 +130,12 @@ class Trainer:
 
     # ------------------------------------------------------------------------- setup
 
+    def _fp8(self) -> FP8Plan | None:
+        plan = fp8_plan(self.cfg)
+        if plan is not None:
+            check_fp8_hardware(plan, self.device, self.dims.tp)
+        return plan
+
     def _build_model(self) -> None:
         cfg, d = self.cfg, self.derived
         torch.manual_seed(cfg.training.seed)
@@ -144,6 +151,7 @@ class Trainer:
             cfg.parallel.pipe_partition_method,
             lambda logits, labels: self.step.pipeline_loss(logits, labels),
             param_dtype=d["zero_param_dtype"],
+            fp8=self._fp8(),
         )
         self.model, self.pipeline = self.parts.model, self.parts.pipeline
         t = cfg.training

@@ -1,0 +1,123 @@
+"""fp8 training through torchao's float8: the transformer blocks' linears swapped for
+``Float8Linear`` (its weights stay fp32 or bf16 masters; inputs, weights and output gradients
+are cast to fp8 with scales from their current values for each product).
+
+Two ways in: ``fp8_recipe`` (torchneox's key: torchao's tensorwise, rowwise or
+rowwise_with_gw_hp recipe, over every block linear), and GPT-NeoX's ``te_fp8_mha`` (fp8 for
+the attention's linears, as TransformerEngine's fp8 MultiheadAttention), where ``te_fp8_format``
+(hybrid: e5m2 output gradients) and ``te_fp8_wgrad`` (false: weight gradients in high
+precision) map onto torchao's cast configs. TransformerEngine's delayed scaling (an amax
+history) has no torchao counterpart: only its defaults (history 1, most_recent, margin 0:
+the scale from the current tensor) are taken.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchneox.base.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class FP8Plan:
+    recipe: str
+    """torchao's recipe: tensorwise, rowwise or rowwise_with_gw_hp."""
+    scope: str
+    """blocks: every linear of the transformer blocks; attention: their attention's only."""
+    grad_format: str | None = None
+    """The output gradients' fp8 (te_fp8_format: hybrid e5m2, e4m3 e4m3); None: the recipe's."""
+    wgrad_high_precision: bool = False
+    """te_fp8_wgrad false: the weight gradient's product stays in high precision."""
+    key: str = "fp8_recipe"
+
+
+def fp8_plan(cfg: Any) -> FP8Plan | None:
+    """What the (validated) config asks of fp8, or None."""
+    m = cfg.model
+    recipe = cfg.precision.fp8_recipe
+    if m.te_fp8_mha:  # its delayed-scaling keys are checked by config/validate.py
+        return FP8Plan(
+            recipe or "tensorwise",
+            "attention",
+            grad_format="e5m2" if m.te_fp8_format == "hybrid" else "e4m3",
+            wgrad_high_precision=not m.te_fp8_wgrad,
+            key="te_fp8_mha",
+        )
+    return FP8Plan(recipe, "blocks") if recipe else None
+
+
+def torchao_config(plan: FP8Plan) -> Any:
+    from torchao.float8 import CastConfig, Float8LinearConfig, ScalingType
+
+    config = Float8LinearConfig.from_recipe_name(plan.recipe)
+    changes: dict[str, Any] = {}
+    if plan.grad_format is not None:
+        dtype = {"e5m2": torch.float8_e5m2, "e4m3": torch.float8_e4m3fn}[plan.grad_format]
+        grad = config.cast_config_grad_output
+        grad = dataclasses.replace(grad, target_dtype=dtype)
+        changes["cast_config_grad_output"] = grad  # and in the weight gradient's product
+        changes["cast_config_grad_output_for_grad_weight"] = grad
+    if plan.wgrad_high_precision:  # torchao wants one dtype named for the output gradient
+        grad = changes.get("cast_config_grad_output", config.cast_config_grad_output)
+        off = CastConfig(ScalingType.DISABLED, target_dtype=grad.target_dtype)
+        changes["cast_config_input_for_grad_weight"] = CastConfig(ScalingType.DISABLED)
+        changes["cast_config_grad_output_for_grad_weight"] = off
+    return dataclasses.replace(config, **changes) if changes else config
+
+
+def check_fp8_hardware(plan: FP8Plan, device: torch.device, tp: int) -> None:
+    """One line where fp8 cannot run: no torchao, a GPU without fp8 units, tensor parallel."""
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "fp8 training runs on torchao's float8: pip install torchao (or torchneox[fp8])",
+            key=plan.key,
+        ) from None
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            raise ConfigError(
+                f"this GPU (compute capability {major}.{minor}) has no fp8 units: fp8 needs "
+                "8.9 or newer (Ada, Hopper, Blackwell); train in bf16 instead",
+                key=plan.key,
+            )
+    if tp > 1:
+        raise ConfigError(
+            "fp8 with tensor parallelism is not built (it needs torchao's float8 parallel "
+            "styles); use model_parallel_size 1 or train in bf16",
+            key=plan.key,
+        )
+
+
+def apply_fp8(model: nn.Module, plan: FP8Plan) -> int:
+    """Swap the linears ``plan`` covers for torchao's Float8Linear in place (names and
+    parameters unchanged, so checkpoints are the same files); the number swapped. torchao's
+    kernels need both dimensions divisible by 16: other linears stay as they are."""
+    from torchao.float8 import convert_to_float8_training
+
+    swapped = []
+
+    def covered(module: nn.Module, name: str) -> bool:
+        if not isinstance(module, nn.Linear) or not name.startswith("layers."):
+            return False
+        if plan.scope == "attention" and ".attention." not in f".{name}":
+            return False
+        ok = module.in_features % 16 == 0 and module.out_features % 16 == 0
+        if ok:
+            swapped.append(name)
+        return ok
+
+    convert_to_float8_training(model, module_filter_fn=covered, config=torchao_config(plan))
+    if not swapped:
+        raise ConfigError(
+            "no linear of the blocks has both dimensions divisible by 16, as torchao's fp8 "
+            "kernels need: nothing would run in fp8",
+            key=plan.key,
+        )
+    return len(swapped)

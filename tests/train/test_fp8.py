@@ -1,0 +1,75 @@
+"""fp8 training through torchao's float8: the keys pick the linears and casts, runs train
+like the bf16 run to fp8's tolerance, and what cannot run is refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import losses
+from torchneox.base.errors import ConfigError
+from torchneox.cli import main
+from torchneox.config.load import load_config
+from torchneox.parallel.fp8 import check_fp8_hardware, fp8_plan, torchao_config
+from torchneox.train.trainer import Trainer
+
+pytest.importorskip("torchao.float8")  # the dev extra installs it
+
+
+def trained(make_config, tmp_path, name, **keys):
+    cfg = make_config(precision="bfloat16", train_iters=6, save=str(tmp_path / name), **keys)
+    trainer = Trainer(load_config([cfg]), device="cpu")
+    trainer.run()
+    return trainer, losses(tmp_path / name)
+
+
+@pytest.mark.parametrize(
+    ("keys", "swapped"),
+    [
+        ({"fp8_recipe": "tensorwise"}, "every block linear"),
+        ({"fp8_recipe": "rowwise"}, "every block linear"),
+        ({"te_fp8_mha": True}, "attention"),
+    ],
+)
+def test_fp8_trains_like_bf16(make_config, tmp_path, keys, swapped):
+    from torchao.float8.float8_linear import Float8Linear
+
+    _, bf16 = trained(make_config, tmp_path, "bf16")
+    trainer, fp8 = trained(make_config, tmp_path, "fp8", **keys)
+    names = [n for n, m in trainer.model.named_modules() if isinstance(m, Float8Linear)]
+    blocks = [n for n, m in trainer.model.named_modules() if isinstance(m, torch.nn.Linear)]
+    blocks = [n for n in blocks if n.startswith("layers.")]
+    want = blocks if swapped == "every block linear" else [n for n in blocks if ".attention." in n]
+    assert names == want and names
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())  # masters
+    assert fp8 != bf16  # the products ran in fp8
+    for step, loss in bf16.items():
+        assert fp8[step] == pytest.approx(loss, rel=3e-2)
+    assert fp8[6] < fp8[1]
+
+
+def test_te_fp8_keys_map_onto_torchao_casts(make_config):
+    cfg = load_config([make_config(te_fp8_mha=True, te_fp8_wgrad=False)]).config
+    plan = fp8_plan(cfg)
+    assert (plan.recipe, plan.scope, plan.grad_format, plan.wgrad_high_precision) == (
+        "tensorwise", "attention", "e5m2", True,
+    )  # fmt: skip
+    c = torchao_config(plan)
+    assert c.cast_config_grad_output.target_dtype == torch.float8_e5m2  # hybrid's backward
+    assert c.cast_config_input_for_grad_weight.scaling_type.value == "disabled"
+    e4m3 = fp8_plan(load_config([make_config(te_fp8_mha=True, te_fp8_format="e4m3")]).config)
+    assert torchao_config(e4m3).cast_config_grad_output.target_dtype == torch.float8_e4m3fn
+    assert fp8_plan(load_config([make_config()]).config) is None
+
+
+def test_fp8_refusals_are_one_line(make_config, tmp_path, capsys, monkeypatch):
+    cfg = make_config(te_fp8_mha=True, te_fp8_amax_history_len=16)
+    assert main(["train", cfg]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "te_fp8_amax_history_len" in err and "delayed" in err
+    plan = fp8_plan(load_config([make_config(fp8_recipe="rowwise")]).config)
+    with pytest.raises(ConfigError, match="tensor parallelism is not built"):
+        check_fp8_hardware(plan, torch.device("cpu"), tp=2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ConfigError, match=r"compute capability 8\.0\) has no fp8 units"):
+        check_fp8_hardware(plan, torch.device("cuda"), tp=1)
