@@ -3,6 +3,7 @@ torch.compile) reporting tokens/s, MFU and the memory high-water mark next to wh
 `torchneox estimate` predicted for the same config, then generation speed.
 
     python benchmarks/gpu_check.py [--shape 1b] [--steps 15] [--micro-batch 8] [--seq 2048]
+        [--fp8 tensorwise]     # also the compiled run in fp8 (torchao), beside bf16
 
 Prints one JSON object per line. Needs a CUDA device; numbers go to docs/benchmarks.md.
 """
@@ -46,7 +47,7 @@ def data(folder: Path, tokens: int) -> str:
     return str(folder / "random")
 
 
-def train(args, shape: str, compiled: bool, prefix: str) -> dict:
+def train(args, shape: str, compiled: bool, prefix: str, fp8: str | None = None) -> dict:
     keys = SHAPES[shape] | {
         "seq_length": args.seq,
         "max_position_embeddings": args.seq,
@@ -65,6 +66,7 @@ def train(args, shape: str, compiled: bool, prefix: str) -> dict:
         "num_workers": 1,
         "compile": compiled,
         "checkpoint_activations": args.checkpoint_activations,
+        "fp8_recipe": fp8,
     }
     torch.cuda.reset_peak_memory_stats()
     loaded = load_mapping(keys, f"gpu-check-{shape}")
@@ -92,6 +94,7 @@ def train(args, shape: str, compiled: bool, prefix: str) -> dict:
         "shape": shape,
         "parameters": trainer.derived["num_parameters"],
         "compile": compiled,
+        "fp8_recipe": fp8,
         "checkpoint_activations": args.checkpoint_activations,
         "micro_batch": args.micro_batch,
         "seq": args.seq,
@@ -168,6 +171,11 @@ def main() -> None:
     parser.add_argument("--no-eager", action="store_true", help="only the compiled run")
     parser.add_argument("--no-compile", action="store_true", help="only the eager run")
     parser.add_argument("--no-generation", action="store_true")
+    parser.add_argument(
+        "--fp8",
+        choices=("tensorwise", "rowwise"),
+        help="also the compiled run with this torchao fp8 recipe, beside bf16",
+    )
     parser.add_argument("--generation-shape", choices=SHAPES, default="160m")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -178,6 +186,9 @@ def main() -> None:
         ]
         for compiled in modes:
             print(json.dumps(train(args, args.shape, compiled, prefix)), flush=True)
+        if args.fp8:
+            row = train(args, args.shape, not args.no_compile, prefix, fp8=args.fp8)
+            print(json.dumps(row), flush=True)
     if not args.no_generation:
         for row in generation(args.generation_shape):
             print(json.dumps(row), flush=True)
