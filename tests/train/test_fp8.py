@@ -9,8 +9,9 @@ import torch
 from tests.helpers import losses
 from torchneox.base.errors import ConfigError
 from torchneox.cli import main
+from torchneox.config.fp8_plan import fp8_plan
 from torchneox.config.load import load_config
-from torchneox.parallel.fp8 import check_fp8_hardware, fp8_plan, torchao_config
+from torchneox.parallel.fp8 import check_fp8_hardware, torchao_config
 from torchneox.train.trainer import Trainer
 
 pytest.importorskip("torchao.float8")  # the dev extra installs it

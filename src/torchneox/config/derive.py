@@ -15,6 +15,7 @@ from torchneox.base.errors import ConfigError
 from torchneox.config.derive_model import derive_model
 from torchneox.config.derived import Derived
 from torchneox.config.fields import Status
+from torchneox.config.fp8_plan import fp8_plan
 from torchneox.config.load import LoadedConfig
 from torchneox.config.loss_scale import loss_scale_spec
 from torchneox.config.optimizer import optimizer_spec
@@ -388,17 +389,15 @@ def _precision(cfg: NeoXConfig, out: Derived) -> None:
 
 
 def _fp8(cfg: NeoXConfig, out: Derived) -> None:
-    m, recipe = cfg.model, cfg.precision.fp8_recipe
-    if m.te_fp8_mha:
-        grads = "e5m2" if m.te_fp8_format == "hybrid" else "e4m3"
-        wgrad = "" if m.te_fp8_wgrad else ", weight gradients in high precision"
-        value = f"attention linears, {recipe or 'tensorwise'}"
-        why = f"te_fp8_mha on torchao's float8; output gradients {grads} (te_fp8_format){wgrad}"
-    elif recipe:
-        value, why = f"block linears, {recipe}", "fp8_recipe on torchao's float8"
+    plan = fp8_plan(cfg)
+    if plan is None:
+        out.put("fp8", "off", "neither fp8_recipe nor te_fp8_mha is set")
+    elif plan.scope == "attention":
+        wgrad = ", weight gradients in high precision" if plan.wgrad_high_precision else ""
+        why = f"te_fp8_mha on torchao's float8; output gradients {plan.grad_format} (te_fp8_format)"
+        out.put("fp8", f"attention linears, {plan.recipe}", why + wgrad)
     else:
-        value, why = "off", "neither fp8_recipe nor te_fp8_mha is set"
-    out.put("fp8", value, why)
+        out.put("fp8", f"block linears, {plan.recipe}", "fp8_recipe on torchao's float8")
 
 
 # --------------------------------------------------------------------------- optimizer

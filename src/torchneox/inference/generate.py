@@ -93,7 +93,7 @@ def generate(
     tokens, positions, valid, padded = _left_padded(prompts, longest + steps, pad_id, device)
     if s.use_cache and static_decoding(s.decode_loop, device):
         mask = valid if padded else None
-        out_BN = _static_loop(model, tokens, positions, mask, longest, s, pad_id)
+        out_BN = _static_loop(model, tokens, positions, mask, longest, s, pad_id, generator)
         return _cut_at_stops(out_BN.tolist(), s.stop_ids)
     cache = (
         KVCache(model.args, b, tokens.shape[1], model.embed.weight.dtype, device)
@@ -148,6 +148,7 @@ def _static_loop(
     longest: int,
     s: Sampling,
     pad_id: int,
+    generator: torch.Generator | None,
 ) -> torch.Tensor:
     """The generated tokens [B, steps] (pad after a row's stop token): the prompts in one
     forward into a StaticKVCache, then one fixed-shape step per token, replayed as a CUDA
@@ -155,9 +156,6 @@ def _static_loop(
     STOP_CHECK_INTERVAL tokens."""
     b, width = tokens.shape
     device, steps = tokens.device, width - longest
-    generator = None
-    if s.seed is not None:
-        generator = torch.Generator(device=device).manual_seed(s.seed)
     cache = StaticKVCache(model.args, b, width, model.embed.weight.dtype, device)
     logits = model(
         tokens[:, :longest], positions_BT=positions[:, :longest], key_valid_BS=valid, cache=cache

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchneox.config.fp8_plan import FP8Plan
 from torchneox.config.layout import Layout
 from torchneox.models.args import ModelArgs
 from torchneox.models.transformer import Transformer, build_model
@@ -18,7 +19,7 @@ from torchneox.parallel.activation_ckpt import apply_activation_checkpointing, c
 from torchneox.parallel.data_parallel import apply_data_parallel, shard_frozen
 from torchneox.parallel.dims import ParallelDims
 from torchneox.parallel.expert_parallel import apply_expert_parallel
-from torchneox.parallel.fp8 import FP8Plan, apply_fp8
+from torchneox.parallel.fp8 import apply_fp8
 from torchneox.parallel.pipeline import Pipeline, build_pipeline
 from torchneox.parallel.tensor_parallel import apply_tensor_parallel
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torchneox.base.errors import ConfigError, TrainingStopped
 from torchneox.base.faults import fault_point
 from torchneox.config.derive import Derived, derive
+from torchneox.config.fp8_plan import FP8Plan, fp8_plan
 from torchneox.config.layout import Layout, check_layout
 from torchneox.config.load import LoadedConfig, with_absolute_paths
 from torchneox.config.report import render_yaml
@@ -26,7 +27,7 @@ from torchneox.models.args import ModelArgs
 from torchneox.parallel import flight_recorder
 from torchneox.parallel.collectives import any_rank, mean_over_dp, sum_over_dp
 from torchneox.parallel.dims import ParallelDims, init_distributed
-from torchneox.parallel.fp8 import FP8Plan, check_fp8_hardware, fp8_plan
+from torchneox.parallel.fp8 import check_fp8_hardware
 from torchneox.parallel.parallelize import build_parallel_model, build_reference
 from torchneox.train.checkpoint import CheckpointManager, Resumed, TrainingState, copy_weights
 from torchneox.train.evaluation import Evaluator
