@@ -3,10 +3,12 @@
 - the machine's GEMM peaks: fp32 on PyTorch's default kernel (MKL) and on oneDNN, and bf16;
 - nanoGPT's character-level tiny Shakespeare recipe (4 layers, 4 heads, width 128, context 64,
   batch 12, fp32, no compile) as a plain-PyTorch script written the way nanoGPT writes it (its
-  model and its loop, no framework), against torchneox on configs/shakespeare_char.yml; the two
-  alternate in rounds so that both see the same machine;
+  model and its loop, no framework), against torchneox on configs/shakespeare_char.yml, eager
+  and with ``compile`` (the whole model as one graph); the sides alternate in rounds so that
+  all see the same machine;
 - transformers' GPTNeoXForCausalLM against torchneox at the Pythia 14M, 70M and 160M shapes
-  (fp32), and torchneox bf16 against fp32 at 70M (benchmarks/train_vs_hf.py's sides);
+  (fp32), torchneox eager and compiled, and torchneox bf16 against fp32 at 70M
+  (benchmarks/train_vs_hf.py's sides);
 
 every row with its MFU against the measured peak of its precision (FLOPs per token by
 torchneox's own count: every weight a token meets, the head, and attention scores in full).
@@ -195,8 +197,14 @@ def nanogpt_recipe(args, peak: dict) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         prefix = prepare(text, Path(tmp))
         settings = [f"data_path={prefix}", "save=null", "load=null", "eval_interval=100000"]
-        trainer = Trainer(load_config([ROOT / "configs" / "shakespeare_char.yml"], settings))
-        sides = {"nanogpt_plain_loop": plain.step, "torchneox": trainer.train_step}
+        recipe = [ROOT / "configs" / "shakespeare_char.yml"]
+        eager = Trainer(load_config(recipe, settings))
+        compiled = Trainer(load_config(recipe, [*settings, "compile=true"]))
+        sides = {
+            "nanogpt_plain_loop": plain.step,
+            "torchneox": eager.train_step,
+            "torchneox_compiled": compiled.train_step,
+        }
         speeds: dict[str, list[float]] = {name: [] for name in sides}
         tokens = RECIPE["batch"] * RECIPE["block"] * args.steps
         for round_ in range(args.rounds + 1):
@@ -204,13 +212,13 @@ def nanogpt_recipe(args, peak: dict) -> None:
                 start = time.perf_counter()
                 for _ in range(args.steps):
                     step()
-                if round_:  # the first round warms both up
+                if round_:  # the first round warms all up (and compiles)
                     speeds[name].append(tokens / (time.perf_counter() - start))
-        trainer.train_loader.close()
-        flops = {
-            "nanogpt_plain_loop": recipe_flops(len(chars), learned=True),
-            "torchneox": trainer.derived["flops_per_token"],
-        }
+        for trainer in (eager, compiled):
+            trainer.train_loader.close()
+        ours = eager.derived["flops_per_token"]
+        flops = {"nanogpt_plain_loop": recipe_flops(len(chars), learned=True)}
+        flops |= {"torchneox": ours, "torchneox_compiled": ours}
     median = {name: statistics.median(v) for name, v in speeds.items()}
     for name, value in median.items():
         emit(
@@ -223,8 +231,14 @@ def nanogpt_recipe(args, peak: dict) -> None:
                 "mfu": mfu(value, flops[name], peak["fp32"]),
             }
         )
-    ratio = median["torchneox"] / median["nanogpt_plain_loop"]
-    emit({"benchmark": "cpu_speed_nanogpt_recipe", "ratio_torchneox_over_plain": round(ratio, 3)})
+    plain_speed = median["nanogpt_plain_loop"]
+    emit(
+        {
+            "benchmark": "cpu_speed_nanogpt_recipe",
+            "ratio_torchneox_over_plain": round(median["torchneox"] / plain_speed, 3),
+            "ratio_compiled_over_plain": round(median["torchneox_compiled"] / plain_speed, 3),
+        }
+    )
 
 
 # ------------------------------------------------------------------ Pythia shapes, transformers
@@ -248,25 +262,37 @@ def pythia_shapes(args, peak: dict) -> None:
             )
             continue
         steps = max(1, round(PYTHIA_STEPS[shape] * args.pythia_scale))
-        side = argparse.Namespace(
-            batch=8, seq=128, steps=steps, warmup=2, precision=precision, device="cpu"
-        )
-        with tempfile.TemporaryDirectory() as tmp:
-            data = hf.synthetic_data(Path(tmp), (steps + 4) * 8 * 129 * 2)
-            flops = count(
-                load_mapping(hf.torchneox_keys(shape, side, data), "pythia").config, hf.VOCAB
-            ).flops_per_token
-            ours = hf.torchneox_side(shape, side, data, tmp)
-        theirs = hf.hf_side(shape, side) if precision == "fp32" else None
         row = {"benchmark": "cpu_speed_pythia", "shape": shape, "precision": precision}
         row |= {"batch": 8, "seq": 128, "steps": steps}
-        row |= {"torchneox_tokens_per_sec": round(ours, 1)}
-        row |= {"torchneox_mfu": mfu(ours, flops, peak[precision])}
-        if theirs is not None:
+        theirs = None
+        if precision == "fp32":
+            side = argparse.Namespace(batch=8, seq=128, steps=steps, warmup=2, precision=precision)
+            theirs = hf.hf_side(shape, argparse.Namespace(**vars(side), device="cpu"))
             row |= {"transformers_tokens_per_sec": round(theirs, 1)}
-            row |= {"transformers_mfu": mfu(theirs, flops, peak[precision])}
-            row |= {"ratio_torchneox_over_transformers": round(ours / theirs, 3)}
+        for compiled in (False, True):
+            name = "torchneox_compiled" if compiled else "torchneox"
+            ours, flops = _torchneox_pythia(hf, shape, precision, steps, compiled)
+            row |= {f"{name}_tokens_per_sec": round(ours, 1)}
+            row |= {f"{name}_mfu": mfu(ours, flops, peak[precision])}
+            if theirs is not None:
+                row |= {f"ratio_{name}_over_transformers": round(ours / theirs, 3)}
+        if theirs is not None:
+            row["transformers_mfu"] = mfu(theirs, flops, peak[precision])
         emit(row)
+
+
+def _torchneox_pythia(hf, shape: str, precision: str, steps: int, compiled: bool):
+    """torchneox's tokens/s at a Pythia shape (warmed up: 2 steps, 3 when compiled) and its
+    FLOPs per token."""
+    side = argparse.Namespace(
+        batch=8, seq=128, steps=steps, warmup=3 if compiled else 2, precision=precision,
+        device="cpu", compile=compiled,
+    )  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        data = hf.synthetic_data(Path(tmp), (steps + 5) * 8 * 129 * 2)
+        keys = hf.torchneox_keys(shape, side, data)
+        flops = count(load_mapping(keys, "pythia").config, hf.VOCAB).flops_per_token
+        return hf.torchneox_side(shape, side, data, tmp), flops
 
 
 def main() -> None:

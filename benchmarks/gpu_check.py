@@ -65,6 +65,7 @@ def train(args, shape: str, compiled: bool, prefix: str, fp8: str | None = None)
         "eval_iters": 0,
         "num_workers": 1,
         "compile": compiled,
+        "compile_scope": args.compile_scope,
         "checkpoint_activations": args.checkpoint_activations,
         "fp8_recipe": fp8,
     }
@@ -93,7 +94,7 @@ def train(args, shape: str, compiled: bool, prefix: str, fp8: str | None = None)
         "device": torch.cuda.get_device_name(),
         "shape": shape,
         "parameters": trainer.derived["num_parameters"],
-        "compile": compiled,
+        "compile": trainer.derived["compile"],
         "fp8_recipe": fp8,
         "checkpoint_activations": args.checkpoint_activations,
         "micro_batch": args.micro_batch,
@@ -170,6 +171,10 @@ def main() -> None:
     parser.add_argument("--checkpoint-activations", action="store_true")
     parser.add_argument("--no-eager", action="store_true", help="only the compiled run")
     parser.add_argument("--no-compile", action="store_true", help="only the eager run")
+    parser.add_argument(
+        "--compile-scope", choices=("auto", "model", "blocks"), default="auto",
+        help="what the compiled run compiles (auto: the whole model on one GPU)",
+    )  # fmt: skip
     parser.add_argument("--no-generation", action="store_true")
     parser.add_argument(
         "--fp8",

@@ -61,6 +61,7 @@ def torchneox_keys(shape: str, args, data: str) -> dict:
         "num_workers": 1,
         "save": None,
         "seed": 1,
+        "compile": getattr(args, "compile", False),
     }
 
 

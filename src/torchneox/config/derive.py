@@ -16,6 +16,7 @@ from torchneox.config.derive_model import derive_model
 from torchneox.config.derived import Derived
 from torchneox.config.fields import Status
 from torchneox.config.fp8_plan import fp8_plan
+from torchneox.config.layout import Layout, compile_scope
 from torchneox.config.load import LoadedConfig
 from torchneox.config.loss_scale import loss_scale_spec
 from torchneox.config.optimizer import optimizer_spec
@@ -37,6 +38,7 @@ def derive(
     cfg, out = loaded.config, Derived()
     _layout(loaded, out, world_size, env)
     _batch(loaded, out)
+    out.put("compile", *compile_scope(cfg, Layout.from_derived(cfg, out)))
     _precision(cfg, out)
     _optimizer(loaded, out)
     _schedule(cfg, out)

@@ -3,6 +3,8 @@ the residual form, the attention, and the parameter and FLOP counts (config/size
 
 from __future__ import annotations
 
+from decimal import Decimal
+
 from torchneox.base.errors import ConfigError
 from torchneox.config import sizes
 from torchneox.config.derived import Derived
@@ -130,6 +132,8 @@ def _counts(cfg: NeoXConfig, out: Derived, padded: int) -> None:
 
 
 def _human(n: float) -> str:
+    if n >= 1e300:  # past what a float holds (a fuzzed vocabulary): in decimal notation
+        return f"{Decimal(int(n)):.3e} "
     for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if n >= size:
             return f"{n / size:.3g}{unit}"

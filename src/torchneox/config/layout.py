@@ -363,6 +363,44 @@ def _context_parallel(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     return None
 
 
+def compile_scope(cfg: NeoXConfig, layout: Layout) -> tuple[str, str]:
+    """What ``compile`` compiles in ``layout`` ('off', 'model' or 'blocks'), and why."""
+    t = cfg.training
+    if not t.compile:
+        return "off", "compile is false"
+    if t.compile_scope != "auto":
+        return t.compile_scope, f"compile_scope {t.compile_scope}"
+    if _splits_model(layout) is None:
+        return "model", "auto: one graph for the whole model (the layout does not split it)"
+    return "blocks", f"auto: each block, because {_splits_model(layout)} splits the model"
+
+
+def _splits_model(lay: Layout) -> str | None:
+    """The layout's part that wraps or splits the model below its top level, or None."""
+    for name, splits in (
+        ("tensor parallelism", lay.tp > 1),
+        ("the pipeline", lay.pp > 1),
+        ("expert parallelism", lay.ep > 1),
+        ("context parallelism", lay.cp > 1),
+        (f"ZeRO stage {lay.zero} (FSDP2, wrapped per block)", lay.zero > 0 and lay.dp > 1),
+    ):
+        if splits:
+            return name
+    return None
+
+
+def _compile_model(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
+    t = cfg.training
+    if not t.compile or t.compile_scope != "model" or _splits_model(lay) is None:
+        return None
+    return _refuse(
+        f"compile_scope model compiles the whole model as one graph, which {_splits_model(lay)} "
+        "splits; use compile_scope blocks (or auto)",
+        key="compile_scope",
+        cause="compile_scope",
+    )
+
+
 RULES = (
     _whole_heads,
     _pipeline,
@@ -374,5 +412,6 @@ RULES = (
     _not_built_with,
     _hybrid_sharding,
     _context_parallel,
+    _compile_model,
 )
 """Every layout rule, in the order they are checked."""

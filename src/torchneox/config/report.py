@@ -25,6 +25,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "data_parallel_size",
         "zero_stage",
         "distributed_backend",
+        "compile",
     ),
     "Batch": (
         "train_batch_size",

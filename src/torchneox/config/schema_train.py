@@ -221,7 +221,16 @@ class TrainingConfig:
         "of matrix multiplies, attention and collectives and recomputes only the elementwise work.",
     )
     compile: bool = extension(
-        False, "torch.compile each transformer block (for GPUs; slow to start on CPU)."
+        False,
+        "torch.compile the model (compile_scope says how much of it); slower to start, above "
+        "all on the CPU.",
+    )
+    compile_scope: Literal["auto", "model", "blocks"] = extension(
+        "auto",
+        "With compile: 'model' compiles the whole model (embedding, blocks, final norm, head) "
+        "as one graph; 'blocks' each transformer block; 'auto' the whole model where the run "
+        "has no tensor, pipeline, expert or context parallelism and no ZeRO sharding, else each "
+        "block.",
     )
     partition_activations: bool = no_effect(
         False,

@@ -187,7 +187,7 @@ def _build(loaded: LoadedConfig, world: int) -> _Built:
     dims.build_mesh()
     args = ModelArgs.from_config(cfg, d["padded_vocab_size"])
     meta = torch.device("meta")
-    training = _without_compile(cfg.training)
+    training = cfg.training  # compile stays off (the default): compiled code cannot run fake
     method = cfg.parallel.pipe_partition_method
     parts = build_parallel_model(
         args, dims, layout, training, d["gradient_reduce_dtype"], meta, method, None,
@@ -202,12 +202,6 @@ def _build(loaded: LoadedConfig, world: int) -> _Built:
             args, dims, layout, meta, training.seed, method
         )
     return _Built(d, layout, dims, args, parts, objective, note)
-
-
-def _without_compile(training: Any) -> Any:
-    import dataclasses
-
-    return dataclasses.replace(training, compile=False)  # compiled code cannot run fake
 
 
 def _fake_empty(t: torch.Tensor) -> torch.Tensor:

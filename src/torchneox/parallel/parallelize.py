@@ -47,10 +47,12 @@ def parallelize(
     reduce_dtype: Any,
     param_dtype: str = "fp32",
     fp8: FP8Plan | None = None,
+    compile_scope: str = "off",
 ) -> nn.Module:
     """Apply the layout to ``model`` in place; returns the module to call. ``training``: the
     training config group (activation checkpointing, compile); ``param_dtype``: what ZeRO
-    (FSDP2) gathers the weights in; ``fp8``: the linears torchao's float8 runs."""
+    (FSDP2) gathers the weights in; ``fp8``: the linears torchao's float8 runs; ``compile_scope``:
+    what torch.compile covers (config/layout.py's compile_scope: off, blocks or model)."""
     if fp8 is not None:  # first, as torchao asks: the swapped modules are then sharded
         apply_fp8(model, fp8)
     if dims.tp > 1:
@@ -62,8 +64,10 @@ def parallelize(
         apply_activation_checkpointing(
             model, training.checkpoint_num_layers, training.checkpoint_activations_mode
         )
-    if training.compile:
+    if compile_scope == "blocks":
         compile_blocks(model)
+    elif compile_scope == "model":  # in place (names unchanged), inside any DDP wrapper
+        model.compile()
     if dims.batch_ranks > 1:
         return apply_data_parallel(
             model,
@@ -88,12 +92,15 @@ def build_parallel_model(
     pipeline_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     param_dtype: str = "fp32",
     fp8: FP8Plan | None = None,
+    compile_scope: str = "off",
 ) -> ParallelModel:
     """The model of a run, initialised from ``training.seed`` and parallelized; with a
     pipeline, this rank's stages and the schedule that runs them with ``pipeline_loss``."""
 
     def prepare(model: Transformer) -> nn.Module:
-        return parallelize(model, dims, layout, training, reduce_dtype, param_dtype, fp8)
+        return parallelize(
+            model, dims, layout, training, reduce_dtype, param_dtype, fp8, compile_scope
+        )
 
     if dims.pp > 1:
         pipeline = build_pipeline(

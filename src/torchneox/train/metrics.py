@@ -43,7 +43,7 @@ class Timers:
         return "time per step (ms): " + ", ".join(parts)
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
     seconds = int(max(seconds, 0))
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
@@ -192,7 +192,7 @@ class MetricsLogger:
             f"{row['tflops']:.3g} TFLOP/s",
             f"MFU {row['mfu'] * 100:.1f}%" if row.get("mfu") is not None else "MFU ?",
             f"{row['step_time_s'] * 1000:.0f} ms/step",
-            f"ETA {_duration(eta_s)}",
+            f"ETA {duration(eta_s)}",
         ]
         return " | ".join(parts)
 

@@ -1,11 +1,18 @@
 """One optimizer step: the forward and backward passes over a global batch's micro-batches
 (or the pipeline schedule over them), then the gradients applied: unscaled, clipped, and
-skipped or stopped on when they are not finite."""
+skipped or stopped on when they are not finite.
+
+With a fused optimizer outside fp16 nothing is read back to the host during a step: whether
+the loss and gradient norm are finite is decided on the device, where the fused update skips
+a non-finite step itself (its ``found_inf``), and the steps are checked against
+skip_nonfinite_steps (counted, reported, stopped on) when they are settled: every
+``settle_every`` steps (the log interval), before a save, and when a step's values are read.
+fp16's dynamic loss scale and the other optimizers decide on the host each step."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +47,36 @@ class GradientPolicy:
     skip_nonfinite_steps: int
 
 
+class StepValues(Mapping):
+    """A step's logged values (``lm_loss``, ``lr``, ``grad_norm``, ``skipped`` and the
+    objective's metrics), read from the device together on first use, after the pending steps
+    are settled (so a value read is one the skip policy has seen)."""
+
+    def __init__(
+        self, known: dict[str, float], lazy: dict[str, torch.Tensor], settle: Callable[[], None]
+    ):
+        self._known, self._lazy, self._settle = known, lazy, settle
+        self._values: dict[str, float] | None = None
+
+    def _read(self) -> dict[str, float]:
+        if self._values is None:
+            self._settle()
+            names = list(self._lazy)
+            read = [plain(self._lazy[n]).detach().double().reshape(()) for n in names]
+            values = torch.stack(read).tolist() if read else []
+            self._values = self._known | dict(zip(names, values, strict=True))
+        return self._values
+
+    def __getitem__(self, name: str) -> float:
+        return self._read()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([*self._known, *self._lazy])
+
+    def __len__(self) -> int:
+        return len(self._known) + len(self._lazy)
+
+
 class TrainStep:
     def __init__(
         self,
@@ -55,6 +92,7 @@ class TrainStep:
         timers: Timers,
         line: Callable[[str], None],
         last_good: Callable[[], str],
+        settle_every: int = 1,
     ):
         self.parts, self.optimizer, self.scaler = parts, optimizer, scaler
         self.objective, self.policy, self.dims = objective, policy, dims
@@ -64,6 +102,16 @@ class TrainStep:
         self.pipelined = PipelinedObjective(objective, lambda: self.scaler.scale)
         self.pipeline_metrics: dict[str, torch.Tensor] = {}
         self.moe_counts: list[torch.Tensor] = []  # this step's tokens per expert, per MoE layer
+        self.settle_every = max(settle_every, 1)
+        self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # unchecked steps
+
+    @property
+    def deferred(self) -> bool:
+        """Whether the step's checks wait on the device: the fused update can skip a step
+        there (every group fused: a loaded optimizer state brings its groups' flags); fp16's
+        loss scale is decided on the host."""
+        groups = self.optimizer.param_groups
+        return self.precision != "fp16" and all(g.get("fused") for g in groups)
 
     def _autocast(self):
         return autocast(self.precision, self.device.type)
@@ -190,7 +238,7 @@ class TrainStep:
 
     # ---------------------------------------------------------------------------- a step
 
-    def __call__(self, iteration: int, lr: float, micro_batches: list[torch.Tensor]) -> dict:
+    def __call__(self, iteration: int, lr: float, micro_batches: list[torch.Tensor]) -> StepValues:
         """Train on one global batch and apply the gradients; the step's logged values."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -210,12 +258,51 @@ class TrainStep:
         if self.dims.ep > 1:
             sync_expert_gradients(self.parts.model, self.dims.mesh, self.dims.dp)
         fault_point("step.backward", iteration)
-        loss = mean_over_dp(total / self.grad_accum, self.dims).item()
-        bad = None if math.isfinite(loss) else f"the loss is {loss}"
+        loss = mean_over_dp(total / self.grad_accum, self.dims)
+        known: dict[str, float] = {"lr": lr}
+        lazy = dict(self.averaged_metrics(sums))
         with self.timers("optimizer"):
-            grad_norm, skipped = self.apply_gradients(iteration, bad)
-        out = {"lm_loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": float(skipped)}
-        return out | {name: v.item() for name, v in self.averaged_metrics(sums).items()}
+            if self.deferred:
+                norm, skipped = self._apply_on_device(iteration, loss)
+                lazy |= {"lm_loss": loss, "grad_norm": norm, "skipped": skipped}
+            else:
+                value = loss.item()
+                bad = None if math.isfinite(value) else f"the loss is {value}"
+                grad_norm, skipped_now = self.apply_gradients(iteration, bad)
+                known |= {"lm_loss": value, "grad_norm": grad_norm, "skipped": float(skipped_now)}
+        if iteration % self.settle_every == 0:
+            self.settle()
+        return StepValues(known, lazy, self.settle)
+
+    def _apply_on_device(
+        self, iteration: int, loss: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clip and apply the gradients with no read-back: the fused update skips the step
+        where the loss or the norm is not finite. The norm and the skip flag, on the device."""
+        norm = self.clip_gradients()
+        bad = (~torch.isfinite(loss.float()) | ~torch.isfinite(norm)).float()
+        self.optimizer.found_inf = bad  # read by the fused kernel: 1 leaves weights and state
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.pending.append((iteration, loss, norm))
+        return norm, bad
+
+    def settle(self) -> None:
+        """Check the pending steps, in order, against the skip policy: a non-finite one is
+        counted and reported, or (its allowance used up) the run stops naming it."""
+        pending, self.pending = self.pending, []
+        if not pending:
+            return
+        read = torch.stack([torch.stack([plain(x).double(), n.double()]) for _, x, n in pending])
+        for (iteration, _, _), (loss, norm) in zip(pending, read.tolist(), strict=True):
+            bad = None
+            if not math.isfinite(loss):
+                bad = f"the loss is {loss}"
+            elif not math.isfinite(norm):
+                bad = f"the gradient norm is {norm}"
+            if bad is not None:
+                self._skip_or_stop(iteration, bad)
+            self.scaler.update(bad is not None)
 
     def averaged_metrics(self, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The step's other logged values, each a mean over the data-parallel ranks: the MoE

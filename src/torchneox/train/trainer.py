@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from torchneox.parallel.parallelize import build_parallel_model, build_reference
 from torchneox.train.checkpoint import CheckpointManager, Resumed, TrainingState, copy_weights
 from torchneox.train.evaluation import Evaluator
 from torchneox.train.lr import Schedule
-from torchneox.train.metrics import MetricsLogger, Throughput, Timers
+from torchneox.train.metrics import MetricsLogger, Throughput, Timers, duration
 from torchneox.train.objectives import objective_for
 from torchneox.train.optim import build_optimizer
 from torchneox.train.precision import LossScaler
@@ -153,6 +154,7 @@ class Trainer:
             lambda logits, labels: self.step.pipeline_loss(logits, labels),
             param_dtype=d["zero_param_dtype"],
             fp8=self._fp8(),
+            compile_scope=d["compile"],
         )
         self.model, self.pipeline = self.parts.model, self.parts.pipeline
         t = cfg.training
@@ -203,6 +205,7 @@ class Trainer:
             self.timers,
             self.logger.line,
             self.checkpoints.last_good,
+            settle_every=cfg.logging.log_interval,
         )
 
     def _build_evaluator(self) -> Evaluator:
@@ -262,7 +265,7 @@ class Trainer:
 
     # -------------------------------------------------------------------------- step
 
-    def train_step(self) -> dict[str, float]:
+    def train_step(self) -> Mapping[str, float]:
         iteration = self.iteration + 1
         fault_point("step.start", iteration)
         lr = self.schedule.lr_for_update(iteration)
@@ -276,6 +279,7 @@ class Trainer:
         return self.evaluator.loss(loader, iters)
 
     def save(self) -> Path | None:
+        self.step.settle()  # a step the skip policy has not seen is not saved
         return self.checkpoints.save(self.iteration, self.state)
 
     # -------------------------------------------------------------------------- run
@@ -395,6 +399,7 @@ class Trainer:
                     f"stopped at step {self.iteration}; rerun the same command to resume"
                 )
                 break
+        self.step.settle()
         self.checkpoints.finish()
         profiler.stop()
         return self._summary(progress.last_row)
@@ -410,7 +415,7 @@ class Trainer:
             summary["test"] = ev.split_row("test", self.test_loader, self.iteration, end)
         return summary
 
-    def step_row(self, out: dict[str, float], seconds: float, tokens: int) -> dict[str, Any]:
+    def step_row(self, out: Mapping[str, float], seconds: float, tokens: int) -> dict[str, Any]:
         """The metrics row of a logged step (``seconds`` per step over the logging window)."""
         row = {"iteration": self.iteration, "lm_loss": out["lm_loss"], "lr": out["lr"]}
         row["grad_norm"] = out["grad_norm"]
@@ -428,7 +433,7 @@ class Trainer:
         return row
 
     @staticmethod
-    def objective_metrics(out: dict[str, float]) -> tuple[str, ...]:
+    def objective_metrics(out: Mapping[str, float]) -> tuple[str, ...]:
         """The names of the objective's own metrics in a step's values."""
         return tuple(k for k in out if k not in STEP_KEYS)
 
@@ -443,13 +448,14 @@ class _Progress:
         self.window_start, self.window_steps = time.perf_counter(), 0
         self.run_start = time.perf_counter()
 
-    def report(self, out: dict[str, float]) -> None:
+    def report(self, out: Mapping[str, float]) -> None:
         tr, lg = self.trainer, self.trainer.cfg.logging
         self.window_steps += 1
         done = tr.iteration - self.start_iteration
         eta = (time.perf_counter() - self.run_start) / done * (tr.train_iters - tr.iteration)
         if tr.iteration % lg.log_interval and tr.iteration != tr.train_iters:
-            tr.logger.live(f"step {tr.iteration}/{tr.train_iters} | loss {out['lm_loss']:.4f}")
+            # between log rows the step's loss stays on the device (reading it would wait)
+            tr.logger.live(f"step {tr.iteration}/{tr.train_iters} | ETA {duration(eta)}")
             return
         seconds = (time.perf_counter() - self.window_start) / self.window_steps
         self.last_row = tr.step_row(out, seconds, self.tokens_per_step)
