@@ -21,6 +21,7 @@ from torchneox.train.evaluation import Evaluator, mean_loss
 from torchneox.train.loss import lm_loss, lm_loss_and_z
 from torchneox.train.metrics import Throughput, Timers
 from torchneox.train.objectives import LanguageModeling, Prepared
+from torchneox.train.optim import load_optimizer_state
 from torchneox.train.precision import LossScaler
 from torchneox.train.step import GradientPolicy, TrainStep
 
@@ -224,3 +225,20 @@ def test_mfu_is_tflops_over_the_given_peak():
     assert got["tflops"] == pytest.approx(6e9 * 5000 / 2 / 1e12)
     assert got["mfu"] == pytest.approx(got["tflops"] / 100.0)
     assert t.peak_source == "peak_theoretical_tflops 100"
+
+
+def test_a_loaded_optimizer_state_keeps_this_runs_kernels():
+    """A tensor-parallel run saves AdamW groups without foreach; resumed in one process, the
+    update stays fused (the run's own choice), with the saved moments."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    _, model = build("neox-rotary")
+    saved = torch.optim.AdamW(model.parameters(), lr=0.1, foreach=False)
+    model(torch.randint(0, 100, (2, 8))).float().pow(2).mean().backward()
+    saved.step()
+    state = get_optimizer_state_dict(model, saved)
+    resumed = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    load_optimizer_state(model, resumed, state)
+    assert all(g["fused"] and not g["foreach"] for g in resumed.param_groups)
+    first = next(iter(model.parameters()))
+    assert torch.equal(resumed.state[first]["exp_avg"], saved.state[first]["exp_avg"])

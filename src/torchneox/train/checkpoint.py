@@ -24,17 +24,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from torchneox.base.errors import CheckpointWriteError, ConfigError, TrainingStopped
 from torchneox.base.faults import fault_point
 from torchneox.config.load import LoadedConfig, load_config
 from torchneox.models.args import model_args
 from torchneox.models.transformer import Transformer, build_model
+from torchneox.train.optim import load_optimizer_state
 
 FORMAT = "torchneox-checkpoint-2"  # 2: with manifest.json
 CONFIG_FILE = "config.yml"
@@ -585,7 +582,7 @@ class CheckpointManager:
         if tensors:
             load_state(step_dir, tensors)
         if "optimizer" in tensors:
-            set_optimizer_state_dict(state.model, state.optimizer, tensors["optimizer"])
+            load_optimizer_state(state.model, state.optimizer, tensors["optimizer"])
         if "rng" in tensors:
             torch.set_rng_state(tensors["rng"]["torch"])
         if state.reference is not None and meta.get("has_reference", False):

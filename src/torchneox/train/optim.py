@@ -109,6 +109,20 @@ def _dtensor_squares(grads: list[Any]) -> list[torch.Tensor]:
     return out
 
 
+KERNEL_FLAGS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: Any) -> None:
+    """Load a saved optimizer state (saved in any layout) and keep this run's kernel choices:
+    torch restores each group's saved flags (fused, foreach, ...), which belong to the layout
+    that saved them (a tensor-parallel run's AdamW without foreach, say), not to this run."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state)
+    for group in optimizer.param_groups:
+        group.update({k: optimizer.defaults[k] for k in KERNEL_FLAGS if k in optimizer.defaults})
+
+
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float, group=None) -> torch.Tensor:
     """Global L2 norm of the gradients (sharded DTensor gradients included), clipped to
     ``max_norm`` in place; returns the norm before clipping, as a plain tensor. ``group``: the
