@@ -370,9 +370,10 @@ def compile_scope(cfg: NeoXConfig, layout: Layout) -> tuple[str, str]:
         return "off", "compile is false"
     if t.compile_scope != "auto":
         return t.compile_scope, f"compile_scope {t.compile_scope}"
-    if _splits_model(layout) is None:
+    splits = _splits_model(layout)
+    if splits is None:
         return "model", "auto: one graph for the whole model (the layout does not split it)"
-    return "blocks", f"auto: each block, because {_splits_model(layout)} splits the model"
+    return "blocks", f"auto: each block, because {splits} splits the model"
 
 
 def _splits_model(lay: Layout) -> str | None:
@@ -391,11 +392,12 @@ def _splits_model(lay: Layout) -> str | None:
 
 def _compile_model(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     t = cfg.training
-    if not t.compile or t.compile_scope != "model" or _splits_model(lay) is None:
+    splits = _splits_model(lay)
+    if not t.compile or t.compile_scope != "model" or splits is None:
         return None
     return _refuse(
-        f"compile_scope model compiles the whole model as one graph, which {_splits_model(lay)} "
-        "splits; use compile_scope blocks (or auto)",
+        f"compile_scope model compiles the whole model as one graph, which {splits} splits; "
+        "use compile_scope blocks (or auto)",
         key="compile_scope",
         cause="compile_scope",
     )

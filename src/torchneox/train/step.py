@@ -267,7 +267,7 @@ class TrainStep:
                 lazy |= {"lm_loss": loss, "grad_norm": norm, "skipped": skipped}
             else:
                 value = loss.item()
-                bad = None if math.isfinite(value) else f"the loss is {value}"
+                bad = _nonfinite(loss=value)
                 grad_norm, skipped_now = self.apply_gradients(iteration, bad)
                 known |= {"lm_loss": value, "grad_norm": grad_norm, "skipped": float(skipped_now)}
         if iteration % self.settle_every == 0:
@@ -295,11 +295,7 @@ class TrainStep:
             return
         read = torch.stack([torch.stack([plain(x).double(), n.double()]) for _, x, n in pending])
         for (iteration, _, _), (loss, norm) in zip(pending, read.tolist(), strict=True):
-            bad = None
-            if not math.isfinite(loss):
-                bad = f"the loss is {loss}"
-            elif not math.isfinite(norm):
-                bad = f"the gradient norm is {norm}"
+            bad = _nonfinite(loss, norm)
             if bad is not None:
                 self._skip_or_stop(iteration, bad)
             self.scaler.update(bad is not None)
@@ -333,8 +329,7 @@ class TrainStep:
         was skipped. Non-finite values: in fp16 the loss scaler skips the step and lowers the
         scale; otherwise up to skip_nonfinite_steps steps are skipped, then the run stops."""
         norm = self.clip_gradients().item()
-        if bad is None and not math.isfinite(norm):
-            bad = f"the gradient norm is {norm}"
+        bad = bad or _nonfinite(norm=norm)
         if bad is not None and self.precision != "fp16":
             self._skip_or_stop(iteration, bad)
         overflow = bad is not None
@@ -378,6 +373,15 @@ class TrainStep:
             row = {"lm_loss": plain(terms.loss)}
             values.append(row | {k: plain(v).float() for k, v in terms.metrics.items()})
         return values
+
+
+def _nonfinite(loss: float = 0.0, norm: float = 0.0) -> str | None:
+    """What is not finite in a step (the loss first), as its messages say it; None if both are."""
+    if not math.isfinite(loss):
+        return f"the loss is {loss}"
+    if not math.isfinite(norm):
+        return f"the gradient norm is {norm}"
+    return None
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
