@@ -4,9 +4,10 @@
 - nanoGPT's character-level tiny Shakespeare recipe (4 layers, 4 heads, width 128, context 64,
   batch 12, fp32, no compile) as a plain-PyTorch script written the way nanoGPT writes it (its
   model and its loop, no framework), against torchneox on configs/shakespeare_char.yml, eager
-  and with ``compile`` (the whole model as one graph), and compiled with nanoGPT's own
-  architecture in GPT-NeoX's keys (learned positions, no biases); the sides alternate in rounds
-  so that all see the same machine;
+  and with ``compile`` (the whole model as one graph), compiled with nanoGPT's own
+  architecture in GPT-NeoX's keys (learned positions, no biases), and compiled in bf16
+  autocast, which is also set against the plain loop under bf16 autocast; the sides alternate
+  in rounds so that all see the same machine;
 - transformers' GPTNeoXForCausalLM against torchneox at the Pythia 14M, 70M and 160M shapes
   (fp32), torchneox eager and compiled, and torchneox bf16 against fp32 at 70M
   (benchmarks/train_vs_hf.py's sides);
@@ -129,9 +130,11 @@ class NanoGPT(nn.Module):
 class NanoGPTLoop:
     """nanoGPT's train.py on its CPU recipe: random windows of the memmapped text, AdamW with
     weight decay on matrices only (foreach on the CPU: nanoGPT fuses only on CUDA), warmup and
-    cosine decay, clipping at 1.0, the loss read back every step (log_interval 1)."""
+    cosine decay, clipping at 1.0, the loss read back every step (log_interval 1). ``bf16``:
+    the forward and loss under bf16 autocast, as nanoGPT's train.py does on a GPU (on the CPU
+    it runs fp32)."""
 
-    def __init__(self, data: np.ndarray, vocab: int):
+    def __init__(self, data: np.ndarray, vocab: int, bf16: bool = False):
         torch.manual_seed(1337)
         r = RECIPE
         self.data, self.rng = data, np.random.default_rng(1337)
@@ -142,7 +145,7 @@ class NanoGPTLoop:
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
         self.opt = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.99))
-        self.iteration = 0
+        self.iteration, self.bf16 = 0, bf16
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         r = RECIPE
@@ -166,7 +169,8 @@ class NanoGPTLoop:
         for group in self.opt.param_groups:
             group["lr"] = self.lr(self.iteration)
         x, y = self.batch()
-        _, loss = self.model(x, y)
+        with torch.autocast("cpu", torch.bfloat16, enabled=self.bf16):
+            _, loss = self.model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
@@ -201,6 +205,7 @@ def nanogpt_recipe(args, peak: dict) -> None:
     codes = {c: i for i, c in enumerate(chars)}
     data = np.array([codes[c] for c in text.read_text()], dtype=np.uint16)
     plain = NanoGPTLoop(data[: int(0.9 * len(data))], len(chars))
+    plain_bf16 = NanoGPTLoop(data[: int(0.9 * len(data))], len(chars), bf16=True)
     with tempfile.TemporaryDirectory() as tmp:
         prefix = prepare(text, Path(tmp))
         settings = [f"data_path={prefix}", "save=null", "load=null", "eval_interval=100000"]
@@ -212,8 +217,13 @@ def nanogpt_recipe(args, peak: dict) -> None:
             "torchneox_compiled_nanogpt_arch": Trainer(
                 load_config(recipe, [*settings, "compile=true", *NANOGPT_ARCH])
             ),
+            # bf16 autocast (fp32 master weights), which nanoGPT's train.py does not do on the
+            # CPU; attention in fp32 where cpu_attention's timing finds it faster
+            "torchneox_compiled_bf16": Trainer(
+                load_config(recipe, [*settings, "compile=true", "precision=bfloat16"])
+            ),
         }
-        sides = {"nanogpt_plain_loop": plain.step}
+        sides = {"nanogpt_plain_loop": plain.step, "nanogpt_plain_loop_bf16": plain_bf16.step}
         sides |= {name: trainer.train_step for name, trainer in trainers.items()}
         speeds: dict[str, list[float]] = {name: [] for name in sides}
         tokens = RECIPE["batch"] * RECIPE["block"] * args.steps
@@ -224,7 +234,7 @@ def nanogpt_recipe(args, peak: dict) -> None:
                     step()
                 if round_:  # the first round warms all up (and compiles)
                     speeds[name].append(tokens / (time.perf_counter() - start))
-        flops = {"nanogpt_plain_loop": recipe_flops(len(chars), learned=True)}
+        flops = dict.fromkeys(sides, recipe_flops(len(chars), learned=True))
         for name, trainer in trainers.items():
             trainer.train_loader.close()
             flops[name] = trainer.derived["flops_per_token"]
@@ -237,11 +247,14 @@ def nanogpt_recipe(args, peak: dict) -> None:
                 "tokens_per_sec": round(value, 1),
                 "ms_per_iteration": round(1000 * RECIPE["batch"] * RECIPE["block"] / value, 2),
                 "rounds": [round(v) for v in speeds[name]],
-                "mfu": mfu(value, flops[name], peak["fp32"]),
+                "mfu": mfu(value, flops[name], peak["bfloat16" if "bf16" in name else "fp32"]),
             }
         )
-    plain_speed = median.pop("nanogpt_plain_loop")
+    plain_speed, plain_bf16 = median.pop("nanogpt_plain_loop"), median["nanogpt_plain_loop_bf16"]
     ratios = {f"ratio_{name}_over_plain": round(v / plain_speed, 3) for name, v in median.items()}
+    ratios["ratio_torchneox_compiled_bf16_over_plain_bf16"] = round(
+        median["torchneox_compiled_bf16"] / plain_bf16, 3
+    )
     emit({"benchmark": "cpu_speed_nanogpt_recipe"} | ratios)
 
 

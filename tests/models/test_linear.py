@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from torchneox.models import cpu_kernels
 from torchneox.models import linear as lin
 
 pytestmark = pytest.mark.skipif(
@@ -87,7 +88,7 @@ def test_falls_back_to_f_linear(onednn, monkeypatch, case):
 def test_auto_measures_once_per_machine_and_shape(monkeypatch, tmp_path):
     """auto: the faster kernel per shape, measured the first time and cached for every later
     process on the machine (the same kernels in a resumed run)."""
-    monkeypatch.setenv(lin.CACHE_ENV, str(tmp_path / "cpu_matmul.json"))
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(tmp_path / "kernels.json"))
     monkeypatch.setattr(lin, "_verdicts", {})
     measured = []
 
@@ -104,7 +105,7 @@ def test_auto_measures_once_per_machine_and_shape(monkeypatch, tmp_path):
     assert lin.onednn_selected(768, 128, 384, "auto")
     assert not lin.onednn_selected(1000, 512, 128, "auto")
     assert len(measured) == 2
-    assert len(json.loads((tmp_path / "cpu_matmul.json").read_text())) == 2
+    assert len(json.loads((tmp_path / "kernels.json").read_text())) == 2
     assert lin.onednn_selected(1, 512, 128, "onednn") and not lin.onednn_selected(
         1, 1, 1, "default"
     )

@@ -1,4 +1,14 @@
-"""Causal self-attention through scaled_dot_product_attention, with GQA and a KV cache."""
+"""Causal self-attention through scaled_dot_product_attention, with GQA and a KV cache.
+
+On the CPU under bf16 or fp16 autocast, PyTorch's reduced-precision attention backward is
+several times slower than its fp32 one at short sequences (at 64 positions and 32 dimensions
+per head, 4x; past about 512 positions the reduced-precision kernel wins). ``cpu_attention``
+chooses how training attention runs there: ``auto`` (the default) times both at the run's
+shape once per machine (models/cpu_kernels.py) and, where fp32 is at least 5% faster, casts
+the queries, keys and values up (exactly: they are bf16 values) and the output back;
+``fp32`` always, ``native`` never. Both kernels accumulate in fp32; outputs differ by bf16
+rounding. Forward-only calls (evaluation, generation) are left as they are.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +20,12 @@ from torch import nn
 from torch.nn import functional as F
 
 from torchneox.models.args import ModelArgs
+from torchneox.models.cpu_kernels import cached_verdict, fp32_attention_faster
 from torchneox.models.linear import Linear
 from torchneox.models.norms import HeadRMSNorm, build_norm
 from torchneox.models.positions import apply_rotary
+
+CPU_ATTENTION_CHOICES = ("auto", "fp32", "native")
 
 Gather = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """Context parallelism: every rank's keys and values from this rank's."""
@@ -121,6 +134,10 @@ class StaticKVCache(KVCache):
 
 
 class Attention(nn.Module):
+    cpu_fp32 = False
+    """Training attention on the CPU under reduced-precision autocast runs in fp32
+    (``set_cpu_attention``)."""
+
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
         self.layer = layer
@@ -164,16 +181,26 @@ class Attention(nn.Module):
             k, v = cache.update(self.layer, k, v)
         if bias.gather is not None:  # context parallel: this rank's queries, every key
             k, v = bias.gather(k, v)
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=bias.mask,
-            is_causal=bias.is_causal,
-            dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=self.grouped,
-        )
-        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+        return self.wo(self._attend(q, k, v, bias).transpose(1, 2).reshape(b, t, -1))
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: AttentionBias
+    ) -> torch.Tensor:
+        """SDPA, in fp32 where ``cpu_fp32`` says so (see the module's text)."""
+        mask, kw = bias.mask, {"is_causal": bias.is_causal, "enable_gqa": self.grouped}
+        kw["dropout_p"] = self.dropout if self.training else 0.0
+        if self.cpu_fp32 and q.device.type == "cpu" and torch.is_grad_enabled():
+            autocast = torch.is_autocast_enabled("cpu")
+            dtype = torch.get_autocast_dtype("cpu") if autocast else v.dtype
+            if dtype != torch.float32:
+                if mask is not None and mask.is_floating_point():
+                    mask = mask.float()
+                with torch.autocast("cpu", enabled=False):
+                    out = F.scaled_dot_product_attention(
+                        q.float(), k.float(), v.float(), attn_mask=mask, **kw
+                    )
+                return out.to(dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
 
     def _queries_keys(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k, [B, heads, T, head_dim], normalised as use_qk_layernorm asks (before
@@ -197,3 +224,35 @@ def _shared_qk_norm(args: ModelArgs) -> nn.Module:
         return HeadRMSNorm(args.num_heads, args.head_dim, args.norm_eps)
     shape = (args.num_heads, args.head_dim)
     return nn.LayerNorm(shape, eps=args.norm_eps, bias=args.norm_bias)
+
+
+def cpu_attention_in_fp32(
+    mode: str,
+    dtype: torch.dtype,
+    batch: int,
+    args: ModelArgs,
+    length: int,
+    masked: bool,
+    tp: int = 1,
+) -> bool:
+    """Whether training attention at this shape (``dtype`` autocast on the CPU, ``batch``
+    sequences of ``length``, ``args``' heads split over ``tp`` ranks; ``masked``: by an
+    explicit mask) runs in fp32 under ``mode`` (see the module's text)."""
+    if mode not in CPU_ATTENTION_CHOICES:
+        raise ValueError(f"cpu_attention must be one of {CPU_ATTENTION_CHOICES}, not {mode!r}")
+    if mode != "auto" or dtype == torch.float32:
+        return mode == "fp32" and dtype != torch.float32
+    heads, kv_heads = args.num_heads // tp, max(1, args.num_kv_heads // tp)
+    bucket = 1 << max(0, batch - 1).bit_length()
+    shape = (bucket, heads, kv_heads, length, args.head_dim)
+    name = f"attention {str(dtype).removeprefix('torch.')} " + "x".join(map(str, shape))
+    name += " masked" if masked else " causal"
+    return cached_verdict(name, lambda: fp32_attention_faster(dtype, *shape, masked))
+
+
+def set_cpu_attention(model: nn.Module, fp32: bool) -> None:
+    """Every attention layer of ``model`` computes training attention on the CPU in fp32
+    (``fp32``) or in the autocast dtype."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.cpu_fp32 = fp32

@@ -8,9 +8,8 @@ products and loses on small ones. ``cpu_matmul`` chooses:
 - ``auto`` (the default): per product shape (rows rounded up to a power of two, inner and
   output widths), the faster of the two, measured on the forward and both backward products
   the first time the shape is met, oneDNN only when it is at least 5% faster (never slower
-  than PyTorch's own choice). The verdicts are cached per CPU model, thread count and torch
-  version (``~/.cache/torchneox/cpu_matmul.json``, or ``$TORCHNEOX_CPU_MATMUL_CACHE``) and
-  read, not measured again, by every later run on the machine: two runs compute with the same
+  than PyTorch's own choice). The verdicts are cached per machine (models/cpu_kernels.py)
+  and read, not measured again, by every later run there: two runs compute with the same
   kernels, so a resumed run still equals an uninterrupted one bit for bit.
 - ``onednn``: oneDNN wherever PyTorch was built with it.
 - ``default``: PyTorch's own choice, as before.
@@ -22,22 +21,14 @@ compiled graph all take ``F.linear``. The two kernels agree to float tolerance, 
 
 from __future__ import annotations
 
-import fcntl
-import json
-import os
-import platform
-import time
-from functools import cache
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from torchneox.models.cpu_kernels import cached_verdict, challenger_faster
+
 CPU_MATMUL_CHOICES = ("auto", "onednn", "default")
-CACHE_ENV = "TORCHNEOX_CPU_MATMUL_CACHE"
-MARGIN = 0.95  # oneDNN must take at most this share of the default kernel's time
 _mode = "auto"
 _verdicts: dict[tuple[int, int, int], bool] = {}  # this process's, by (rows bucket, k, n)
 
@@ -50,22 +41,6 @@ def set_cpu_matmul(mode: str) -> None:
     _mode = mode
 
 
-@cache
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _machine_key() -> str:
-    return f"{cpu_model()} | {torch.get_num_threads()} threads | torch {torch.__version__}"
-
-
 def onednn_selected(rows: int, k: int, n: int, mode: str | None = None) -> bool:
     """Whether an fp32 CPU product of [rows, k] by [k, n] runs on oneDNN under ``mode`` (this
     process's when None)."""
@@ -76,64 +51,24 @@ def onednn_selected(rows: int, k: int, n: int, mode: str | None = None) -> bool:
         return True
     key = (1 << max(0, rows - 1).bit_length(), k, n)
     if key not in _verdicts:
-        _verdicts[key] = _cached_verdict(key)
+        name = "x".join(map(str, key))
+        _verdicts[key] = cached_verdict(name, lambda: measure_onednn_faster(*key))
     return _verdicts[key]
-
-
-def _cache_file() -> Path:
-    default = Path.home() / ".cache" / "torchneox" / "cpu_matmul.json"
-    return Path(os.environ.get(CACHE_ENV, default))
-
-
-def _cached_verdict(key: tuple[int, int, int]) -> bool:
-    """The machine's verdict for a shape: read from the cache, else measured and written there
-    (under a lock: processes starting together measure once and agree)."""
-    path, name = _cache_file(), f"{_machine_key()} | {key[0]}x{key[1]}x{key[2]}"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path.with_name(path.name + ".lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                table = json.loads(path.read_text())
-            except (OSError, ValueError):
-                table = {}
-            if not isinstance(table, dict):
-                table = {}
-            if isinstance(table.get(name), bool):
-                return table[name]
-            table[name] = verdict = measure_onednn_faster(*key)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}")
-            tmp.write_text(json.dumps(table, indent=1))
-            os.replace(tmp, path)
-            return verdict
-    except OSError:  # a read-only home: measured in this process only
-        return measure_onednn_faster(*key)
 
 
 def measure_onednn_faster(rows: int, k: int, n: int) -> bool:
     """Whether oneDNN runs a linear's three products (forward, input and weight gradients) at
-    this shape in at most MARGIN of the default kernel's time, best of two rounds after a
-    warm-up. Large shapes are timed on fewer rows (at least 256: fewer would time a
-    different, matrix-vector regime)."""
+    this shape in at most MARGIN (models/cpu_kernels.py) of the default kernel's time. Large shapes are timed on fewer
+    rows (at least 256: fewer would time a different, matrix-vector regime)."""
     rows = min(rows, max(256, int(2e9 // (6 * k * n))))
     g = torch.Generator().manual_seed(0)  # its own: the global RNG is left alone
     x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
     grad = torch.randn(rows, n, generator=g)
-    kernels = {
-        "default": lambda: (F.linear(x, w), grad.mm(w), grad.t().mm(x)),
-        "onednn": lambda: (_mm(x, w), _mm(grad, w.t()), _mm(grad.t(), x.t())),
-    }
-    reps = max(1, int(3e8 // (6 * rows * k * n)))  # a few milliseconds a round at least
-    best = dict.fromkeys(kernels, float("inf"))
     with torch.no_grad():
-        for round_ in range(3):
-            for name, run in kernels.items():
-                start = time.perf_counter()
-                for _ in range(reps):
-                    run()
-                if round_:  # the first round warms both up
-                    best[name] = min(best[name], time.perf_counter() - start)
-    return best["onednn"] <= MARGIN * best["default"]
+        return challenger_faster(
+            lambda: (F.linear(x, w), grad.mm(w), grad.t().mm(x)),
+            lambda: (_mm(x, w), _mm(grad, w.t()), _mm(grad.t(), x.t())),
+        )
 
 
 def _mm(a: torch.Tensor, b_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

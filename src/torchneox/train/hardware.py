@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from torchneox.models import linear
+from torchneox.models import cpu_kernels, linear
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ def _cpu_key(precision: str) -> str:
     threads = torch.get_num_threads()
     # "best kernel": peaks cached before fp32 counted oneDNN are not reused
     return (
-        f"{linear.cpu_model()} | {threads} threads | torch {torch.__version__} | {precision} "
+        f"{cpu_kernels.cpu_model()} | {threads} threads | torch {torch.__version__} | {precision} "
         "| best kernel"
     )
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from torchneox.config.loss_scale import loss_scale_spec
 from torchneox.config.schema import NeoXConfig
+from torchneox.models.attention import cpu_attention_in_fp32, set_cpu_attention
 
 DTYPES = {"fp32": torch.float32, "bfloat16": torch.bfloat16, "fp16": torch.float16}
 
@@ -73,3 +75,28 @@ class LossScaler:
 
     def load_state_dict(self, state: dict) -> None:
         self.__dict__.update(state)
+
+
+def choose_cpu_attention(
+    model: torch.nn.Module,
+    cfg: Any,
+    args: Any,
+    micro_batch: int,
+    dims: Any,
+    precision: str,
+    device: torch.device,
+) -> None:
+    """Training attention on the CPU under bf16/fp16 autocast in fp32 where ``cpu_attention``
+    says so: auto times both at this run's shape (the whole micro-batch's sequences, this
+    rank's heads); under context parallelism auto keeps the autocast dtype (each rank's queries
+    meet every key there, a shape the measurement does not cover)."""
+    mode = cfg.precision.cpu_attention
+    if device.type != "cpu" or precision == "fp32" or (dims.cp > 1 and mode == "auto"):
+        return
+    masked = cfg.model.inter_document_attention_masking or cfg.training.train_impl != "normal"
+    masked = masked or args.sliding_window is not None or args.pos_emb == "alibi"
+    length = cfg.model.seq_length
+    fp32 = cpu_attention_in_fp32(
+        mode, DTYPES[precision], micro_batch, args, length, masked, dims.tp
+    )
+    set_cpu_attention(model, fp32)

@@ -36,7 +36,7 @@ from torchneox.train.lr import Schedule
 from torchneox.train.metrics import MetricsLogger, Throughput, Timers, duration
 from torchneox.train.objectives import objective_for
 from torchneox.train.optim import build_optimizer
-from torchneox.train.precision import LossScaler
+from torchneox.train.precision import LossScaler, choose_cpu_attention
 from torchneox.train.profiling import Profiler
 from torchneox.train.step import GradientPolicy, TrainStep
 
@@ -157,6 +157,10 @@ class Trainer:
             compile_scope=d["compile"],
         )
         self.model, self.pipeline = self.parts.model, self.parts.pipeline
+        choose_cpu_attention(
+            self.model, cfg, self.args, self.layout.micro_batch, self.dims, self.precision,
+            self.device,
+        )  # fmt: skip
         t = cfg.training
         masked = t.eod_mask_loss or cfg.model.inter_document_attention_masking
         self.objective = objective_for(cfg, build_tokenizer(cfg).eod_id if masked else None)
