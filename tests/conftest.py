@@ -13,10 +13,12 @@ import pytest
 from torchneox.data.preprocess import PreprocessArgs, preprocess
 
 REPO = Path(__file__).resolve().parents[1]
-# the CPU's matmul peak (for MFU) is measured once per test session, not into the user's cache
-os.environ.setdefault(
-    "TORCHNEOX_CPU_PEAK_CACHE", str(Path(tempfile.mkdtemp(prefix="torchneox-peak-")) / "peak.json")
-)
+# the CPU's matmul peak (for MFU) and the CPU kernel verdicts (cpu_matmul, cpu_attention) are
+# measured once per test session, not into the user's cache: timings taken while the tests
+# load every core would be kept there for every later run
+_SESSION_CACHE = Path(tempfile.mkdtemp(prefix="torchneox-cpu-"))
+os.environ.setdefault("TORCHNEOX_CPU_PEAK_CACHE", str(_SESSION_CACHE / "peak.json"))
+os.environ.setdefault("TORCHNEOX_CPU_KERNEL_CACHE", str(_SESSION_CACHE / "kernels.json"))
 
 
 def shared_dir() -> Path | None:

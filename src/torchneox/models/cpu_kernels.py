@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 CACHE_ENV = "TORCHNEOX_CPU_KERNEL_CACHE"
 MARGIN = 0.95  # the challenger must take at most this share of the incumbent's time
+ROUNDS = 4  # timed rounds of each kernel
 
 
 @cache
@@ -75,14 +76,15 @@ def cached_verdict(shape: str, measure: Callable[[], bool]) -> bool:
 
 
 def challenger_faster(incumbent: Callable[[], object], challenger: Callable[[], object]) -> bool:
-    """Whether ``challenger`` takes at most MARGIN of ``incumbent``'s time, best of two rounds
-    after a warm-up round; each round repeats a call until it has run a few milliseconds."""
+    """Whether ``challenger`` takes at most MARGIN of ``incumbent``'s time, best of ROUNDS
+    alternating rounds after a warm-up round; each round repeats a call until it has run a few
+    milliseconds. The best round of each is the one least disturbed by whatever else runs."""
     kernels = {"incumbent": incumbent, "challenger": challenger}
     start = time.perf_counter()
     incumbent()
     reps = max(1, int(3e-3 / max(time.perf_counter() - start, 1e-9)))
     best = dict.fromkeys(kernels, float("inf"))
-    for round_ in range(3):
+    for round_ in range(ROUNDS + 1):
         for name, run in kernels.items():
             start = time.perf_counter()
             for _ in range(reps):
