@@ -204,6 +204,9 @@ def nanogpt_recipe(args, peak: dict) -> None:
     chars = sorted(set(text.read_text()))
     codes = {c: i for i, c in enumerate(chars)}
     data = np.array([codes[c] for c in text.read_text()], dtype=np.uint16)
+    no_bf16 = _no_bf16_units(peak)
+    if no_bf16:
+        emit({"benchmark": "cpu_speed_nanogpt_recipe", "precision": "bfloat16"} | no_bf16)
     plain = NanoGPTLoop(data[: int(0.9 * len(data))], len(chars))
     plain_bf16 = NanoGPTLoop(data[: int(0.9 * len(data))], len(chars), bf16=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -217,13 +220,15 @@ def nanogpt_recipe(args, peak: dict) -> None:
             "torchneox_compiled_nanogpt_arch": Trainer(
                 load_config(recipe, [*settings, "compile=true", *NANOGPT_ARCH])
             ),
+        }
+        sides = {"nanogpt_plain_loop": plain.step}
+        if not no_bf16:
             # bf16 autocast (fp32 master weights), which nanoGPT's train.py does not do on the
             # CPU; attention in fp32 where cpu_attention's timing finds it faster
-            "torchneox_compiled_bf16": Trainer(
+            trainers["torchneox_compiled_bf16"] = Trainer(
                 load_config(recipe, [*settings, "compile=true", "precision=bfloat16"])
-            ),
-        }
-        sides = {"nanogpt_plain_loop": plain.step, "nanogpt_plain_loop_bf16": plain_bf16.step}
+            )
+            sides["nanogpt_plain_loop_bf16"] = plain_bf16.step
         sides |= {name: trainer.train_step for name, trainer in trainers.items()}
         speeds: dict[str, list[float]] = {name: [] for name in sides}
         tokens = RECIPE["batch"] * RECIPE["block"] * args.steps
@@ -250,12 +255,25 @@ def nanogpt_recipe(args, peak: dict) -> None:
                 "mfu": mfu(value, flops[name], peak["bfloat16" if "bf16" in name else "fp32"]),
             }
         )
-    plain_speed, plain_bf16 = median.pop("nanogpt_plain_loop"), median["nanogpt_plain_loop_bf16"]
+    plain_speed = median.pop("nanogpt_plain_loop")
     ratios = {f"ratio_{name}_over_plain": round(v / plain_speed, 3) for name, v in median.items()}
-    ratios["ratio_torchneox_compiled_bf16_over_plain_bf16"] = round(
-        median["torchneox_compiled_bf16"] / plain_bf16, 3
-    )
+    if not no_bf16:
+        ratios["ratio_torchneox_compiled_bf16_over_plain_bf16"] = round(
+            median["torchneox_compiled_bf16"] / median["nanogpt_plain_loop_bf16"], 3
+        )
     emit({"benchmark": "cpu_speed_nanogpt_recipe"} | ratios)
+
+
+def _no_bf16_units(peak: dict) -> dict:
+    """``{"skipped": why}`` where this CPU's bf16 GEMM is slower than its fp32 one (no bf16
+    units: the bf16 rows would take hours and mean nothing), else empty."""
+    if peak["bfloat16"] >= peak["fp32"]:
+        return {}
+    why = (
+        f"this CPU's bf16 GEMM runs at {peak['bfloat16']:.4f} TFLOP/s, below fp32's "
+        f"{peak['fp32']:.4f}: no bf16 units (AVX512-BF16 or AMX) to use"
+    )
+    return {"skipped": why}
 
 
 # ------------------------------------------------------------------ Pythia shapes, transformers
@@ -268,15 +286,9 @@ def pythia_shapes(args, peak: dict) -> None:
 
     runs = [(shape, "fp32") for shape in args.shapes] + [("70m", "bfloat16")]
     for shape, precision in runs:
-        if precision == "bfloat16" and peak["bfloat16"] < peak["fp32"]:
-            why = (
-                f"this CPU's bf16 GEMM runs at {peak['bfloat16']:.4f} TFLOP/s, below fp32's "
-                f"{peak['fp32']:.4f}: no bf16 units (AVX512-BF16 or AMX) to use"
-            )
-            emit(
-                {"benchmark": "cpu_speed_pythia", "shape": shape, "precision": precision}
-                | {"skipped": why}
-            )
+        if precision == "bfloat16" and _no_bf16_units(peak):
+            row = {"benchmark": "cpu_speed_pythia", "shape": shape, "precision": precision}
+            emit(row | _no_bf16_units(peak))
             continue
         steps = max(1, round(PYTHIA_STEPS[shape] * args.pythia_scale))
         row = {"benchmark": "cpu_speed_pythia", "shape": shape, "precision": precision}

@@ -524,6 +524,28 @@ def test_mfu_is_against_a_peak_measured_once_and_never_above_100(
     assert max(json.loads((tmp_path / "peak.json").read_text()).values()) > 1e-6
 
 
+@pytest.mark.parametrize("bf16_peak, warned", [(0.001, True), (1.5, False)])
+def test_bf16_on_a_cpu_without_bf16_units_is_warned_of(
+    make_config, tmp_path, monkeypatch, capsys, bf16_peak, warned
+):
+    """On a CPU without AVX512-BF16 or AMX a bf16 GEMM runs about 150x slower than fp32's: a
+    user who set precision bfloat16 there trained far slower and was told nothing."""
+    from torchneox.train import hardware
+
+    peaks = tmp_path / "peak.json"
+    monkeypatch.setenv(hardware.CPU_PEAK_ENV, str(peaks))
+    keys = {hardware._cpu_key("bfloat16"): bf16_peak, hardware._cpu_key("fp32"): 0.15}
+    peaks.write_text(json.dumps(keys))
+    run(make_config(train_iters=1, save=None, load=None, precision="bfloat16"))
+    out = capsys.readouterr().out
+    line = "warning: precision bfloat16 on this CPU"
+    assert (line in out) == warned
+    if warned:
+        assert "0.001 TFLOP/s against fp32's 0.15" in out and "set precision fp32" in out
+    run(make_config(train_iters=1, save=None, load=None))  # fp32: nothing to say
+    assert "warning: precision" not in capsys.readouterr().out
+
+
 def test_measuring_the_cpu_peak_leaves_the_rng_alone():
     """The first run on a machine measures the CPU's matmul peak for MFU; it drew its matrices
     from the global RNG, so that run's dropout masks differed from every later run's."""

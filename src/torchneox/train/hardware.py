@@ -146,3 +146,23 @@ def raise_cpu_peak(precision: str, tflops: float) -> None:
         os.replace(tmp, path)
     except OSError:
         pass  # a read-only home: measured again next time
+
+
+REDUCED_UNITS = {"bfloat16": "AVX512-BF16 or AMX", "fp16": "AVX512-FP16 or AMX-FP16"}
+
+
+def cpu_precision_warning(precision: str) -> str | None:
+    """A warning line where ``precision``'s matmuls run slower on this CPU than fp32's (a CPU
+    without bf16 or fp16 units: bf16 about 150x slower per GEMM on one AVX2 machine), so that
+    choosing it trains slower, not faster; None where it pays or for fp32."""
+    if precision not in REDUCED_UNITS:
+        return None
+    low, full = cpu_peak_tflops(precision), cpu_peak_tflops("fp32")
+    if low >= full:
+        return None
+    return (
+        f"warning: precision {precision} on this CPU ({cpu_kernels.cpu_model()}): its "
+        f"{precision} matmuls run at {low:.3g} TFLOP/s against fp32's {full:.3g} (it has no "
+        f"{REDUCED_UNITS[precision]} units), so this run is slower than it would be in fp32; "
+        "set precision fp32 here, or train on a GPU"
+    )

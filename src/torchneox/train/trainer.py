@@ -30,6 +30,7 @@ from torchneox.parallel.collectives import any_rank, mean_over_dp, sum_over_dp
 from torchneox.parallel.dims import ParallelDims, init_distributed
 from torchneox.parallel.fp8 import check_fp8_hardware
 from torchneox.parallel.parallelize import build_parallel_model, build_reference
+from torchneox.train import hardware
 from torchneox.train.checkpoint import CheckpointManager, Resumed, TrainingState, copy_weights
 from torchneox.train.evaluation import Evaluator
 from torchneox.train.lr import Schedule
@@ -354,6 +355,9 @@ class Trainer:
         )
         for note in self.data_notes:
             self.logger.line(note)
+        slow = hardware.cpu_precision_warning(self.precision) if self.device.type == "cpu" else None
+        if slow:
+            self.logger.line(slow)
         if self.dims.dp_shard is not None:
             groups = self.dims.dp // self.dims.dp_shard
             self.logger.line(
