@@ -6,8 +6,10 @@
   model and its loop, no framework), against torchneox on configs/shakespeare_char.yml, eager
   and with ``compile`` (the whole model as one graph), compiled with nanoGPT's own
   architecture in GPT-NeoX's keys (learned positions, no biases), and compiled in bf16
-  autocast, which is also set against the plain loop under bf16 autocast; the sides alternate
-  in rounds so that all see the same machine;
+  autocast, which is also set against the plain loop under bf16 autocast; and the plain loop's
+  kernel floor (benchmarks/_kernel_floor.py: its step as bare kernels, nothing around them),
+  whose speed over the plain loop's is the most any step on these kernels could gain; the sides
+  alternate in rounds so that all see the same machine;
 - transformers' GPTNeoXForCausalLM against torchneox at the Pythia 14M, 70M and 160M shapes
   (fp32), torchneox eager and compiled, and torchneox bf16 against fp32 at 70M
   (benchmarks/train_vs_hf.py's sides);
@@ -30,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from _kernel_floor import KernelFloor  # benchmarks/_kernel_floor.py
 from torch import nn
 from torch.nn import functional as F
 
@@ -207,6 +210,7 @@ def nanogpt_recipe(args, peak: dict) -> None:
     no_bf16 = _no_bf16_units(peak)
     if no_bf16:
         emit({"benchmark": "cpu_speed_nanogpt_recipe", "precision": "bfloat16"} | no_bf16)
+    r = RECIPE
     plain = NanoGPTLoop(data[: int(0.9 * len(data))], len(chars))
     plain_bf16 = NanoGPTLoop(data[: int(0.9 * len(data))], len(chars), bf16=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -221,7 +225,9 @@ def nanogpt_recipe(args, peak: dict) -> None:
                 load_config(recipe, [*settings, "compile=true", *NANOGPT_ARCH])
             ),
         }
-        sides = {"nanogpt_plain_loop": plain.step}
+        # the plain loop's kernels with nothing around them: no step on them can be faster
+        floor = KernelFloor(len(chars), r["block"], r["layers"], r["heads"], r["width"], r["batch"])
+        sides = {"nanogpt_plain_loop": plain.step, "kernel_floor": floor.step}
         if not no_bf16:
             # bf16 autocast (fp32 master weights), which nanoGPT's train.py does not do on the
             # CPU; attention in fp32 where cpu_attention's timing finds it faster
