@@ -438,7 +438,7 @@ def _spans(built: _Built, per_node: int) -> dict[str, int]:
     sizes, out = mesh_sizes(built.layout), {}
     for axis in AXES:
         if sizes[axis] > 1:
-            ranks = dist.get_process_group_ranks(built.dims.mesh[axis].get_group())
+            ranks = dist.get_process_group_ranks(built.dims.axis(axis).get_group())
             out[axis] = len({r // per_node for r in ranks})
     return out
 

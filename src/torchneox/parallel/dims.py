@@ -32,6 +32,9 @@ class ParallelDims:
     cp: int = 1
     """Context-parallel ranks: they split each sample's sequence."""
     mesh: DeviceMesh | None = field(default=None, repr=False)
+    flat: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
+    """The flattened axes (dp under expert parallelism or hybrid sharding, dp_cp), as
+    ``_flatten`` returned them: slicing them from the root mesh is deprecated."""
 
     @classmethod
     def from_layout(cls, layout: Layout, device_type: str) -> ParallelDims:
@@ -76,11 +79,16 @@ class ParallelDims:
     def batch_mesh(self) -> DeviceMesh:
         """Their mesh: the ranks gradients are reduced over and a batch's sums are added over."""
         assert self.mesh is not None
-        return self.mesh["dp_cp"] if self.cp > 1 else self.mesh["dp"]
+        return self.axis("dp_cp" if self.cp > 1 else "dp")
 
     @property
     def dp_rank(self) -> int:
-        return self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
+        return self.axis("dp").get_local_rank() if self.mesh is not None else 0
+
+    def axis(self, name: str) -> DeviceMesh:
+        """The 1-D mesh of the axis ``name``, flattened or not."""
+        assert self.mesh is not None
+        return self.flat[name] if name in self.flat else self.mesh[name]
 
     def build_mesh(self) -> DeviceMesh | None:
         if not self.distributed:
@@ -92,7 +100,7 @@ class ParallelDims:
                 (self.pp, self.dp // self.ep, self.ep, self.tp),
                 mesh_dim_names=("pp", "dp_replicate", "ep", "tp"),
             )
-            self.mesh["dp_replicate", "ep"]._flatten("dp")
+            self.flat = {"dp": self.mesh["dp_replicate", "ep"]._flatten("dp")}
             return self.mesh
         if self.dp_shard is not None:
             # hybrid sharding: data parallel = (replicas) x (ranks one shard group spans)
@@ -101,7 +109,7 @@ class ParallelDims:
                 (self.pp, self.dp // self.dp_shard, self.dp_shard, self.tp),
                 mesh_dim_names=("pp", "dp_hybrid_replicate", "dp_hybrid_shard", "tp"),
             )
-            self.mesh[self.HYBRID]._flatten("dp")
+            self.flat = {"dp": self.mesh[self.HYBRID]._flatten("dp")}
             return self.mesh
         if self.cp > 1:  # the sequence's ranks sit between data and tensor parallel
             self.mesh = init_device_mesh(
@@ -109,7 +117,7 @@ class ParallelDims:
                 (self.pp, self.dp, self.cp, self.tp),
                 mesh_dim_names=("pp", "dp", "cp", "tp"),
             )
-            self.mesh["dp", "cp"]._flatten("dp_cp")
+            self.flat = {"dp_cp": self.mesh["dp", "cp"]._flatten("dp_cp")}
             return self.mesh
         self.mesh = init_device_mesh(
             self.device_type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp")
