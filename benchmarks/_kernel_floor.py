@@ -21,13 +21,9 @@ import torch
 from torch.nn import functional as F
 
 from torchneox.models.cpu_kernels import challenger_faster
+from torchneox.models.linear import _mm as onednn_mm  # a @ b_t.T by oneDNN
 
 aten = torch.ops.aten
-
-
-def _onednn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` by oneDNN."""
-    return torch.ops.mkldnn._linear_pointwise(a, b.t(), None, "none", [], "")
 
 
 class KernelFloor:
@@ -63,7 +59,8 @@ class KernelFloor:
              "steps": [torch.zeros((), dtype=torch.float32) for _ in p]}
             for p, d in ((matrices, 0.1), (vectors, 0.0))
         ]  # fmt: skip
-        self._mm: dict[tuple, object] = {}
+        self._mm: dict[tuple, bool] = {}
+        self._causal = torch.full((block, block), float("-inf")).triu(1)
         self._math_attention = self._attention_choice()
 
     # -------------------------------------------------------------------------------- choices
@@ -72,8 +69,8 @@ class KernelFloor:
         """``a @ b`` on the faster kernel for this shape and layout (chosen at first use)."""
         key = (a.shape, a.stride(), b.shape, b.stride())
         if key not in self._mm:
-            self._mm[key] = challenger_faster(lambda: a.mm(b), lambda: _onednn(a, b))
-        return _onednn(a, b) if self._mm[key] else a.mm(b)
+            self._mm[key] = challenger_faster(lambda: a.mm(b), lambda: onednn_mm(a, b.t()))
+        return onednn_mm(a, b.t()) if self._mm[key] else a.mm(b)
 
     def _attention_choice(self) -> bool:
         shape = (self.b, self.h, self.t, self.c // self.h)
@@ -91,7 +88,7 @@ class KernelFloor:
     def _math(self, q, k, v):
         """softmax(q k^T / sqrt(d), causal) v, with its backward as the kernels autograd runs."""
         scores = torch.baddbmm(
-            self._causal(), q.flatten(0, 1), k.flatten(0, 1).transpose(1, 2),
+            self._causal, q.flatten(0, 1), k.flatten(0, 1).transpose(1, 2),
             alpha=1 / math.sqrt(q.shape[-1]),
         )  # fmt: skip
         probs = torch.softmax(scores, -1)
@@ -109,11 +106,6 @@ class KernelFloor:
 
         return out, backward
 
-    def _causal(self) -> torch.Tensor:
-        if not hasattr(self, "_mask"):
-            self._mask = torch.full((self.t, self.t), float("-inf")).triu(1)
-        return self._mask
-
     def attention(self, q, k, v):
         return (self._math if self._math_attention else self._flash)(q, k, v)
 
@@ -122,7 +114,7 @@ class KernelFloor:
     def step(self) -> None:
         b, t, c, n = self.b, self.t, self.c, self.b * self.t
         x = (F.embedding(self.idx, self.wte) + self.wpe).view(n, c)
-        saved, grads = [], {}
+        saved = []
         for L in self.layers:
             x, record = self._layer_forward(x, L)
             saved.append(record)
@@ -134,9 +126,9 @@ class KernelFloor:
             aten.nll_loss_backward(torch.ones(()), logp, self.targets, None, 1, -100, total),
             logp, -1, torch.float32,
         )  # fmt: skip
-        grads["wte"] = self.mm(grad.t(), y)
+        grad_wte = self.mm(grad.t(), y)
         dy = self.mm(grad, self.wte)
-        dx, grads["lnf"], _ = aten.native_layer_norm_backward(
+        dx, grad_lnf, _ = aten.native_layer_norm_backward(
             dy, x, [c], mean, rstd, self.lnf, None, [True, True, False]
         )
         layer_grads = []
@@ -144,10 +136,10 @@ class KernelFloor:
             dx, matrices, vectors = self._layer_backward(dx, L, record)
             layer_grads.insert(0, (matrices, vectors))
         dx = dx.view(b, t, c)
-        grads["wte"] += aten.embedding_dense_backward(dx, self.idx, self.vocab, -1, False)
+        grad_wte += aten.embedding_dense_backward(dx, self.idx, self.vocab, -1, False)
         self._optimizer(
-            [grads["wte"], dx.sum(0), *(g for matrices, _ in layer_grads for g in matrices)],
-            [grads["lnf"], *(g for _, vectors in layer_grads for g in vectors)],
+            [grad_wte, dx.sum(0), *(g for matrices, _ in layer_grads for g in matrices)],
+            [grad_lnf, *(g for _, vectors in layer_grads for g in vectors)],
         )
 
     def _layer_forward(self, x, L):

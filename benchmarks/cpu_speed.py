@@ -210,7 +210,6 @@ def nanogpt_recipe(args, peak: dict) -> None:
     no_bf16 = _no_bf16_units(peak)
     if no_bf16:
         emit({"benchmark": "cpu_speed_nanogpt_recipe", "precision": "bfloat16"} | no_bf16)
-    r = RECIPE
     plain = NanoGPTLoop(data[: int(0.9 * len(data))], len(chars))
     plain_bf16 = NanoGPTLoop(data[: int(0.9 * len(data))], len(chars), bf16=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -226,7 +225,7 @@ def nanogpt_recipe(args, peak: dict) -> None:
             ),
         }
         # the plain loop's kernels with nothing around them: no step on them can be faster
-        floor = KernelFloor(len(chars), r["block"], r["layers"], r["heads"], r["width"], r["batch"])
+        floor = KernelFloor(len(chars), **RECIPE)
         sides = {"nanogpt_plain_loop": plain.step, "kernel_floor": floor.step}
         if not no_bf16:
             # bf16 autocast (fp32 master weights), which nanoGPT's train.py does not do on the
