@@ -26,7 +26,7 @@ demo: $(STAMP)
 	$(BIN)/python -m torchneox demo
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest --durations=25
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py

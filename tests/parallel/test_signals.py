@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -16,8 +17,8 @@ from torchneox.train import checkpoint
 
 
 def start(config, save, nproc=1):
-    # with 2, `torchneox train --nproc 2`: torchrun's own launcher, whose exit status after a
-    # signal torchneox turns into 0 once every rank has saved
+    # with 2, `torchneox train --nproc 2`: its launcher passes the signal on to both ranks and
+    # exits 0 once every rank has saved
     args = [sys.executable, "-m", "torchneox", "train", config]
     args += ["--nproc", str(nproc)] if nproc > 1 else []
     args += ["--set", f"save={save}", "--set", f"load={save}"]
@@ -79,3 +80,40 @@ def test_a_signal_saves_and_the_same_command_resumes(make_config, tmp_path, npro
     after, whole = losses(save), losses(tmp_path / "whole")
     for k in (stopped + 1, stopped + 2):
         assert after[k] == pytest.approx(whole[k], rel=1e-5), k
+
+
+def _processes_with(marker: str) -> list[int]:
+    """Pids of the processes whose environment (as they were started) holds ``marker``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                environ = Path(f"/proc/{entry}/environ").read_bytes()
+            except OSError:  # gone meanwhile
+                continue
+            if marker.encode() in environ:
+                found.append(int(entry))
+    return found
+
+
+def test_no_rank_outlives_a_launcher_killed_with_kill_9(make_config, tmp_path):
+    """`kill -9` of `train --nproc 2`'s launcher ends both ranks (torchrun leaves them running,
+    orphaned, to finish training and write checkpoints nobody waits for)."""
+    cfg = make_config(train_iters=300, train_micro_batch_size_per_gpu=2, train_batch_size=8)
+    save = tmp_path / "run"
+    marker = f"TORCHNEOX_TEST_MARK={os.getpid()}-{time.time_ns()}"
+    name, value = marker.split("=")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torchneox", "train", cfg, "--nproc", "2", "--set", f"save={save}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, OMP_NUM_THREADS="1", **{name: value}),
+    )
+    wait_for_steps(save, 2, proc)
+    assert len(_processes_with(marker)) >= 3  # the launcher, its fork server and the 2 ranks
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 30
+    while _processes_with(marker) and time.time() < deadline:
+        time.sleep(0.1)
+    assert _processes_with(marker) == []

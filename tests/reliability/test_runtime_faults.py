@@ -84,6 +84,9 @@ def test_a_rank_that_hangs_ends_the_run_within_the_timeout(make_config, tmp_path
     assert "rank 0: a collective did not complete at step 3" in run.stderr
     assert "distributed_timeout_minutes is 0.1" in run.stderr
     assert f"the last good checkpoint is {tmp_path / 'h' / 'global_step2'}" in run.stderr
+    # the launcher names the rank that failed first, and stops the frozen one without waiting
+    # out its grace period (SIGCONT after SIGTERM)
+    assert "torchneox: error: rank 0 exited with 1; its output is above" in run.stderr
     assert seconds < 200
     # what rank 0 was waiting in, from torch's flight recorder, kept beside the checkpoints
     record = tmp_path / "h" / "flight_recorder" / "rank0.json"

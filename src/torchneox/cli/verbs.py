@@ -157,10 +157,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from torchneox.config.load import load_config
-    from torchneox.parallel.dims import shutdown
-    from torchneox.train.trainer import Trainer
-
     dry_flags = [f for f in ("world_size", "ranks", "json") if getattr(args, f)]
     if args.nodes != 1:
         dry_flags.append("nodes")
@@ -172,6 +168,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         from torchneox.cli.launch import launch_local
 
         return launch_local(args)
+    from torchneox.config.load import load_config
+    from torchneox.parallel.dims import shutdown
+    from torchneox.train.trainer import Trainer
+
     loaded = load_config(args.files, args.overrides)
     try:
         Trainer(loaded, device=args.device, load_step=args.load_step).run()

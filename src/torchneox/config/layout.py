@@ -417,3 +417,22 @@ RULES = (
     _compile_model,
 )
 """Every layout rule, in the order they are checked."""
+
+
+def require(loaded: LoadedConfig, derived: Derived) -> Layout:
+    """What training needs beyond what `derive` checks, and the checked layout (`train --nproc`
+    runs it before it starts any process)."""
+    cfg = loaded.config
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters"):
+        if cfg.get(name) is None:
+            raise ConfigError("training needs it; add it to a config file or --set it", key=name)
+    if derived["train_batch_size"] is None:
+        raise ConfigError(
+            "training needs train_micro_batch_size_per_gpu or train_batch_size",
+            key="train_micro_batch_size_per_gpu",
+        )
+    if derived["lr"] is None:
+        raise ConfigError("training needs a learning rate (optimizer.params.lr)", key="optimizer")
+    layout = Layout.from_derived(cfg, derived)
+    check_layout(loaded, layout)
+    return layout

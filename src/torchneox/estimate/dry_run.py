@@ -126,7 +126,7 @@ def dry_run(
     in a fresh process forked from this one (torch keeps caches keyed by mesh shape, which a
     second rank's mesh of the same shape would hit), ``workers`` at a time (default: the
     CPU count)."""
-    from torchneox.train.trainer import require
+    from torchneox.config.layout import require
 
     if world % nodes:
         raise ConfigError(f"--world-size {world} does not split over --nodes {nodes}")

@@ -174,11 +174,11 @@ class _Built:
 
 
 def _build(loaded: LoadedConfig, world: int) -> _Built:
+    from torchneox.config.layout import require
     from torchneox.models.args import ModelArgs
     from torchneox.parallel.dims import ParallelDims
     from torchneox.parallel.parallelize import build_parallel_model, build_reference
     from torchneox.train.objectives import objective_for
-    from torchneox.train.trainer import require
 
     cfg = loaded.config
     d = derive(loaded, world_size=world)

@@ -13,29 +13,25 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    PipelineScheduleMulti,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleLoopedBFS,
-    ScheduleZBVZeroBubble,
-)
 
 from torchneox.models.args import ModelArgs
 from torchneox.models.transformer import Transformer
 
-SINGLE = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
+
+# each schedule by its torch.distributed.pipelining class, imported only by a pipeline run
+# (the module brings torch._dynamo: half a second of every other process's start-up)
+SINGLE = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 MULTI = {
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-    "looped_bfs": ScheduleLoopedBFS,
-    "interleaved_zero_bubble": ScheduleInterleavedZeroBubble,
-    "zbv": ScheduleZBVZeroBubble,
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "looped_bfs": "ScheduleLoopedBFS",
+    "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
 }
 
 
@@ -121,6 +117,8 @@ def build_pipeline(
 ) -> Pipeline:
     """This rank's stages, initialised, wrapped by ``prepare`` (tensor/data parallelism), and
     the schedule that runs them (a layout ``config.layout.check_layout`` accepted)."""
+    from torch.distributed.pipelining import PipelineStage, schedules
+
     pp_rank, pp_size = pp_mesh.get_local_rank(), pp_mesh.size()
     per_rank = 2 if schedule == "zbv" else (1 if schedule in SINGLE else virtual)
     total_stages = pp_size * per_rank
@@ -146,10 +144,10 @@ def build_pipeline(
             container.final_norm, container.output = part.final_norm, part.output
             container.value_head = part.value_head
         stages.append(PipelineStage(part, index, total_stages, device, group=pp_mesh.get_group()))
-    if schedule in SINGLE:
-        runner = SINGLE[schedule](stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
-    else:
-        runner = MULTI[schedule](stages, n_microbatches=microbatches, loss_fn=loss_fn)
+    kind = getattr(schedules, SINGLE.get(schedule) or MULTI[schedule])
+    runner = kind(
+        stages[0] if schedule in SINGLE else stages, n_microbatches=microbatches, loss_fn=loss_fn
+    )
     has_first = 0 in indices
     has_last = total_stages - 1 in indices
     # the container is never run: its own position tables stay on the meta device
@@ -157,6 +155,8 @@ def build_pipeline(
 
 
 def is_multi(schedule: object) -> bool:
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+
     return isinstance(schedule, PipelineScheduleMulti)
 
 

@@ -14,11 +14,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchneox.base.errors import ConfigError, TrainingStopped
+from torchneox.base.errors import TrainingStopped
 from torchneox.base.faults import fault_point
-from torchneox.config.derive import Derived, derive
+from torchneox.config.derive import derive
 from torchneox.config.fp8_plan import FP8Plan, fp8_plan
-from torchneox.config.layout import Layout, check_layout
+from torchneox.config.layout import require
 from torchneox.config.load import LoadedConfig, with_absolute_paths
 from torchneox.config.report import render_yaml
 from torchneox.data.datasets import build_splits
@@ -43,25 +43,6 @@ from torchneox.train.step import GradientPolicy, TrainStep
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGHUP: the terminal went away
 STEP_KEYS = ("lm_loss", "lr", "grad_norm", "skipped", "z_loss", "moe_aux_loss")
-
-
-def require(loaded: LoadedConfig, derived: Derived) -> Layout:
-    """What training needs beyond what `derive` checks, and the checked layout (`train --nproc`
-    runs it before it starts any process)."""
-    cfg = loaded.config
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters"):
-        if cfg.get(name) is None:
-            raise ConfigError("training needs it; add it to a config file or --set it", key=name)
-    if derived["train_batch_size"] is None:
-        raise ConfigError(
-            "training needs train_micro_batch_size_per_gpu or train_batch_size",
-            key="train_micro_batch_size_per_gpu",
-        )
-    if derived["lr"] is None:
-        raise ConfigError("training needs a learning rate (optimizer.params.lr)", key="optimizer")
-    layout = Layout.from_derived(cfg, derived)
-    check_layout(loaded, layout)
-    return layout
 
 
 def _device(requested: str | None) -> torch.device:
