@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import shared_dir
+from tests.forked import run_cli
 from torchneox.config.load import load_mapping
 from torchneox.models.args import model_args
 from torchneox.models.transformer import build_model
@@ -34,13 +35,20 @@ def metric_rows(folder: Path) -> list[dict]:
 
 
 def train(config: str, *overrides: str, nproc: int = 1) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "torchneox", "train", config]
+    """``torchneox train CONFIG [--nproc N] --set OVERRIDE ...``, which must succeed: with
+    several processes as the user runs it, with one in a process forked from the tests' server
+    (tests/forked.py: the same command, without a fresh import of torch)."""
+    args = ["train", config]
     if nproc > 1:
         args += ["--nproc", str(nproc)]
     for o in overrides:
         args += ["--set", o]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    run = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300, check=False)
+    if nproc == 1:
+        run = run_cli(args, env, timeout=300)
+    else:
+        command = [sys.executable, "-m", "torchneox", *args]
+        run = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     return run
 

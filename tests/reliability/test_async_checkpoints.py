@@ -19,9 +19,9 @@ import torch.distributed.checkpoint as dcp
 
 from tests.reliability.test_kills import (
     assert_bitwise_equal,
-    command,
     config_for,
     env,
+    run,
     run_with_kills,
 )
 from torchneox.train import checkpoint
@@ -34,7 +34,7 @@ THREAD = ASYNC | {"async_checkpoint_writer": "thread"}
 def test_background_saves_equal_saves_in_the_step(make_config, tmp_path, keys):
     for name, extra in (("whole", {}), ("background", keys)):
         cfg = config_for(make_config, tmp_path, name, **extra)
-        subprocess.run(command(cfg, 1), env=env(), check=True, capture_output=True, timeout=300)
+        assert run(cfg, 1, env()).returncode == 0
     assert_bitwise_equal(tmp_path / "background", tmp_path / "whole")
     for step in (2, 4, 6, 8, 10, 12):  # every save finished, each the state of its own step
         saved = tmp_path / "background" / f"global_step{step}"
@@ -46,7 +46,7 @@ def test_background_saves_equal_saves_in_the_step(make_config, tmp_path, keys):
 @pytest.mark.parametrize("keys", [ASYNC, THREAD], ids=["process", "thread"])
 def test_kill_9_while_a_background_save_is_in_flight(make_config, tmp_path, keys):
     whole = config_for(make_config, tmp_path, "whole")
-    subprocess.run(command(whole, 1), env=env(), check=True, capture_output=True, timeout=300)
+    assert run(whole, 1, env()).returncode == 0
     killed = config_for(make_config, tmp_path, "killed", **keys)
     faults = [
         "kill@save.staged:2",  # the first save's files being written: nothing to resume
@@ -65,7 +65,7 @@ def test_two_processes_save_in_the_background(make_config, tmp_path, keys):
     zero3 = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 2}
     for name, extra in (("whole", zero3), ("background", zero3 | keys)):
         cfg = config_for(make_config, tmp_path, name, **extra)
-        subprocess.run(command(cfg, 2), env=env(), check=True, capture_output=True, timeout=300)
+        assert run(cfg, 2, env()).returncode == 0
     assert_bitwise_equal(tmp_path / "background", tmp_path / "whole")
 
 
@@ -121,13 +121,13 @@ def test_thousands_of_tensors_stage_in_one_shared_buffer(tmp_path):
     )
     path = tmp_path / "many.py"
     path.write_text(script)
-    run = subprocess.run(
+    done = subprocess.run(
         [sys.executable, str(path), str(tmp_path / "ck")],
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 def test_the_writer_process_dies_with_its_parent(tmp_path):

@@ -16,6 +16,7 @@ import warnings
 
 import torch
 
+from tests.forked import Forked, run_cli
 from torchneox.train import checkpoint
 
 STEPS = 12
@@ -24,6 +25,23 @@ STEPS = 12
 def command(config: str, nproc: int) -> list[str]:
     cmd = [sys.executable, "-m", "torchneox", "train", config]
     return cmd + (["--nproc", str(nproc)] if nproc > 1 else [])
+
+
+def start(config: str, nproc: int, environment: dict[str, str]) -> Forked | subprocess.Popen:
+    """``torchneox train CONFIG`` started: one process forked from the tests' server
+    (tests/forked.py), several as the user launches them."""
+    if nproc == 1:
+        return Forked(["train", config], environment)
+    return subprocess.Popen(
+        command(config, nproc), env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+
+
+def run(config: str, nproc: int, environment: dict[str, str]) -> subprocess.CompletedProcess:
+    """``torchneox train CONFIG`` to its end: its exit status and output."""
+    if nproc == 1:
+        return run_cli(["train", config], environment, timeout=300)
+    return subprocess.run(command(config, nproc), env=environment, capture_output=True, timeout=300)
 
 
 def env(fault: str | None = None) -> dict[str, str]:
@@ -74,25 +92,19 @@ def run_with_kills(config: str, nproc: int, faults: list[str], timed: list[float
     given delays, then to the end; returns how many kills landed."""
     kills = 0
     for fault in faults:
-        run = subprocess.run(
-            command(config, nproc), env=env(fault), capture_output=True, timeout=300
-        )
-        assert run.returncode != 0, f"{fault}: the run did not die"
+        died = run(config, nproc, env(fault))
+        assert died.returncode != 0, f"{fault}: the run did not die"
         if nproc == 1:
-            assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
+            assert died.returncode == -signal.SIGKILL, died.stderr[-2000:]
         kills += 1
     for delay in timed:
-        proc = subprocess.Popen(
-            command(config, nproc), env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
+        proc = start(config, nproc, env())
         time.sleep(delay)
         if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
+            proc.kill()
             kills += 1
         proc.wait(timeout=300)
-    final = subprocess.run(
-        command(config, nproc), env=env(), capture_output=True, text=True, timeout=300
-    )
+    final = run(config, nproc, env())
     assert final.returncode == 0, final.stderr[-3000:]
     return kills
 
@@ -113,7 +125,7 @@ def config_for(make_config, tmp_path, name: str, **extra) -> str:
 def test_kill_9_anywhere_in_one_process(make_config, tmp_path):
     whole = config_for(make_config, tmp_path, "whole")
     start = time.perf_counter()
-    subprocess.run(command(whole, 1), env=env(), check=True, capture_output=True, timeout=300)
+    assert run(whole, 1, env()).returncode == 0
     seconds = time.perf_counter() - start
     killed = config_for(make_config, tmp_path, "killed")
     faults = [
@@ -140,7 +152,7 @@ def test_kill_9_anywhere_in_one_process(make_config, tmp_path):
 def test_kill_9_of_one_rank_in_two_processes(make_config, tmp_path):
     extra = {"train_micro_batch_size_per_gpu": 2, "distributed_timeout_minutes": 1.0}
     whole = config_for(make_config, tmp_path, "whole", **extra)
-    subprocess.run(command(whole, 2), env=env(), check=True, capture_output=True, timeout=300)
+    assert run(whole, 2, env()).returncode == 0
     killed = config_for(make_config, tmp_path, "killed", **extra)
     faults = [
         "kill@save.shards:2:1",  # rank 1 dies after writing its shards
