@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 # pytest-xdist workers for `make test`, each taking whole test files (loadfile: a file's shared
-# one-process baselines are trained once); 2 measured fastest on a 2-core machine
+# one-process baselines are trained once); on a 2-core machine 2 ran the multi-process layout
+# files 1.26x faster than 1 (docs/benchmarks.md)
 TEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.torchneox-installed
