@@ -3,10 +3,13 @@ and weights, and the parity assertions every parallel layout is held to."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -71,12 +74,31 @@ def reference(folder):
     return losses(folder), losses(folder, "grad_norm"), weights(folder)
 
 
+# one-process runs already trained in this test process: (what they trained, keys) -> folder
+_TRAINED: dict[tuple[str, tuple[str, ...]], Path] = {}
+_ONE_PROCESS_ROOT = Path(tempfile.mkdtemp(prefix="torchneox-one-process-"))
+atexit.register(shutil.rmtree, _ONE_PROCESS_ROOT, True)
+
+
+def trained_once(config: str, *overrides: str) -> Path:
+    """The folder of a one-process run of ``config`` from scratch with ``overrides``, trained
+    once per test process however many tests compare with it: keyed by the config's values
+    (its own save and load paths aside) and the overrides."""
+    values = {
+        k: v for k, v in json.loads(Path(config).read_text()).items() if k not in ("save", "load")
+    }
+    key = (json.dumps(values, sort_keys=True), tuple(overrides))
+    if key not in _TRAINED or not (_TRAINED[key] / "metrics.jsonl").is_file():
+        folder = _ONE_PROCESS_ROOT / f"run{len(_TRAINED)}"
+        train(config, f"save={folder}", "load=null", *overrides)
+        _TRAINED[key] = folder
+    return _TRAINED[key]
+
+
 def one_process(config: str, tmp_path_factory, *overrides: str):
     """The reference of a one-process run of ``config``: the parity tests' global batch of 8 as
     micro-batches of 4 (``overrides`` on top)."""
-    folder = tmp_path_factory.mktemp("baseline") / "one"
-    train(config, f"save={folder}", "load=null", "train_micro_batch_size_per_gpu=4", *overrides)
-    return reference(folder)
+    return reference(trained_once(config, "train_micro_batch_size_per_gpu=4", *overrides))
 
 
 def assert_same_training(out, baseline) -> None:
@@ -107,11 +129,11 @@ def assert_resumes_like_whole(
 ):
     """Stop at step 3 under layout ``first``, resume under ``then``: steps 4-6 equal a run
     never stopped (``whole``, one process). Returns the run's folder."""
-    train(cfg, f"save={tmp_path / 'whole'}", "load=null", *whole)
+    unstopped = trained_once(cfg, *whole)
     moved = tmp_path / "moved"
     train(cfg, f"save={moved}", f"load={moved}", *first, "exit_interval=3", nproc=first_nproc)
     train(cfg, f"save={moved}", f"load={moved}", *then, nproc=then_nproc)
-    done, after = losses(tmp_path / "whole"), losses(moved)
+    done, after = losses(unstopped), losses(moved)
     for k in (4, 5, 6):
         assert after[k] == pytest.approx(done[k], rel=1e-5), k
     return moved
