@@ -19,6 +19,7 @@ While the ranks run, this process does what torchrun's agent does:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -130,16 +131,18 @@ class _Ranks:
 
     def _forward(self, signum: int, frame: Any) -> None:
         self.signal = signal.Signals(signum)
-        for process in self.processes:
-            if process.pid is not None and process.exitcode is None:
-                _signal(process.pid, signum)
+        self._signal_live(signum)
 
     def _stop_the_others(self) -> None:
-        for process in self.processes:
-            if process.exitcode is None:
-                _signal(process.pid, signal.SIGTERM)
-                _signal(process.pid, signal.SIGCONT)  # a frozen rank acts on it too
+        self._signal_live(signal.SIGTERM, signal.SIGCONT)  # SIGCONT: a frozen rank acts too
         self.deadline = time.time() + GRACE_SECONDS
+
+    def _signal_live(self, *signums: int) -> None:
+        for process in self.processes:
+            if process.pid is not None and process.exitcode is None:
+                for signum in signums:
+                    with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
+                        os.kill(process.pid, signum)
 
 
 def run_rank(argv: list[str], env: dict[str, str]) -> None:
@@ -192,11 +195,3 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _signal(pid: int | None, signum: int) -> None:
-    try:
-        if pid is not None:
-            os.kill(pid, signum)
-    except ProcessLookupError:
-        pass
