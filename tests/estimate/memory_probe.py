@@ -28,7 +28,7 @@ def measure_activations(trainer: Trainer, seen: dict) -> None:
     left out."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    forward = trainer.step._forward
+    forward = trainer.step.gradients._forward
 
     def key(t: torch.Tensor) -> int:
         return StorageWeakRef(t.untyped_storage()).cdata
@@ -49,7 +49,7 @@ def measure_activations(trainer: Trainer, seen: dict) -> None:
         seen.setdefault("activations", sum(saved.values()))
         return out
 
-    trainer.step._forward = measured
+    trainer.step.gradients._forward = measured
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """The fp32 CPU linears on oneDNN: equal to F.linear to float tolerance, forward and backward,
 and out of the way wherever they do not apply."""
 
+import functools
 import json
 
 import pytest
@@ -17,19 +18,18 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture
 def onednn():
-    lin.set_cpu_matmul("onednn")
-    yield
-    lin.set_cpu_matmul("auto")
+    """``linear`` as a model with cpu_matmul: onednn runs it."""
+    return functools.partial(lin.linear, mode="onednn")
 
 
-def _both(shape_x, out_features, bias, x_grad=True):
+def _both(ours, shape_x, out_features, bias, x_grad=True):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(*shape_x, generator=g)
     w = torch.randn(out_features, shape_x[-1], generator=g) / shape_x[-1] ** 0.5
     b = torch.randn(out_features, generator=g) if bias else None
     grad = torch.randn(*shape_x[:-1], out_features, generator=g)
     results = []
-    for fn in (lin.linear, F.linear):
+    for fn in (ours, F.linear):
         xs = x.clone().requires_grad_(x_grad)
         ws = w.clone().requires_grad_(True)
         bs = b.clone().requires_grad_(True) if bias else None
@@ -44,7 +44,7 @@ def _both(shape_x, out_features, bias, x_grad=True):
     [((12, 64, 128), 384, True), ((7, 96), 50, False), ((2, 3, 5, 33), 17, True)],
 )
 def test_onednn_linear_equals_f_linear(onednn, shape_x, out, bias):
-    ours, ref = _both(shape_x, out, bias)
+    ours, ref = _both(onednn, shape_x, out, bias)
     assert ours[0].shape == ref[0].shape
     for a, b in zip(ours, ref, strict=True):
         if b is None:
@@ -54,7 +54,7 @@ def test_onednn_linear_equals_f_linear(onednn, shape_x, out, bias):
 
 
 def test_input_without_grad_gets_none(onednn):
-    ours, ref = _both((4, 8), 6, True, x_grad=False)
+    ours, ref = _both(onednn, (4, 8), 6, True, x_grad=False)
     assert ours[1] is None and ref[1] is None
     torch.testing.assert_close(ours[2], ref[2], rtol=1e-5, atol=1e-6)
 
@@ -65,7 +65,7 @@ def test_onednn_path_is_taken(onednn, monkeypatch):
     monkeypatch.setattr(lin, "_mm", lambda *a: calls.append(1) or real(*a))
     x = torch.randn(3, 4, requires_grad=True)
     w = torch.randn(5, 4, requires_grad=True)
-    lin.linear(x, w).sum().backward()
+    onednn(x, w).sum().backward()
     assert len(calls) == 3  # forward, input gradient, weight gradient
 
 
@@ -74,15 +74,14 @@ def test_falls_back_to_f_linear(onednn, monkeypatch, case):
     monkeypatch.setattr(lin, "_mm", lambda *a: pytest.fail("oneDNN path taken"))
     x, w = torch.randn(3, 4), torch.randn(5, 4)
     if case == "bf16":
-        lin.linear(x.bfloat16(), w.bfloat16())
+        onednn(x.bfloat16(), w.bfloat16())
     elif case == "autocast":
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert lin.linear(x, w).dtype == torch.bfloat16
+            assert onednn(x, w).dtype == torch.bfloat16
     elif case == "default":
-        lin.set_cpu_matmul("default")
-        lin.linear(x, w)
+        lin.linear(x, w, mode="default")
     else:
-        assert lin.linear(x[:0], w).shape == (0, 5)
+        assert onednn(x[:0], w).shape == (0, 5)
 
 
 def test_auto_measures_once_per_machine_and_shape(monkeypatch, tmp_path):
@@ -110,7 +109,7 @@ def test_auto_measures_once_per_machine_and_shape(monkeypatch, tmp_path):
         1, 1, 1, "default"
     )
     with pytest.raises(ValueError, match="cpu_matmul"):
-        lin.set_cpu_matmul("mkl")
+        lin.onednn_selected(1, 1, 1, "mkl")
 
 
 def test_measuring_a_shape_gives_a_verdict_and_leaves_the_rng_alone():
@@ -120,28 +119,40 @@ def test_measuring_a_shape_gives_a_verdict_and_leaves_the_rng_alone():
     assert torch.equal(before, torch.get_rng_state())
 
 
-def test_config_key_selects_the_kernel(tmp_path):
+def test_config_key_selects_the_kernel(tmp_path, monkeypatch):
     from torchneox.config.load import load_config
     from torchneox.models.args import model_args
     from torchneox.models.transformer import build_model
 
-    cfg = tmp_path / "c.yml"
-    cfg.write_text(
-        "num_layers: 1\nhidden_size: 16\nnum_attention_heads: 2\nseq_length: 8\n"
-        "cpu_matmul: default\n"
-    )
-    try:
-        build_model(model_args(load_config([cfg])))
-        assert lin._mode == "default" and not lin.onednn_selected(768, 128, 384)
-    finally:
-        lin.set_cpu_matmul("auto")
+    def model(matmul: str):
+        cfg = tmp_path / f"{matmul}.yml"
+        cfg.write_text(
+            "num_layers: 1\nhidden_size: 16\nnum_attention_heads: 2\nseq_length: 8\n"
+            f"cpu_matmul: {matmul}\n"
+        )
+        return build_model(model_args(load_config([cfg])))
+
+    # a setting of each model, not of the process: two models keep their own
+    default, onednn = model("default"), model("onednn")
+    kernels = {m.cpu_matmul for m in default.modules() if isinstance(m, lin.Linear)}
+    assert kernels == {"default"}
+    assert {m.cpu_matmul for m in onednn.modules() if isinstance(m, lin.Linear)} == {"onednn"}
+    calls = []
+    real = lin._mm
+    monkeypatch.setattr(lin, "_mm", lambda *a: calls.append(1) or real(*a))
+    tokens = torch.zeros(1, 4, dtype=torch.long)
+    default(tokens)
+    assert not calls
+    onednn(tokens)
+    layers = sum(isinstance(m, lin.Linear) for m in onednn.modules())
+    assert len(calls) == layers + (onednn.output is None)  # and a tied head's product
 
 
 def test_expanded_gradients_and_strided_inputs(onednn):
     """A sum's gradient reaches the layer expanded (stride 0); a transposed input is strided."""
     x = torch.randn(7, 5).t().requires_grad_(True)
     w = torch.randn(3, 7, requires_grad=True)
-    lin.linear(x, w).sum().backward()
+    onednn(x, w).sum().backward()
     ours = (x.grad, w.grad)
     x2, w2 = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
     F.linear(x2, w2).sum().backward()
@@ -154,5 +165,5 @@ def test_the_output_takes_the_blocked_loss(onednn):
     from torchneox.train.loss import _blockable
 
     x = torch.randn(2, 4, 8, requires_grad=True)
-    logits = lin.linear(x, torch.randn(16, 8))
+    logits = onednn(x, torch.randn(16, 8))
     assert _blockable(logits.reshape(-1, 16))

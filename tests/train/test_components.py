@@ -23,7 +23,7 @@ from torchneox.train.metrics import Throughput, Timers
 from torchneox.train.objectives import LanguageModeling, Prepared
 from torchneox.train.optim import load_optimizer_state
 from torchneox.train.precision import LossScaler
-from torchneox.train.step import GradientPolicy, TrainStep
+from torchneox.train.step import GradientPolicy, Gradients, TrainStep, Update
 
 
 def checkpoint_group(save, **keys) -> SimpleNamespace:
@@ -79,7 +79,7 @@ def test_the_manager_saves_resumes_and_rotates(tmp_path):
     assert kept == ["global_step2", "global_step3"]  # keep_last_n_checkpoints
     assert manager.last_good().endswith("run/global_step3")
     fresh = state(seed=1)
-    resumed = manager.resume(tmp_path / "run", None, fresh)
+    resumed = manager.resume(manager.find(tmp_path / "run", None), fresh)
     assert resumed.iteration == 3 and resumed.training_state
     assert fresh.loaders["train"].consumed == saved.loaders["train"].consumed == 12
     for a, b in zip(saved.model.parameters(), fresh.model.parameters(), strict=True):
@@ -101,7 +101,7 @@ def test_finetune_takes_the_weights_only(tmp_path):
         checkpoint_group(tmp_path / "run", finetune=True), 4, "{}\n", True, lines
     )
     fresh = state(seed=1)
-    resumed = tuned.resume(tmp_path / "run", None, fresh)
+    resumed = tuned.resume(tuned.find(tmp_path / "run", None), fresh)
     assert resumed.iteration == 0 and not resumed.training_state
     assert not fresh.optimizer.state and fresh.loaders["train"].consumed == 0
     assert "finetune is set" in lines[-1]
@@ -110,7 +110,7 @@ def test_finetune_takes_the_weights_only(tmp_path):
 def test_nothing_to_resume_says_so(tmp_path):
     lines = Lines()
     manager = CheckpointManager(checkpoint_group(tmp_path / "run"), 4, "{}\n", True, lines)
-    assert manager.resume(tmp_path / "empty", None, state()) is None
+    assert manager.find(tmp_path / "empty", None) is None
     assert lines == [f"no checkpoint in {tmp_path / 'empty'}: starting from scratch"]
 
 
@@ -136,20 +136,28 @@ def test_the_objective_adds_z_loss_and_the_balancing_loss():
 
 def one_process_step(model: torch.nn.Module, limit: int, lines: Lines) -> TrainStep:
     dims = ParallelDims(dp=1, tp=1, pp=1, world_size=1, device_type="cpu")
-    return TrainStep(
+    scaler = LossScaler()
+    gradients = Gradients(
         ParallelModel(model, model),
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        LossScaler(),
         LanguageModeling(),
-        GradientPolicy(clip=1.0, skip_nonfinite_steps=limit),
         dims,
         torch.device("cpu"),
         "fp32",
         1,
         Timers(False),
+        lambda: scaler.scale,
+    )
+    update = Update(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        scaler,
+        GradientPolicy(clip=1.0, skip_nonfinite_steps=limit),
+        "fp32",
+        None,
         lines,
         lambda: "the last good checkpoint is X",
     )
+    return TrainStep(gradients, update)
 
 
 def test_the_step_clips_and_skips_then_stops_on_non_finite_gradients():
@@ -166,7 +174,7 @@ def test_the_step_clips_and_skips_then_stops_on_non_finite_gradients():
             p.grad = torch.zeros_like(p)
         poisoned.grad.fill_(float("nan"))
         if _ == 0:
-            norm, skipped = step.apply_gradients(2, None)
+            norm, skipped = step.update.apply_gradients(2, None)
             assert skipped and math.isnan(norm)
             assert (
                 lines[-1]
@@ -174,7 +182,7 @@ def test_the_step_clips_and_skips_then_stops_on_non_finite_gradients():
             )
         else:
             with pytest.raises(TrainingStopped) as stopped:
-                step.apply_gradients(3, None)
+                step.update.apply_gradients(3, None)
             assert "step 3: the gradient norm is nan (the 1 skips allowed" in str(stopped.value)
             assert "the last good checkpoint is X" in str(stopped.value)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
@@ -185,7 +193,7 @@ def test_the_step_clips_to_the_policy():
     step = one_process_step(model, limit=0, lines=Lines())
     for p in model.parameters():
         p.grad = torch.full_like(p, 3.0)
-    norm, skipped = step.apply_gradients(1, None)
+    norm, skipped = step.update.apply_gradients(1, None)
     total = math.sqrt(sum(9.0 * p.numel() for p in model.parameters()))
     assert norm == pytest.approx(total, rel=1e-5) and not skipped
 

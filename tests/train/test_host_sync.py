@@ -40,7 +40,7 @@ def adam_trainer(make_config, tmp_path, **keys):
 
 def test_steps_between_log_rows_read_nothing_back(make_config, tmp_path, monkeypatch):
     trainer = adam_trainer(make_config, tmp_path)
-    assert trainer.step.deferred  # fused AdamW in fp32
+    assert trainer.step.update.deferred  # fused AdamW in fp32
     trainer.train_step()  # the first step builds state (and may read the data's shape)
     trainer.train_step()
     with counted_reads(monkeypatch) as calls:
@@ -55,13 +55,13 @@ def test_steps_between_log_rows_read_nothing_back(make_config, tmp_path, monkeyp
     assert between == []
     assert settled and read
     assert isinstance(loss, float) and out2["grad_norm"] > 0
-    assert trainer.step.pending == []
+    assert trainer.step.update.pending == []
 
 
 def test_a_deferred_non_finite_step_is_skipped_then_counted(make_config, tmp_path):
     trainer = adam_trainer(make_config, tmp_path, skip_nonfinite_steps=1, train_iters=6)
     lines: list[str] = []
-    trainer.step.line = lines.append
+    trainer.step.update.line = lines.append
     poison(trainer, 2, float("nan"))
     trainer.train_step()
     before = [p.detach().clone() for p in trainer.model.parameters()]

@@ -353,7 +353,7 @@ def _precision(cfg: NeoXConfig, out: Derived) -> None:
         why += " (autocast in fp16, fp32 master weights, loss scaling)"
     out.put("precision", precision, why)
     if precision == "fp16":
-        ls = loss_scale_spec(cfg)
+        ls = loss_scale_spec(cfg.precision)
         if ls.static:
             out.put(
                 "loss_scale",
@@ -407,7 +407,7 @@ def _fp8(cfg: NeoXConfig, out: Derived) -> None:
 
 def _optimizer(loaded: LoadedConfig, out: Derived) -> None:
     o = loaded.config.optimizer
-    spec = optimizer_spec(loaded.config)
+    spec = optimizer_spec(loaded.config.optimizer)
     params = spec.params
     if spec.type_name is None:
         out.put("optimizer_type", "adam", "adam: no optimizer dict given, GPT-NeoX's default")

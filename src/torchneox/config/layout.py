@@ -54,6 +54,8 @@ class Layout:
     many data-parallel ranks, replicated across the groups; None: over all of them."""
     cp: int = 1
     """Context parallelism: the ranks that split each sample's sequence (beside dp, tp, pp)."""
+    partition_method: str = "parameters"
+    """How the layers are cut into pipeline stages (pipe_partition_method)."""
 
     @property
     def shard_ranks(self) -> int:
@@ -84,6 +86,7 @@ class Layout:
             virtual_stages=cfg.parallel.pipeline_virtual_stages,
             dp_shard=(cfg.optimizer.zero_optimization or {}).get("mics_shard_size"),
             cp=cp,
+            partition_method=cfg.parallel.pipe_partition_method,
         )
 
     @property

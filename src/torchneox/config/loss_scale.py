@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torchneox.config.schema import NeoXConfig
+from torchneox.config.schema import PrecisionConfig
 
 
 @dataclass(frozen=True)
@@ -21,8 +21,8 @@ class LossScaleSpec:
         return not self.static
 
 
-def loss_scale_spec(cfg: NeoXConfig) -> LossScaleSpec:
-    pr = cfg.precision
+def loss_scale_spec(pr: PrecisionConfig) -> LossScaleSpec:
+    """fp16's loss scale as the ``precision`` config group sets it."""
     fp16 = pr.fp16 or {}
     return LossScaleSpec(
         static=fp16.get("loss_scale", pr.loss_scale) or 0,

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from torchneox.config.schema import NeoXConfig
+from torchneox.config.schema import OptimizerConfig
 
 # not keyword arguments of the torch optimizers: clipping comes from gradient_clipping, the
 # top-level weight_decay wins (as in GPT-NeoX), bias correction is always on (false is refused)
@@ -33,8 +33,8 @@ class OptimizerSpec:
         return 1 if self.kind == "lion" else 2
 
 
-def optimizer_spec(cfg: NeoXConfig) -> OptimizerSpec:
-    o = cfg.optimizer
+def optimizer_spec(o: OptimizerConfig) -> OptimizerSpec:
+    """The optimizer the ``optimizer`` config group describes."""
     opt = o.optimizer
     params = dict((opt or {}).get("params") or {})
     lr = params.get("lr", o.lr)

@@ -19,7 +19,7 @@ USABLE = 0.95  # of the rest: the allocator's fragmentation
 
 
 def optimizer_bytes_per_param(loaded: LoadedConfig) -> int:
-    return optimizer_spec(loaded.config).state_tensors * PARAM_BYTES
+    return optimizer_spec(loaded.config.optimizer).state_tensors * PARAM_BYTES
 
 
 def fsdp_ranks(layout: Layout) -> int:

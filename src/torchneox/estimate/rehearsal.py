@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,9 @@ from torchneox.config.layout import Layout
 from torchneox.config.load import LoadedConfig
 from torchneox.estimate.memory import optimizer_bytes_per_param, state_bytes
 from torchneox.estimate.parameters import stage_params
+
+if TYPE_CHECKING:
+    from torchneox.train.assembly import Run
 
 AXES = ("pp", "dp", "cp", "tp")
 STEPPED = "forward, backward, gradient clipping and the optimizer step ran on fake tensors"
@@ -160,48 +163,26 @@ OP_NAMES = {  # c10d's and the functional collectives' names for the same operat
 # ----------------------------------------------------------------------------- one rank
 
 
-@dataclass
-class _Built:
-    """One rank's run as the trainer builds it, on meta tensors."""
-
-    derived: Any
-    layout: Layout
-    dims: Any
-    args: Any
-    parts: Any
-    objective: Any
-    note: str = ""
-
-
-def _build(loaded: LoadedConfig, world: int) -> _Built:
+def _build(loaded: LoadedConfig, world: int) -> tuple[Run, str]:
+    """This rank's run as the trainer builds it (``train/assembly.py``), on the meta device,
+    nothing drawn; and a note on what the rehearsal cannot record."""
     from torchneox.config.layout import require
-    from torchneox.models.args import ModelArgs
     from torchneox.parallel.dims import ParallelDims
-    from torchneox.parallel.parallelize import build_parallel_model, build_reference
-    from torchneox.train.objectives import objective_for
+    from torchneox.parallel.parallelize import NO_PARAMETER, replicated
+    from torchneox.train.assembly import build_run
 
-    cfg = loaded.config
     d = derive(loaded, world_size=world)
     layout = require(loaded, d)
     dims = ParallelDims.from_layout(layout, "cpu")
     dims.build_mesh()
-    args = ModelArgs.from_config(cfg, d["padded_vocab_size"])
+    # compile off: compiled code cannot run on fake tensors; fake tokens have no values, so
+    # any end-of-document id
     meta = torch.device("meta")
-    training = cfg.training  # compile stays off (the default): compiled code cannot run fake
-    method = cfg.parallel.pipe_partition_method
-    parts = build_parallel_model(
-        args, dims, layout, training, d["gradient_reduce_dtype"], meta, method, None,
-        param_dtype=d["zero_param_dtype"],
-    )  # fmt: skip
+    run = build_run(loaded, d, layout, dims, meta, NO_PARAMETER, 0, compile_scope="off")
     note = ""
-    if layout.zero == 0 and dims.batch_ranks > 1 and dims.tp == 1 and dims.pp == 1:
+    if replicated(dims, layout):
         note = "DDP is not built on meta tensors: its gradient all-reduce is not recorded"
-    objective = objective_for(cfg, 0)  # fake tokens have no values: any end-of-document id
-    if objective.needs_reference:
-        parts.reference, parts.reference_pipeline = build_reference(
-            args, dims, layout, meta, training.seed, method
-        )
-    return _Built(d, layout, dims, args, parts, objective, note)
+    return run, note
 
 
 def _fake_empty(t: torch.Tensor) -> torch.Tensor:
@@ -253,58 +234,33 @@ def _measured(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict
     return out
 
 
-def _train_step(built: _Built, loaded: LoadedConfig, optimizer: torch.optim.Optimizer) -> Any:
-    """The trainer's TrainStep over the built model (its forward/backward and clipping run)."""
-    from torchneox.train.metrics import Timers
-    from torchneox.train.precision import LossScaler
-    from torchneox.train.step import GradientPolicy, TrainStep
-
-    cfg, d = loaded.config, built.derived
-    policy = GradientPolicy(d["gradient_clipping"], cfg.training.skip_nonfinite_steps)
-    return TrainStep(
-        built.parts, optimizer, LossScaler.from_config(cfg, d["precision"]), built.objective, policy,
-        built.dims, torch.device("cpu"), d["precision"], built.layout.gas, Timers(False, None),
-        lambda text: None, lambda: "",
-    )  # fmt: skip
-
-
-def _fake_step(
-    built: _Built, loaded: LoadedConfig, optimizer: torch.optim.Optimizer, record: Any
-) -> str:
-    """One step on fake tensors, as the trainer runs it (inside the fake mode and the recorder):
-    forward and backward of a micro-batch, gradient clipping, the optimizer step."""
+def _fake_step(run: Run, record: Any) -> str:
+    """One training step on fake tensors, by the trainer's own step (``TrainStep``): a
+    micro-batch's forward and backward (a pipeline's stages through ``RehearsedSchedule``),
+    the loss and metrics shared, the gradients clipped and applied by the optimizer."""
     from torchneox.estimate.activations import route_evenly
-    from torchneox.parallel.collectives import mean_over_dp
 
-    cfg = loaded.config
+    cfg = run.loaded.config
     if cfg.training.train_impl != "normal":
         return "not rehearsed: the fake step feeds language-modelling batches only"
-    if built.dims.ep > 1:
+    if run.dims.ep > 1:
         return "not rehearsed: expert parallelism sizes its all-to-all by the routing's values"
-    step = _train_step(built, loaded, optimizer)
-    step.moe_counts = [torch.zeros(m.num_experts, dtype=torch.long) for m in step.moe_layers]
-    for moe in step.moe_layers:
+    assert run.step is not None and run.schedule is not None
+    for moe in run.step.gradients.moe_layers:
         route_evenly(moe)
-    tokens = torch.zeros(built.layout.micro_batch, cfg.model.seq_length + 1, dtype=torch.long)
-    sums: dict[str, torch.Tensor] = {}
-    if built.parts.pipeline is not None:
-        loss = _pipeline_step(built, step, tokens, record)
-    else:
-        loss = step.forward_backward(tokens, True, sums)
-    # then as TrainStep.__call__ goes on: the loss averaged, gradients applied, metrics averaged
-    mean_over_dp(loss, built.dims)
-    step.clip_gradients()
-    optimizer.step()
-    step.averaged_metrics(sums)
+    if run.parts.pipeline is not None:
+        run.parts.pipeline.schedule = RehearsedSchedule(run, record)
+    tokens = torch.zeros(run.layout.micro_batch, cfg.model.seq_length + 1, dtype=torch.long)
+    run.step(1, run.schedule.lr_for_update(1), [tokens])
     return STEPPED
 
 
-def _stage_owners(built: _Built) -> dict[int, int]:
+def _stage_owners(run: Run) -> dict[int, int]:
     """The global rank holding each pipeline stage in this rank's pipeline group."""
     from torchneox.parallel.pipeline import rank_stage_indices
 
-    lay = built.layout
-    members = dist.get_process_group_ranks(built.dims.mesh["pp"].get_group())
+    lay = run.layout
+    members = dist.get_process_group_ranks(run.dims.mesh["pp"].get_group())
     owners = {}
     for pp_rank, rank in enumerate(members):
         for index in rank_stage_indices(lay.schedule, pp_rank, lay.pp, lay.virtual_stages):
@@ -312,30 +268,36 @@ def _stage_owners(built: _Built) -> dict[int, int]:
     return owners
 
 
-def _pipeline_step(built: _Built, step: Any, tokens: torch.Tensor, record: Any) -> torch.Tensor:
-    """Each of this rank's stages forward then backward on one micro-batch, the activations
-    and gradients a stage exchanges with its neighbours recorded as point-to-point transfers;
-    then the loss shared over the stages as the training step shares it."""
-    from torchneox.parallel.collectives import plain, sum_over_pp
+class RehearsedSchedule:
+    """What stands in for a pipeline schedule on the fake process group (whose receives bring
+    nothing): each of this rank's stages forward, then backward, on the batch, a stage's input
+    from another rank an empty tensor of the hidden states' shape; the activations and
+    gradients a stage exchanges with its neighbours recorded as point-to-point transfers. The
+    step around it (inputs, loss, metrics, gradients applied) is the trainer's."""
 
-    p, me = built.parts.pipeline, dist.get_rank()
-    owners = _stage_owners(built)
-    last = max(owners)
-    inputs, target = step._pipeline_inputs([tokens])  # context parallel: this rank's chunks
-    mb, seq, hidden = inputs.shape[0], inputs.shape[1], built.args.hidden_size
-    pending = []
-    with step._loss_context(), step._autocast():
+    def __init__(self, run: Run, record: Any):
+        self.run, self.record = run, record
+        self.owners = _stage_owners(run)
+
+    def step(self, *args: torch.Tensor, target: Any = None, losses: Any = None) -> None:
+        run, record, owners = self.run, self.record, self.owners
+        p, me, last = run.parts.pipeline, dist.get_rank(), max(self.owners)
+        seq = run.loaded.config.model.seq_length // run.dims.cp
+        shape = (run.layout.micro_batch, seq, run.args.hidden_size)
+        pending = []
         for part, stage in zip(p.parts, p.stages, strict=True):
             s = stage.stage_index
             if s == 0:
-                x = inputs
+                x = args[0]
             else:
-                x = torch.empty(mb, seq, hidden, requires_grad=True)
+                x = torch.empty(shape, requires_grad=True)
                 if owners[s - 1] != me:
-                    record(Collective("p2p", (owners[s - 1], me), ((mb, seq, hidden),)))
+                    record(Collective("p2p", (owners[s - 1], me), (shape,)))
             out = part(x)
             if s == last:
-                pending.append((s, step.pipeline_loss(out, target), None))
+                loss = run.step.pipeline_loss(out, target)
+                losses.append(loss)
+                pending.append((s, loss, None))
                 continue
             if owners[s + 1] != me:
                 record(Collective("p2p", (me, owners[s + 1]), (tuple(out.shape),)))
@@ -345,41 +307,49 @@ def _pipeline_step(built: _Built, step: Any, tokens: torch.Tensor, record: Any) 
                 record(Collective("p2p", (owners[s + 1], me), (tuple(out.shape),)))
             out.backward(grad)
             if s != 0 and owners[s - 1] != me:
-                record(Collective("p2p", (me, owners[s - 1]), ((mb, seq, hidden),)))
-    losses = [plain(out).detach().float() for s, out, _ in pending if s == last]
-    local = losses[0] if losses else torch.zeros(())
-    step._share_pipeline_metrics()
-    return sum_over_pp(local, built.dims)
+                record(Collective("p2p", (me, owners[s - 1]), (shape,)))
 
 
 def rehearse_rank(loaded: LoadedConfig, world: int, rank: int, nodes: int) -> RankReport:
     """Rank ``rank`` of ``world`` built and stepped on the fake process group."""
-    from torchneox.train.optim import build_optimizer
+    from torchneox.train.assembly import add_step
+    from torchneox.train.metrics import Timers
 
     start = time.perf_counter()
     _join(rank, world)
-    built = _build(loaded, world)
-    model = built.parts.model
-    modules = list(built.parts.pipeline.parts) if built.parts.pipeline else [model]
-    if built.parts.reference is not None:
-        refs = built.parts.reference_pipeline
-        modules += list(refs.parts) if refs else [built.parts.reference]
+    run, note = _build(loaded, world)
+    model = run.parts.model
+    modules = list(run.parts.pipeline.parts) if run.parts.pipeline else [model]
+    if run.parts.reference is not None:
+        refs = run.parts.reference_pipeline
+        modules += list(refs.parts) if refs else [run.parts.reference]
     recorder = RecordingFakeMode()
+    measured: dict[str, int] = {}
     with recorder:
         _materialize(modules)
+        run.device = torch.device("cpu")  # the fake tensors' device
         held = _bytes(list(model.parameters()))  # (sharded: FSDP gathers during the step)
-        optimizer = build_optimizer(model, loaded.config, "cpu")
+        # values stay on the device: fake tensors have none to read back
+        add_step(run, Timers(False, None), lambda text: None, lambda: "", None, read_back=False)
+        optimizer = run.optimizer
+        clear = optimizer.zero_grad
+
+        def measure_then_clear(set_to_none: bool = True) -> None:
+            measured.update(_measured(model, optimizer))  # the gradients, as the update ends
+            clear(set_to_none=set_to_none)
+
+        optimizer.zero_grad = measure_then_clear
         recorder.recording = True
         try:
-            step = _fake_step(built, loaded, optimizer, recorder.calls.append)
+            step = _fake_step(run, recorder.calls.append)
         except Exception as e:  # an op torch cannot run on fake tensors
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             step = f"stopped, {type(e).__name__}: {first[:160]}"
         recorder.recording = False
-        measured = {"parameters": held} | _measured(model, optimizer)
-    if built.note:
-        step += f" ({built.note})"
-    report = _report(loaded, built, rank, nodes, world, measured, step)
+        measured = {"parameters": held} | (measured or _measured(model, optimizer))
+    if note:
+        step += f" ({note})"
+    report = _report(loaded, run, rank, nodes, world, measured, step)
     report.collectives, report.stepped = recorder.calls, step.startswith(STEPPED)
     report.seconds = time.perf_counter() - start
     return report
@@ -401,7 +371,7 @@ def _stage_count(layout: Layout) -> int:
     return layout.pp * (per_rank or layout.virtual_stages)
 
 
-def expected_bytes(loaded: LoadedConfig, built: _Built, stages: list[int]) -> dict[str, int]:
+def expected_bytes(loaded: LoadedConfig, built: Run, stages: list[int]) -> dict[str, int]:
     """What ``estimate`` computes for the shards of ``stages`` (those of shard rank 0)."""
     from torchneox.estimate.memory import fsdp_ranks
 
@@ -434,7 +404,7 @@ def _files(loaded: LoadedConfig, rank: int) -> list[str]:
     return files
 
 
-def _spans(built: _Built, per_node: int) -> dict[str, int]:
+def _spans(built: Run, per_node: int) -> dict[str, int]:
     sizes, out = mesh_sizes(built.layout), {}
     for axis in AXES:
         if sizes[axis] > 1:
@@ -445,7 +415,7 @@ def _spans(built: _Built, per_node: int) -> dict[str, int]:
 
 def _report(
     loaded: LoadedConfig,
-    built: _Built,
+    built: Run,
     rank: int,
     nodes: int,
     world: int,

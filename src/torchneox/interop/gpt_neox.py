@@ -194,7 +194,7 @@ def _optimizer_state_dict(
     with torch.device("meta"):
         model = Transformer(args)
     model.load_state_dict(weights, assign=True)
-    osd = get_optimizer_state_dict(model, build_optimizer(model, cfg, "cpu"))
+    osd = get_optimizer_state_dict(model, build_optimizer(model, cfg.optimizer, "cpu"))
     for name, entry in osd["state"].items():
         entry["exp_avg"].copy_(moments[name]["exp_avg"])
         entry["exp_avg_sq"].copy_(moments[name]["exp_avg_sq"])

@@ -3,7 +3,7 @@
 On the CPU, PyTorch runs an fp32 ``F.linear`` (and its two backward products) through MKL's
 sgemm. On AMD processors MKL takes a generic code path: with AVX-512, oneDNN (also inside
 PyTorch) runs the same products about twice as fast; with AVX2 only, oneDNN wins on large
-products and loses on small ones. ``cpu_matmul`` chooses:
+products and loses on small ones. ``cpu_matmul``, a setting of each model (its linear layers carry it), chooses:
 
 - ``auto`` (the default): per product shape (rows rounded up to a power of two, inner and
   output widths), the faster of the two, measured on the forward and both backward products
@@ -29,22 +29,14 @@ from torch.distributed.tensor import DTensor
 from torchneox.models.cpu_kernels import cached_verdict, challenger_faster
 
 CPU_MATMUL_CHOICES = ("auto", "onednn", "default")
-_mode = "auto"
-_verdicts: dict[tuple[int, int, int], bool] = {}  # this process's, by (rows bucket, k, n)
+_verdicts: dict[tuple[int, int, int], bool] = {}  # auto's measurements, by (rows bucket, k, n)
 
 
-def set_cpu_matmul(mode: str) -> None:
-    """Choose the CPU fp32 matrix-multiply kernel for this process (see the module's text)."""
-    global _mode
+def onednn_selected(rows: int, k: int, n: int, mode: str) -> bool:
+    """Whether an fp32 CPU product of [rows, k] by [k, n] runs on oneDNN under ``mode``
+    (a model's ``cpu_matmul``); auto's verdicts are measured once per machine and shape."""
     if mode not in CPU_MATMUL_CHOICES:
         raise ValueError(f"cpu_matmul must be one of {CPU_MATMUL_CHOICES}, not {mode!r}")
-    _mode = mode
-
-
-def onednn_selected(rows: int, k: int, n: int, mode: str | None = None) -> bool:
-    """Whether an fp32 CPU product of [rows, k] by [k, n] runs on oneDNN under ``mode`` (this
-    process's when None)."""
-    mode = _mode if mode is None else mode
     if mode == "default" or not torch.backends.mkldnn.is_available():
         return False
     if mode == "onednn":
@@ -111,10 +103,13 @@ def _plain_fp32_cpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """``F.linear``, with plain fp32 CPU products on oneDNN where ``cpu_matmul`` selects it."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, mode: str = "auto"
+):
+    """``F.linear``, with plain fp32 CPU products on oneDNN where ``mode`` (``cpu_matmul``)
+    selects it."""
     if _plain_fp32_cpu(x, weight) and onednn_selected(
-        x.numel() // x.shape[-1], *weight.shape[::-1]
+        x.numel() // x.shape[-1], *weight.shape[::-1], mode
     ):
         # the reshapes outside the Function: the result is then a view of a tensor with a
         # history, as F.linear's is (the blocked loss tells a caller's leaf by that)
@@ -125,7 +120,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 class Linear(nn.Linear):
     """``nn.Linear`` (the same parameters, names and tensor-parallel plans) computed by
-    :func:`linear`."""
+    :func:`linear` with the kernel choice ``cpu_matmul`` (the model sets it on each layer)."""
+
+    cpu_matmul: str = "auto"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.cpu_matmul)

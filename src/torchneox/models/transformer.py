@@ -14,9 +14,12 @@ Build it on the meta device, move it with ``to_empty`` and call ``init_weights()
 from __future__ import annotations
 
 import zlib
+from collections.abc import Collection
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from torchneox.models.args import ModelArgs
 from torchneox.models.attention import (
@@ -27,7 +30,7 @@ from torchneox.models.attention import (
     StaticKVCache,
 )
 from torchneox.models.init import init_function
-from torchneox.models.linear import Linear, linear, set_cpu_matmul
+from torchneox.models.linear import Linear, linear
 from torchneox.models.mlp import MLP
 from torchneox.models.moe import MoE, RouterStats
 from torchneox.models.norms import HeadRMSNorm, RMSNorm, ScaleNorm, build_norm
@@ -36,6 +39,57 @@ from torchneox.models.positions import alibi_slopes, rotary_tables, sinusoidal_t
 
 def _param_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+"""What activation checkpointing and torch.compile insert into parameter names."""
+
+OUTPUT_LAYERS = ("attention.wo.weight", "mlp.down.weight", "mlp.experts_down")
+"""The parameters output_layer_init_method initialises (the rest: init_method)."""
+
+
+def plain_name(name: str) -> str:
+    """A parameter's name in the unwrapped model (what its seed and the checkpoints use)."""
+    for wrapper in WRAPPERS:
+        name = name.replace(wrapper, "")
+    return name
+
+
+def local_part(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...] | None]:
+    """This rank's tensor of ``param`` and where it sits in the whole one (None: it is whole)."""
+    if not isinstance(param, DTensor):
+        return param, None
+    shape, offset = compute_local_shape_and_global_offset(
+        param.shape, param.device_mesh, param.placements
+    )
+    return param.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
+def init_parameter(
+    args: ModelArgs, name: str, param: torch.Tensor, owner: nn.Module, seed: int
+) -> None:
+    """Initialise ``param`` (named ``name`` in the unwrapped model, held by ``owner``) as one
+    process would: norms to one, biases to zero, weights drawn whole from the generator of
+    their name (then, for a shard, only its part kept)."""
+    leaf = name.rsplit(".", 1)[-1]
+    local, where = local_part(param)
+    if isinstance(owner, nn.LayerNorm | RMSNorm | ScaleNorm | HeadRMSNorm):
+        local.fill_(1.0 if leaf in ("weight", "g") else 0.0)
+        return
+    if leaf == "bias" or leaf.endswith("_bias"):
+        local.zero_()
+        return
+    if where is not None and local.numel() == 0:  # an empty shard: nothing of it is kept
+        return
+    method = args.output_init_method if name.endswith(OUTPUT_LAYERS) else args.init_method
+    init = init_function(method, args.init_std, args.num_layers, args.hidden_size)
+    generator = torch.Generator(device=local.device).manual_seed(_param_seed(seed, name))
+    if where is None:
+        init(local, generator)
+        return
+    whole = torch.empty(param.shape, dtype=local.dtype, device=local.device)
+    init(whole, generator)
+    local.copy_(whole[where])
 
 
 class Block(nn.Module):
@@ -107,6 +161,9 @@ class Transformer(nn.Module):
         """A pipeline stage under context parallelism: the ``context`` of every forward (the
         schedule passes a later stage only the hidden states)."""
         self._make_buffers(device=None)
+        for module in self.modules():  # the CPU kernel of the fp32 products (cpu_matmul)
+            if isinstance(module, Linear):
+                module.cpu_matmul = args.cpu_matmul
 
     # ------------------------------------------------------------------ buffers and init
 
@@ -127,33 +184,35 @@ class Transformer(nn.Module):
         self._make_buffers(torch.device(device))
 
     @torch.no_grad()
-    def init_weights(self, device: torch.device | str | None = None, seed: int = 0) -> None:
-        """Initialise every parameter as GPT-NeoX's init_method/output_layer_init_method do.
+    def init_weights(
+        self,
+        device: torch.device | str | None = None,
+        seed: int = 0,
+        only: Collection[str] | None = None,
+    ) -> int:
+        """Initialise the parameters as GPT-NeoX's init_method/output_layer_init_method do (all
+        of them, or the names in ``only``), after recomputing the position tables on ``device``;
+        returns how many parameters were drawn.
 
         Each parameter draws from its own generator, seeded from ``seed`` and its name, so the
-        weights do not depend on which parameters a process holds (a pipeline stage, a shard)."""
-        a = self.args
+        weights do not depend on which parameters a process holds (a pipeline stage) or which
+        part of them (a tensor-, expert- or ZeRO-parallel shard: the whole parameter is drawn,
+        one at a time, and only this rank's part kept)."""
         if device is None:
             device = next(self.parameters()).device
         self.init_buffers(device)
         if torch.device(device).type == "meta":  # shapes only (the dry run): nothing to draw
-            return
-        main = init_function(a.init_method, a.init_std, a.num_layers, a.hidden_size)
-        out = init_function(a.output_init_method, a.init_std, a.num_layers, a.hidden_size)
+            return 0
+        drawn = 0
         for name, param in self.named_parameters():
-            leaf = name.rsplit(".", 1)[-1]
-            owner = self.get_submodule(name.rsplit(".", 1)[0])
-            if isinstance(owner, nn.LayerNorm | RMSNorm | ScaleNorm | HeadRMSNorm):
-                nn.init.ones_(param) if leaf in ("weight", "g") else nn.init.zeros_(param)
-            elif leaf == "bias" or leaf.endswith("_bias"):
-                nn.init.zeros_(param)
-            else:
-                generator = torch.Generator(device=param.device).manual_seed(
-                    _param_seed(seed, name)
-                )
-                outputs = ("attention.wo.weight", "mlp.down.weight", "mlp.experts_down")
-                init = out if name.endswith(outputs) else main
-                init(param, generator)
+            plain = plain_name(name)
+            if only is not None and plain not in only:
+                continue
+            init_parameter(
+                self.args, plain, param, self.get_submodule(name.rsplit(".", 1)[0]), seed
+            )
+            drawn += 1
+        return drawn
 
     # -------------------------------------------------------------------------- forward
 
@@ -281,7 +340,7 @@ class Transformer(nn.Module):
         if self.value_head is not None:
             return self.value_head(x)
         if self.output is None:
-            return linear(x, self.embed.weight)
+            return linear(x, self.embed.weight, mode=self.args.cpu_matmul)
         return self.output(x)
 
     def _embed(
@@ -304,9 +363,8 @@ class Transformer(nn.Module):
 def build_model(
     args: ModelArgs, device: torch.device | str = "cpu", seed: int | None = None
 ) -> Transformer:
-    """A model built on the meta device, materialised on ``device`` and initialised; the
-    process's fp32 CPU linears take ``args.cpu_matmul``'s kernel."""
-    set_cpu_matmul(args.cpu_matmul)
+    """A model built on the meta device, materialised on ``device`` and initialised (its
+    fp32 CPU linears take ``args.cpu_matmul``'s kernel)."""
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device=device)

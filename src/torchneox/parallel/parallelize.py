@@ -1,12 +1,26 @@
-"""Parallelism applied to a one-device model from outside, in torchtitan's fixed order: tensor
-parallel, expert parallel, activation checkpointing, compile, data parallel; and the model a
-run trains, whole or as this rank's pipeline stages."""
+"""The model a run trains, built so that no rank ever holds more of it than its own part.
+
+Every model (the policy, and DPO's and KTO's reference) is built in four moves:
+
+1. on the meta device: shapes only, no memory;
+2. split as the layout says, in torchtitan's fixed order: fp8 swaps, tensor parallel, expert
+   parallel, activation checkpointing, compile, then ZeRO (FSDP2) sharding;
+3. materialised: each rank allocates only its shards (``to_empty``);
+4. initialised where nothing will be loaded: each parameter drawn whole from the generator of
+   its name, one parameter at a time, and only this rank's part kept, so every layout starts
+   from the weights of a one-process run (``Transformer.init_weights``). A resumed run, a
+   converted GPT-NeoX or Hugging Face checkpoint and the reference model draw nothing: their
+   weights are loaded (or copied) into the shards afterwards.
+
+ZeRO 0 without tensor or pipeline parallelism is DDP, which replicates the model and broadcasts
+rank 0's weights when it wraps it: that model is materialised and initialised first, then
+wrapped. With a pipeline each rank builds only its stages' layers the same way
+(``pipeline.build_pipeline``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -14,7 +28,7 @@ from torch import nn
 from torchneox.config.fp8_plan import FP8Plan
 from torchneox.config.layout import Layout
 from torchneox.models.args import ModelArgs
-from torchneox.models.transformer import Transformer, build_model
+from torchneox.models.transformer import Transformer, local_part, plain_name
 from torchneox.parallel.activation_ckpt import apply_activation_checkpointing, compile_blocks
 from torchneox.parallel.data_parallel import apply_data_parallel, shard_frozen
 from torchneox.parallel.dims import ParallelDims
@@ -22,6 +36,39 @@ from torchneox.parallel.expert_parallel import apply_expert_parallel
 from torchneox.parallel.fp8 import apply_fp8
 from torchneox.parallel.pipeline import Pipeline, build_pipeline
 from torchneox.parallel.tensor_parallel import apply_tensor_parallel
+
+EVERY_PARAMETER = None
+"""``init=EVERY_PARAMETER``: draw every parameter (a run from scratch)."""
+NO_PARAMETER: frozenset[str] = frozenset()
+"""``init=NO_PARAMETER``: draw none (every weight is loaded or copied afterwards)."""
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """What the build needs beyond the model's shape and the layout: the seed the weights are
+    drawn from, the dtypes ZeRO gathers weights and reduces gradients in, the linears fp8
+    covers, and what torch.compile covers (off, blocks or model)."""
+
+    seed: int = 0
+    reduce_dtype: str = "fp32"
+    param_dtype: str = "fp32"
+    fp8: FP8Plan | None = None
+    compile_scope: str = "off"
+
+
+@dataclass
+class Footprint:
+    """What building cost this rank: its parameters' bytes (its shards), the largest parameter
+    it drew whole to keep a part of it (the build's one temporary), and how many it drew."""
+
+    parameter_bytes: int = 0
+    largest_drawn_whole: int = 0
+    drawn: int = 0
+
+    def add(self, other: Footprint) -> None:
+        self.parameter_bytes += other.parameter_bytes
+        self.largest_drawn_whole = max(self.largest_drawn_whole, other.largest_drawn_whole)
+        self.drawn += other.drawn
 
 
 @dataclass
@@ -37,87 +84,118 @@ class ParallelModel:
     """A frozen copy (DPO, KTO): sharded as the policy is, without gradients or optimizer."""
     reference_pipeline: Pipeline | None = None
     """With a pipeline: the reference's stages (``reference`` is their container)."""
+    footprint: Footprint = field(default_factory=Footprint)
+    """What building the policy and the reference cost this rank."""
 
 
-def parallelize(
-    model: Transformer,
-    dims: ParallelDims,
-    layout: Layout,
-    training: Any,
-    reduce_dtype: Any,
-    param_dtype: str = "fp32",
-    fp8: FP8Plan | None = None,
-    compile_scope: str = "off",
-) -> nn.Module:
-    """Apply the layout to ``model`` in place; returns the module to call. ``training``: the
-    training config group (activation checkpointing, compile); ``param_dtype``: what ZeRO
-    (FSDP2) gathers the weights in; ``fp8``: the linears torchao's float8 runs; ``compile_scope``:
-    what torch.compile covers (config/layout.py's compile_scope: off, blocks or model)."""
-    if fp8 is not None:  # first, as torchao asks: the swapped modules are then sharded
-        apply_fp8(model, fp8)
+def split(
+    model: Transformer, dims: ParallelDims, layout: Layout, options: BuildOptions
+) -> list[str]:
+    """Everything but ZeRO applied to ``model`` in place (on the meta device or not): fp8 swaps
+    (first, as torchao asks: the swapped modules are then split), tensor and expert parallel,
+    activation checkpointing, compile. Returns the expert parameters (ZeRO leaves them alone)."""
+    if options.fp8 is not None:
+        apply_fp8(model, options.fp8)
     if dims.tp > 1:
         apply_tensor_parallel(model, dims.mesh["tp"], layout.sequence_parallel)
     expert_params: list[str] = []
     if dims.ep > 1:
         expert_params = apply_expert_parallel(model, dims.mesh)
-    if training.checkpoint_activations:
-        apply_activation_checkpointing(
-            model, training.checkpoint_num_layers, training.checkpoint_activations_mode
-        )
-    if compile_scope == "blocks":
+    if layout.checkpoint != "none":
+        apply_activation_checkpointing(model, layout.every, layout.checkpoint)
+    if options.compile_scope == "blocks":
         compile_blocks(model)
-    elif compile_scope == "model":  # in place (names unchanged), inside any DDP wrapper
+    elif options.compile_scope == "model":  # in place (names unchanged), inside any DDP wrapper
         model.compile()
-    if dims.batch_ranks > 1:
-        return apply_data_parallel(
-            model,
-            dims.shard_mesh(),
-            layout.zero,
-            reduce_dtype,
-            tensor_parallel=dims.tp > 1 or dims.pp > 1,  # DDP takes neither
-            ignored=expert_params,
-            param_dtype=param_dtype,
-        )
-    return model
+    return expert_params
+
+
+def replicated(dims: ParallelDims, layout: Layout) -> bool:
+    """Whether data parallelism is DDP (ZeRO 0 without tensor or pipeline parallelism, whose
+    DTensor parameters DDP does not take: those run ZeRO 0 as ZeRO 2, with the same results)."""
+    return dims.batch_ranks > 1 and layout.zero == 0 and dims.tp == 1 and dims.pp == 1
+
+
+def shard(
+    model: Transformer,
+    dims: ParallelDims,
+    layout: Layout,
+    options: BuildOptions,
+    expert_params: list[str],
+) -> nn.Module:
+    """ZeRO over the data-parallel ranks (a no-op with one); returns the module to call."""
+    if dims.batch_ranks <= 1:
+        return model
+    return apply_data_parallel(
+        model,
+        dims.shard_mesh(),
+        layout.zero,
+        options.reduce_dtype,
+        tensor_parallel=dims.tp > 1 or dims.pp > 1,
+        ignored=expert_params,
+        param_dtype=options.param_dtype,
+    )
+
+
+def materialise(
+    model: Transformer, device: torch.device, seed: int, init: Collection[str] | None
+) -> Footprint:
+    """Allocate this rank's part of every parameter on ``device`` and draw those ``init`` names
+    (None: all); the position tables are computed there too."""
+    model.to_empty(device=device)
+    drawn = model.init_weights(device, seed=seed, only=init)
+    return footprint(model, drawn, init)
+
+
+def footprint(
+    model: nn.Module, drawn: int = 0, init: Collection[str] | None = NO_PARAMETER
+) -> Footprint:
+    """The bytes of this rank's parameters and the largest parameter drawing them takes whole
+    (the shape's bytes, on the meta device too: what the dry run and ``estimate`` check)."""
+
+    out = Footprint(drawn=drawn)
+    for name, param in model.named_parameters():
+        local, where = local_part(param)
+        out.parameter_bytes += local.numel() * local.element_size()
+        if where is not None and (init is None or plain_name(name) in init):
+            out.largest_drawn_whole = max(
+                out.largest_drawn_whole, param.numel() * local.element_size()
+            )
+    return out
 
 
 def build_parallel_model(
     args: ModelArgs,
     dims: ParallelDims,
     layout: Layout,
-    training: Any,
-    reduce_dtype: Any,
     device: torch.device,
-    partition_method: str,
-    pipeline_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    param_dtype: str = "fp32",
-    fp8: FP8Plan | None = None,
-    compile_scope: str = "off",
+    options: BuildOptions,
+    pipeline_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    init: Collection[str] | None = EVERY_PARAMETER,
 ) -> ParallelModel:
-    """The model of a run, initialised from ``training.seed`` and parallelized; with a
-    pipeline, this rank's stages and the schedule that runs them with ``pipeline_loss``."""
-
-    def prepare(model: Transformer) -> nn.Module:
-        return parallelize(
-            model, dims, layout, training, reduce_dtype, param_dtype, fp8, compile_scope
-        )
-
+    """The model of a run on this rank: built on the meta device, split, then its shards
+    materialised and the ``init`` parameters drawn (None: all; ``NO_PARAMETER`` when every
+    weight will be loaded). With a pipeline: this rank's stages and the schedule that runs them
+    with ``pipeline_loss``."""
     if dims.pp > 1:
-        pipeline = build_pipeline(
-            args,
-            dims.mesh["pp"],
-            device,
-            layout.schedule,
-            layout.virtual_stages,
-            layout.gas,
-            partition_method,
-            pipeline_loss,
-            training.seed,
-            prepare=prepare,
+        spent = Footprint()
+
+        def prepare(part: Transformer) -> None:
+            shard(part, dims, layout, options, split(part, dims, layout, options))
+            spent.add(materialise(part, device, options.seed, init))
+
+        pipeline = build_pipeline(args, dims.mesh["pp"], device, layout, pipeline_loss, prepare)
+        return ParallelModel(pipeline.container, pipeline.container, pipeline, footprint=spent)
+    with torch.device("meta"):
+        model = Transformer(args)
+    expert_params = split(model, dims, layout, options)
+    if replicated(dims, layout):  # DDP broadcasts rank 0's weights as it wraps: values first
+        spent = materialise(model, device, options.seed, init)
+        return ParallelModel(
+            model, shard(model, dims, layout, options, expert_params), footprint=spent
         )
-        return ParallelModel(pipeline.container, pipeline.container, pipeline)
-    model = build_model(args, device=device, seed=training.seed)
-    return ParallelModel(model, prepare(model))
+    module = shard(model, dims, layout, options, expert_params)
+    return ParallelModel(model, module, footprint=materialise(model, device, options.seed, init))
 
 
 def _freeze(model: Transformer, dims: ParallelDims, layout: Layout) -> None:
@@ -135,25 +213,33 @@ def _freeze(model: Transformer, dims: ParallelDims, layout: Layout) -> None:
 
 
 def build_reference(
-    args: ModelArgs,
-    dims: ParallelDims,
-    layout: Layout,
-    device: torch.device,
-    seed: int,
-    partition_method: str = "parameters",
-) -> tuple[nn.Module, Pipeline | None]:
+    args: ModelArgs, dims: ParallelDims, layout: Layout, device: torch.device
+) -> tuple[nn.Module, Pipeline | None, Footprint]:
     """The frozen reference model of DPO and KTO: the policy's architecture split as the
     policy is (with a pipeline, into the same stages), in eval mode, without gradients (so
-    without optimizer state). Its weights are loaded after (the policy's initial ones, or a
-    checkpoint's). Returns the model (a pipeline's: the container of its stages) and the
-    pipeline."""
+    without optimizer state), built on the meta device and materialised shard by shard with
+    nothing drawn: its weights are loaded after (the policy's initial ones, or a
+    checkpoint's). Returns the model (a pipeline's: the container of its stages), the pipeline,
+    and what it cost this rank."""
+    spent = Footprint()
+
+    def prepare(part: Transformer) -> None:
+        _freeze(part, dims, layout)
+        spent.add(materialise(part, device, 0, NO_PARAMETER))
+
     if dims.pp > 1:
-        pipeline = build_pipeline(
-            args, dims.mesh["pp"], device, layout.schedule, layout.virtual_stages, layout.gas,
-            partition_method, None, seed, prepare=lambda part: _freeze(part, dims, layout),
-        )  # fmt: skip
+        pipeline = build_pipeline(args, dims.mesh["pp"], device, layout, None, prepare)
         pipeline.container.requires_grad_(False)
-        return pipeline.container.eval(), pipeline
-    model = build_model(args, device=device, seed=seed)
-    _freeze(model, dims, layout)
-    return model, None
+        return pipeline.container.eval(), pipeline, spent
+    with torch.device("meta"):
+        model = Transformer(args)
+    prepare(model)
+    return model, None, spent
+
+
+def add_reference(
+    parts: ParallelModel, args: ModelArgs, dims: ParallelDims, layout: Layout, device: torch.device
+) -> None:
+    """Build the reference model into ``parts`` (its cost added to the footprint)."""
+    parts.reference, parts.reference_pipeline, spent = build_reference(args, dims, layout, device)
+    parts.footprint.add(spent)

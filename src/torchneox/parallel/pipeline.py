@@ -12,12 +12,14 @@ is what the optimizer and the checkpoints see, so checkpoints stay layout-free.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from torchneox.config.layout import Layout
 from torchneox.models.args import ModelArgs
 from torchneox.models.transformer import Transformer
 
@@ -107,22 +109,20 @@ def build_pipeline(
     args: ModelArgs,
     pp_mesh: DeviceMesh,
     device: torch.device,
-    schedule: str,
-    virtual: int,
-    microbatches: int,
-    method: str,
+    layout: Layout,
     loss_fn,
-    seed: int,
-    prepare=None,
+    prepare: Callable[[Transformer], Any],
 ) -> Pipeline:
-    """This rank's stages, initialised, wrapped by ``prepare`` (tensor/data parallelism), and
-    the schedule that runs them (a layout ``config.layout.check_layout`` accepted)."""
+    """This rank's stages and the schedule that runs them (a layout
+    ``config.layout.check_layout`` accepted). Each stage is cut from a meta model and handed
+    to ``prepare``, which splits, shards, materialises and initialises it."""
     from torch.distributed.pipelining import PipelineStage, schedules
 
+    schedule, virtual = layout.schedule, layout.virtual_stages
     pp_rank, pp_size = pp_mesh.get_local_rank(), pp_mesh.size()
     per_rank = 2 if schedule == "zbv" else (1 if schedule in SINGLE else virtual)
     total_stages = pp_size * per_rank
-    ranges = stage_layers(args, total_stages, method)
+    ranges = stage_layers(args, total_stages, layout.partition_method)
     with torch.device("meta"):
         full = Transformer(args)
     indices = rank_stage_indices(schedule, pp_rank, pp_size, virtual)
@@ -131,10 +131,7 @@ def build_pipeline(
     for index in indices:
         first, last = index == 0, index == total_stages - 1
         part = stage_module(full, ranges[index], first, last)
-        part.to_empty(device=device)
-        part.init_weights(device, seed=seed)
-        if prepare is not None:
-            prepare(part)
+        prepare(part)
         parts.append(part)
         for name, block in part.layers.items():
             container.layers[name] = block
@@ -146,7 +143,7 @@ def build_pipeline(
         stages.append(PipelineStage(part, index, total_stages, device, group=pp_mesh.get_group()))
     kind = getattr(schedules, SINGLE.get(schedule) or MULTI[schedule])
     runner = kind(
-        stages[0] if schedule in SINGLE else stages, n_microbatches=microbatches, loss_fn=loss_fn
+        stages[0] if schedule in SINGLE else stages, n_microbatches=layout.gas, loss_fn=loss_fn
     )
     has_first = 0 in indices
     has_last = total_stages - 1 in indices

@@ -30,7 +30,7 @@ from torchneox.base.errors import CheckpointWriteError, ConfigError, TrainingSto
 from torchneox.base.faults import fault_point
 from torchneox.config.load import LoadedConfig, load_config
 from torchneox.models.args import model_args
-from torchneox.models.transformer import Transformer, build_model
+from torchneox.models.transformer import Transformer
 from torchneox.train.optim import load_optimizer_state
 
 FORMAT = "torchneox-checkpoint-2"  # 2: with manifest.json
@@ -342,6 +342,12 @@ FRESH_HEADS = ("value_head.weight",)
 checkpoint (GPT-NeoX loads it non-strictly: rm_linear keeps its initialisation)."""
 
 
+def missing_heads(step_dir: Path, prefix: str = "model") -> frozenset[str]:
+    """The fresh heads ``step_dir`` does not hold: what a model loading it must initialise."""
+    held = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    return frozenset(k for k in FRESH_HEADS if f"{prefix}.{k}" not in held)
+
+
 def load_model_weights(step_dir: Path, model: torch.nn.Module, prefix: str = "model") -> list[str]:
     """Load the checkpoint's ``prefix`` weights into ``model``; returns the fresh heads the
     checkpoint did not have (they keep their initialisation)."""
@@ -395,13 +401,11 @@ def load_model(
     step_dir = resolve(ckpt, step)
     loaded = checkpoint_config(step_dir, overrides)
     dtype = _stored_dtype(step_dir) if stored_dtype else torch.float32
-    if dtype == torch.float32:
-        model = build_model(model_args(loaded), device=device)
-    else:  # no initialisation: every weight is read from the checkpoint
-        with torch.device("meta"):
-            model = Transformer(model_args(loaded)).to(dtype)
-        model.to_empty(device=device)
-        model.init_buffers(device)
+    # nothing drawn but the heads the checkpoint lacks: every other weight is read from it
+    with torch.device("meta"):
+        model = Transformer(model_args(loaded)).to(dtype)
+    model.to_empty(device=device)
+    model.init_weights(device, only=missing_heads(step_dir))
     load_model_weights(step_dir, model)
     return loaded, model
 
@@ -537,7 +541,9 @@ class CheckpointManager:
         for _, path in step_dirs(self.save_dir)[:-keep]:
             shutil.rmtree(path, ignore_errors=True)
 
-    def _step_to_load(self, load_dir: Path, step: int | None) -> Path | None:
+    def find(self, load_dir: Path, step: int | None) -> Path | None:
+        """The checkpoint a resume from ``load_dir`` loads (its ``step``, or the newest
+        complete one); None when there is none yet (the run starts from scratch)."""
         if step is None and not (load_dir / "latest").is_file():
             # a save killed between its rename and moving 'latest' leaves a complete directory
             newest = newest_complete(load_dir) if load_dir.is_dir() else None
@@ -547,13 +553,10 @@ class CheckpointManager:
             step = int(newest.name.removeprefix("global_step"))
         return resolve(load_dir, step)
 
-    def resume(self, load_dir: Path, step: int | None, state: TrainingState) -> Resumed | None:
-        """Load the checkpoint into ``state``: the weights always; the optimizer, RNG, data
-        position and loss scale unless finetune (or a weights-only checkpoint) or the no_load
-        keys say otherwise. None when there is nothing to load."""
-        step_dir = self._step_to_load(load_dir, step)
-        if step_dir is None:
-            return None
+    def resume(self, step_dir: Path, state: TrainingState) -> Resumed:
+        """Load the checkpoint ``step_dir`` into ``state``: the weights always; the optimizer,
+        RNG, data position and loss scale unless finetune (or a weights-only checkpoint) or
+        the no_load keys say otherwise."""
         ck = self.ck
         meta = read_meta(step_dir)
         for key in load_model_weights(step_dir, state.model):

@@ -166,3 +166,40 @@ def cpu_precision_warning(precision: str) -> str | None:
         f"{REDUCED_UNITS[precision]} units), so this run is slower than it would be in fp32; "
         "set precision fp32 here, or train on a GPU"
     )
+
+
+# ------------------------------------------------------------------------------ memory
+
+
+def peak_memory(device: torch.device) -> list[float]:
+    """This process's peak memory so far, in bytes: on a GPU what torch allocated and reserved
+    there; on the CPU the resident set's high-water mark (VmHWM; 0 where /proc is missing)."""
+    if device.type == "cuda":
+        return [
+            float(torch.cuda.max_memory_allocated(device)),
+            float(torch.cuda.max_memory_reserved(device)),
+        ]
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return [float(line.split()[1]) * 1024]
+    except OSError:
+        pass
+    return [0.0]
+
+
+def memory_line(when: str, device: torch.device, peaks: list[list[float]]) -> str:
+    """'peak memory after building: ...' for every rank (``peaks``: each rank's
+    ``peak_memory``)."""
+
+    def mib(b: float) -> str:
+        return f"{b / 2**20:,.0f}"
+
+    if device.type == "cuda":
+        what = "GPU memory allocated / reserved (MiB)"
+        values = [f"{mib(a)}/{mib(r)}" for a, r in peaks]
+    else:
+        what = "resident memory (MiB)"
+        values = [mib(p[0]) for p in peaks]
+    ranks = "rank 0" if len(peaks) == 1 else f"ranks 0-{len(peaks) - 1}"
+    return f"peak {what} {when}, {ranks}: {', '.join(values)}"

@@ -29,9 +29,9 @@ class Schedule:
     """Past decay_iters, stay at the rate the decay ended on (GPT-NeoX: False)."""
 
     @classmethod
-    def from_config(cls, cfg: Any, derived: Any) -> Schedule:
-        """The schedule of a config and its derived values (peak, warmup and decay steps)."""
-        lr = cfg.lr
+    def from_config(cls, lr: Any, derived: Any) -> Schedule:
+        """The schedule of the ``lr`` config group and the derived values (peak, warmup and
+        decay steps)."""
         return cls(
             derived["lr"],
             lr.min_lr,

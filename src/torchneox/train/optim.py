@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from torchneox.config.optimizer import optimizer_spec
-from torchneox.config.schema import NeoXConfig
+from torchneox.config.schema import OptimizerConfig
 
 
 class Lion(torch.optim.Optimizer):
@@ -56,8 +56,11 @@ def _mixes_dtensors(model: nn.Module) -> bool:
     return len(kinds) > 1
 
 
-def build_optimizer(model: nn.Module, cfg: NeoXConfig, device_type: str) -> torch.optim.Optimizer:
-    spec = optimizer_spec(cfg)
+def build_optimizer(
+    model: nn.Module, o: OptimizerConfig, device_type: str
+) -> torch.optim.Optimizer:
+    """The optimizer the ``optimizer`` config group describes, over ``model``'s parameters."""
+    spec = optimizer_spec(o)
     kind, params = spec.kind, dict(spec.torch_params)
     lr = spec.lr or 1e-3  # (the schedule sets every step's rate)
     groups = param_groups(model, spec.weight_decay)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from torchneox.config.loss_scale import loss_scale_spec
-from torchneox.config.schema import NeoXConfig
+from torchneox.config.schema import PrecisionConfig
 from torchneox.models.attention import cpu_attention_in_fp32, set_cpu_attention
 
 DTYPES = {"fp32": torch.float32, "bfloat16": torch.bfloat16, "fp16": torch.float16}
@@ -38,10 +38,11 @@ class LossScaler:
     skipped: int = 0
 
     @classmethod
-    def from_config(cls, cfg: NeoXConfig, precision: str) -> LossScaler:
+    def from_config(cls, pr: PrecisionConfig, precision: str) -> LossScaler:
+        """The scaler of the ``precision`` config group (none but fp16's is dynamic)."""
         if precision != "fp16":
             return cls()
-        ls = loss_scale_spec(cfg)
+        ls = loss_scale_spec(pr)
         if ls.static:
             return cls(scale=float(ls.static))
         hysteresis = int(ls.hysteresis)
@@ -79,23 +80,24 @@ class LossScaler:
 
 def choose_cpu_attention(
     model: torch.nn.Module,
-    cfg: Any,
+    mode: str,
     args: Any,
-    micro_batch: int,
+    shape: tuple[int, int],
+    masked: bool,
     dims: Any,
     precision: str,
     device: torch.device,
 ) -> None:
     """Training attention on the CPU under bf16/fp16 autocast in fp32 where ``cpu_attention``
-    says so: auto times both at this run's shape (the whole micro-batch's sequences, this
-    rank's heads); under context parallelism auto keeps the autocast dtype (each rank's queries
-    meet every key there, a shape the measurement does not cover)."""
-    mode = cfg.precision.cpu_attention
+    (``mode``) says so: auto times both at this run's shape (``shape``: the micro-batch and
+    the sequence length; ``masked``: a mask beyond the causal one, as document masking and
+    post-training batches have; this rank's heads); under context parallelism auto keeps the
+    autocast dtype (each rank's queries meet every key there, a shape the measurement does not
+    cover)."""
     if device.type != "cpu" or precision == "fp32" or (dims.cp > 1 and mode == "auto"):
         return
-    masked = cfg.model.inter_document_attention_masking or cfg.training.train_impl != "normal"
+    micro_batch, length = shape
     masked = masked or args.sliding_window is not None or args.pos_emb == "alibi"
-    length = cfg.model.seq_length
     fp32 = cpu_attention_in_fp32(
         mode, DTYPES[precision], micro_batch, args, length, masked, dims.tp
     )

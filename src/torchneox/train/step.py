@@ -77,41 +77,55 @@ class StepValues(Mapping):
         return len(self._known) + len(self._lazy)
 
 
-class TrainStep:
+class Gradients:
+    """The half of a step that produces gradients: each micro-batch forward and backward (or
+    the pipeline schedule over them), with the reference model's outputs, the router
+    statistics and the objective's metrics; and the evaluation losses, the same way without
+    backward. ``scale``: the loss scale the backward runs at (fp16's, else 1)."""
+
     def __init__(
         self,
         parts: ParallelModel,
-        optimizer: torch.optim.Optimizer,
-        scaler: LossScaler,
         objective: Objective,
-        policy: GradientPolicy,
         dims: ParallelDims,
         device: torch.device,
         precision: str,
         grad_accum: int,
         timers: Timers,
-        line: Callable[[str], None],
-        last_good: Callable[[], str],
-        settle_every: int = 1,
+        scale: Callable[[], float],
     ):
-        self.parts, self.optimizer, self.scaler = parts, optimizer, scaler
-        self.objective, self.policy, self.dims = objective, policy, dims
+        self.parts, self.objective, self.dims = parts, objective, dims
         self.device, self.precision, self.grad_accum = device, precision, grad_accum
-        self.timers, self.line, self.last_good = timers, line, last_good
+        self.timers, self.scale = timers, scale
         self.moe_layers = [m for m in parts.model.modules() if isinstance(m, MoE)]
-        self.pipelined = PipelinedObjective(objective, lambda: self.scaler.scale)
+        self.pipelined = PipelinedObjective(objective, scale)
         self.pipeline_metrics: dict[str, torch.Tensor] = {}
         self.moe_counts: list[torch.Tensor] = []  # this step's tokens per expert, per MoE layer
-        self.settle_every = max(settle_every, 1)
-        self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # unchecked steps
 
-    @property
-    def deferred(self) -> bool:
-        """Whether the step's checks wait on the device: the fused update can skip a step
-        there (every group fused: a loaded optimizer state brings its groups' flags); fp16's
-        loss scale is decided on the host."""
-        groups = self.optimizer.param_groups
-        return self.precision != "fp16" and all(g.get("fused") for g in groups)
+    def __call__(
+        self, iteration: int, micro_batches: list[Batch]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Accumulate one global batch's gradients in the model. Returns its loss (the mean
+        over the micro-batches and the data-parallel ranks) and its other logged values, each
+        averaged the same way."""
+        sums: dict[str, torch.Tensor] = {}
+        self.moe_counts = [
+            torch.zeros(m.num_experts, dtype=torch.long, device=self.device)
+            for m in self.moe_layers
+        ]
+        if self.parts.pipeline is not None:
+            total = self._pipeline_batch(micro_batches, train=True) * self.grad_accum
+            for name, value in self.pipeline_metrics.items():
+                sums[name] = value * self.grad_accum
+        else:
+            total = torch.zeros((), device=self.device)
+            for m, tokens in enumerate(micro_batches):
+                total += self.forward_backward(tokens, m == len(micro_batches) - 1, sums)
+        if self.dims.ep > 1:
+            sync_expert_gradients(self.parts.model, self.dims.mesh, self.dims.dp)
+        fault_point("step.backward", iteration)
+        loss = mean_over_dp(total / self.grad_accum, self.dims)
+        return loss, self.averaged_metrics(sums)
 
     def _autocast(self):
         return autocast(self.precision, self.device.type)
@@ -166,7 +180,7 @@ class TrainStep:
             with self.timers("forward"), self._autocast():
                 terms = self._forward(batch, sums)
             with self.timers("backward"):
-                (terms.objective * (self.scaler.scale / self.grad_accum)).backward()
+                (terms.objective * (self.scale() / self.grad_accum)).backward()
         return plain(terms.loss.detach())
 
     def pipeline_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -174,7 +188,7 @@ class TrainStep:
         modelling on the next tokens, or (a float target) the post-training objective."""
         if target.is_floating_point():
             return self.pipelined(logits, target)
-        return lm_loss(logits, target, None) * self.scaler.scale
+        return lm_loss(logits, target, None) * self.scale()
 
     def _pipeline_inputs(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         """The pipeline's input and target for a global batch: tokens and next tokens, or
@@ -228,7 +242,7 @@ class TrainStep:
         local = torch.zeros((), device=self.device)
         if p.has_last:
             local = torch.stack([plain(x).detach().float() for x in losses]).mean()
-            local = local / (self.scaler.scale * self.dims.cp)  # cp: its tokens' share
+            local = local / (self.scale() * self.dims.cp)  # cp: its tokens' share
         self._share_pipeline_metrics()
         return sum_over_pp(local, self.dims)
 
@@ -236,52 +250,105 @@ class TrainStep:
         names, gas = self.objective.metric_names, self.grad_accum
         self.pipeline_metrics = self.pipelined.shared_metrics(names, self.dims, self.device, gas)
 
-    # ---------------------------------------------------------------------------- a step
+    def averaged_metrics(self, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The step's other logged values, each a mean over the data-parallel ranks: the MoE
+        balancing loss, the z-loss, the objective's metrics (as GPT-NeoX averages them)."""
+        out = {}
+        if self.moe_layers:
+            aux = sums.get("moe_aux_loss", torch.zeros((), device=self.device))
+            out["moe_aux_loss"] = mean_over_dp(aux / self.grad_accum, self.dims)
+        if "z_loss" in sums:  # lm_z_loss is set
+            out["z_loss"] = mean_over_dp(sums["z_loss"] / self.grad_accum, self.dims)
+        for name, value in sums.items():
+            if name not in ("z_loss", "moe_aux_loss"):
+                out[name] = mean_over_dp(value / self.grad_accum, self.dims)
+        return out
 
-    def __call__(self, iteration: int, lr: float, micro_batches: list[torch.Tensor]) -> StepValues:
-        """Train on one global batch and apply the gradients; the step's logged values."""
+    # ------------------------------------------------------------------------ evaluation
+
+    @torch.no_grad()
+    def eval_losses(self, micro_batches: list[Batch]) -> list[dict[str, torch.Tensor]]:
+        """The loss (and the objective's metrics) of each micro-batch of a global batch (one
+        mean for a pipeline)."""
+        if self.parts.pipeline is not None:
+            loss = self._pipeline_batch(micro_batches, train=False)
+            return [{"lm_loss": loss, **self.pipeline_metrics}]
+        values = []
+        for batch in micro_batches:
+            prep = self._prepare(to_device(batch, self.device))
+            with self._loss_context(), self._autocast():
+                out = self.parts.module(prep.inputs, **prep.model_inputs())
+                terms = self.objective.terms(out, prep, self._reference(prep))
+            row = {"lm_loss": plain(terms.loss)}
+            values.append(row | {k: plain(v).float() for k, v in terms.metrics.items()})
+        return values
+
+
+class Update:
+    """The half of a step that applies the gradients: unscaled, clipped, checked for
+    non-finite values (skipped up to skip_nonfinite_steps, or the run stopped naming the last
+    good checkpoint), then the optimizer's step; and the deferred checks of the steps whose
+    values stayed on the device (``settle``)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scaler: LossScaler,
+        policy: GradientPolicy,
+        precision: str,
+        pp_group: Any,
+        line: Callable[[str], None],
+        last_good: Callable[[], str],
+        settle_every: int | None = 1,
+        read_back: bool = True,
+    ):
+        self.model, self.optimizer, self.scaler, self.policy = model, optimizer, scaler, policy
+        self.precision, self.pp_group = precision, pp_group
+        self.line, self.last_good = line, last_good
+        self.settle_every, self.read_back = settle_every, read_back
+        self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # unchecked steps
+
+    @property
+    def deferred(self) -> bool:
+        """Whether the step's checks wait on the device: the fused update can skip a step
+        there (every group fused: a loaded optimizer state brings its groups' flags); fp16's
+        loss scale is decided on the host. Always without ``read_back`` (the dry run)."""
+        groups = self.optimizer.param_groups
+        fused = self.precision != "fp16" and all(g.get("fused") for g in groups)
+        return fused or not self.read_back
+
+    def __call__(
+        self, iteration: int, lr: float, loss: torch.Tensor
+    ) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+        """Apply the accumulated gradients at ``lr``; the step's values known on the host
+        and those left on the device (read when first used)."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        sums: dict[str, torch.Tensor] = {}
-        self.moe_counts = [
-            torch.zeros(m.num_experts, dtype=torch.long, device=self.device)
-            for m in self.moe_layers
-        ]
-        if self.parts.pipeline is not None:
-            total = self._pipeline_batch(micro_batches, train=True) * self.grad_accum
-            for name, value in self.pipeline_metrics.items():
-                sums[name] = value * self.grad_accum
-        else:
-            total = torch.zeros((), device=self.device)
-            for m, tokens in enumerate(micro_batches):
-                total += self.forward_backward(tokens, m == len(micro_batches) - 1, sums)
-        if self.dims.ep > 1:
-            sync_expert_gradients(self.parts.model, self.dims.mesh, self.dims.dp)
-        fault_point("step.backward", iteration)
-        loss = mean_over_dp(total / self.grad_accum, self.dims)
         known: dict[str, float] = {"lr": lr}
-        lazy = dict(self.averaged_metrics(sums))
-        with self.timers("optimizer"):
-            if self.deferred:
-                norm, skipped = self._apply_on_device(iteration, loss)
-                lazy |= {"lm_loss": loss, "grad_norm": norm, "skipped": skipped}
-            else:
-                value = loss.item()
-                bad = _nonfinite(loss=value)
-                grad_norm, skipped_now = self.apply_gradients(iteration, bad)
-                known |= {"lm_loss": value, "grad_norm": grad_norm, "skipped": float(skipped_now)}
-        if iteration % self.settle_every == 0:
+        lazy: dict[str, torch.Tensor] = {}
+        if self.deferred:
+            norm, skipped = self._apply_on_device(iteration, loss)
+            lazy = {"lm_loss": loss, "grad_norm": norm, "skipped": skipped}
+        else:
+            value = loss.item()
+            bad = _nonfinite(loss=value)
+            grad_norm, skipped_now = self.apply_gradients(iteration, bad)
+            known |= {"lm_loss": value, "grad_norm": grad_norm, "skipped": float(skipped_now)}
+        if self.settle_every and iteration % self.settle_every == 0:
             self.settle()
-        return StepValues(known, lazy, self.settle)
+        return known, lazy
 
     def _apply_on_device(
         self, iteration: int, loss: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Clip and apply the gradients with no read-back: the fused update skips the step
-        where the loss or the norm is not finite. The norm and the skip flag, on the device."""
+        where the loss or the norm is not finite. The norm and the skip flag, on the device.
+        (An unfused optimizer comes here only in the dry run, which never reads either.)"""
         norm = self.clip_gradients()
         bad = (~torch.isfinite(loss.float()) | ~torch.isfinite(norm)).float()
-        self.optimizer.found_inf = bad  # read by the fused kernel: 1 leaves weights and state
+        if all(g.get("fused") for g in self.optimizer.param_groups):
+            self.optimizer.found_inf = bad  # read by the fused kernel: 1 leaves weights, state
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.pending.append((iteration, loss, norm))
@@ -300,29 +367,14 @@ class TrainStep:
                 self._skip_or_stop(iteration, bad)
             self.scaler.update(bad is not None)
 
-    def averaged_metrics(self, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The step's other logged values, each a mean over the data-parallel ranks: the MoE
-        balancing loss, the z-loss, the objective's metrics (as GPT-NeoX averages them)."""
-        out = {}
-        if self.moe_layers:
-            aux = sums.get("moe_aux_loss", torch.zeros((), device=self.device))
-            out["moe_aux_loss"] = mean_over_dp(aux / self.grad_accum, self.dims)
-        if "z_loss" in sums:  # lm_z_loss is set
-            out["z_loss"] = mean_over_dp(sums["z_loss"] / self.grad_accum, self.dims)
-        for name, value in sums.items():
-            if name not in ("z_loss", "moe_aux_loss"):
-                out[name] = mean_over_dp(value / self.grad_accum, self.dims)
-        return out
-
     def clip_gradients(self) -> torch.Tensor:
         """Unscale the gradients and clip them; their norm before clipping (not read back)."""
-        params = [p for p in self.parts.model.parameters() if p.grad is not None]
+        params = [p for p in self.model.parameters() if p.grad is not None]
         shard_gradients_like_parameters(params)
         if self.scaler.scale != 1.0:
             torch._foreach_div_([p.grad for p in params], self.scaler.scale)
         clip = self.policy.clip
-        pp_group = self.dims.mesh["pp"].get_group() if self.parts.pipeline is not None else None
-        return clip_grad_norm(params, clip if clip > 0 else float("inf"), pp_group)
+        return clip_grad_norm(params, clip if clip > 0 else float("inf"), self.pp_group)
 
     def apply_gradients(self, iteration: int, bad: str | None) -> tuple[float, bool]:
         """Unscale, clip and apply the gradients; returns the gradient norm and whether the step
@@ -355,24 +407,28 @@ class TrainStep:
             "allowed by skip_nonfinite_steps)"
         )
 
-    # ------------------------------------------------------------------------ evaluation
 
-    @torch.no_grad()
+class TrainStep:
+    """One optimizer step: ``gradients`` over a global batch, then ``update`` applies them."""
+
+    def __init__(self, gradients: Gradients, update: Update):
+        self.gradients, self.update = gradients, update
+
+    def __call__(self, iteration: int, lr: float, micro_batches: list[Batch]) -> StepValues:
+        """Train on one global batch and apply the gradients; the step's logged values."""
+        loss, metrics = self.gradients(iteration, micro_batches)
+        with self.gradients.timers("optimizer"):
+            known, lazy = self.update(iteration, lr, loss)
+        return StepValues(known, metrics | lazy, self.update.settle)
+
+    def settle(self) -> None:
+        self.update.settle()
+
+    def pipeline_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.gradients.pipeline_loss(logits, target)
+
     def eval_losses(self, micro_batches: list[Batch]) -> list[dict[str, torch.Tensor]]:
-        """The loss (and the objective's metrics) of each micro-batch of a global batch (one
-        mean for a pipeline)."""
-        if self.parts.pipeline is not None:
-            loss = self._pipeline_batch(micro_batches, train=False)
-            return [{"lm_loss": loss, **self.pipeline_metrics}]
-        values = []
-        for batch in micro_batches:
-            prep = self._prepare(to_device(batch, self.device))
-            with self._loss_context(), self._autocast():
-                out = self.parts.module(prep.inputs, **prep.model_inputs())
-                terms = self.objective.terms(out, prep, self._reference(prep))
-            row = {"lm_loss": plain(terms.loss)}
-            values.append(row | {k: plain(v).float() for k, v in terms.metrics.items()})
-        return values
+        return self.gradients.eval_losses(micro_batches)
 
 
 def _nonfinite(loss: float = 0.0, norm: float = 0.0) -> str | None:

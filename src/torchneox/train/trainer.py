@@ -24,22 +24,26 @@ from torchneox.config.report import render_yaml
 from torchneox.data.datasets import build_splits
 from torchneox.data.loader import BatchLoader
 from torchneox.data.tokenizers import build_tokenizer
-from torchneox.models.args import ModelArgs
 from torchneox.parallel import flight_recorder
 from torchneox.parallel.collectives import any_rank, mean_over_dp, sum_over_dp
 from torchneox.parallel.dims import ParallelDims, init_distributed
 from torchneox.parallel.fp8 import check_fp8_hardware
-from torchneox.parallel.parallelize import build_parallel_model, build_reference
+from torchneox.parallel.parallelize import (
+    EVERY_PARAMETER,
+)
 from torchneox.train import hardware
-from torchneox.train.checkpoint import CheckpointManager, Resumed, TrainingState, copy_weights
+from torchneox.train.assembly import add_step, build_run
+from torchneox.train.checkpoint import (
+    CheckpointManager,
+    Resumed,
+    TrainingState,
+    copy_weights,
+    missing_heads,
+)
 from torchneox.train.evaluation import Evaluator
 from torchneox.train.lr import Schedule
 from torchneox.train.metrics import MetricsLogger, Throughput, Timers, duration
-from torchneox.train.objectives import objective_for
-from torchneox.train.optim import build_optimizer
-from torchneox.train.precision import LossScaler, choose_cpu_attention
 from torchneox.train.profiling import Profiler
-from torchneox.train.step import GradientPolicy, TrainStep
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGHUP: the terminal went away
 STEP_KEYS = ("lm_loss", "lr", "grad_norm", "skipped", "z_loss", "moe_aux_loss")
@@ -82,20 +86,24 @@ class Trainer:
         self.train_iters = cfg.training.train_iters
         self.iteration = 0
         self.stop_requested = False
-        self._build_model()
-        self._build_loaders()
+        log_dir = cfg.logging.log_dir or cfg.checkpoint.save
+        self.logger = MetricsLogger(
+            cfg, Path(log_dir) if log_dir else None, cfg.to_flat(), rank0=self.dims.is_rank0
+        )
         # what every checkpoint records of the config: its paths absolute, so it loads anywhere
         self.checkpoints = CheckpointManager(
             cfg.checkpoint,
             self.train_iters,
             render_yaml(with_absolute_paths(loaded), d),
             self.dims.is_rank0,
-            lambda text: self.logger.line(text),
+            self.logger.line,
         )
-        log_dir = cfg.logging.log_dir or cfg.checkpoint.save
-        self.logger = MetricsLogger(
-            cfg, Path(log_dir) if log_dir else None, cfg.to_flat(), rank0=self.dims.is_rank0
-        )
+        # the checkpoint to load, known before building: its weights are not drawn first
+        load = Path(cfg.checkpoint.load) if cfg.checkpoint.load else None
+        step_dir = self.checkpoints.find(load, load_step) if load is not None else None
+        self._build_model(step_dir)
+        self._report_memory("after building")
+        self._build_loaders()
         self._build_step()
         self.throughput = Throughput(
             cfg.logging.peak_theoretical_tflops,
@@ -106,9 +114,7 @@ class Trainer:
             self.logger.line,
         )
         self.evaluator = self._build_evaluator()
-        resumed = (
-            self._resume(Path(cfg.checkpoint.load), load_step) if cfg.checkpoint.load else None
-        )
+        resumed = self._resume(step_dir) if step_dir is not None else None
         if self.parts.reference is not None and not (resumed and resumed.reference):
             copy_weights(self.model, self.parts.reference)  # the policy as training starts
 
@@ -120,43 +126,44 @@ class Trainer:
             check_fp8_hardware(plan, self.device, self.dims.tp)
         return plan
 
-    def _build_model(self) -> None:
-        cfg, d = self.cfg, self.derived
-        torch.manual_seed(cfg.training.seed)
-        self.args = ModelArgs.from_config(cfg, d["padded_vocab_size"])
-        self.scaler = LossScaler.from_config(cfg, self.precision)
-        self.parts = build_parallel_model(
-            self.args,
-            self.dims,
-            self.layout,
-            cfg.training,
-            d["gradient_reduce_dtype"],
-            self.device,
-            cfg.parallel.pipe_partition_method,
-            lambda logits, labels: self.step.pipeline_loss(logits, labels),
-            param_dtype=d["zero_param_dtype"],
-            fp8=self._fp8(),
-            compile_scope=d["compile"],
+    def _build_model(self, step_dir: Path | None) -> None:
+        """The policy (and the reference) built shard by shard; its weights drawn from the seed,
+        or, when a checkpoint will be loaded, none drawn but the heads it lacks."""
+        cfg = self.cfg
+        masked = cfg.training.eod_mask_loss or cfg.model.inter_document_attention_masking
+        eod = build_tokenizer(cfg.tokenizer).eod_id if masked else None
+        init = EVERY_PARAMETER if step_dir is None else missing_heads(step_dir)
+        self.assembly = run = build_run(
+            self.loaded, self.derived, self.layout, self.dims, self.device, init, eod, self._fp8()
         )
+        self.args, self.scaler, self.objective = run.args, run.scaler, run.objective
+        self.parts = run.parts
         self.model, self.pipeline = self.parts.model, self.parts.pipeline
-        choose_cpu_attention(
-            self.model, cfg, self.args, self.layout.micro_batch, self.dims, self.precision,
-            self.device,
-        )  # fmt: skip
-        t = cfg.training
-        masked = t.eod_mask_loss or cfg.model.inter_document_attention_masking
-        self.objective = objective_for(cfg, build_tokenizer(cfg).eod_id if masked else None)
-        if self.objective.needs_reference:
-            self.parts.reference, self.parts.reference_pipeline = build_reference(
-                self.args,
-                self.dims,
-                self.layout,
-                self.device,
-                t.seed,
-                cfg.parallel.pipe_partition_method,
+        self._announce_weights(step_dir)
+
+    def _announce_weights(self, step_dir: Path | None) -> None:
+        drawn = self.parts.footprint.drawn
+        if self.dims.world_size > 1:
+            count = torch.tensor([drawn], dtype=torch.long)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            drawn = int(count)
+        if step_dir is None:
+            self.logger.line(
+                f"weights: {drawn} parameters initialised from seed {self.cfg.training.seed}, "
+                "each rank drawing only its shards' values"
             )
-        self.optimizer = build_optimizer(self.model, cfg, self.device.type)
-        self.schedule = Schedule.from_config(cfg, d)
+        else:
+            drawn_text = f"{drawn} fresh head(s) initialised" if drawn else "none initialised"
+            self.logger.line(f"weights: read from {step_dir} into each rank's shards; {drawn_text}")
+
+    def _report_memory(self, when: str) -> None:
+        """Every rank's peak memory so far, in one line on rank 0."""
+        mine = hardware.peak_memory(self.device)
+        peaks = [mine]
+        if self.dims.world_size > 1:
+            peaks = [None] * self.dims.world_size
+            dist.all_gather_object(peaks, mine)
+        self.logger.line(hardware.memory_line(when, self.device, peaks))
 
     def _build_loaders(self) -> None:
         d, cfg, lay = self.derived, self.cfg, self.layout
@@ -175,23 +182,19 @@ class Trainer:
 
     def _build_step(self) -> None:
         cfg = self.cfg
-        t = cfg.training
         sync = torch.cuda.synchronize if self.device.type == "cuda" else None
         self.timers = Timers(cfg.logging.wall_clock_breakdown, sync)
-        self.step = TrainStep(
-            self.parts,
-            self.optimizer,
-            self.scaler,
-            self.objective,
-            GradientPolicy(self.derived["gradient_clipping"], t.skip_nonfinite_steps),
-            self.dims,
-            self.device,
-            self.precision,
-            self.layout.gas,
+        add_step(
+            self.assembly,
             self.timers,
             self.logger.line,
             self.checkpoints.last_good,
             settle_every=cfg.logging.log_interval,
+        )
+        self.optimizer, self.schedule, self.step = (
+            self.assembly.optimizer,
+            self.assembly.schedule,
+            self.assembly.step,
         )
 
     def _build_evaluator(self) -> Evaluator:
@@ -200,7 +203,7 @@ class Trainer:
         if tg.eval_tasks:  # the lm-eval adapter, checked at start-up, not at the first eval
             from torchneox.train.lm_eval import make_adapter
 
-            tokenizer = build_tokenizer(self.cfg)
+            tokenizer = build_tokenizer(self.cfg.tokenizer)
             harness = make_adapter(
                 self.model, self.args, tokenizer, self.layout.micro_batch, self.device
             )
@@ -225,9 +228,9 @@ class Trainer:
     def peak_tflops(self) -> float | None:
         return self.throughput.peak_tflops
 
-    def _resume(self, load_dir: Path, step: int | None) -> Resumed | None:
-        resumed = self.checkpoints.resume(load_dir, step, self.state)
-        if resumed is None or not resumed.training_state:
+    def _resume(self, step_dir: Path) -> Resumed:
+        resumed = self.checkpoints.resume(step_dir, self.state)
+        if not resumed.training_state:
             return resumed
         self.iteration = resumed.iteration
         from torchneox.train.checkpoint import checkpoint_config
@@ -235,7 +238,7 @@ class Trainer:
         saved = checkpoint_config(resumed.step_dir)
         if self.cfg.lr.use_checkpoint_lr_scheduler:
             sd = derive(saved, world_size=self.dims.world_size)
-            self.schedule = Schedule.from_config(saved.config, sd)
+            self.schedule = Schedule.from_config(saved.config.lr, sd)
             self.logger.line(
                 "learning-rate schedule taken from the checkpoint (use_checkpoint_lr_scheduler)"
             )
@@ -417,7 +420,7 @@ class Trainer:
         row |= {k: out[k] for k in self.objective_metrics(out)}
         if "moe_aux_loss" in out:
             row["moe_aux_loss"] = out["moe_aux_loss"]
-            counts = sum_over_dp(torch.stack(self.step.moe_counts), self.dims)
+            counts = sum_over_dp(torch.stack(self.step.gradients.moe_counts), self.dims)
             row["moe_tokens_per_expert"] = counts.tolist()  # [MoE layer][expert], this step
         return row
 
