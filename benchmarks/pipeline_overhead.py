@@ -15,9 +15,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from torchneox.config.layout import Layout
 from torchneox.config.load import load_mapping
 from torchneox.models.args import model_args
 from torchneox.models.transformer import build_model
+from torchneox.parallel.parallelize import EVERY_PARAMETER, materialise
 from torchneox.parallel.pipeline import build_pipeline
 from torchneox.train.loss import lm_loss
 
@@ -64,19 +66,22 @@ def main() -> None:
         model.zero_grad(set_to_none=True)
 
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("pp",))
+    cpu = torch.device("cpu")
     rows = []
     plain_s = timed(plain, args.steps)
     for schedule in ("gpipe", "1f1b"):
+        layout = Layout(
+            gpus=1, dp=1, tp=1, pp=1, zero=0, micro_batch=args.micro_batch,
+            gas=args.micro_batches, checkpoint="none", schedule=schedule,
+            partition_method="uniform",
+        )  # fmt: skip
         pipe = build_pipeline(
             margs,
             mesh,
-            torch.device("cpu"),
-            schedule,
-            1,
-            args.micro_batches,
-            "uniform",
+            cpu,
+            layout,
             lambda out, y: lm_loss(out, y, None),
-            seed=0,
+            lambda part: materialise(part, cpu, 0, EVERY_PARAMETER),
         )
 
         def piped(pipe=pipe) -> None:

@@ -20,7 +20,8 @@ from tests.forked import run_cli
 from torchneox.config.load import load_mapping
 from torchneox.models.args import model_args
 from torchneox.models.transformer import build_model
-from torchneox.train import checkpoint
+from torchneox.train import checkpoint_format
+from torchneox.train.weights import load_model_weights
 
 # the global batch the parity tests train: 8 sequences in 2 accumulation steps
 DP_KEYS = {
@@ -62,9 +63,9 @@ def losses(folder, key: str = "lm_loss") -> dict[int, float]:
 
 
 def weights(folder) -> dict[str, torch.Tensor]:
-    step = checkpoint.resolve(folder)
-    model = build_model(model_args(checkpoint.checkpoint_config(step)))
-    checkpoint.load_model_weights(step, model)
+    step = checkpoint_format.resolve(folder)
+    model = build_model(model_args(checkpoint_format.checkpoint_config(step)))
+    load_model_weights(step, model)
     return model.state_dict()
 
 

@@ -14,7 +14,7 @@ from torchneox.config.load import load_mapping
 from torchneox.config.report import render_yaml
 from torchneox.models.args import model_args
 from torchneox.models.transformer import build_model
-from torchneox.train import checkpoint
+from torchneox.train import checkpoint_format
 
 transformers = pytest.importorskip("transformers")
 
@@ -32,7 +32,7 @@ def char_checkpoint(tmp_path, **keys):
     } | keys
     loaded = load_mapping(values, "test")
     model = build_model(model_args(loaded), seed=0)
-    return checkpoint.save_checkpoint(
+    return checkpoint_format.save_checkpoint(
         tmp_path / "ckpt", 0, {"model": model.state_dict()}, render_yaml(loaded, derive(loaded))
     ), model
 

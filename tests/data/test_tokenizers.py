@@ -8,7 +8,7 @@ import json
 import pytest
 
 from tests.conftest import shared_dir
-from torchneox.config.schema import NeoXConfig
+from torchneox.config.schema import NeoXConfig, TokenizerConfig
 from torchneox.data.indexed import IndexedDataset
 from torchneox.data.preprocess import PreprocessArgs, preprocess
 from torchneox.data.tokenizers import build_tokenizer
@@ -18,11 +18,11 @@ needs_shared = pytest.mark.skipif(SHARED is None, reason="../shared is not on th
 TEXT = "Hello world! The quick brown fox jumps over the lazy dog.\n\tNumbers: 12345, émigré, 東京."
 
 
-def config(kind: str, vocab: str | None = None, merges: str | None = None) -> NeoXConfig:
-    cfg = NeoXConfig()
-    cfg.tokenizer.tokenizer_type = kind  # type: ignore[assignment]
-    cfg.tokenizer.vocab_file, cfg.tokenizer.merge_file = vocab, merges
-    return cfg
+def config(kind: str, vocab: str | None = None, merges: str | None = None) -> TokenizerConfig:
+    tok = NeoXConfig().tokenizer
+    tok.tokenizer_type = kind  # type: ignore[assignment]
+    tok.vocab_file, tok.merge_file = vocab, merges
+    return tok
 
 
 @needs_shared

@@ -32,6 +32,9 @@ def _assert_holds_estimate(run) -> None:
         for part in ("parameters", "gradients", "optimizer"):
             got, want = r.bytes[part], r.expected[part]
             assert got == want if first else 0 < got <= want, (r.rank, part, got, want)
+        # building: the shards and the largest weight drawn whole, as estimate's build line
+        assert 0 < r.bytes["build"] <= r.expected["build"], (r.rank, r.bytes, r.expected)
+        assert r.bytes["build"] == r.expected["build"] or not first
 
 
 @pytest.mark.parametrize(
@@ -56,6 +59,35 @@ def test_every_rank_builds_agrees_and_holds_estimates_bytes(world, sets):
     heaviest = max(run.ranks, key=lambda r: r.bytes["parameters"])
     assert heaviest.bytes["parameters"] == est["parameter_shard"]
     assert heaviest.bytes["optimizer"] == est["optimizer"]
+
+
+def test_a_change_to_the_training_step_reaches_the_dry_run(monkeypatch):
+    """The dry run steps through the trainer's own step (train/step.py): a collective added to
+    the update, or a failure in the gradient half, is what it reports (its ranks are forked
+    from this process, so they run the patched step)."""
+    import torch
+
+    from torchneox.train import step as step_module
+
+    update = step_module.Update.__call__
+
+    def with_a_new_collective(self, iteration, lr, loss):
+        torch.distributed.all_reduce(torch.ones(7))
+        return update(self, iteration, lr, loss)
+
+    monkeypatch.setattr(step_module.Update, "__call__", with_a_new_collective)
+    loaded = _loaded("zero_optimization.stage=3")
+    run = dry_run(loaded, 2, ranks="all", workers=2)
+    assert all(r.stepped for r in run.ranks)
+    added = [Collective("all_reduce", (0, 1), ((7,),))]
+    assert all([c for c in r.collectives if c.shapes == ((7,),)] == added for r in run.ranks)
+
+    def broken(self, iteration, micro_batches):
+        raise RuntimeError("a step that no longer runs")
+
+    monkeypatch.setattr(step_module.Gradients, "__call__", broken)
+    run = dry_run(loaded, 2, ranks="all", workers=2)
+    assert [r.step for r in run.ranks] == ["stopped, RuntimeError: a step that no longer runs"] * 2
 
 
 @pytest.mark.parametrize("cp", [1, 2])

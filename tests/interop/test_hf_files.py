@@ -17,7 +17,7 @@ from safetensors import safe_open
 from tests.helpers import CHAT_WORDS, make_chat_tokenizer, metric_rows
 from tests.interop.test_huggingface import _hf_model
 from torchneox.cli import main
-from torchneox.train.checkpoint import load_model
+from torchneox.train.weights import load_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -141,7 +141,7 @@ def test_llama3_base_sft_on_its_chat_template_exports_and_chats_in_transformers(
 
     assert generation_stop_ids(loaded.config.tokenizer.vocab_file) == {1, 4}
     text = "Speak now?"
-    ids = build_tokenizer(loaded.config).encode(text)
+    ids = build_tokenizer(loaded.config.tokenizer).encode(text)
     whole = generate(ours, [ids], Sampling(maximum_tokens=12))[0]
     # make the second new token one of the eos ids: generation must stop before it
     assert whole[1] not in (whole[0], 1, 4)

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from torchneox.inference.generate import Sampling, generate
 from torchneox.interop import huggingface as convert
-from torchneox.train.checkpoint import load_model
+from torchneox.train.weights import load_model
 
 transformers = pytest.importorskip("transformers")
 

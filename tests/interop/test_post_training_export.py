@@ -14,7 +14,7 @@ import torch
 
 from tests.helpers import metric_rows, post_training_data
 from torchneox.cli import main
-from torchneox.train.checkpoint import load_model
+from torchneox.train.weights import load_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -30,7 +30,7 @@ TINY = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4}
 ZERO3 = {"zero_optimization": {"stage": 3}, "train_iters": 1, "save": None, "load": None}
 LAYOUTS = {
     "zero3": {},
-    "zero3_tp2": {"model_parallel_size": 2},
+    "zero3_tp2": {"model_parallel_size": 2, "no_weight_tying": True},
 }
 
 
@@ -64,42 +64,43 @@ def _status(pid: int) -> dict[str, str]:
     return dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)
 
 
-def built_peaks(config: str) -> list[int]:
-    """Each rank's peak resident bytes when it reaches its first step (it stops itself there)."""
+def built_peaks(config: str, *overrides: str) -> tuple[list[int], str]:
+    """Each rank's peak resident bytes when it reaches its first step (it stops itself there),
+    and what the run printed until then."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHNEOX_FAULT="stop@step.start:1")
     command = [sys.executable, "-m", "torchneox", "train", config, "--nproc", str(NPROC)]
+    for o in overrides:
+        command += ["--set", o]
     launcher = subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
-        deadline = time.monotonic() + 240
+        deadline, peaks = time.monotonic() + 240, []
         while time.monotonic() < deadline:
             stopped = [
                 p for p in _descendants(launcher.pid) if _status(p).get("State", "")[:1] == "T"
             ]
             if len(stopped) == NPROC:
-                return [int(_status(p)["VmHWM"].split()[0]) * 1024 for p in sorted(stopped)]
+                peaks = [int(_status(p)["VmHWM"].split()[0]) * 1024 for p in sorted(stopped)]
+                break
             if launcher.poll() is not None:
                 break
             time.sleep(0.2)
-        out = launcher.stdout.read() if launcher.poll() is not None else "(still running)"
-        raise AssertionError(f"the ranks did not all reach their first step:\n{out[-3000:]}")
     finally:
         for pid in _descendants(launcher.pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         launcher.kill()
-        launcher.communicate()
+        out, _ = launcher.communicate()
+    assert peaks, f"the ranks did not all reach their first step:\n{out[-3000:]}"
+    return peaks, out
 
 
 def model_bytes(config: str) -> int:
     return derive(load_config([config]))["num_parameters"] * 4
 
 
-def assert_built_in_shards(big: str, tiny: str) -> None:
-    whole = model_bytes(big)
-    assert whole >= 2**30
-    base, peaks = built_peaks(tiny), built_peaks(big)
+def assert_below(peaks: list[int], base: list[int], whole: int) -> None:
     above = [p - b for p, b in zip(peaks, base, strict=True)]
     assert max(above) < 0.6 * whole, (
         f"ranks peaked {[round(a / 2**20) for a in above]} MiB above the tiny run; the model "
@@ -107,12 +108,34 @@ def assert_built_in_shards(big: str, tiny: str) -> None:
     )
 
 
+def assert_built_in_shards(big: str, tiny: str, *overrides: str) -> str:
+    """The ranks' peaks held against the tiny run's; what the big run printed."""
+    whole = model_bytes(big)
+    assert whole >= 2**30
+    base, _ = built_peaks(tiny, *overrides)
+    peaks, out = built_peaks(big, *overrides)
+    assert_below(peaks, base, whole)
+    return out
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_no_rank_holds_the_whole_model_while_building(make_config, layout):
+def test_no_rank_holds_the_whole_model_while_building(make_config, layout, tmp_path):
     keys = ZERO3 | LAYOUTS[layout]
     big = make_config("big.yml", **BIG, **keys)
     tiny = make_config("tiny.yml", **TINY, **keys)
-    assert_built_in_shards(big, tiny)
+    if layout != "zero3":
+        assert_built_in_shards(big, tiny)
+        return
+    # saved as the first step begins (step 0: the weights as built), then resumed: the
+    # resumed run draws nothing, its weights read into each rank's shards
+    saved = tmp_path / "saved"
+    out = assert_built_in_shards(big, tiny, "extra_save_iters=[0]", f"save={saved}")
+    assert "parameter tensors drawn from seed 1234, each rank keeping only its shards" in out
+    assert (saved / "global_step0").is_dir()
+    base, _ = built_peaks(tiny)
+    peaks, out = built_peaks(big, f"load={saved}")
+    assert f"weights: read from {saved / 'global_step0'} into each rank's shards; none" in out
+    assert_below(peaks, base, model_bytes(big))
 
 
 def test_a_dpo_runs_reference_is_built_in_shards_too(tmp_path):

@@ -18,7 +18,7 @@ from tests.helpers import (
     train,
 )
 from torchneox.config.load import load_config
-from torchneox.train import checkpoint
+from torchneox.train import checkpoint_format
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def test_checkpoint_moves_from_two_sharded_processes_to_one(
     cfg = make_config("long.yml", train_micro_batch_size_per_gpu=2, train_iters=6, **DP_KEYS)
     one = ["train_micro_batch_size_per_gpu=4"]
     moved = assert_resumes_like_whole(cfg, tmp_path, one, ["zero_optimization.stage=3"], 2, one)
-    assert checkpoint.read_meta(moved / "global_step3")["world_size"] == 2
+    assert checkpoint_format.read_meta(moved / "global_step3")["world_size"] == 2
 
 
 def test_world_size_that_does_not_fit_the_batch_is_refused(config, tmp_path):

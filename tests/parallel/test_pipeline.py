@@ -16,8 +16,8 @@ from torchneox.cli import main
 from torchneox.config.load import load_config
 from torchneox.models.args import model_args
 from torchneox.parallel.pipeline import rank_stage_indices, stage_layers
-from torchneox.train.checkpoint import load_model
 from torchneox.train.trainer import Trainer
+from torchneox.train.weights import load_model
 
 PP_KEYS = {
     "num_layers": 4,

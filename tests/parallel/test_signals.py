@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import losses, train
-from torchneox.train import checkpoint
+from torchneox.train import checkpoint_format
 
 
 def start(config, save, nproc=1):
@@ -70,7 +70,7 @@ def test_a_signal_saves_and_the_same_command_resumes(make_config, tmp_path, npro
     output = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, output[-3000:]
     assert "saving after this step" in output
-    stopped = checkpoint.read_meta(checkpoint.resolve(save))["iteration"]
+    stopped = checkpoint_format.read_meta(checkpoint_format.resolve(save))["iteration"]
     assert 3 <= stopped < 300
     assert max(losses(save)) == stopped
     # the same config continued for 2 steps (in one process) gives the losses of a run never stopped

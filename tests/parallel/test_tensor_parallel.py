@@ -13,7 +13,7 @@ from tests.helpers import (
     reference,
     train,
 )
-from torchneox.train import checkpoint
+from torchneox.train import checkpoint_format
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def test_tensor_parallel_checkpoints_reshard(untied, tmp_path, make_config, move
     )
     (first, first_n), (then, then_n) = RESHARDS[move]
     moved = assert_resumes_like_whole(cfg, tmp_path, [], first, first_n, then, then_n)
-    assert checkpoint.read_meta(moved / "global_step3")["world_size"] == first_n
+    assert checkpoint_format.read_meta(moved / "global_step3")["world_size"] == first_n
 
 
 def test_moe_under_tensor_parallelism_equals_one_process(moe_config, tmp_path):

@@ -24,7 +24,7 @@ from tests.reliability.test_kills import (
     run,
     run_with_kills,
 )
-from torchneox.train import checkpoint
+from torchneox.train import checkpoint_format
 
 ASYNC = {"async_checkpointing": True}
 THREAD = ASYNC | {"async_checkpoint_writer": "thread"}
@@ -38,8 +38,8 @@ def test_background_saves_equal_saves_in_the_step(make_config, tmp_path, keys):
     assert_bitwise_equal(tmp_path / "background", tmp_path / "whole")
     for step in (2, 4, 6, 8, 10, 12):  # every save finished, each the state of its own step
         saved = tmp_path / "background" / f"global_step{step}"
-        assert not checkpoint.verify(saved)
-        assert checkpoint.read_meta(saved)["iteration"] == step
+        assert not checkpoint_format.verify(saved)
+        assert checkpoint_format.read_meta(saved)["iteration"] == step
     assert not list((tmp_path / "background").glob(".*partial"))
 
 

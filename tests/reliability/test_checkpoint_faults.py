@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from torchneox.cli import main
-from torchneox.train import checkpoint
+from torchneox.train import checkpoint_format
 
 
 def two_checkpoints(make_config, tmp_path) -> tuple[str, object]:
@@ -57,7 +57,7 @@ def test_a_save_that_cannot_be_written_keeps_the_previous_checkpoint(make_config
     assert "MiB free there" in lines[0]
     assert (folder / "latest").read_text().strip() == "global_step2"
     assert sorted(p.name for p in folder.iterdir() if "global_step" in p.name) == ["global_step2"]
-    assert not checkpoint.verify(folder / "global_step2")
+    assert not checkpoint_format.verify(folder / "global_step2")
     assert main(["train", cfg]) == 0  # space is back: the same command resumes and finishes
     assert (folder / "latest").read_text().strip() == "global_step4"
 
@@ -144,9 +144,9 @@ def test_checkpoint_verify_finds_a_byte_flipped_anywhere(
 ):
     """Large shards are checksummed by content (crc32) too: a shard damaged in place, same size,
     used to pass verify and load NaN weights."""
-    from torchneox.train import checkpoint
-
-    monkeypatch.setattr(checkpoint, "CHECKSUMMED_BELOW", 0)  # every file counts as large here
+    monkeypatch.setattr(
+        checkpoint_format, "CHECKSUMMED_BELOW", 0
+    )  # every file counts as large here
     _, folder = two_checkpoints(make_config, tmp_path)
     shard = max((folder / "global_step4").glob("*.distcp"), key=lambda p: p.stat().st_size)
     data = bytearray(shard.read_bytes())

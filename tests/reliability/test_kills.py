@@ -17,7 +17,7 @@ import warnings
 import torch
 
 from tests.forked import Forked, run_cli
-from torchneox.train import checkpoint
+from torchneox.train import checkpoint_format
 
 STEPS = 12
 
@@ -84,7 +84,7 @@ def assert_bitwise_equal(killed, whole) -> None:
     got, want = last_losses(killed), last_losses(whole)
     assert sorted(got) == list(range(1, STEPS + 1))
     assert got == want  # exact float equality, every step
-    a, b = load_flat(checkpoint.resolve(killed)), load_flat(checkpoint.resolve(whole))
+    a, b = load_flat(checkpoint_format.resolve(killed)), load_flat(checkpoint_format.resolve(whole))
     assert sorted(a) == sorted(b)
     for k in a:
         assert torch.equal(a[k], b[k]), k  # weights and optimizer moments
@@ -149,7 +149,7 @@ def test_kill_9_anywhere_in_one_process(make_config, tmp_path):
     kills = run_with_kills(killed, 1, faults, timed)
     assert kills >= 10
     assert_bitwise_equal(tmp_path / "killed", tmp_path / "whole")
-    assert not checkpoint.verify(checkpoint.resolve(tmp_path / "killed"))
+    assert not checkpoint_format.verify(checkpoint_format.resolve(tmp_path / "killed"))
 
 
 def test_kill_9_of_one_rank_in_two_processes(make_config, tmp_path):

@@ -51,16 +51,18 @@ def test_fp8_trains_like_bf16(make_config, tmp_path, keys, swapped):
 
 def test_te_fp8_keys_map_onto_torchao_casts(make_config):
     cfg = load_config([make_config(te_fp8_mha=True, te_fp8_wgrad=False)]).config
-    plan = fp8_plan(cfg)
+    plan = fp8_plan(cfg.precision, cfg.model)
     assert (plan.recipe, plan.scope, plan.grad_format, plan.wgrad_high_precision) == (
         "tensorwise", "attention", "e5m2", True,
     )  # fmt: skip
     c = torchao_config(plan)
     assert c.cast_config_grad_output.target_dtype == torch.float8_e5m2  # hybrid's backward
     assert c.cast_config_input_for_grad_weight.scaling_type.value == "disabled"
-    e4m3 = fp8_plan(load_config([make_config(te_fp8_mha=True, te_fp8_format="e4m3")]).config)
+    e4m3_cfg = load_config([make_config(te_fp8_mha=True, te_fp8_format="e4m3")]).config
+    e4m3 = fp8_plan(e4m3_cfg.precision, e4m3_cfg.model)
     assert torchao_config(e4m3).cast_config_grad_output.target_dtype == torch.float8_e4m3fn
-    assert fp8_plan(load_config([make_config()]).config) is None
+    plain = load_config([make_config()]).config
+    assert fp8_plan(plain.precision, plain.model) is None
 
 
 def test_fp8_refusals_are_one_line(make_config, tmp_path, capsys, monkeypatch):
@@ -68,7 +70,8 @@ def test_fp8_refusals_are_one_line(make_config, tmp_path, capsys, monkeypatch):
     assert main(["train", cfg]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "te_fp8_amax_history_len" in err and "delayed" in err
-    plan = fp8_plan(load_config([make_config(fp8_recipe="rowwise")]).config)
+    rowwise = load_config([make_config(fp8_recipe="rowwise")]).config
+    plan = fp8_plan(rowwise.precision, rowwise.model)
     with pytest.raises(ConfigError, match="tensor parallelism is not built"):
         check_fp8_hardware(plan, torch.device("cpu"), tp=2)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))

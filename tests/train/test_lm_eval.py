@@ -18,8 +18,8 @@ from tests.conftest import shared_dir
 from tests.helpers import metric_rows
 from torchneox.cli import main
 from torchneox.data.tokenizers import build_tokenizer
-from torchneox.train.checkpoint import load_model
 from torchneox.train.lm_eval import make_adapter
+from torchneox.train.weights import load_model
 
 QUESTIONS = [
     ("the cat sat on the", ["mat", "zebra quantum"], 0),
@@ -57,7 +57,7 @@ def trained(tmp_path_factory, tiny_data):
     folder = tmp_path_factory.mktemp("ckpt")
     assert main(["train", tiny_run(folder, tiny_data)]) == 0
     loaded, model = load_model(folder / "run")
-    return folder / "run", model.eval(), build_tokenizer(loaded.config)
+    return folder / "run", model.eval(), build_tokenizer(loaded.config.tokenizer)
 
 
 def direct_loglikelihood(model, tok, context: str, continuation: str) -> float:

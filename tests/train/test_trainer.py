@@ -12,7 +12,7 @@ from tests.helpers import losses, metric_rows, poison
 from torchneox.base.errors import TrainingStopped
 from torchneox.cli import main
 from torchneox.config.load import load_config
-from torchneox.train import checkpoint
+from torchneox.train import checkpoint_format
 from torchneox.train.checkpoint import save_iterations
 from torchneox.train.trainer import Trainer
 
@@ -169,7 +169,7 @@ def test_a_weights_only_checkpoint_starts_a_run_at_step_0(make_config, tmp_path,
     config, no optimizer or data position."""
     first = run(make_config(train_iters=2, save=str(tmp_path / "p")))
     sd = {k: v.clone() for k, v in first.model.state_dict().items()}
-    checkpoint.save_checkpoint(
+    checkpoint_format.save_checkpoint(
         tmp_path / "weights", 0, {"model": sd}, "{}", {"converted_from": "a test"}
     )
     capsys.readouterr()
@@ -183,6 +183,36 @@ def test_a_weights_only_checkpoint_starts_a_run_at_step_0(make_config, tmp_path,
     assert "starting at step 0 from the weights of" in capsys.readouterr().out
     trainer.run()
     assert sorted(losses(tmp_path / "w")) == [1, 2]
+
+
+def test_a_loaded_run_draws_no_weights_but_the_heads_it_lacks(make_config, tmp_path, monkeypatch):
+    """Resumed, or started from a converted checkpoint, a run reads every weight into its
+    shards: the initialisation never runs, but for a reward model's fresh head."""
+    from tests.helpers import post_training_data
+    from torchneox.models import transformer
+
+    data = post_training_data(tmp_path / "chat")
+    shape = {"seq_length": 64, "max_position_embeddings": 64, "save": None, "data_path": None}
+    sft = {**data["sft"], **shape, "train_micro_batch_size_per_gpu": 2}
+    run(make_config("sft.yml", **sft | {"train_iters": 2, "save": str(tmp_path / "lm")}))
+    drawn: list[str] = []
+    real = transformer.init_parameter
+
+    def recorded(args, name, *rest):
+        drawn.append(name)
+        return real(args, name, *rest)
+
+    monkeypatch.setattr(transformer, "init_parameter", recorded)
+    resumed = make_config("r.yml", **sft | {"train_iters": 3, "load": str(tmp_path / "lm")})
+    assert Trainer(load_config([resumed]), device="cpu").iteration == 2
+    assert drawn == []
+    rm = {**data["rm"], **shape, "train_micro_batch_size_per_gpu": 2}
+    reward = make_config("rm.yml", **rm | {"load": str(tmp_path / "lm"), "finetune": True})
+    Trainer(load_config([reward]), device="cpu")
+    assert drawn == ["value_head.weight"]
+    drawn.clear()
+    Trainer(load_config([make_config("fresh.yml", **sft | {"load": None})]), device="cpu")
+    assert "embed.weight" in drawn and "layers.0.attention.wq.weight" in drawn
 
 
 @pytest.mark.parametrize("precision", ["bfloat16", "fp16"])
@@ -229,7 +259,7 @@ def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_checkpoint(make_conf
     ):
         trainer.run()
     assert (tmp_path / "n" / "latest").read_text().strip() == "global_step2"
-    assert checkpoint.read_meta(checkpoint.resolve(tmp_path / "n"))["iteration"] == 2
+    assert checkpoint_format.read_meta(checkpoint_format.resolve(tmp_path / "n"))["iteration"] == 2
 
 
 def test_a_crash_during_save_leaves_the_previous_checkpoint(make_config, tmp_path, monkeypatch):
@@ -237,7 +267,7 @@ def test_a_crash_during_save_leaves_the_previous_checkpoint(make_config, tmp_pat
         train_iters=4, checkpoint_factor=2, save=str(tmp_path / "k"), load=str(tmp_path / "k")
     )
     trainer = Trainer(load_config([cfg]), device="cpu")
-    real_save = checkpoint.dcp.save
+    real_save = checkpoint_format.dcp.save
 
     def dying_save(state, checkpoint_id):
         if "global_step4" in checkpoint_id:
@@ -245,7 +275,7 @@ def test_a_crash_during_save_leaves_the_previous_checkpoint(make_config, tmp_pat
             raise KeyboardInterrupt
         return real_save(state, checkpoint_id=checkpoint_id)
 
-    monkeypatch.setattr(checkpoint.dcp, "save", dying_save)
+    monkeypatch.setattr(checkpoint_format.dcp, "save", dying_save)
     with pytest.raises(KeyboardInterrupt):
         trainer.run()
     assert (tmp_path / "k" / "latest").read_text().strip() == "global_step2"
@@ -482,7 +512,7 @@ def test_z_loss_is_logged_and_changes_training(make_config, tmp_path):
 def test_a_checkpoint_keeps_the_paths_it_was_given_absolute(make_config, tmp_path, monkeypatch):
     """A run trained with --set vocab_file=relative/path must generate, eval and export from any
     other folder: the checkpoint's config names its files by absolute paths."""
-    from torchneox.train.checkpoint import load_model
+    from torchneox.train.weights import load_model
 
     work = tmp_path / "work"
     work.mkdir()

@@ -17,8 +17,8 @@ def run_demo(folder: Path, overrides: list[str]) -> int:
     from torchneox.config.load import load_config
     from torchneox.data.tokenizers import build_tokenizer
     from torchneox.inference.generate import Sampling, TextGenerator
-    from torchneox.train.checkpoint import load_model
     from torchneox.train.trainer import Trainer
+    from torchneox.train.weights import load_model
 
     data_prefix = folder / "data" / "pydocs"
     document_prefix = Path(f"{data_prefix}_text_document")
@@ -42,7 +42,7 @@ def run_demo(folder: Path, overrides: list[str]) -> int:
     Trainer(load_config([CONFIG], settings), device="cpu").run()
     print("\n== 3. generating from the trained model", flush=True)
     loaded, model = load_model(run_dir)
-    tokenizer = build_tokenizer(loaded.config)
+    tokenizer = build_tokenizer(loaded.config.tokenizer)
     room = model.args.max_positions - max(len(tokenizer.encode(p)) for p in PROMPTS)
     sampling = Sampling(
         temperature=0.8, top_k=40, maximum_tokens=room, stop_ids={tokenizer.eod_id}, seed=0

@@ -117,7 +117,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         run_mode,
         sampling_from,
     )
-    from torchneox.train import checkpoint
+    from torchneox.train import weights
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model_overrides = [] if args.files else args.overrides
@@ -126,7 +126,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         loaded, model = load_hf_model(args.hf, device=device)
     else:
-        loaded, model = checkpoint.load_model(args.checkpoint, model_overrides, device=device)
+        loaded, model = weights.load_model(args.checkpoint, model_overrides, device=device)
     settings = load_config(args.files, args.overrides).config if args.files else loaded.config
     for name in GEN_FLAGS:
         if getattr(args, name) is not None:
@@ -139,7 +139,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         or settings.tokenizer.tokenizer_type == "CharLevelTokenizer"
         else loaded.config
     )
-    tokenizer = build_tokenizer(tok_cfg)
+    tokenizer = build_tokenizer(tok_cfg.tokenizer)
     sampling = sampling_from(settings.textgen, tokenizer.eod_id, args.seed)
     sampling.stop_ids |= generation_stop_ids(tok_cfg.tokenizer.vocab_file)
     generator = TextGenerator(model, tokenizer, sampling)
@@ -312,7 +312,7 @@ def cmd_data_batch(args: argparse.Namespace) -> int:
         )
         print(f"wrote {args.out}: {shapes} of step {args.iteration}")
         return 0
-    tokenizer = build_tokenizer(loaded.config)
+    tokenizer = build_tokenizer(loaded.config.tokenizer)
     columns = batch if isinstance(batch, dict) else {"text": batch}
     for i in range(len(next(iter(columns.values())))):
         print(f"--- sample {start + i} (step {args.iteration}, position {i}) ---")
@@ -331,14 +331,14 @@ def cmd_data_batch(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
-    from torchneox.train import checkpoint
+    from torchneox.train import weights
     from torchneox.train.evaluation import perplexity
 
     if not args.data_path and not args.tasks:
         raise ConfigError("give --tasks T1,T2 (lm-evaluation-harness) or --data-path PREFIX")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     overrides = [] if args.files else args.overrides
-    loaded, model = checkpoint.load_model(args.checkpoint, overrides, device=device)
+    loaded, model = weights.load_model(args.checkpoint, overrides, device=device)
     cfg = load_config(args.files, args.overrides).config if args.files else loaded.config
     if args.tasks:
         from torchneox.data.tokenizers import build_tokenizer
@@ -347,7 +347,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         limit = args.limit if args.limit is None or args.limit < 1 else int(args.limit)
         results = evaluate_checkpoint(
             model.eval(),
-            build_tokenizer(cfg),
+            build_tokenizer(cfg.tokenizer),
             [t.strip() for t in args.tasks.split(",") if t.strip()],
             args.include_path,
             limit,
@@ -362,7 +362,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if cfg.model.inter_document_attention_masking:
         from torchneox.data.tokenizers import build_tokenizer
 
-        eod = build_tokenizer(cfg).eod_id
+        eod = build_tokenizer(cfg.tokenizer).eod_id
     result = perplexity(
         model, args.data_path, seq, args.iters, args.batch_size, cfg.training.seed, eod
     )
@@ -394,21 +394,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_checkpoint_verify(args: argparse.Namespace) -> int:
-    from torchneox.train import checkpoint
+    from torchneox.train import checkpoint_format
 
     root = Path(args.dir)
     if not root.is_dir():
         raise ConfigError("no such checkpoint directory", source=str(root))
-    steps = [p for _, p in checkpoint.step_dirs(root)] or [root]
+    steps = [p for _, p in checkpoint_format.step_dirs(root)] or [root]
     bad = 0
     for step in steps:
-        problems = checkpoint.verify(step, content=True)
+        problems = checkpoint_format.verify(step, content=True)
         bad += bool(problems)
         print(f"{step}: " + ("complete" if not problems else "; ".join(problems)))
     latest = root / "latest"
     if latest.is_file():
         name = latest.read_text().strip()
-        ok = (root / name).is_dir() and not checkpoint.verify(root / name)
+        ok = (root / name).is_dir() and not checkpoint_format.verify(root / name)
         bad += not ok
         print(f"{latest}: {name}" + ("" if ok else " (missing or damaged)"))
     return 1 if bad else 0

@@ -391,7 +391,7 @@ def _precision(cfg: NeoXConfig, out: Derived) -> None:
 
 
 def _fp8(cfg: NeoXConfig, out: Derived) -> None:
-    plan = fp8_plan(cfg)
+    plan = fp8_plan(cfg.precision, cfg.model)
     if plan is None:
         out.put("fp8", "off", "neither fp8_recipe nor te_fp8_mha is set")
     elif plan.scope == "attention":

@@ -66,7 +66,7 @@ def derive_model(loaded: LoadedConfig, out: Derived) -> None:
 def _shapes(loaded: LoadedConfig, out: Derived) -> None:
     cfg = loaded.config
     m = cfg.model
-    d, kv = sizes.head_dim(cfg), sizes.kv_heads(cfg)
+    d, kv = sizes.head_dim(cfg.model), sizes.kv_heads(cfg.model)
     out.put(
         "head_dim",
         d,
@@ -78,13 +78,13 @@ def _shapes(loaded: LoadedConfig, out: Derived) -> None:
         else ("multi-query" if kv == 1 else "grouped-query")
     )
     out.put("num_kv_heads", kv, f"{kv}: {attention} attention")
-    widths = sizes.mlp_widths(cfg)
+    widths = sizes.mlp_widths(cfg.model)
     how = (
         f"gated {m.activation}: two halves of {widths.down}" if widths.gated else f"{m.activation}"
     )
     out.put("mlp_width", widths.down, f"{widths.down} ({how}; GPT-NeoX's sizing rules)")
     if m.pos_emb == "rotary":
-        r = sizes.rotary_dims(cfg)
+        r = sizes.rotary_dims(cfg.model)
         out.put(
             "rotary_dims",
             r,

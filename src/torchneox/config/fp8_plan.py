@@ -20,10 +20,10 @@ class FP8Plan:
     key: str = "fp8_recipe"
 
 
-def fp8_plan(cfg: Any) -> FP8Plan | None:
-    """What the (validated) config asks of fp8, or None."""
-    m = cfg.model
-    recipe = cfg.precision.fp8_recipe
+def fp8_plan(pr: Any, m: Any) -> FP8Plan | None:
+    """What the (validated) ``precision`` and ``model`` config groups ask of fp8 (fp8_recipe;
+    Transformer Engine's te_fp8_* keys), or None."""
+    recipe = pr.fp8_recipe
     if m.te_fp8_mha:  # its delayed-scaling keys are checked by config/validate.py
         return FP8Plan(
             recipe or "tensorwise",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torchneox.config.schema import NeoXConfig
+from torchneox.config.schema import ModelConfig, MoEConfig, NeoXConfig
 from torchneox.config.schema_model import GATED_ACTIVATIONS
 
 
@@ -29,10 +29,9 @@ class MLPWidths:
     gated: bool
 
 
-def mlp_widths(config: NeoXConfig) -> MLPWidths:
+def mlp_widths(m: ModelConfig) -> MLPWidths:
     """GPT-NeoX's sizing rules: 4h by default; gated activations keep the parameter count by
     taking 2/3 of the width for each half; both rounded up to mlp_multiple_of."""
-    m = config.model
     assert m.hidden_size is not None
     if m.intermediate_size:
         width = m.intermediate_size
@@ -49,26 +48,21 @@ def mlp_widths(config: NeoXConfig) -> MLPWidths:
     return MLPWidths(up=round_up(width, 2 * multiple), down=round_up(down, multiple), gated=gated)
 
 
-def head_dim(config: NeoXConfig) -> int:
-    m = config.model
+def head_dim(m: ModelConfig) -> int:
     assert m.hidden_size and m.num_attention_heads
     return m.head_dim or m.hidden_size // m.num_attention_heads
 
 
-def kv_heads(config: NeoXConfig) -> int:
-    m = config.model
+def kv_heads(m: ModelConfig) -> int:
     assert m.num_attention_heads
     return m.num_kv_heads or m.num_attention_heads
 
 
-def rotary_dims(config: NeoXConfig) -> int:
-    return (
-        int(head_dim(config) * config.model.rotary_pct) if config.model.pos_emb == "rotary" else 0
-    )
+def rotary_dims(m: ModelConfig) -> int:
+    return int(head_dim(m) * m.rotary_pct) if m.pos_emb == "rotary" else 0
 
 
-def norm_params(config: NeoXConfig) -> int:
-    m = config.model
+def norm_params(m: ModelConfig) -> int:
     assert m.hidden_size is not None
     if m.norm in ("layernorm", "te_layernorm"):
         return m.hidden_size * (2 if m.use_bias_in_norms else 1)
@@ -79,19 +73,17 @@ def norm_params(config: NeoXConfig) -> int:
     return 0
 
 
-def qk_norm_params(config: NeoXConfig) -> int:
+def qk_norm_params(m: ModelConfig) -> int:
     """One layer's query/key norm parameters (use_qk_layernorm, by qk_norm_scope)."""
-    m = config.model
     if not m.use_qk_layernorm:
         return 0
-    d, heads, kv = head_dim(config), m.num_attention_heads or 0, kv_heads(config)
+    d, heads, kv = head_dim(m), m.num_attention_heads or 0, kv_heads(m)
     widths = {"neox": (heads * d,), "head": (d, d), "width": (heads * d, kv * d)}
     per_weight = 2 if m.norm in ("layernorm", "te_layernorm") and m.use_bias_in_norms else 1
     return per_weight * sum(widths[m.qk_norm_scope])
 
 
-def is_moe_layer(config: NeoXConfig, layer: int) -> bool:
-    e = config.moe
+def is_moe_layer(e: MoEConfig, layer: int) -> bool:
     return e.moe_num_experts > 1 and layer % e.moe_expert_interval == 0
 
 
@@ -111,17 +103,17 @@ def count(config: NeoXConfig, vocab: int) -> ModelCounts:
     """Parameters and training FLOPs per token for the padded vocabulary ``vocab``."""
     m, e = config.model, config.moe
     assert m.hidden_size and m.num_layers and m.num_attention_heads and m.seq_length
-    h, d = m.hidden_size, head_dim(config)
-    kv_width, q_width = kv_heads(config) * d, m.num_attention_heads * d
+    h, d = m.hidden_size, head_dim(m)
+    kv_width, q_width = kv_heads(m) * d, m.num_attention_heads * d
     attn_bias = m.use_bias_in_attn_linear
     qkv = h * (q_width + 2 * kv_width) + (q_width + 2 * kv_width if attn_bias else 0)
     out_bias = attn_bias if m.attention_output_bias is None else m.attention_output_bias
-    dense = q_width * h + (h if out_bias else 0) + qk_norm_params(config)
+    dense = q_width * h + (h if out_bias else 0) + qk_norm_params(m)
     attention_matmul = h * (q_width + 2 * kv_width) + q_width * h
-    widths = mlp_widths(config)
+    widths = mlp_widths(m)
     mlp_matmul = h * widths.up + widths.down * h
     mlp = mlp_matmul + ((widths.up + h) if m.use_bias_in_mlp else 0)
-    norms_per_layer = norm_params(config) * (1 if m.gpt_j_tied else 2)
+    norms_per_layer = norm_params(m) * (1 if m.gpt_j_tied else 2)
 
     embedding = vocab * h
     if m.pos_emb == "learned":
@@ -130,7 +122,7 @@ def count(config: NeoXConfig, vocab: int) -> ModelCounts:
     reward_model = config.training.train_impl == "rm"
     head = h if reward_model else vocab * h
     own_head = m.no_weight_tying or reward_model
-    total = embedding + norm_params(config) + (head if own_head else 0)
+    total = embedding + norm_params(m) + (head if own_head else 0)
     active = total
     forward_matmul = head
     moe_layers = 0
@@ -139,7 +131,7 @@ def count(config: NeoXConfig, vocab: int) -> ModelCounts:
         total += layer_params
         active += layer_params
         forward_matmul += attention_matmul
-        if is_moe_layer(config, layer):
+        if is_moe_layer(e, layer):
             moe_layers += 1
             router = h * e.moe_num_experts
             total += router + e.moe_num_experts * mlp

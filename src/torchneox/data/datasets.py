@@ -9,7 +9,7 @@ import numpy as np
 
 from torchneox.base.errors import ConfigError, DataError
 from torchneox.config.load import LoadedConfig
-from torchneox.config.schema import NeoXConfig
+from torchneox.config.schema import DataConfig, NeoXConfig
 from torchneox.config.validate import split_shares
 from torchneox.data.blend import BlendedDataset, samples_per_dataset, weights_by_num_documents
 from torchneox.data.documents import Column, check_aligned, document_samples
@@ -68,6 +68,9 @@ def _open(prefix: str, vocab_size: int | None) -> IndexedDataset:
 
 
 def build_splits(cfg: NeoXConfig, train_batch_size: int, vocab_size: int | None = None) -> Splits:
+    """The train, valid and test samples of a run: its data group's datasets, cut into
+    ``seq_length`` samples shuffled by the seed, as many as the training group's steps and
+    evaluations take (the helpers below each take the data group alone)."""
     d = cfg.data
     seq, seed = cfg.model.seq_length, cfg.training.seed
     assert seq is not None
@@ -93,26 +96,27 @@ def build_splits(cfg: NeoXConfig, train_batch_size: int, vocab_size: int | None 
         raise DataError("no data: dataset_impl 'pairwise' reads pos_/neg_train_data_paths")
     if d.dataset_impl != "pairwise" and not d.train_data_paths:
         raise DataError("no data: set data_path or train_data_paths")
+    t = cfg.training
+    precompute = cfg.textgen.precompute_model_name if t.train_impl in ("dpo", "kto") else None
     for name in SPLITS:
-        prefixes = _split_prefixes(cfg, name)
+        prefixes = _split_prefixes(d, name)
         if not prefixes or counts[name] == 0:
             continue
-        columns = [_columns(cfg, name, i, vocab_size) for i in range(len(prefixes))]
+        columns = [_columns(d, name, i, vocab_size, precompute) for i in range(len(prefixes))]
         weights = getattr(d, f"{name}_data_weights") or [1.0] * len(prefixes)
         if d.weight_by_num_documents:
             sizes = [len(c[0].data) for c in columns]
             weights = weights_by_num_documents(sizes, d.weighted_sampler_alpha)
         per = samples_per_dataset(weights, counts[name])
         parts = [
-            _dataset(cfg, cols, f"{name}_{i}", n)
+            _dataset(d, seq, seed, cols, f"{name}_{i}", n)
             for i, (cols, n) in enumerate(zip(columns, per, strict=True))
         ]
         out[name] = BlendedDataset(parts, weights)
     return Splits(**out)
 
 
-def _split_prefixes(cfg: NeoXConfig, split: str) -> list[str]:
-    d = cfg.data
+def _split_prefixes(d: DataConfig, split: str) -> list[str]:
     if d.dataset_impl != "pairwise":
         return list(getattr(d, f"{split}_data_paths") or [])
     pos = getattr(d, f"pos_{split}_data_paths") or []
@@ -126,23 +130,26 @@ def _split_prefixes(cfg: NeoXConfig, split: str) -> list[str]:
     return list(pos)
 
 
-def _paths_at(cfg: NeoXConfig, key: str, i: int, count: int) -> str | None:
-    paths = getattr(cfg.data, key) or []
+def _paths_at(d: DataConfig, key: str, i: int, count: int) -> str | None:
+    paths = getattr(d, key) or []
     if paths and len(paths) != count:
         raise ConfigError(f"{len(paths)} paths, but the datasets they go with are {count}", key=key)
     return paths[i] if paths else None
 
 
-def _columns(cfg: NeoXConfig, split: str, i: int, vocab_size: int | None) -> list[Column]:
-    """The arrays of dataset i of a split: tokens, labels (-100 padding), rewards."""
-    count = len(_split_prefixes(cfg, split))
-    sides = ("pos_", "neg_") if cfg.data.dataset_impl == "pairwise" else ("",)
+def _columns(
+    d: DataConfig, split: str, i: int, vocab_size: int | None, precompute: str | None
+) -> list[Column]:
+    """The arrays of dataset i of a split: tokens, labels (-100 padding), rewards, and the
+    reference's log-probabilities precomputed as ``precompute``."""
+    count = len(_split_prefixes(d, split))
+    sides = ("pos_", "neg_") if d.dataset_impl == "pairwise" else ("",)
     texts, labels, rewards = [], [], []
     for side in sides:
         key = {"": "text", "pos_": "pos", "neg_": "neg"}[side]
-        text = _open(str(_paths_at(cfg, f"{side}{split}_data_paths", i, count)), vocab_size)
+        text = _open(str(_paths_at(d, f"{side}{split}_data_paths", i, count)), vocab_size)
         texts.append(Column(key, text))
-        label_path = _paths_at(cfg, f"{side}{split}_label_data_paths", i, count)
+        label_path = _paths_at(d, f"{side}{split}_label_data_paths", i, count)
         if label_path is not None:
             label = _open(label_path, vocab_size)
             check_aligned(text, label, "labels")
@@ -158,8 +165,8 @@ def _columns(cfg: NeoXConfig, split: str, i: int, vocab_size: int | None) -> lis
             "labels given for one side of the pairs only; give both pos_ and neg_ label paths",
             key=f"neg_{split}_label_data_paths",
         )
-    refs = _precomputed(cfg, texts)
-    reward_path = _paths_at(cfg, f"{split}_reward_data_paths", i, count)
+    refs = _precomputed(precompute, texts) if precompute else []
+    reward_path = _paths_at(d, f"{split}_reward_data_paths", i, count)
     if reward_path is not None and not sides[0]:
         reward = _open(reward_path, None)
         check_aligned(texts[0].data, reward, "rewards")
@@ -167,12 +174,9 @@ def _columns(cfg: NeoXConfig, split: str, i: int, vocab_size: int | None) -> lis
     return [*texts, *labels, *rewards, *refs]
 
 
-def _precomputed(cfg: NeoXConfig, texts: list[Column]) -> list[Column]:
+def _precomputed(name: str, texts: list[Column]) -> list[Column]:
     """DPO's and KTO's precomputed reference log-probabilities (PREFIX_{precompute_model_name},
     seq_length values per document), beside each token dataset."""
-    name = cfg.textgen.precompute_model_name
-    if not name or cfg.training.train_impl not in ("dpo", "kto"):
-        return []
     out = []
     for text in texts:
         prefix = f"{text.data.prefix}_{name}"
@@ -194,9 +198,9 @@ def _precomputed(cfg: NeoXConfig, texts: list[Column]) -> list[Column]:
     return out
 
 
-def _dataset(cfg: NeoXConfig, columns: list[Column], name: str, num_samples: int) -> Samples:
-    d, seq, seed = cfg.data, cfg.model.seq_length, cfg.training.seed
-    assert seq is not None
+def _dataset(
+    d: DataConfig, seq: int, seed: int, columns: list[Column], name: str, num_samples: int
+) -> Samples:
     if d.pack_impl == "packed" and d.dataset_impl != "pairwise":
         text = columns[0].data
         labels = next((c.data for c in columns if c.key == "label"), None)

@@ -10,12 +10,10 @@ datasets; see data/chat.py). Tokenisation runs in worker processes; output order
 from __future__ import annotations
 
 import errno
-import io
 import json
 import multiprocessing
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +31,7 @@ from torchneox.data.chat import (
     reward_value,
 )
 from torchneox.data.indexed import IndexedDatasetWriter, best_dtype
+from torchneox.data.text_input import Line, read_lines
 from torchneox.data.tokenizers import Tokenizer, build_tokenizer
 
 
@@ -66,61 +65,12 @@ class PreprocessArgs:
         ]
 
 
-@dataclass(frozen=True)
-class _Line:
-    source: str
-    number: int
-    text: str
-    is_json: bool
-
-
 def tokenizer_config(args: PreprocessArgs) -> TokenizerConfig:
     tok = TokenizerConfig()
     tok.tokenizer_type = args.tokenizer_type  # type: ignore[assignment]
     tok.vocab_file = args.vocab_file
     tok.merge_file = args.merge_file
     return tok
-
-
-def _open_text(path: Path) -> io.TextIOBase:
-    if path.name.endswith(".zst"):
-        try:
-            import zstandard
-        except ImportError:
-            raise DataError(
-                f"{path}: reading .zst needs the zstandard package (pip install zstandard)"
-            ) from None
-        stream = zstandard.ZstdDecompressor().stream_reader(open(path, "rb"))  # noqa: SIM115
-        return io.TextIOWrapper(stream, encoding="utf-8")
-    return open(path, encoding="utf-8")
-
-
-def read_lines(inputs: list[str]) -> Iterator[_Line]:
-    for name in inputs:
-        path = Path(name)
-        if not path.is_file():
-            raise DataError(f"{name}: no such file")
-        is_json = ".json" in path.name
-        if not is_json and not path.name.endswith((".txt", ".txt.zst")):
-            raise DataError(
-                f"{name}: preprocess reads .jsonl (one JSON object per line), .jsonl.zst and .txt "
-                f"(one document per line); '{''.join(path.suffixes) or 'no suffix'}' is none of "
-                "them: convert it, or rename a plain-text file to .txt"
-            )
-        try:
-            with _open_text(path) as f:
-                for number, line in enumerate(f, start=1):
-                    text = line.rstrip("\n")
-                    if text.strip():
-                        yield _Line(name, number, text, is_json)
-        except UnicodeDecodeError as e:
-            raise DataError(f"{name}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-        except OSError as e:
-            raise DataError(f"{name}: cannot read ({e.strerror or e})") from None
-        except Exception as e:  # zstandard's own errors: a file that is not zstd at all
-            if type(e).__module__.startswith("zstandard"):
-                raise DataError(f"{name}: not a readable .zst file ({e})") from None
-            raise
 
 
 _TOKENIZERS: dict[tuple[str, str | None, str | None], Tokenizer | ChatTokenizer] = {}
@@ -142,7 +92,7 @@ class _Encoder:
                 else ChatTokenizer.from_file(str(self.args.vocab_file))
             )
 
-    def encode(self, line: _Line) -> tuple[list[list[int]] | str, int]:
+    def encode(self, line: Line) -> tuple[list[list[int]] | str, int]:
         """(ids per output dataset, bytes) or (error message, bytes)."""
         self.initialise()
         tok = _TOKENIZERS[self.key]

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Protocol
 
 from torchneox.base.errors import ConfigError, did_you_mean, first_line
-from torchneox.config.schema import NeoXConfig
 from torchneox.config.schema_io import TokenizerConfig
+from torchneox.data.text_input import read_lines
 
 END_OF_TEXT = "<|endoftext|>"
 PADDING = "<|padding|>"
@@ -105,12 +105,11 @@ def _need_file(path: str | None, key: str, kind: str) -> Path:
     return Path(path)
 
 
-def build_tokenizer(cfg: NeoXConfig | TokenizerConfig) -> Tokenizer:
-    """The tokenizer the tokenizer config group describes (a whole config is taken too)."""
+def build_tokenizer(tok: TokenizerConfig) -> Tokenizer:
+    """The tokenizer the ``tokenizer`` config group describes."""
     from tokenizers import Tokenizer as Backend
     from tokenizers import decoders, models, pre_tokenizers
 
-    tok = cfg.tokenizer if isinstance(cfg, NeoXConfig) else cfg
     kind = tok.tokenizer_type
     if kind == "CharLevelTokenizer":
         return CharLevelTokenizer()
@@ -240,7 +239,6 @@ def _texts(paths: list[str], keys: tuple[str, ...], seen: list[int]):
     import json
 
     from torchneox.base.errors import DataError
-    from torchneox.data.preprocess import read_lines
 
     for line in read_lines(paths):
         if not line.is_json:

@@ -175,6 +175,11 @@ def _byte_problems(reports: list[RankReport]) -> list[str]:
             )
             if got > want or (first and got != want):
                 out.append(f"rank {r.rank}: {part} {got:,} bytes where estimate computes {want:,}")
+        if r.bytes["build"] > r.expected["build"]:  # the builder held to estimate's build line
+            out.append(
+                f"rank {r.rank}: building the model holds {r.bytes['build']:,} bytes where "
+                f"estimate computes {r.expected['build']:,}"
+            )
     return out
 
 
@@ -218,6 +223,9 @@ def render_rank(r: RankReport, nodes: int) -> list[str]:
         same = "= estimate" if got == want else f"estimate {_size(want)}"
         parts.append(f"{part} {_size(got)} ({same})")
     lines.append("  holds " + ", ".join(parts))
+    got, want = r.bytes["build"], r.expected["build"]
+    same = "= estimate" if got == want else f"estimate {_size(want)}"
+    lines.append(f"  building the model: {_size(got)} ({same})")
     counts = collections.Counter(c.op for c in r.collectives)
     calls = ", ".join(f"{op} x{n}" for op, n in counts.most_common())
     lines.append(f"  step: {r.step}" + (f"; collectives {calls}" if calls else ""))

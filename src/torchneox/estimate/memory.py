@@ -12,6 +12,7 @@ from torchneox.config.optimizer import optimizer_spec
 from torchneox.config.sizes import is_moe_layer
 from torchneox.estimate.activations import Trace
 from torchneox.estimate.parameters import PARAM_BYTES, expert_sharded, local_numel
+from torchneox.models.transformer import is_drawn
 
 GIB = 2**30
 CUDA_RESERVE = 1.5 * GIB  # CUDA context, cuBLAS/NCCL workspaces
@@ -113,6 +114,18 @@ def state_bytes(
     return {"parts": parts, "resident": resident, "local": local, "temporary": temporary}
 
 
+def build_bytes(params: list[tuple[str, tuple]], layout: Layout, reference: bool) -> int:
+    """What a rank holds while the model is built (parallel/parallelize.py): its parameter
+    shards (and the reference model's, for DPO and KTO), and, where the weights are split at
+    all, the largest weight it draws whole to keep its part of it."""
+    tp, ep, fsdp = layout.tp, layout.ep, fsdp_ranks(layout)
+    shard = sum(local_numel(s, n, tp, fsdp, ep) for n, s in params) * PARAM_BYTES
+    largest = 0
+    if fsdp > 1 or tp > 1 or ep > 1:
+        largest = max((math.prod(s) for n, s in params if is_drawn(n)), default=0) * PARAM_BYTES
+    return shard * (2 if reference else 1) + largest
+
+
 def _activation_bytes(
     loaded: LoadedConfig,
     layout: Layout,
@@ -142,7 +155,7 @@ def _activation_bytes(
     )
     stored = recompute = 0.0
     for position, layer in enumerate(layers):
-        acts, weights, kept = moe if is_moe_layer(loaded.config, layer) else dense
+        acts, weights, kept = moe if is_moe_layer(loaded.config.moe, layer) else dense
         checkpointed = layout.checkpoint != "none" and position % layout.every == 0
         if not checkpointed:
             stored += acts + weights

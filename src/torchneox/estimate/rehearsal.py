@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torchneox.config.derive import derive
 from torchneox.config.layout import Layout
 from torchneox.config.load import LoadedConfig
-from torchneox.estimate.memory import optimizer_bytes_per_param, state_bytes
+from torchneox.estimate.memory import build_bytes, optimizer_bytes_per_param, state_bytes
 from torchneox.estimate.parameters import stage_params
 
 if TYPE_CHECKING:
@@ -234,6 +234,17 @@ def _measured(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict
     return out
 
 
+def _build_footprint(run: Run) -> int:
+    """What this rank held as the builder built its model from scratch: the parameter shards
+    (the reference's too) and the largest weight it drew whole (parallelize.footprint)."""
+    from torchneox.parallel.parallelize import EVERY_PARAMETER, footprint
+
+    spent = footprint(run.parts.model, init=EVERY_PARAMETER)
+    if run.parts.reference is not None:
+        spent.parameter_bytes += footprint(run.parts.reference).parameter_bytes
+    return spent.parameter_bytes + spent.largest_drawn_whole
+
+
 def _fake_step(run: Run, record: Any) -> str:
     """One training step on fake tensors, by the trainer's own step (``TrainStep``): a
     micro-batch's forward and backward (a pipeline's stages through ``RehearsedSchedule``),
@@ -347,6 +358,7 @@ def rehearse_rank(loaded: LoadedConfig, world: int, rank: int, nodes: int) -> Ra
             step = f"stopped, {type(e).__name__}: {first[:160]}"
         recorder.recording = False
         measured = {"parameters": held} | (measured or _measured(model, optimizer))
+    measured["build"] = _build_footprint(run)
     if note:
         step += f" ({note})"
     report = _report(loaded, run, rank, nodes, world, measured, step)
@@ -380,17 +392,21 @@ def expected_bytes(loaded: LoadedConfig, built: Run, stages: list[int]) -> dict[
     params = stage_params(loaded, built.derived["padded_vocab_size"], _stage_count(lay), method)
     opt = optimizer_bytes_per_param(loaded)
     out = {"parameters": 0, "gradients": 0, "optimizer": 0}
+    reference = built.parts.reference is not None
+    whole = [p for k in stages for p in params[k]]
     for k in stages:
         resident = state_bytes(params[k], lay, fsdp_ranks(lay), opt)["resident"]
         out["parameters"] += resident["parameter_shard"]
         out["gradients"] += resident["gradient_shard"]
         out["optimizer"] += resident["optimizer"]
+    out["build"] = build_bytes(whole, lay, reference)
     return out
 
 
 def _files(loaded: LoadedConfig, rank: int) -> list[str]:
     """The checkpoint files this rank writes at the run's first save."""
-    from torchneox.train.checkpoint import CONFIG_FILE, MANIFEST_FILE, META_FILE, save_iterations
+    from torchneox.train.checkpoint import save_iterations
+    from torchneox.train.checkpoint_format import CONFIG_FILE, MANIFEST_FILE, META_FILE
 
     ck = loaded.config.checkpoint
     if not ck.save:

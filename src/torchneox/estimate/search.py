@@ -21,7 +21,14 @@ from torchneox.config.derive import derive
 from torchneox.config.layout import Layout, check_layout, layout_problem
 from torchneox.config.load import LoadedConfig
 from torchneox.estimate.activations import trace_activations
-from torchneox.estimate.memory import CUDA_RESERVE, GIB, USABLE, memory_per_rank, step_time
+from torchneox.estimate.memory import (
+    CUDA_RESERVE,
+    GIB,
+    USABLE,
+    build_bytes,
+    memory_per_rank,
+    step_time,
+)
 from torchneox.estimate.parameters import stage_params
 from torchneox.train.hardware import ACCELERATORS, Accelerator, peak_tflops
 
@@ -49,14 +56,12 @@ def estimate(
     _check_batch(d)
     layout = Layout.from_derived(cfg, d)
     check_layout(loaded, layout)
-    acc = ACCELERATORS[gpu]
-    precision = d["precision"]
+    acc, precision = ACCELERATORS[gpu], d["precision"]
     peak = peak_tflops(acc, precision)
     method = cfg.parallel.pipe_partition_method
     vocab = d["padded_vocab_size"]
     trace = trace_activations(loaded, vocab, precision, layout.cp)
     stages_for = functools.cache(lambda pp: stage_params(loaded, vocab, pp, method))
-
     mem = memory_per_rank(loaded, layout, stages_for(layout.pp), trace, method)
     tokens = d["train_batch_size"] * cfg.model.seq_length
     flops_step = d["flops_per_token"] * tokens
@@ -75,6 +80,7 @@ def estimate(
             "peak_tflops": peak,
         },
         "memory_per_rank_bytes": mem["bytes"],
+        "build_bytes": _build_bytes(loaded, layout, stages),
         "resident_bytes": mem["resident"],
         # what the forward passes leave for backward; "activations" adds the block that full
         # or selective checkpointing rebuilds during backward
@@ -194,6 +200,16 @@ def _shard_groups(layout: Layout, per_node: int, nodes: int) -> list[int | None]
     return out
 
 
+def _build_bytes(loaded: LoadedConfig, layout: Layout, stages: list) -> int:
+    """What the most loaded rank holds as the model is built, before the first step
+    (parallel/parallelize.py): its shards (with the DPO/KTO reference's) and the largest weight
+    drawn whole."""
+    from torchneox.train.objectives import objective_for
+
+    reference = objective_for(loaded.config, 0).needs_reference
+    return max(build_bytes(params, layout, reference) for params in stages)
+
+
 def render(est: dict[str, Any]) -> str:
     """The estimate as text."""
 
@@ -226,6 +242,10 @@ def render(est: dict[str, Any]) -> str:
     lines.append(
         f"  {'total':<12} {gib(mem['total']):>12}  of {gib(est['usable_memory_bytes'])} usable "
         f"-> {'fits' if est['fits'] else 'does NOT fit'}"
+    )
+    lines.append(
+        f"  {'build':<12} {gib(est['build_bytes']):>12}  while the model is built: the "
+        "parameter shards and the largest weight drawn whole"
     )
     acts = est["activations_by_checkpointing_bytes"]
     lines.append(

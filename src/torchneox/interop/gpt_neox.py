@@ -24,7 +24,7 @@ from torchneox.interop.gpt_neox_files import (
 )
 from torchneox.interop.gpt_neox_optim import optimizer_state
 from torchneox.models.args import ModelArgs
-from torchneox.train import checkpoint
+from torchneox.train import checkpoint_format
 
 
 def _check_schedule(saved: Any, derived: Any) -> None:
@@ -111,7 +111,7 @@ def convert(
     yaml_text = render_yaml(with_absolute_paths(loaded), derived)
     out = Path(out_dir)
     with new_output_dir(out, force, "convert from-gpt-neox") as tmp:
-        step = checkpoint.save_checkpoint(tmp, meta["iteration"], state, yaml_text, meta)
+        step = checkpoint_format.save_checkpoint(tmp, meta["iteration"], state, yaml_text, meta)
     return out / step.name
 
 
@@ -145,7 +145,7 @@ def _checked_model_state(
     with torch.device("meta"):
         expected = {k: v.shape for k, v in Transformer(args).state_dict().items()}
     # a reward model converted from a language model's checkpoint: its head starts fresh
-    missing = sorted(set(expected) - set(weights) - set(checkpoint.FRESH_HEADS))
+    missing = sorted(set(expected) - set(weights) - set(weights.FRESH_HEADS))
     extra = sorted(set(weights) - set(expected))
     wrong = [k for k in expected if k in weights and weights[k].shape != expected[k]]
     if missing or extra or wrong:

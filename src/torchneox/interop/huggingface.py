@@ -21,7 +21,7 @@ from torchneox.models import hf
 from torchneox.models.args import ModelArgs, model_args
 from torchneox.models.hf_weights import WeightImporter, hf_tensors
 from torchneox.models.transformer import Transformer
-from torchneox.train import checkpoint
+from torchneox.train import checkpoint_format, weights
 
 TOKENIZER_COMPANIONS = (
     "tokenizer_config.json",  # its chat template and special tokens
@@ -152,7 +152,7 @@ def from_hf(
         loaded, sd = _read_hf(src, _tokenizer_keys(src, tmp, out), progress)
         yaml_text = render_yaml(loaded, derive(loaded))
         arch = hf.architecture_of(hf.read_config(src))
-        step = checkpoint.save_checkpoint(
+        step = checkpoint_format.save_checkpoint(
             tmp, 0, {"model": sd}, yaml_text, {"converted_from": arch}
         )
     return out / step.name
@@ -196,11 +196,11 @@ def to_hf(
     """A torchneox checkpoint -> a Hugging Face folder: safetensors in ``dtype`` (one file,
     or shards of at most ``max_shard_bytes`` and an index), config.json, generation_config.json
     and the tokenizer with its config and chat template."""
-    step_dir = checkpoint.resolve(ckpt)
-    loaded = checkpoint.checkpoint_config(step_dir)
+    step_dir = checkpoint_format.resolve(ckpt)
+    loaded = checkpoint_format.checkpoint_config(step_dir)
     args = model_args(loaded)
     arch = hf.export_architecture(args)
-    _, model = checkpoint.load_model(step_dir, stored_dtype=True)  # one copy, as stored
+    _, model = weights.load_model(step_dir, stored_dtype=True)  # one copy, as stored
     out = Path(out_dir)
     with new_output_dir(out, force, "convert to-hf") as tmp:
         tensors = hf_tensors(hf.causal_family(arch), model.state_dict(), args)
@@ -285,7 +285,7 @@ def _copy_tokenizer(loaded: LoadedConfig, out: Path) -> tuple[int | None, int | 
         return None, None
     from torchneox.data.tokenizers import END_OF_TEXT, PADDING, build_tokenizer
 
-    built = build_tokenizer(loaded.config)
+    built = build_tokenizer(loaded.config.tokenizer)
     folder = Path(tok.vocab_file).parent
     for name in TOKENIZER_COMPANIONS:
         if (folder / name).is_file():

@@ -75,7 +75,7 @@ class ModelArgs:
         ]
         if missing:
             raise ConfigError(f"the model needs {', '.join(missing)}", key=missing[0])
-        widths = mlp_widths(cfg)
+        widths = mlp_widths(cfg.model)
         norm = {"te_layernorm": "layernorm", "te_rmsnorm": "rmsnorm"}.get(m.norm, m.norm)
         epsilons = {"rmsnorm": m.rms_norm_epsilon, "scalenorm": m.scalenorm_epsilon}
         eps = epsilons.get(norm, m.layernorm_epsilon)
@@ -84,8 +84,8 @@ class ModelArgs:
             hidden_size=m.hidden_size,
             num_layers=m.num_layers,
             num_heads=m.num_attention_heads,
-            num_kv_heads=kv_heads(cfg),
-            head_dim=head_dim(cfg),
+            num_kv_heads=kv_heads(cfg.model),
+            head_dim=head_dim(cfg.model),
             mlp_width=widths.down,
             gated=widths.gated,
             activation=activation(cfg),
@@ -100,7 +100,7 @@ class ModelArgs:
             ),
             mlp_bias=m.use_bias_in_mlp,
             pos_emb=m.pos_emb,
-            rotary_dims=rotary_dims(cfg),
+            rotary_dims=rotary_dims(cfg.model),
             rotary_base=float(m.rotary_emb_base),
             rope_scaling=_rope_scaling(m.rope_scaling),
             max_positions=m.max_position_embeddings or m.seq_length,

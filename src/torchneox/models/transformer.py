@@ -48,6 +48,13 @@ OUTPUT_LAYERS = ("attention.wo.weight", "mlp.down.weight", "mlp.experts_down")
 """The parameters output_layer_init_method initialises (the rest: init_method)."""
 
 
+def is_drawn(name: str) -> bool:
+    """Whether initialisation draws parameter ``name`` from a generator (norms are set to one
+    and biases to zero where they are)."""
+    module, _, leaf = name.rpartition(".")
+    return not (module.endswith("norm") or leaf == "bias" or leaf.endswith("_bias"))
+
+
 def plain_name(name: str) -> str:
     """A parameter's name in the unwrapped model (what its seed and the checkpoints use)."""
     for wrapper in WRAPPERS:
@@ -73,11 +80,9 @@ def init_parameter(
     their name (then, for a shard, only its part kept)."""
     leaf = name.rsplit(".", 1)[-1]
     local, where = local_part(param)
-    if isinstance(owner, nn.LayerNorm | RMSNorm | ScaleNorm | HeadRMSNorm):
-        local.fill_(1.0 if leaf in ("weight", "g") else 0.0)
-        return
-    if leaf == "bias" or leaf.endswith("_bias"):
-        local.zero_()
+    if not is_drawn(name):
+        norm = isinstance(owner, nn.LayerNorm | RMSNorm | ScaleNorm | HeadRMSNorm)
+        local.fill_(1.0 if norm and leaf in ("weight", "g") else 0.0)
         return
     if where is not None and local.numel() == 0:  # an empty shard: nothing of it is kept
         return

@@ -28,7 +28,7 @@ from torch import nn
 from torchneox.config.fp8_plan import FP8Plan
 from torchneox.config.layout import Layout
 from torchneox.models.args import ModelArgs
-from torchneox.models.transformer import Transformer, local_part, plain_name
+from torchneox.models.transformer import Transformer, is_drawn, local_part, plain_name
 from torchneox.parallel.activation_ckpt import apply_activation_checkpointing, compile_blocks
 from torchneox.parallel.data_parallel import apply_data_parallel, shard_frozen
 from torchneox.parallel.dims import ParallelDims
@@ -157,7 +157,8 @@ def footprint(
     for name, param in model.named_parameters():
         local, where = local_part(param)
         out.parameter_bytes += local.numel() * local.element_size()
-        if where is not None and (init is None or plain_name(name) in init):
+        plain = plain_name(name)
+        if where is not None and is_drawn(plain) and (init is None or plain in init):
             out.largest_drawn_whole = max(
                 out.largest_drawn_whole, param.numel() * local.element_size()
             )

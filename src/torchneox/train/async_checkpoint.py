@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from torchneox.base.errors import CheckpointWriteError, TrainingStopped
 from torchneox.base.faults import fault_point
-from torchneox.train.checkpoint import (
+from torchneox.train.checkpoint_format import (
     prepare_partial,
     save_checkpoint,
     step_dir_name,

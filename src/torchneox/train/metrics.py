@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from torchneox.base.errors import ConfigError
-from torchneox.config.schema import NeoXConfig
+from torchneox.config.schema import LoggingConfig
 from torchneox.train import hardware
 
 
@@ -98,8 +98,10 @@ class MetricsLogger:
     """metrics.jsonl always; TensorBoard, W&B and Comet when the config asks for them."""
 
     def __init__(
-        self, cfg: NeoXConfig, log_dir: Path | None, resolved: dict[str, Any], rank0: bool = True
+        self, lg: LoggingConfig, log_dir: Path | None, resolved: dict[str, Any], rank0: bool = True
     ):
+        """``lg``: the logging config group; ``resolved``: every key's value (what W&B and
+        Comet record of the run)."""
         self.rank0 = rank0
         self.tty = sys.stdout.isatty()
         self.file = None
@@ -113,7 +115,6 @@ class MetricsLogger:
             path = log_dir / "metrics.jsonl"
             _drop_cut_line(path)
             self.file = open(path, "a")  # noqa: SIM115 - closed in close()
-        lg = cfg.logging
         if lg.tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter

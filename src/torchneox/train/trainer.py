@@ -33,17 +33,12 @@ from torchneox.parallel.parallelize import (
 )
 from torchneox.train import hardware
 from torchneox.train.assembly import add_step, build_run
-from torchneox.train.checkpoint import (
-    CheckpointManager,
-    Resumed,
-    TrainingState,
-    copy_weights,
-    missing_heads,
-)
+from torchneox.train.checkpoint import CheckpointManager, Resumed, TrainingState
 from torchneox.train.evaluation import Evaluator
 from torchneox.train.lr import Schedule
 from torchneox.train.metrics import MetricsLogger, Throughput, Timers, duration
 from torchneox.train.profiling import Profiler
+from torchneox.train.weights import copy_weights, missing_heads
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGHUP: the terminal went away
 STEP_KEYS = ("lm_loss", "lr", "grad_norm", "skipped", "z_loss", "moe_aux_loss")
@@ -86,17 +81,18 @@ class Trainer:
         self.train_iters = cfg.training.train_iters
         self.iteration = 0
         self.stop_requested = False
-        log_dir = cfg.logging.log_dir or cfg.checkpoint.save
-        self.logger = MetricsLogger(
-            cfg, Path(log_dir) if log_dir else None, cfg.to_flat(), rank0=self.dims.is_rank0
-        )
-        # what every checkpoint records of the config: its paths absolute, so it loads anywhere
+        # what every checkpoint records of the config: its paths absolute, so it loads anywhere;
+        # made first: an unwritable save directory is refused before anything is written
         self.checkpoints = CheckpointManager(
             cfg.checkpoint,
             self.train_iters,
             render_yaml(with_absolute_paths(loaded), d),
             self.dims.is_rank0,
-            self.logger.line,
+            lambda text: self.logger.line(text),
+        )
+        log_dir = cfg.logging.log_dir or cfg.checkpoint.save
+        self.logger = MetricsLogger(
+            cfg.logging, Path(log_dir) if log_dir else None, cfg.to_flat(), rank0=self.dims.is_rank0
         )
         # the checkpoint to load, known before building: its weights are not drawn first
         load = Path(cfg.checkpoint.load) if cfg.checkpoint.load else None
@@ -121,7 +117,7 @@ class Trainer:
     # ------------------------------------------------------------------------- setup
 
     def _fp8(self) -> FP8Plan | None:
-        plan = fp8_plan(self.cfg)
+        plan = fp8_plan(self.cfg.precision, self.cfg.model)
         if plan is not None:
             check_fp8_hardware(plan, self.device, self.dims.tp)
         return plan
@@ -149,8 +145,8 @@ class Trainer:
             drawn = int(count)
         if step_dir is None:
             self.logger.line(
-                f"weights: {drawn} parameters initialised from seed {self.cfg.training.seed}, "
-                "each rank drawing only its shards' values"
+                f"weights: {drawn} parameter tensors drawn from seed {self.cfg.training.seed}, "
+                "each rank keeping only its shards"
             )
         else:
             drawn_text = f"{drawn} fresh head(s) initialised" if drawn else "none initialised"
@@ -233,7 +229,7 @@ class Trainer:
         if not resumed.training_state:
             return resumed
         self.iteration = resumed.iteration
-        from torchneox.train.checkpoint import checkpoint_config
+        from torchneox.train.checkpoint_format import checkpoint_config
 
         saved = checkpoint_config(resumed.step_dir)
         if self.cfg.lr.use_checkpoint_lr_scheduler:
@@ -373,8 +369,11 @@ class Trainer:
             self.iteration,
             self.logger.line,
         )
+        first = self.iteration + 1
         while self.iteration < self.train_iters:
             out = self.train_step()
+            if self.iteration == first:
+                self._report_memory("after the first step")
             self.checkpoints.poll()  # a background save all ranks have written: finish it
             profiler.step()
             progress.report(out)

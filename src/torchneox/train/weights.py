@@ -1,0 +1,100 @@
+"""A model's weights read from a checkpoint (``checkpoint_format.py``'s files) into the tensors
+the model already has, whole or this rank's shards, so that no rank reads more than it holds:
+the one way every verb turns a checkpoint into a model (``load_model``), and what a resumed
+run loads (``load_model_weights``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from torchneox.base.errors import ConfigError
+from torchneox.config.load import LoadedConfig
+from torchneox.models.args import model_args
+from torchneox.models.transformer import Transformer
+from torchneox.train.checkpoint_format import checkpoint_config, load_state, resolve
+
+FRESH_HEADS = ("value_head.weight",)
+"""Weights a model may start without: a reward model's head, from a language model's
+checkpoint (GPT-NeoX loads it non-strictly: rm_linear keeps its initialisation)."""
+
+
+def missing_heads(step_dir: Path, prefix: str = "model") -> frozenset[str]:
+    """The fresh heads ``step_dir`` does not hold: what a model loading it must initialise."""
+    held = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    return frozenset(k for k in FRESH_HEADS if f"{prefix}.{k}" not in held)
+
+
+def load_model_weights(step_dir: Path, model: torch.nn.Module, prefix: str = "model") -> list[str]:
+    """Load the checkpoint's ``prefix`` weights into ``model``; returns the fresh heads the
+    checkpoint did not have (they keep their initialisation)."""
+    sd = model.state_dict()
+    expected = {k: tuple(v.shape) for k, v in sd.items()}
+    metadata = dcp.FileSystemReader(str(step_dir)).read_metadata()
+    fresh = []
+    for key, shape in expected.items():
+        entry = metadata.state_dict_metadata.get(f"{prefix}.{key}")
+        if entry is None and key in FRESH_HEADS:
+            fresh.append(key)
+            continue
+        if entry is None:
+            raise ConfigError(f"the checkpoint has no tensor {key}", source=str(step_dir))
+        if tuple(entry.size) != shape:
+            raise ConfigError(
+                f"tensor {key} has shape {tuple(entry.size)} in the checkpoint but {shape} in the "
+                "model the config describes",
+                source=str(step_dir),
+            )
+    wanted = {k: v for k, v in sd.items() if k not in fresh}
+    load_state(step_dir, {prefix: wanted})
+    model.load_state_dict(wanted, strict=not fresh)
+    return fresh
+
+
+@torch.no_grad()
+def copy_weights(source: torch.nn.Module, target: torch.nn.Module) -> None:
+    """``source``'s parameters into ``target``, a model of the same shape split the same way
+    (either may be wrapped for activation checkpointing or compiled)."""
+
+    def plain_name(name: str) -> str:
+        return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+    theirs = {plain_name(n): p for n, p in target.named_parameters()}
+    for name, param in source.named_parameters():
+        theirs[plain_name(name)].copy_(param)
+
+
+def load_model(
+    ckpt: str | Path,
+    overrides: list[str] | None = None,
+    device: str = "cpu",
+    step: int | None = None,
+    stored_dtype: bool = False,
+) -> tuple[LoadedConfig, Transformer]:
+    """The model a checkpoint holds (its step, or the latest), on ``device``, with its config
+    (``overrides`` applied): the one way every verb turns a checkpoint into a model. Its
+    parameters are fp32, or with ``stored_dtype`` the dtype the checkpoint keeps them in (a
+    bf16 model converted from the hub is then one bf16 copy in memory, not an fp32 one)."""
+    step_dir = resolve(ckpt, step)
+    loaded = checkpoint_config(step_dir, overrides)
+    dtype = _stored_dtype(step_dir) if stored_dtype else torch.float32
+    # nothing drawn but the heads the checkpoint lacks: every other weight is read from it
+    with torch.device("meta"):
+        model = Transformer(model_args(loaded)).to(dtype)
+    model.to_empty(device=device)
+    model.init_weights(device, only=missing_heads(step_dir))
+    load_model_weights(step_dir, model)
+    return loaded, model
+
+
+def _stored_dtype(step_dir: Path) -> torch.dtype:
+    """The one floating dtype of the checkpoint's model tensors (fp32 when they mix)."""
+    metadata = dcp.FileSystemReader(str(step_dir)).read_metadata()
+    dtypes = {
+        getattr(entry, "properties", None) and entry.properties.dtype
+        for name, entry in metadata.state_dict_metadata.items()
+        if name.startswith("model.")
+    }
+    return dtypes.pop() if len(dtypes) == 1 and None not in dtypes else torch.float32
