@@ -22,6 +22,36 @@ from pathlib import Path
 from _runs import synthetic_dataset
 
 
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _largest_peak_mib(pid: int) -> int:
+    """The largest resident high-water mark (VmHWM) among the launcher's processes, in MiB."""
+    peak = 0
+    for child in _descendants(pid):
+        try:
+            for line in Path(f"/proc/{child}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    peak = max(peak, int(line.split()[1]) // 1024)
+        except OSError:
+            continue
+    return peak
+
+
 def timed_run(config: Path, nproc: int, overrides: list[str]) -> dict:
     """Seconds from launch to the run being ready to step (its 'training ...' line) and to its
     first step's row, and the peak memory lines where the version prints them."""
@@ -38,9 +68,10 @@ def timed_run(config: Path, nproc: int, overrides: list[str]) -> dict:
         now = round(time.perf_counter() - start, 2)
         if line.startswith("training ") and "ready_s" not in row:
             row["ready_s"] = now  # built, loaded, about to step (older versions say it too)
+            row["ready_largest_rank_peak_mib"] = _largest_peak_mib(proc.pid)
         if "after building" in line:
             row["memory_after_building"] = line.strip()
-        if line.startswith("step 1/") and "first_step_s" not in row:
+        if line.startswith("step ") and "| loss" in line and "first_step_s" not in row:
             row["first_step_s"] = now
         if "after the first step" in line:
             row["memory_after_first_step"] = line.strip()
