@@ -23,7 +23,7 @@ from torchneox.config.derive import derive
 from torchneox.config.load import load_config
 
 NPROC = 8
-# about 302 M parameters: 1.21 GB of fp32 weights, in blocks whose largest weight (the MLP's)
+# about 303 M parameters: 1.21 GB of fp32 weights, in blocks whose largest weight (the MLP's)
 # is 64 MiB, the one tensor a rank draws whole at a time
 BIG = {"num_layers": 6, "hidden_size": 2048, "num_attention_heads": 16}
 TINY = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4}

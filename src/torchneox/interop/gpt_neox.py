@@ -25,6 +25,7 @@ from torchneox.interop.gpt_neox_files import (
 from torchneox.interop.gpt_neox_optim import optimizer_state
 from torchneox.models.args import ModelArgs
 from torchneox.train import checkpoint_format
+from torchneox.train.weights import FRESH_HEADS
 
 
 def _check_schedule(saved: Any, derived: Any) -> None:
@@ -145,7 +146,7 @@ def _checked_model_state(
     with torch.device("meta"):
         expected = {k: v.shape for k, v in Transformer(args).state_dict().items()}
     # a reward model converted from a language model's checkpoint: its head starts fresh
-    missing = sorted(set(expected) - set(weights) - set(weights.FRESH_HEADS))
+    missing = sorted(set(expected) - set(weights) - set(FRESH_HEADS))
     extra = sorted(set(weights) - set(expected))
     wrong = [k for k in expected if k in weights and weights[k].shape != expected[k]]
     if missing or extra or wrong:

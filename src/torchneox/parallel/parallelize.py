@@ -152,7 +152,6 @@ def footprint(
 ) -> Footprint:
     """The bytes of this rank's parameters and the largest parameter drawing them takes whole
     (the shape's bytes, on the meta device too: what the dry run and ``estimate`` check)."""
-
     out = Footprint(drawn=drawn)
     for name, param in model.named_parameters():
         local, where = local_part(param)

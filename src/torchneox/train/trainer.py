@@ -28,9 +28,7 @@ from torchneox.parallel import flight_recorder
 from torchneox.parallel.collectives import any_rank, mean_over_dp, sum_over_dp
 from torchneox.parallel.dims import ParallelDims, init_distributed
 from torchneox.parallel.fp8 import check_fp8_hardware
-from torchneox.parallel.parallelize import (
-    EVERY_PARAMETER,
-)
+from torchneox.parallel.parallelize import EVERY_PARAMETER
 from torchneox.train import hardware
 from torchneox.train.assembly import add_step, build_run
 from torchneox.train.checkpoint import CheckpointManager, Resumed, TrainingState
@@ -138,11 +136,13 @@ class Trainer:
         self._announce_weights(step_dir)
 
     def _announce_weights(self, step_dir: Path | None) -> None:
+        """Where the weights come from, and how many parameter tensors a rank drew (the most
+        any rank drew: with a pipeline, each draws its own stages')."""
         drawn = self.parts.footprint.drawn
         if self.dims.world_size > 1:
-            count = torch.tensor([drawn], dtype=torch.long)
+            count = torch.tensor([drawn], dtype=torch.long, device=self.device)
             dist.all_reduce(count, op=dist.ReduceOp.MAX)
-            drawn = int(count)
+            drawn = int(count.item())
         if step_dir is None:
             self.logger.line(
                 f"weights: {drawn} parameter tensors drawn from seed {self.cfg.training.seed}, "
