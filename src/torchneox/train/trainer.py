@@ -144,13 +144,13 @@ class Trainer:
             dist.all_reduce(count, op=dist.ReduceOp.MAX)
             drawn = int(count.item())
         if step_dir is None:
-            self.logger.line(
-                f"weights: {drawn} parameter tensors drawn from seed {self.cfg.training.seed}, "
-                "each rank keeping only its shards"
-            )
+            shards = ", each rank keeping only its shards" if self.dims.world_size > 1 else ""
+            seed = self.cfg.training.seed
+            self.logger.line(f"weights: {drawn} parameter tensors drawn from seed {seed}{shards}")
         else:
             drawn_text = f"{drawn} fresh head(s) initialised" if drawn else "none initialised"
-            self.logger.line(f"weights: read from {step_dir} into each rank's shards; {drawn_text}")
+            into = "into each rank's shards" if self.dims.world_size > 1 else "into the model"
+            self.logger.line(f"weights: read from {step_dir} {into}; {drawn_text}")
 
     def _report_memory(self, when: str) -> None:
         """Every rank's peak memory so far, in one line on rank 0."""
