@@ -33,7 +33,7 @@ from torchneox.models.init import init_function
 from torchneox.models.linear import Linear, linear
 from torchneox.models.mlp import MLP
 from torchneox.models.moe import MoE, RouterStats
-from torchneox.models.norms import HeadRMSNorm, RMSNorm, ScaleNorm, build_norm
+from torchneox.models.norms import build_norm
 from torchneox.models.positions import alibi_slopes, rotary_tables, sinusoidal_table
 
 
@@ -41,7 +41,7 @@ def _param_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
-WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
 """What activation checkpointing and torch.compile insert into parameter names."""
 
 OUTPUT_LAYERS = ("attention.wo.weight", "mlp.down.weight", "mlp.experts_down")
@@ -49,8 +49,8 @@ OUTPUT_LAYERS = ("attention.wo.weight", "mlp.down.weight", "mlp.experts_down")
 
 
 def is_drawn(name: str) -> bool:
-    """Whether initialisation draws parameter ``name`` from a generator (norms are set to one
-    and biases to zero where they are)."""
+    """Whether initialisation draws parameter ``name`` from a generator (a norm's parameters
+    and the biases are set in place: every norm module's name ends in "norm")."""
     module, _, leaf = name.rpartition(".")
     return not (module.endswith("norm") or leaf == "bias" or leaf.endswith("_bias"))
 
@@ -72,17 +72,15 @@ def local_part(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...] | N
     return param.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
 
 
-def init_parameter(
-    args: ModelArgs, name: str, param: torch.Tensor, owner: nn.Module, seed: int
-) -> None:
-    """Initialise ``param`` (named ``name`` in the unwrapped model, held by ``owner``) as one
-    process would: norms to one, biases to zero, weights drawn whole from the generator of
-    their name (then, for a shard, only its part kept)."""
-    leaf = name.rsplit(".", 1)[-1]
+def init_parameter(args: ModelArgs, name: str, param: torch.Tensor, seed: int) -> None:
+    """Initialise ``param`` (named ``name`` in the unwrapped model) as one process would: a
+    norm's scale to one, biases to zero, weights drawn whole from the generator of their name
+    (then, for a shard, only its part kept)."""
+    module, _, leaf = name.rpartition(".")
     local, where = local_part(param)
     if not is_drawn(name):
-        norm = isinstance(owner, nn.LayerNorm | RMSNorm | ScaleNorm | HeadRMSNorm)
-        local.fill_(1.0 if norm and leaf in ("weight", "g") else 0.0)
+        scale = module.endswith("norm") and leaf in ("weight", "g")
+        local.fill_(1.0 if scale else 0.0)
         return
     if where is not None and local.numel() == 0:  # an empty shard: nothing of it is kept
         return
@@ -213,9 +211,7 @@ class Transformer(nn.Module):
             plain = plain_name(name)
             if only is not None and plain not in only:
                 continue
-            init_parameter(
-                self.args, plain, param, self.get_submodule(name.rsplit(".", 1)[0]), seed
-            )
+            init_parameter(self.args, plain, param, seed)
             drawn += 1
         return drawn
 

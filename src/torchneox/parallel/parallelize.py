@@ -20,7 +20,7 @@ wrapped. With a pipeline each rank builds only its stages' layers the same way
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -58,17 +58,11 @@ class BuildOptions:
 
 @dataclass
 class Footprint:
-    """What building cost this rank: its parameters' bytes (its shards), the largest parameter
-    it drew whole to keep a part of it (the build's one temporary), and how many it drew."""
+    """What building a model costs a rank: its parameters' bytes (its shards) and the largest
+    parameter it draws whole to keep a part of it (the build's one temporary)."""
 
     parameter_bytes: int = 0
     largest_drawn_whole: int = 0
-    drawn: int = 0
-
-    def add(self, other: Footprint) -> None:
-        self.parameter_bytes += other.parameter_bytes
-        self.largest_drawn_whole = max(self.largest_drawn_whole, other.largest_drawn_whole)
-        self.drawn += other.drawn
 
 
 @dataclass
@@ -84,8 +78,8 @@ class ParallelModel:
     """A frozen copy (DPO, KTO): sharded as the policy is, without gradients or optimizer."""
     reference_pipeline: Pipeline | None = None
     """With a pipeline: the reference's stages (``reference`` is their container)."""
-    footprint: Footprint = field(default_factory=Footprint)
-    """What building the policy and the reference cost this rank."""
+    drawn: int = 0
+    """How many parameters this rank drew (none when every weight is loaded)."""
 
 
 def split(
@@ -139,20 +133,18 @@ def shard(
 
 def materialise(
     model: Transformer, device: torch.device, seed: int, init: Collection[str] | None
-) -> Footprint:
+) -> int:
     """Allocate this rank's part of every parameter on ``device`` and draw those ``init`` names
-    (None: all); the position tables are computed there too."""
+    (None: all); the position tables are computed there too. Returns how many were drawn."""
     model.to_empty(device=device)
-    drawn = model.init_weights(device, seed=seed, only=init)
-    return footprint(model, drawn, init)
+    return model.init_weights(device, seed=seed, only=init)
 
 
-def footprint(
-    model: nn.Module, drawn: int = 0, init: Collection[str] | None = NO_PARAMETER
-) -> Footprint:
-    """The bytes of this rank's parameters and the largest parameter drawing them takes whole
-    (the shape's bytes, on the meta device too: what the dry run and ``estimate`` check)."""
-    out = Footprint(drawn=drawn)
+def footprint(model: nn.Module, init: Collection[str] | None = NO_PARAMETER) -> Footprint:
+    """The bytes of this rank's parameters and the largest of the ``init`` ones (None: all) that
+    drawing them takes whole (the shape's bytes, on the meta device too: what the dry run holds
+    to ``estimate``'s build line)."""
+    out = Footprint()
     for name, param in model.named_parameters():
         local, where = local_part(param)
         out.parameter_bytes += local.numel() * local.element_size()
@@ -178,24 +170,22 @@ def build_parallel_model(
     weight will be loaded). With a pipeline: this rank's stages and the schedule that runs them
     with ``pipeline_loss``."""
     if dims.pp > 1:
-        spent = Footprint()
+        drawn = [0]
 
         def prepare(part: Transformer) -> None:
             shard(part, dims, layout, options, split(part, dims, layout, options))
-            spent.add(materialise(part, device, options.seed, init))
+            drawn[0] += materialise(part, device, options.seed, init)
 
         pipeline = build_pipeline(args, dims.mesh["pp"], device, layout, pipeline_loss, prepare)
-        return ParallelModel(pipeline.container, pipeline.container, pipeline, footprint=spent)
+        return ParallelModel(pipeline.container, pipeline.container, pipeline, drawn=drawn[0])
     with torch.device("meta"):
         model = Transformer(args)
     expert_params = split(model, dims, layout, options)
     if replicated(dims, layout):  # DDP broadcasts rank 0's weights as it wraps: values first
-        spent = materialise(model, device, options.seed, init)
-        return ParallelModel(
-            model, shard(model, dims, layout, options, expert_params), footprint=spent
-        )
+        drawn = materialise(model, device, options.seed, init)
+        return ParallelModel(model, shard(model, dims, layout, options, expert_params), drawn=drawn)
     module = shard(model, dims, layout, options, expert_params)
-    return ParallelModel(model, module, footprint=materialise(model, device, options.seed, init))
+    return ParallelModel(model, module, drawn=materialise(model, device, options.seed, init))
 
 
 def _freeze(model: Transformer, dims: ParallelDims, layout: Layout) -> None:
@@ -214,32 +204,23 @@ def _freeze(model: Transformer, dims: ParallelDims, layout: Layout) -> None:
 
 def build_reference(
     args: ModelArgs, dims: ParallelDims, layout: Layout, device: torch.device
-) -> tuple[nn.Module, Pipeline | None, Footprint]:
+) -> tuple[nn.Module, Pipeline | None]:
     """The frozen reference model of DPO and KTO: the policy's architecture split as the
     policy is (with a pipeline, into the same stages), in eval mode, without gradients (so
     without optimizer state), built on the meta device and materialised shard by shard with
     nothing drawn: its weights are loaded after (the policy's initial ones, or a
-    checkpoint's). Returns the model (a pipeline's: the container of its stages), the pipeline,
-    and what it cost this rank."""
-    spent = Footprint()
+    checkpoint's). Returns the model (a pipeline's: the container of its stages) and the
+    pipeline."""
 
     def prepare(part: Transformer) -> None:
         _freeze(part, dims, layout)
-        spent.add(materialise(part, device, 0, NO_PARAMETER))
+        materialise(part, device, 0, NO_PARAMETER)
 
     if dims.pp > 1:
         pipeline = build_pipeline(args, dims.mesh["pp"], device, layout, None, prepare)
         pipeline.container.requires_grad_(False)
-        return pipeline.container.eval(), pipeline, spent
+        return pipeline.container.eval(), pipeline
     with torch.device("meta"):
         model = Transformer(args)
     prepare(model)
-    return model, None, spent
-
-
-def add_reference(
-    parts: ParallelModel, args: ModelArgs, dims: ParallelDims, layout: Layout, device: torch.device
-) -> None:
-    """Build the reference model into ``parts`` (its cost added to the footprint)."""
-    parts.reference, parts.reference_pipeline, spent = build_reference(args, dims, layout, device)
-    parts.footprint.add(spent)
+    return model, None

@@ -24,8 +24,8 @@ from torchneox.parallel.dims import ParallelDims
 from torchneox.parallel.parallelize import (
     BuildOptions,
     ParallelModel,
-    add_reference,
     build_parallel_model,
+    build_reference,
 )
 from torchneox.train.lr import Schedule
 from torchneox.train.metrics import Timers
@@ -104,7 +104,9 @@ def build_run(
         device,
     )
     if run.objective.needs_reference:
-        add_reference(run.parts, args, dims, layout, device)
+        run.parts.reference, run.parts.reference_pipeline = build_reference(
+            args, dims, layout, device
+        )
     return run
 
 

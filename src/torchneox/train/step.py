@@ -314,9 +314,11 @@ class Update:
         """Whether the step's checks wait on the device: the fused update can skip a step
         there (every group fused: a loaded optimizer state brings its groups' flags); fp16's
         loss scale is decided on the host. Always without ``read_back`` (the dry run)."""
-        groups = self.optimizer.param_groups
-        fused = self.precision != "fp16" and all(g.get("fused") for g in groups)
-        return fused or not self.read_back
+        return (self.precision != "fp16" and self._fused) or not self.read_back
+
+    @property
+    def _fused(self) -> bool:
+        return all(g.get("fused") for g in self.optimizer.param_groups)
 
     def __call__(
         self, iteration: int, lr: float, loss: torch.Tensor
@@ -347,7 +349,7 @@ class Update:
         (An unfused optimizer comes here only in the dry run, which never reads either.)"""
         norm = self.clip_gradients()
         bad = (~torch.isfinite(loss.float()) | ~torch.isfinite(norm)).float()
-        if all(g.get("fused") for g in self.optimizer.param_groups):
+        if self._fused:
             self.optimizer.found_inf = bad  # read by the fused kernel: 1 leaves weights, state
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

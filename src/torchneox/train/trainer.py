@@ -138,7 +138,7 @@ class Trainer:
     def _announce_weights(self, step_dir: Path | None) -> None:
         """Where the weights come from, and how many parameter tensors a rank drew (the most
         any rank drew: with a pipeline, each draws its own stages')."""
-        drawn = self.parts.footprint.drawn
+        drawn = self.parts.drawn
         if self.dims.world_size > 1:
             count = torch.tensor([drawn], dtype=torch.long, device=self.device)
             dist.all_reduce(count, op=dist.ReduceOp.MAX)

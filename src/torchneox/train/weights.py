@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torchneox.base.errors import ConfigError
 from torchneox.config.load import LoadedConfig
 from torchneox.models.args import model_args
-from torchneox.models.transformer import Transformer
+from torchneox.models.transformer import Transformer, plain_name
 from torchneox.train.checkpoint_format import checkpoint_config, load_state, resolve
 
 FRESH_HEADS = ("value_head.weight",)
@@ -57,10 +57,6 @@ def load_model_weights(step_dir: Path, model: torch.nn.Module, prefix: str = "mo
 def copy_weights(source: torch.nn.Module, target: torch.nn.Module) -> None:
     """``source``'s parameters into ``target``, a model of the same shape split the same way
     (either may be wrapped for activation checkpointing or compiled)."""
-
-    def plain_name(name: str) -> str:
-        return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-
     theirs = {plain_name(n): p for n, p in target.named_parameters()}
     for name, param in source.named_parameters():
         theirs[plain_name(name)].copy_(param)
