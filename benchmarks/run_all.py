@@ -61,8 +61,13 @@ def machine() -> str:
     return f"CPU ({os.cpu_count()} cores, {platform.machine()})"
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, as every torchneox verb's mistakes
+        self.exit(2, f"torchneox: error: torchneox bench: {message} (see --help)\n")
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = _Parser(prog="torchneox bench", description=__doc__)
     parser.add_argument("--only", nargs="+", choices=BENCHMARKS, metavar="NAME")
     parser.add_argument("--list", action="store_true")
     parser.add_argument("--results", default=str(HERE / "results.jsonl"))

@@ -6,6 +6,8 @@ they are parsed."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from torchneox.cli import main
@@ -510,6 +512,9 @@ VERB_CASES = {
         "nope.yml: no such config file",
     ),
     "estimate-unknown-gpu": (["estimate", "model.yml", "--gpus", "8", "--gpu", "tpu9"], "tpu9"),
+    "keys-unknown-option": (["config", "keys", "--markdwn"], "unrecognized arguments: --markdwn"),
+    "demo-dir-is-a-file": (["demo", "--dir", "empty.yml/x"], "empty.yml: is a file"),
+    "demo-bad-set": (["demo", "--set", "hiden_size=3"], "did you mean hidden_size?"),
     "unknown-verb": (["trian", "c.yml"], "invalid choice: 'trian'"),
     "no-verb": ([], "the following arguments are required"),
 }
@@ -534,3 +539,48 @@ def test_every_verb_names_the_mistake_in_one_line(case, tmp_path, monkeypatch, c
     assert words in captured.err, captured.err
     assert "Traceback" not in captured.err
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
+
+
+def test_a_benchmark_that_does_not_exist_is_one_line(capfd):
+    """bench hands its arguments to benchmarks/run_all.py, whose mistakes are one line too."""
+    assert main(["bench", "--only", "nothing_such"]) == 2
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("torchneox: error: torchneox bench: "), err
+    assert "invalid choice: 'nothing_such'" in err
+
+
+def _leaf_verbs(parser, prefix=()) -> list[tuple[str, ...]]:
+    import argparse
+
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        return [prefix]
+    return [v for name, sub in subs[0].choices.items() for v in _leaf_verbs(sub, (*prefix, name))]
+
+
+def test_every_verb_is_tried_with_a_mistake():
+    """README and reliability.md promise one line and exit 2 for every verb's mistakes: each verb
+    the parser knows (a new one included) must have a case in these tables."""
+    from torchneox.cli.parser import build_parser
+
+    tried = [argv for argv, _ in [*VERB_CASES.values(), *OPTION_CASES.values()]]
+    tried.append(["bench"])  # test_a_benchmark_that_does_not_exist_is_one_line
+    verbs = _leaf_verbs(build_parser())
+    assert len(verbs) >= 16
+    untried = [v for v in verbs if not any(tuple(a[: len(v)]) == v for a in tried)]
+    assert not untried, f"verbs without a bad-input case: {untried}"
+
+
+def test_the_readme_s_example_mistake_reads_as_shown(tmp_path, monkeypatch, capsys):
+    """The README's first example of a mistake, run as it is written."""
+    import re
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    command, shown = re.search(
+        r"\$ torchneox (config explain \S+)\n(torchneox: error: .*)\n", readme
+    ).groups()
+    monkeypatch.chdir(tmp_path)
+    name = command.split()[-1]
+    (tmp_path / name).write_text(f"{{{shown.split(': ')[3]}: 64}}\n")
+    assert main(command.split()) == 2
+    assert capsys.readouterr().err == shown + "\n"

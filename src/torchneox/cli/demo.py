@@ -14,6 +14,7 @@ PROMPTS = ["Return the ", "This module provides ", "The default value is "]
 
 
 def run_demo(folder: Path, overrides: list[str]) -> int:
+    from torchneox.base.errors import ConfigError
     from torchneox.config.load import load_config
     from torchneox.data.tokenizers import build_tokenizer
     from torchneox.inference.generate import Sampling, TextGenerator
@@ -22,6 +23,12 @@ def run_demo(folder: Path, overrides: list[str]) -> int:
 
     data_prefix = folder / "data" / "pydocs"
     document_prefix = Path(f"{data_prefix}_text_document")
+    run_dir = folder / "run"
+    settings = [f"data_path={document_prefix}", f"save={run_dir}", f"load={run_dir}", *overrides]
+    config = load_config([CONFIG], settings)  # a wrong --set is named before anything is written
+    for part in (run_dir, folder / "data", folder, *folder.parents):
+        if part.exists() and not part.is_dir():
+            raise ConfigError("is a file; the demo needs a folder here (--dir)", source=str(part))
     if not Path(f"{document_prefix}.idx").is_file():
         print(
             "== 1. the built-in corpus (frozen Python 3.11 docstrings), byte-level tokens",
@@ -37,9 +44,7 @@ def run_demo(folder: Path, overrides: list[str]) -> int:
     else:
         print(f"== 1. the built-in corpus is ready in {document_prefix}", flush=True)
     print(f"\n== 2. training {CONFIG.name} on the CPU", flush=True)
-    run_dir = folder / "run"
-    settings = [f"data_path={document_prefix}", f"save={run_dir}", f"load={run_dir}", *overrides]
-    Trainer(load_config([CONFIG], settings), device="cpu").run()
+    Trainer(config, device="cpu").run()
     print("\n== 3. generating from the trained model", flush=True)
     loaded, model = load_model(run_dir)
     tokenizer = build_tokenizer(loaded.config.tokenizer)
