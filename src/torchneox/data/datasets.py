@@ -165,6 +165,11 @@ def _columns(
             "labels given for one side of the pairs only; give both pos_ and neg_ label paths",
             key=f"neg_{split}_label_data_paths",
         )
+    if len(texts) == 2 and not labels:
+        # no label datasets: the tokens are their own labels and the padding after them is
+        # masked (-100), as GPT-NeoX means it ("pad with 0s ... since it's masked") where its
+        # mask (token >= 0) keeps the padding and DPO sums log-probabilities over it
+        labels = [Column(f"{t.key}_label", t.data, pad=-100) for t in texts]
     refs = _precomputed(precompute, texts) if precompute else []
     reward_path = _paths_at(d, f"{split}_reward_data_paths", i, count)
     if reward_path is not None and not sides[0]:
