@@ -199,6 +199,12 @@ def test_a_parts_list_s_text_parts_are_joined(tmp_path):
     assert list(tokens[0]) == list(tokens[1]) and list(labels[0]) == list(labels[1])
 
 
+def test_a_template_that_does_not_compile_is_one_line_naming_its_file(tmp_path, capsys):
+    make_chat_tokenizer(tmp_path / "tok", template="{% for m in messages %}{{ m['content'] }}")
+    code = _preprocess(tmp_path, [{"messages": CHAT}])
+    _refused(tmp_path, capsys, code, "tokenizer_config.json: the chat template does not compile")
+
+
 def test_a_template_s_raise_exception_is_one_line_naming_the_record(tmp_path, capsys):
     template = (
         "{% for message in messages %}{% if message['role'] == 'system' %}"
@@ -228,7 +234,6 @@ def test_a_template_s_raise_exception_is_one_line_naming_the_record(tmp_path, ca
 def test_a_reward_that_is_not_finite_within_int32_or_a_truth_is_refused(
     tmp_path, capsys, reward, flags, message
 ):
-    (tmp_path / "data.jsonl").parent.mkdir(exist_ok=True)
     good = json.dumps({"messages": CHAT, "reward": 1})
     make_chat_tokenizer(tmp_path / "tok")
     folder = tmp_path / "tok"
@@ -250,6 +255,13 @@ def test_fractional_rewards_are_stored_whole_and_binary_rewards_parsed_strictly(
     stored = IndexedDataset(tmp_path / "out" / "x_messages_reward_document")
     assert stored.dtype == np.float32
     assert [float(stored[i][0]) for i in range(3)] == rewards
+    # ... and KTO's samples carry them (not 0)
+    from torchneox.data.documents import Column, document_samples
+
+    text = IndexedDataset(tmp_path / "out" / "x_messages_document")
+    columns = [Column("text", text), Column("reward", stored, per_document=True, dtype=np.float32)]
+    samples = document_samples(columns, "unpacked", 3, 128, 1234, True, False)
+    assert {float(samples[i]["reward"][0]) for i in range(3)} == set(rewards)
     truths = [True, "false", "TRUE", 0, "1", False]
     records = [{"messages": CHAT, "reward": t} for t in truths]
     assert (

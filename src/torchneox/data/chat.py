@@ -82,6 +82,10 @@ class ChatTokenizer:
         }
         eos = specials.get("eos_token")
         eos_id = backend.token_to_id(eos) if eos is not None else None
+        try:
+            _compiled(template)  # a template that does not compile is said before any reading
+        except DataError as e:
+            raise DataError(f"{config_path}: {e}") from None
         return cls(backend, template, specials, eos_id, str(config_path))
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
@@ -96,8 +100,11 @@ class ChatTokenizer:
         template that fails (its own ``raise_exception`` too) is a DataError naming ``where``."""
         from jinja2.exceptions import TemplateError
 
+        render = _compiled(self.template)  # outside the try: its DataError is a ValueError
         try:
-            text = self.render(messages, add_generation_prompt)
+            text = render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self.specials
+            )
         except TemplateError as e:  # raise_exception's message, or an undefined name
             raise DataError(
                 f"{where}: the chat template of {self.source} refused it: {e}"
