@@ -172,7 +172,7 @@ class GPTDataset:
         if tokens < self.seq_length + 1:
             raise DataError(
                 f"{self.indexed.prefix}: the {self.name} split has {tokens:,} tokens "
-                f"({len(self.documents):,} documents), fewer than one sample of seq_length + 1 "
+                f"({len(self.documents):,} document{'s' * (len(self.documents) != 1)}), fewer than one sample of seq_length + 1 "
                 f"= {self.seq_length + 1:,} tokens (each sample would repeat them); add data or "
                 "lower seq_length"
             )
