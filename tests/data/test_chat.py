@@ -148,3 +148,125 @@ def test_chat_flags_without_chat_and_a_tokenizer_without_template_are_refused(tm
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     assert main([*args, "--tokenizer-path", str(folder), "--jsonl-keys", "messages"]) == 2
     assert "tokenizer_config.json: no chat_template" in capsys.readouterr().err
+
+
+def _preprocess(tmp_path, records: list, *flags: str) -> int:
+    folder = tmp_path / "tok"
+    if not folder.exists():
+        make_chat_tokenizer(folder)
+    data = _chat_jsonl(tmp_path / "data.jsonl", records)
+    args = ["preprocess", "--input", str(data), "--output-prefix", str(tmp_path / "out" / "x")]
+    return main([*args, "--tokenizer-path", str(folder), "--jsonl-keys", "messages", *flags])
+
+
+def _refused(tmp_path, capsys, code: int, message: str) -> None:
+    """Exit 2, one line holding ``message``, and no dataset written."""
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "data.jsonl:2: 'messages' message 1: the content is null; give a string or"),
+        (3, "data.jsonl:2: 'messages' message 1: the content is the number 3;"),
+        ({"text": "x"}, "data.jsonl:2: 'messages' message 1: the content is the dict"),
+        (
+            [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}],
+            "data.jsonl:2: 'messages' message 1 part 1 is a 'image_url' part; only text parts",
+        ),
+        (["a"], "data.jsonl:2: 'messages' message 1 part 0 is the str \"a\"; only text parts"),
+    ],
+)
+def test_chat_content_that_is_no_text_is_refused_naming_the_message(
+    tmp_path, capsys, content, message
+):
+    chat = [CHAT[1], {"role": "assistant", "content": content}]
+    _refused(
+        tmp_path, capsys, _preprocess(tmp_path, [{"messages": CHAT}, {"messages": chat}]), message
+    )
+
+
+def test_a_parts_list_s_text_parts_are_joined(tmp_path):
+    """OpenAI-style content parts render as their texts concatenated, as a string would."""
+    parts = [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo."}]
+    chat = [CHAT[1], {"role": "assistant", "content": parts}]
+    assert _preprocess(tmp_path, [{"messages": chat}, {"messages": CHAT[1:3]}]) == 0
+    tokens = IndexedDataset(tmp_path / "out" / "x_messages_document")
+    labels = IndexedDataset(tmp_path / "out" / "x_messages_label_document")
+    assert list(tokens[0]) == list(tokens[1]) and list(labels[0]) == list(labels[1])
+
+
+def test_a_template_that_does_not_compile_is_one_line_naming_its_file(tmp_path, capsys):
+    make_chat_tokenizer(tmp_path / "tok", template="{% for m in messages %}{{ m['content'] }}")
+    code = _preprocess(tmp_path, [{"messages": CHAT}])
+    _refused(tmp_path, capsys, code, "tokenizer_config.json: the chat template does not compile")
+
+
+def test_a_template_s_raise_exception_is_one_line_naming_the_record(tmp_path, capsys):
+    template = (
+        "{% for message in messages %}{% if message['role'] == 'system' %}"
+        "{{ raise_exception('System role not supported') }}{% endif %}"
+        "{{ '<|' + message['role'] + '|>' + message['content'] + '\\n' }}{% endfor %}"
+    )
+    make_chat_tokenizer(tmp_path / "tok", template=template)
+    code = _preprocess(tmp_path, [{"messages": CHAT[1:3]}, {"messages": CHAT}])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert "data.jsonl:2: 'messages': the chat template of " in err
+    assert err.strip().endswith("refused it: System role not supported")
+
+
+@pytest.mark.parametrize(
+    "reward, flags, message",
+    [
+        ("NaN", [], "data.jsonl:2: 'reward' is nan; a reward must be a finite number"),
+        ("Infinity", [], "data.jsonl:2: 'reward' is inf; a reward must be a finite number"),
+        ("1e12", [], "data.jsonl:2: 'reward' is 1000000000000.0, outside int32"),
+        ("-3000000000", [], "data.jsonl:2: 'reward' is -3000000000, outside int32"),
+        ('"yes"', ["--binary-reward"], "data.jsonl:2: 'reward' is 'yes'; --binary-reward reads"),
+        ("-1", ["--binary-reward"], "data.jsonl:2: 'reward' is -1; --binary-reward reads"),
+        ("0.5", ["--binary-reward"], "data.jsonl:2: 'reward' is 0.5; --binary-reward reads"),
+    ],
+)
+def test_a_reward_that_is_not_finite_within_int32_or_a_truth_is_refused(
+    tmp_path, capsys, reward, flags, message
+):
+    good = json.dumps({"messages": CHAT, "reward": 1})
+    make_chat_tokenizer(tmp_path / "tok")
+    folder = tmp_path / "tok"
+    data = tmp_path / "data.jsonl"
+    data.write_text(
+        good + "\n" + '{"messages": ' + json.dumps(CHAT) + ', "reward": ' + reward + "}\n"
+    )
+    args = ["preprocess", "--input", str(data), "--output-prefix", str(tmp_path / "out" / "x")]
+    args += ["--tokenizer-path", str(folder), "--jsonl-keys", "messages", "--reward-key", "reward"]
+    _refused(tmp_path, capsys, main([*args, *flags]), message)
+
+
+def test_fractional_rewards_are_stored_whole_and_binary_rewards_parsed_strictly(tmp_path):
+    """A fractional reward is kept (float32), never truncated to 0; whole ones stay int32 as
+    GPT-NeoX writes them; --binary-reward reads "false" as -1."""
+    rewards = [0.5, -0.25, 2]
+    records = [{"messages": CHAT, "reward": r} for r in rewards]
+    assert _preprocess(tmp_path, records, "--reward-key", "reward") == 0
+    stored = IndexedDataset(tmp_path / "out" / "x_messages_reward_document")
+    assert stored.dtype == np.float32
+    assert [float(stored[i][0]) for i in range(3)] == rewards
+    # ... and KTO's samples carry them (not 0)
+    from torchneox.data.documents import Column, document_samples
+
+    text = IndexedDataset(tmp_path / "out" / "x_messages_document")
+    columns = [Column("text", text), Column("reward", stored, per_document=True, dtype=np.float32)]
+    samples = document_samples(columns, "unpacked", 3, 128, 1234, True, False)
+    assert {float(samples[i]["reward"][0]) for i in range(3)} == set(rewards)
+    truths = [True, "false", "TRUE", 0, "1", False]
+    records = [{"messages": CHAT, "reward": t} for t in truths]
+    assert (
+        _preprocess(tmp_path, records, "--reward-key", "reward", "--binary-reward", "--force") == 0
+    )
+    stored = IndexedDataset(tmp_path / "out" / "x_messages_reward_document")
+    assert stored.dtype == np.int32
+    assert [int(stored[i][0]) for i in range(6)] == [1, -1, 1, -1, 1, -1]

@@ -397,3 +397,31 @@ def test_index_caches_without_a_source_record_are_used_when_they_fit(tmp_path):
     stamp = built.index_files["doc_idx"].stat().st_mtime_ns
     again = GPTDataset(ds, "train", np.arange(100, dtype=np.int32), 50, 16, 1234)
     assert again.index_files["doc_idx"].stat().st_mtime_ns == stamp  # not rebuilt
+
+
+@pytest.mark.parametrize("verb", ["data", "train"])
+def test_a_dataset_smaller_than_one_sample_is_refused(tmp_path, capsys, verb):
+    """5 tokens cannot fill one sample of seq_length + 1 = 17: GPT-NeoX would repeat them
+    within each sample, epoch after epoch; the run is refused naming the dataset and sizes."""
+    write_dataset(tmp_path / "t", [[5, 6, 7], [8, 9]])
+    cfg = str(_config(tmp_path, tmp_path / "t", split="100,0,0"))
+    args = ["data", "batch", cfg, "--iteration", "1"] if verb == "data" else ["train", cfg]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert f"{tmp_path / 't'}: the train split has 5 tokens (2 documents), fewer than one " in err
+    assert "sample of seq_length + 1 = 17 tokens" in err
+
+
+def test_an_evaluation_split_smaller_than_one_sample_is_not_evaluated_and_said(tmp_path):
+    from torchneox.config.load import load_config
+    from torchneox.data.datasets import build_splits
+
+    write_dataset(tmp_path / "t", [[5 + n % 9] * 10 for n in range(20)])
+    cfg = _config(tmp_path, tmp_path / "t", split="90,10,0", seq_length=32)
+    splits = build_splits(load_config([str(cfg)]).config, 4)
+    assert splits.train is not None and splits.valid is None
+    assert splits.notes == [
+        f"{tmp_path / 't'}: split '90,10,0' gives the valid split 20 tokens, fewer than one "
+        "sample of seq_length + 1 = 33; valid is not evaluated"
+    ]

@@ -172,3 +172,29 @@ def test_the_documents_longer_than_a_sample_are_left_out_without_allow_chopped(t
     used = {int(d) for d in splits.train.datasets[0].doc_idx}
     assert used and all(text.sizes[d] <= 41 for d in used)
     assert any(s > 41 for s in text.sizes)  # some were left out
+
+
+def test_dpo_without_label_data_leaves_the_padding_out(tmp_path):
+    """Without label datasets the chosen and rejected tokens are learnt, the padding after
+    them is not: DPO's summed log-probabilities cover each sample's real tokens only."""
+    import torch
+
+    from torchneox.train.objectives import DPO
+
+    docs = [[5, 6, 7], [8, 9, 10, 11]]
+    loaded = load_mapping(bad_pairs(tmp_path, docs, docs[::-1]), "dpo.yml")
+    samples = build_splits(loaded.config, 2, 512).train
+    rows = [samples[i] for i in range(2)]
+    batch = {k: torch.as_tensor(np.stack([r[k] for r in rows])) for k in ("pos", "neg")}
+    batch |= {k: torch.as_tensor(np.stack([r[k] for r in rows])) for k in rows[0] if "label" in k}
+    prep = DPO().prepare(batch)
+    # a sample is its document and the next document's first token: len(doc) predictions count
+    counted = {5: 3, 8: 4}
+    real = [counted[int(t)] for t in torch.cat([batch["pos"][:, 0], batch["neg"][:, 0]])]
+    assert prep.mask.sum(-1).tolist() == real
+    logits = torch.randn(4, 16, 512, generator=torch.Generator().manual_seed(0))
+    terms = DPO(reference_free=True).terms(logits, prep)
+    logp = torch.log_softmax(logits, -1).gather(-1, prep.labels[..., None])[..., 0]
+    sums = torch.stack([logp[i, :n].sum() for i, n in enumerate(real)])
+    assert torch.allclose(terms.metrics["chosen_pos"], sums[:2].mean(), atol=1e-5)
+    assert torch.allclose(terms.metrics["chosen_neg"], sums[2:].mean(), atol=1e-5)

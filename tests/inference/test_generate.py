@@ -97,3 +97,35 @@ def test_static_decode_loop_reads_back_only_at_stop_checks(monkeypatch):
         counts[n] = len(reads)
     # one read before decoding (whether any prompt is padded), then one per stop check
     assert counts == {20: 1, 61: 1 + 60 // gen.STOP_CHECK_INTERVAL} == {20: 1, 61: 2}
+
+
+def _char_checkpoint(folder):
+    """A tiny random character-level model saved as a torchneox checkpoint."""
+    from torchneox.config.derive import derive
+    from torchneox.config.load import load_mapping
+    from torchneox.config.report import render_yaml
+    from torchneox.models.args import model_args
+    from torchneox.models.transformer import build_model
+    from torchneox.train import checkpoint_format
+
+    keys = {"num_layers": 1, "hidden_size": 16, "num_attention_heads": 2, "seq_length": 16}
+    keys |= {"tokenizer_type": "CharLevelTokenizer", "make_vocab_size_divisible_by": 64}
+    loaded = load_mapping(keys, "test")
+    state = {"model": build_model(model_args(loaded), seed=0).state_dict()}
+    checkpoint_format.save_checkpoint(folder, 0, state, render_yaml(loaded, derive(loaded)))
+
+
+def test_a_binary_prompt_file_is_one_line_naming_it(tmp_path, capsys):
+    from torchneox.cli import main
+
+    _char_checkpoint(tmp_path / "ckpt")
+    prompts = tmp_path / "prompts.bin"
+    prompts.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe binary")
+    out = tmp_path / "out.jsonl"
+    args = ["generate", "--checkpoint", str(tmp_path / "ckpt"), "--text-gen-type", "input-file"]
+    args += ["--sample-input-file", str(prompts), "--sample-output-file", str(out)]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert f"{prompts}: sample_input_file: not UTF-8 text (invalid start byte at byte 0)" in err
+    assert not out.exists()

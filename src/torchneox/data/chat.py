@@ -14,6 +14,7 @@ second one labelled: the one position a reward model reads its value at.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -81,6 +82,10 @@ class ChatTokenizer:
         }
         eos = specials.get("eos_token")
         eos_id = backend.token_to_id(eos) if eos is not None else None
+        try:
+            _compiled(template)  # a template that does not compile is said before any reading
+        except DataError as e:
+            raise DataError(f"{config_path}: {e}") from None
         return cls(backend, template, specials, eos_id, str(config_path))
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
@@ -88,9 +93,27 @@ class ChatTokenizer:
             messages=messages, add_generation_prompt=add_generation_prompt, **self.specials
         )
 
-    def apply(self, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
-        """Token ids of the rendered chat (the template writes its own special tokens)."""
-        text = self.render(messages, add_generation_prompt)
+    def apply(
+        self, messages: list[dict], add_generation_prompt: bool = False, where: str = "a chat"
+    ) -> list[int]:
+        """Token ids of the rendered chat (the template writes its own special tokens); a
+        template that fails (its own ``raise_exception`` too) is a DataError naming ``where``."""
+        from jinja2.exceptions import TemplateError
+
+        render = _compiled(self.template)  # outside the try: its DataError is a ValueError
+        try:
+            text = render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self.specials
+            )
+        except TemplateError as e:  # raise_exception's message, or an undefined name
+            raise DataError(
+                f"{where}: the chat template of {self.source} refused it: {e}"
+            ) from None
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
+            raise DataError(
+                f"{where}: the chat template of {self.source} failed on it "
+                f"({type(e).__name__}: {e})"
+            ) from None
         return self.backend.encode(text, add_special_tokens=False).ids
 
 
@@ -136,19 +159,59 @@ class ChatOptions:
     for_rm: bool = False
 
 
+def _content(value: Any, where: str) -> str:
+    """A message's content as its template reads it: a string, or an OpenAI-style list of
+    parts whose text parts are concatenated (as Hugging Face's multimodal chat templates render
+    them: each text part's text, no separator); anything else a DataError."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for n, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+                continue
+            what = f"a {kind!r} part" if isinstance(kind, str) else f"{_shown(part)}"
+            raise DataError(
+                f"{where} part {n} is {what}; only text parts ({{'type': 'text', 'text': ...}}) "
+                "can be learnt: remove the others or describe them in text"
+            )
+        return "".join(texts)
+    raise DataError(
+        f"{where}: the content is {_shown(value)}; give a string or a list of text parts "
+        "({'type': 'text', 'text': ...})"
+    )
+
+
+def _shown(value: Any) -> str:
+    """A JSON value as a message names it (short)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"the boolean {json.dumps(value)}"
+    if isinstance(value, int | float):
+        return f"the number {value!r}"
+    text = json.dumps(value, ensure_ascii=False)
+    return f"the {type(value).__name__} " + (text if len(text) <= 40 else text[:37] + "...")
+
+
 def check_messages(messages: Any, where: str, key: str, roles: tuple[str, ...]) -> list[dict]:
-    """The record's messages, or a DataError naming the record and what is wrong."""
+    """The record's messages, each content a string (a parts list's text joined), or a
+    DataError naming the record, the message and what is wrong."""
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: {key!r} is not a list of messages ({{'role', 'content'}})")
+    out = []
     for n, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise DataError(f"{where}: {key!r} message {n} has no 'role' and 'content'")
-        if m["role"] not in roles:
+        if not isinstance(m["role"], str) or m["role"] not in roles:
             raise DataError(
                 f"{where}: {key!r} message {n} has the unknown role {m['role']!r}; roles are "
                 + ", ".join(roles)
             )
-    return messages
+        out.append({**m, "content": _content(m["content"], f"{where}: {key!r} message {n}")})
+    return out
 
 
 def chat_document(
@@ -156,18 +219,18 @@ def chat_document(
 ) -> tuple[list[int], list[int]]:
     """The chat's token ids and labels (GPT-NeoX's build_chat)."""
     if not opts.mask:
-        tokens = tok.apply(messages)
+        tokens = tok.apply(messages, where=where)
         return tokens, list(tokens)
     if opts.for_rm:
         if tok.eos_id is None:
             raise DataError(f"{tok.source}: no eos_token, which a reward model's data ends with")
-        tokens = tok.apply(messages)
+        tokens = tok.apply(messages, where=where)
         return [*tokens, tok.eos_id, tok.eos_id], [IGNORE] * (len(tokens) + 1) + [tok.eos_id]
     tokens: list[int] = []
     labels: list[int] = []
     for i, turn in enumerate(messages):
         gen = i + 1 < len(messages) and messages[i + 1]["role"] == opts.generation_role
-        rendered = tok.apply(messages[: i + 1], add_generation_prompt=gen)
+        rendered = tok.apply(messages[: i + 1], add_generation_prompt=gen, where=where)
         if rendered[: len(tokens)] != tokens:
             raise DataError(
                 f"{where}: the chat template does not render turn by turn (turn {i} changes the "
@@ -185,14 +248,36 @@ def chat_document(
     return tokens, labels
 
 
-def reward_value(record: dict, key: str, binary: bool, where: str) -> int:
-    """A record's reward as GPT-NeoX stores it: one int32 per document (a float is truncated),
-    or +1 / -1 with ``binary``."""
+INT32 = 2**31 - 1
+TRUE, FALSE = ("true", "1"), ("false", "0")
+
+
+def reward_value(record: dict, key: str, binary: bool, where: str) -> float:
+    """A record's reward: a finite number within int32 (GPT-NeoX's reward dtype), stored as
+    int32 when every reward is whole and as float32 otherwise (GPT-NeoX truncates); with
+    ``binary`` +1 / -1 from true / false, 1 / 0 (booleans, numbers or strings; GPT-NeoX takes
+    any value's truthiness, so its "false" is +1)."""
     if key not in record:
         raise DataError(f"{where}: no key {key!r} (keys: {', '.join(record)})")
     value = record[key]
     if binary:
-        return 1 if value else -1
+        word = value.strip().lower() if isinstance(value, str) else value
+        if word is True or (not isinstance(word, bool) and word in (*TRUE, 1)):
+            return 1
+        if word is False or (not isinstance(word, bool) and word in (*FALSE, 0)):
+            return -1
+        raise DataError(
+            f"{where}: {key!r} is {value!r}; --binary-reward reads true / false or 1 / 0 "
+            "(booleans, numbers or strings): fix the record, or drop --binary-reward to store "
+            "the numbers themselves"
+        )
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise DataError(f"{where}: {key!r} is {value!r}, not a number")
-    return int(value)
+    if not math.isfinite(value):
+        raise DataError(f"{where}: {key!r} is {value!r}; a reward must be a finite number")
+    if abs(value) > INT32:
+        raise DataError(
+            f"{where}: {key!r} is {value!r}, outside int32 (+-{INT32:,}, GPT-NeoX's reward "
+            "type); scale the rewards down"
+        )
+    return value

@@ -77,21 +77,7 @@ def build_splits(cfg: NeoXConfig, train_batch_size: int, vocab_size: int | None 
     counts = num_samples(cfg, train_batch_size)
     out: dict[str, Samples | None] = dict.fromkeys(SPLITS)
     if d.data_path:
-        ds = _open(d.data_path, vocab_size)
-        for name, (start, stop) in zip(SPLITS, split_ranges(d.split, len(ds)), strict=True):
-            if stop > start and counts[name] > 0:
-                docs = np.arange(start, stop, dtype=np.int32)
-                out[name] = GPTDataset(ds, name, docs, counts[name], seq, seed)
-        if out["train"] is None:
-            raise DataError(f"{d.data_path}: split {d.split!r} leaves no training documents")
-        shares = split_shares(d.split)
-        notes = [
-            f"{d.data_path}: split {d.split!r} gives the {name} split none of the {len(ds)} "
-            f"documents; {name} is not evaluated (as in GPT-NeoX)"
-            for i, name in enumerate(SPLITS)
-            if i and shares[i] > 0 and counts[name] > 0 and out[name] is None
-        ]
-        return Splits(**out, notes=notes)
+        return _split_one(d.data_path, d.split, counts, seq, seed, vocab_size)
     if d.dataset_impl == "pairwise" and not d.pos_train_data_paths:
         raise DataError("no data: dataset_impl 'pairwise' reads pos_/neg_train_data_paths")
     if d.dataset_impl != "pairwise" and not d.train_data_paths:
@@ -114,6 +100,39 @@ def build_splits(cfg: NeoXConfig, train_batch_size: int, vocab_size: int | None 
         ]
         out[name] = BlendedDataset(parts, weights)
     return Splits(**out)
+
+
+def _split_one(
+    path: str, split: str, counts: dict[str, int], seq: int, seed: int, vocab_size: int | None
+) -> Splits:
+    """``data_path``'s documents divided by ``split``. An evaluation split with no documents,
+    or with fewer tokens than one sample, is not evaluated, and a note says so; a training
+    split that small is refused (by GPTDataset)."""
+    ds = _open(path, vocab_size)
+    out: dict[str, Samples | None] = dict.fromkeys(SPLITS)
+    notes = []
+    for i, (name, (start, stop)) in enumerate(
+        zip(SPLITS, split_ranges(split, len(ds)), strict=True)
+    ):
+        if counts[name] == 0 or (stop == start and split_shares(split)[i] == 0):
+            continue
+        tokens = int(ds.sizes[start:stop].sum(dtype=np.int64))
+        if i and stop == start:
+            notes.append(
+                f"{path}: split {split!r} gives the {name} split none of the {len(ds)} "
+                f"documents; {name} is not evaluated (as in GPT-NeoX)"
+            )
+        elif i and tokens < seq + 1:
+            notes.append(
+                f"{path}: split {split!r} gives the {name} split {tokens:,} tokens, fewer than "
+                f"one sample of seq_length + 1 = {seq + 1:,}; {name} is not evaluated"
+            )
+        elif stop > start:
+            docs = np.arange(start, stop, dtype=np.int32)
+            out[name] = GPTDataset(ds, name, docs, counts[name], seq, seed)
+    if out["train"] is None:
+        raise DataError(f"{path}: split {split!r} leaves no training documents")
+    return Splits(**out, notes=notes)
 
 
 def _split_prefixes(d: DataConfig, split: str) -> list[str]:
@@ -165,6 +184,11 @@ def _columns(
             "labels given for one side of the pairs only; give both pos_ and neg_ label paths",
             key=f"neg_{split}_label_data_paths",
         )
+    if len(texts) == 2 and not labels:
+        # no label datasets: the tokens are their own labels and the padding after them is
+        # masked (-100), as GPT-NeoX means it ("pad with 0s ... since it's masked") where its
+        # mask (token >= 0) keeps the padding and DPO sums log-probabilities over it
+        labels = [Column(f"{t.key}_label", t.data, pad=-100) for t in texts]
     refs = _precomputed(precompute, texts) if precompute else []
     reward_path = _paths_at(d, f"{split}_reward_data_paths", i, count)
     if reward_path is not None and not sides[0]:

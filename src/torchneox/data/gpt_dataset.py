@@ -168,6 +168,14 @@ class GPTDataset:
     def __post_init__(self) -> None:
         if len(self.documents) == 0:
             raise DataError(f"{self.indexed.prefix}: the {self.name} split has no documents")
+        tokens = int(self.indexed.sizes[self.documents].sum(dtype=np.int64))
+        if tokens < self.seq_length + 1:
+            raise DataError(
+                f"{self.indexed.prefix}: the {self.name} split has {tokens:,} tokens "
+                f"({len(self.documents):,} document{'s' * (len(self.documents) != 1)}), fewer than one sample of seq_length + 1 "
+                f"= {self.seq_length + 1:,} tokens (each sample would repeat them); add data or "
+                "lower seq_length"
+            )
         names = index_file_names(
             self.indexed.prefix, self.name, self.num_samples, self.seq_length, self.seed
         )

@@ -4,7 +4,7 @@ tools/datasets/preprocess_data.py writes for the same documents and tokenizer.
 Per document and key: the tokenizer's ids, then end-of-text with ``--append-eod``; documents
 that tokenize to nothing are skipped. With ``chat`` each key holds a record's messages, written
 as GPT-NeoX's preprocess_data_with_chat_template.py writes them (int32 token, label and reward
-datasets; see data/chat.py). Tokenisation runs in worker processes; output order is input order.
+datasets; a fractional reward makes the reward dataset float32; see data/chat.py). Tokenisation runs in worker processes; output order is input order.
 """
 
 from __future__ import annotations
@@ -47,19 +47,23 @@ class PreprocessArgs:
     workers: int = 1
     log_interval: int = 10000
     chat: ChatOptions | None = None  # messages rendered with the tokenizer's chat template
-    reward_key: str | None = None  # chat: each record's reward, one int32 per document
+    reward_key: str | None = None  # chat: each record's reward, one per document (int32/float32)
     binary_reward: bool = False  # chat: the reward's truth as +1 / -1
 
     def output_prefixes(self) -> list[Path]:
         """Every dataset written: per key the tokens, and in chat mode the labels (unless
         ``--no-mask``) and the rewards (with a reward key), under GPT-NeoX's names."""
+        return [prefix for prefix, _ in self.outputs()]
+
+    def outputs(self) -> list[tuple[Path, str]]:
+        """Each dataset written with its kind ("", "_label" or "_reward")."""
         kinds = [""]
         if self.chat is not None and self.chat.mask:
             kinds.append("_label")
         if self.chat is not None and self.reward_key:
             kinds.append("_reward")
         return [
-            Path(f"{self.output_prefix}_{key}{kind}_document")
+            (Path(f"{self.output_prefix}_{key}{kind}_document"), kind)
             for key in self.jsonl_keys
             for kind in kinds
         ]
@@ -147,7 +151,7 @@ class _Encoder:
             if key not in record:
                 raise DataError(f"{where}: no key {key!r} (keys: {', '.join(record)})")
             messages = check_messages(record[key], where, key, roles)
-            tokens, labels = chat_document(tok, messages, opts, where)
+            tokens, labels = chat_document(tok, messages, opts, f"{where}: {key!r}")
             out.append(tokens)
             if opts.mask:
                 out.append(labels)
@@ -156,6 +160,34 @@ class _Encoder:
                     [reward_value(record, self.args.reward_key, self.args.binary_reward, where)]
                 )
         return out
+
+
+class RewardWriter:
+    """A reward dataset, one value per document, written at the end: int32 when every reward
+    is whole (GPT-NeoX's dtype, byte for byte), float32 when one is not (GPT-NeoX truncates
+    them to int32; its reader and torchneox's read either as float32)."""
+
+    def __init__(self, prefix: str | Path):
+        self.prefix = str(prefix)
+        self.sizes: list[float] = []  # the rewards (one per document)
+        self.bin_path = Path(self.prefix + ".bin")
+
+    def add_document(self, values: list[float]) -> None:
+        self.sizes.append(values[0])
+
+    def finish(self) -> None:
+        whole = all(float(v).is_integer() for v in self.sizes)
+        writer = IndexedDatasetWriter(self.prefix, np.dtype(np.int32 if whole else np.float32))
+        try:
+            for v in self.sizes:
+                writer.add_document([v])
+            writer.finish()
+        except BaseException:
+            writer.abort()
+            raise
+
+    def abort(self) -> None:
+        pass
 
 
 class Progress:
@@ -188,9 +220,7 @@ class Progress:
         print(("\r" if self.tty else "") + line, end=end, file=sys.stderr, flush=True)
 
 
-def _write(
-    args: PreprocessArgs, results: Any, writers: list[IndexedDatasetWriter], progress: Any
-) -> None:
+def _write(args: PreprocessArgs, results: Any, writers: list[Any], progress: Any) -> None:
     """Every encoded document into its key's writer; the files finished when each key has one."""
     for encoded, size in results:
         if isinstance(encoded, str):
@@ -232,7 +262,10 @@ def preprocess(args: PreprocessArgs) -> list[Path]:
             raise DataError(f"{name}: no such file")
         total += Path(name).stat().st_size
     prefixes = args.output_prefixes()
-    writers = [IndexedDatasetWriter(p, dtype) for p in prefixes]
+    writers = [
+        RewardWriter(p) if kind == "_reward" else IndexedDatasetWriter(p, dtype)
+        for p, kind in args.outputs()
+    ]
     progress = Progress(total, args.log_interval)
     encoder = _Encoder(args)
     pool = (

@@ -320,10 +320,17 @@ def run_mode(gen: TextGenerator, cfg: TextGenConfig, batch_size: int = 8) -> Non
                 "text_gen_type input-file needs sample_input_file", key="sample_input_file"
             )
         try:
-            text = Path(cfg.sample_input_file).read_text()
+            text = Path(cfg.sample_input_file).read_text(encoding="utf-8")
         except OSError as e:
             raise ConfigError(
                 f"cannot read it ({e.strerror})",
+                key="sample_input_file",
+                source=cfg.sample_input_file,
+            ) from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"not UTF-8 text ({e.reason} at byte {e.start}); the prompts file holds text "
+                "prompts separated by prompt_end",
                 key="sample_input_file",
                 source=cfg.sample_input_file,
             ) from None
@@ -339,8 +346,14 @@ def run_mode(gen: TextGenerator, cfg: TextGenConfig, batch_size: int = 8) -> Non
         print(f"wrote {len(prompts)} completions to {cfg.sample_output_file}", file=sys.stderr)
     else:
         print("Type a prompt and press enter; an empty line or Ctrl-D ends.", file=sys.stderr)
-        for line in sys.stdin:
-            prompt = line.rstrip("\n")
-            if not prompt:
-                break
-            print(gen.complete([prompt])[0], flush=True)
+        try:
+            for line in sys.stdin:
+                prompt = line.rstrip("\n")
+                if not prompt:
+                    break
+                print(gen.complete([prompt])[0], flush=True)
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"standard input is not UTF-8 text ({e.reason} at byte {e.start}); type or pipe "
+                "text prompts"
+            ) from None

@@ -3,35 +3,79 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from torchneox.base.errors import ConfigError
 from torchneox.config.paths import atomic_output
 
+Point = tuple[int, float]
 
-def read_metrics(run: Path) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+
+def _row(raw: bytes) -> dict | None:
+    """A metrics record, or None when the line is not one (not UTF-8, not JSON, not an object
+    with an integer iteration and numeric losses)."""
+    try:
+        row = json.loads(raw.decode("utf-8"))
+    except ValueError:  # UnicodeDecodeError and JSONDecodeError both
+        return None
+    if not isinstance(row, dict) or type(row.get("iteration")) is not int:
+        return None
+    for key in ("lm_loss", "valid_lm_loss"):
+        value = row.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            return None
+    return row
+
+
+def read_metrics(run: Path) -> tuple[list[Point], list[Point]]:
+    """The training and validation losses of a run's metrics.jsonl. Lines that are no record
+    (a line cut by a kill, damage) are skipped with one warning saying how many and where the
+    first is; a file with nothing to plot is refused."""
     path = run / "metrics.jsonl" if run.is_dir() else run
     if not path.is_file():
         raise ConfigError("no metrics.jsonl here (is it a run's save or log_dir?)", source=str(run))
-    train, valid = [], []
-    lines = path.read_text().splitlines()
+    try:
+        lines = path.read_bytes().split(b"\n")
+    except OSError as e:
+        raise ConfigError(f"cannot read it ({e.strerror or e})", source=str(path)) from None
+    train: list[Point] = []
+    valid: list[Point] = []
+    bad: list[int] = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
-        except ValueError:
-            if number == len(lines):  # cut by a kill during a write: what came before stands
-                continue
-            raise ConfigError(f"line {number} is not JSON", source=str(path)) from None
+        row = _row(line)
+        if row is None:
+            bad.append(number)
+            continue
         if row.get("lm_loss") is not None:
             train.append((row["iteration"], row["lm_loss"]))
         if row.get("valid_lm_loss") is not None:
             valid.append((row["iteration"], row["valid_lm_loss"]))
+    if not train and not valid:
+        records = sum(1 for line in lines if line.strip()) - len(bad)
+        if records:
+            why = "no lm_loss or valid_lm_loss in it, nothing to plot"
+        elif bad:
+            why = (
+                f"no line of it is a metrics record ({len(bad)} unreadable, the first is line "
+                f"{bad[0]}); is it a run's metrics.jsonl?"
+            )
+        else:
+            why = "empty: no step has been logged yet, nothing to plot"
+        raise ConfigError(why, source=str(path))
+    if bad:
+        print(
+            f"warning: {path}: skipped {len(bad)} unreadable line{'s' * (len(bad) > 1)} (the "
+            f"first is line {bad[0]}); plotted the other {len(train) + len(valid)} points",
+            file=sys.stderr,
+        )
     return train, valid
 
 
 def plot_runs(runs: list[Path], out: Path) -> None:
+    curves = [(run, *read_metrics(run)) for run in runs]  # every file checked before drawing
     try:
         import matplotlib
 
@@ -40,15 +84,13 @@ def plot_runs(runs: list[Path], out: Path) -> None:
     except ImportError:
         raise ConfigError("plotting needs matplotlib (pip install 'torchneox[plot]')") from None
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
-    for run in runs:
-        train, valid = read_metrics(run)
+    for run, train, valid in curves:
         name = run.name or str(run)
+        color = None
         if train:
-            line = ax.plot(*zip(*train, strict=True), label=f"{name} train")[0]
-            if valid:
-                ax.plot(
-                    *zip(*valid, strict=True), "o--", color=line.get_color(), label=f"{name} valid"
-                )
+            color = ax.plot(*zip(*train, strict=True), label=f"{name} train")[0].get_color()
+        if valid:
+            ax.plot(*zip(*valid, strict=True), "o--", color=color, label=f"{name} valid")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats per token)")
     ax.grid(alpha=0.3)
