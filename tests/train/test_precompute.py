@@ -83,6 +83,12 @@ def test_precompute_without_a_name_is_refused(tmp_path, capsys):
         capsys.readouterr().err
     )
     assert not list(Path(data["train_data_paths"][0]).parent.glob("*_None*"))
+    longer = ["--set", "precompute_model_name=x", "--set", "seq_length=128"]
+    longer += ["--set", "max_position_embeddings=128"]
+    assert main([*args, *longer]) == 2  # was an internal error inside the rotary embedding
+    err = capsys.readouterr().err
+    assert "seq_length: 128 is beyond the model's 64 positions" in err and err.count("\n") == 1
+    assert not list(Path(data["train_data_paths"][0]).parent.glob("*_x*"))
 
 
 def test_the_files_are_laid_out_as_gpt_neox_lays_them_out(tmp_path):

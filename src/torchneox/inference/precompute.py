@@ -76,6 +76,13 @@ def precompute_logprobs(
     seq = cfg.model.seq_length
     if seq is None:
         raise ConfigError("precomputing needs seq_length", key="seq_length")
+    positions = getattr(getattr(model, "args", None), "max_positions", None)
+    if positions is not None and seq > positions:
+        raise ConfigError(
+            f"{seq} is beyond the model's {positions} positions: precompute with the seq_length "
+            "the model was trained with (or fewer)",
+            key="seq_length",
+        )
     model.eval()
     written = []
     for prefix in dict.fromkeys(precompute_paths(cfg)):
