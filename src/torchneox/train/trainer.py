@@ -24,6 +24,7 @@ from torchneox.config.report import render_yaml
 from torchneox.data.datasets import build_splits
 from torchneox.data.loader import BatchLoader
 from torchneox.data.tokenizers import build_tokenizer
+from torchneox.models import cpu_kernels
 from torchneox.parallel import flight_recorder
 from torchneox.parallel.collectives import any_rank, mean_over_dp, sum_over_dp
 from torchneox.parallel.dims import ParallelDims, init_distributed
@@ -160,6 +161,17 @@ class Trainer:
             peaks = [None] * self.dims.world_size
             dist.all_gather_object(peaks, mine)
         self.logger.line(hardware.memory_line(when, self.device, peaks))
+
+    def _report_kernels(self) -> None:
+        """The CPU kernel verdicts any rank corrected (models/cpu_kernels.py), a line each on
+        rank 0 (the rank that timed a verdict again may be another)."""
+        notes = cpu_kernels.take_notes()
+        if self.dims.world_size > 1 and self.device.type == "cpu":
+            gathered: list[Any] = [None] * self.dims.world_size
+            dist.all_gather_object(gathered, notes)
+            notes = list(dict.fromkeys(n for rank in gathered for n in rank))
+        for note in notes:
+            self.logger.line(note)
 
     def _build_loaders(self) -> None:
         d, cfg, lay = self.derived, self.cfg, self.layout
@@ -374,6 +386,7 @@ class Trainer:
             out = self.train_step()
             if self.iteration == first:
                 self._report_memory("after the first step")
+                self._report_kernels()
             self.checkpoints.poll()  # a background save all ranks have written: finish it
             profiler.step()
             progress.report(out)
@@ -391,6 +404,7 @@ class Trainer:
                 )
                 break
         self.step.settle()
+        self._report_kernels()  # verdicts first met by the evaluation's shapes
         self.checkpoints.finish()
         profiler.stop()
         return self._summary(progress.last_row)
