@@ -30,7 +30,7 @@ def caches(tmp_path, monkeypatch):
     monkeypatch.setenv(hardware.CPU_PEAK_ENV, str(tmp_path / "peak.json"))
     new_process(monkeypatch)
     monkeypatch.setattr(cpu_kernels, "_warned", set())
-    cpu_kernels.take_notes()
+    cpu_kernels.take_corrections()
     return tmp_path / "kernels.json", tmp_path / "peak.json"
 
 
@@ -135,13 +135,15 @@ def test_a_poisoned_cache_is_corrected_by_the_next_run(
     assert main(["train", train_cfg(make_config, tmp_path, "later")]) == 0
     out = capsys.readouterr().out
     assert onednn_calls == []  # the run took the faster, default kernel at every shape
-    corrected = [line for line in out.splitlines() if "CPU kernel verdict corrected" in line]
-    assert len(corrected) == len(fresh)  # one line each
-    assert (
-        "runs on default, not on oneDNN as cached (timed again: default 1 ms, oneDNN 2 ms)"
-        in (corrected[0])
+    (line,) = [line for line in out.splitlines() if "corrected" in line]  # one line for all
+    shapes = sorted(key.split(" | ")[-1] for key in fresh)
+    assert line == (
+        f"CPU kernel verdicts corrected: the cached choice of the non-default kernel lost to "
+        f"PyTorch's default when timed again at {len(fresh)} shapes ("
+        + "; ".join(f"linear {s}: default 1 ms, oneDNN 2 ms" for s in shapes)
+        + f"), which now run on the default; {kernels} updated (`torchneox kernels` shows "
+        "every verdict)"
     )
-    assert str(kernels) in corrected[0]
     after = json.loads(kernels.read_text())
     assert set(after) == set(fresh)
     assert all(v["challenger"] is False and v["checked"] is True for v in after.values())
@@ -171,7 +173,7 @@ def test_a_challenger_verdict_is_confirmed_once_then_trusted(caches, monkeypatch
     assert all(v["checked"] for v in json.loads(kernels.read_text()).values())
     new_process(monkeypatch)  # confirmed: read, not timed
     assert lin.onednn_selected(700, 64, 96, "auto") and len(timed) == 2
-    assert cpu_kernels.take_notes() == []
+    assert cpu_kernels.take_corrections() == []
 
 
 def test_a_poisoned_attention_verdict_is_corrected(caches, monkeypatch):
@@ -181,10 +183,12 @@ def test_a_poisoned_attention_verdict_is_corrected(caches, monkeypatch):
     kernels.write_text(json.dumps({name: True}))
     monkeypatch.setattr(cpu_kernels, "timer", default_faster)
     assert not attention.cpu_attention_in_fp32("auto", torch.bfloat16, 12, args, 64, False)
-    (note,) = cpu_kernels.take_notes()
-    assert note.startswith(
-        "CPU kernel verdict corrected: attention bfloat16 16x4x4x64x16 causal runs on native, "
-        "not on fp32"
+    corrected = cpu_kernels.take_corrections()
+    assert corrected == [("attention bfloat16 16x4x4x64x16 causal", str(kernels), 1.0, 2.0)]
+    assert cpu_kernels.correction_line(corrected).startswith(
+        "CPU kernel verdict corrected: the cached choice of the non-default kernel lost to "
+        "PyTorch's default when timed again at one shape (attention bfloat16 16x4x4x64x16 "
+        "causal: native 1 ms, fp32 2 ms), which now run on the default; "
     )
     assert json.loads(kernels.read_text())[name]["challenger"] is False
 

@@ -15,7 +15,7 @@ when it was timed while other work loaded the machine:
   default's time in at least WINS of them and in the medians; anything less keeps the default;
 - a challenger verdict is timed once more the first time a later process uses it; if the
   default wins that second timing the verdict is corrected in the file and a line says so
-  (``take_notes``), else it is marked confirmed and read as it is from then on;
+  (``take_corrections``, ``correction_line``), else it is marked confirmed and read as it is from then on;
 - a default verdict is kept as it is (it can only cost what the default kernels cost).
 
 Every later process reads the verdicts instead of timing again, so two runs compute with the
@@ -170,16 +170,17 @@ def challenger_faster(incumbent: Callable[[], object], challenger: Callable[[], 
 
 # ---------------------------------------------------------------------------- the cache file
 
-_notes: list[str] = []  # lines for the run's output: verdicts corrected in this process
+# verdicts this process corrected: (shape, file, its times now: default ms, challenger ms)
+_corrections: list[tuple[str, str, float | None, float | None]] = []
 _warned: set[str] = set()
 _timed_here: dict[tuple[str, str], bool] = {}  # verdicts this process timed, by (file, key)
 
 
-def take_notes() -> list[str]:
-    """The lines this process has to say about the verdicts since the last call."""
-    notes = list(_notes)
-    _notes.clear()
-    return notes
+def take_corrections() -> list[tuple[str, str, float | None, float | None]]:
+    """The verdicts this process corrected since the last call (for ``correction_line``)."""
+    taken = list(_corrections)
+    _corrections.clear()
+    return taken
 
 
 def read_table(path: Path) -> dict:
@@ -246,7 +247,7 @@ def cached_verdict(shape: str, measure: Callable[[], Verdict | bool]) -> bool:
             if old is not None:  # a challenger verdict timed once: this is its second timing
                 new.checked = True
                 if not new.challenger:
-                    _notes.append(correction_line(shape, old, new, path))
+                    _corrections.append((shape, str(path), new.default_ms, new.challenger_ms))
             table[name] = asdict(new)
             _timed_here[str(path), name] = new.challenger
             with suppress(OSError):  # a full or read-only disk: kept in this process only
@@ -265,16 +266,26 @@ def shape_text(shape: str) -> str:
     return shape if shape.startswith("attention ") else f"linear {shape}"
 
 
-def correction_line(shape: str, old: Verdict, new: Verdict, path: Path) -> str:
-    default, challenger = kernel_names(shape)
-    cached = f"cached {old.measured}" if old.measured else "cached"
-    times = ""
-    if new.default_ms is not None and new.challenger_ms is not None:
-        times = f": {default} {new.default_ms:.3g} ms, {challenger} {new.challenger_ms:.3g} ms"
+def correction_line(corrections: list[tuple[str, str, float | None, float | None]]) -> str:
+    """One line for the run's output on the verdicts corrected (``take_corrections``, from
+    every rank)."""
+
+    def times(shape: str, default_ms: float | None, challenger_ms: float | None) -> str:
+        default, challenger = kernel_names(shape)
+        if default_ms is None or challenger_ms is None:
+            return shape_text(shape)
+        return f"{shape_text(shape)}: {default} {default_ms:.3g} ms, {challenger} {challenger_ms:.3g} ms"
+
+    shapes = "; ".join(
+        times(shape, d, c) for shape, _, d, c in sorted(corrections, key=lambda c: c[0])
+    )
+    files = ", ".join(dict.fromkeys(path for _, path, _, _ in corrections))
+    many = len(corrections) > 1
     return (
-        f"CPU kernel verdict corrected: {shape_text(shape)} runs on {default}, not on "
-        f"{challenger} as {cached} (timed again{times}); {path} updated "
-        "(`torchneox kernels` shows every verdict)"
+        f"CPU kernel verdict{'s' if many else ''} corrected: the cached choice of the "
+        f"non-default kernel lost to PyTorch's default when timed again at "
+        f"{f'{len(corrections)} shapes' if many else 'one shape'} ({shapes}), which now run "
+        f"on the default; {files} updated (`torchneox kernels` shows every verdict)"
     )
 
 

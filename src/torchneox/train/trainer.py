@@ -163,15 +163,15 @@ class Trainer:
         self.logger.line(hardware.memory_line(when, self.device, peaks))
 
     def _report_kernels(self) -> None:
-        """The CPU kernel verdicts any rank corrected (models/cpu_kernels.py), a line each on
+        """The CPU kernel verdicts any rank corrected (models/cpu_kernels.py), in one line on
         rank 0 (the rank that timed a verdict again may be another)."""
-        notes = cpu_kernels.take_notes()
+        corrected = cpu_kernels.take_corrections()
         if self.dims.world_size > 1 and self.device.type == "cpu":
             gathered: list[Any] = [None] * self.dims.world_size
-            dist.all_gather_object(gathered, notes)
-            notes = list(dict.fromkeys(n for rank in gathered for n in rank))
-        for note in notes:
-            self.logger.line(note)
+            dist.all_gather_object(gathered, corrected)
+            corrected = list(dict.fromkeys(c for rank in gathered for c in rank))
+        if corrected:
+            self.logger.line(cpu_kernels.correction_line(corrected))
 
     def _build_loaders(self) -> None:
         d, cfg, lay = self.derived, self.cfg, self.layout
