@@ -293,3 +293,33 @@ def test_the_verb_names_a_cache_it_cannot_write(tmp_path, monkeypatch, capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert err.startswith(f"torchneox: error: {blocked / 'kernels.json'}: cannot ")
+
+
+def test_a_hand_edited_cache_is_shown_not_an_internal_error(caches, monkeypatch, capsys):
+    kernels, peaks = caches
+    here = cpu_kernels.machine_key()
+    cpu_zero = here.replace(f"{torch.get_num_threads()} threads", "0 threads")
+    kernels.write_text(
+        json.dumps(
+            {
+                f"{here} | 64x64x64": {"challenger": True, "wins": "many", "measured": 3},
+                f"{here} | 64x64x32": {"challenger": "yes"},
+                f"{cpu_zero} | 64x64x16": True,
+                f"{here} | attention float99 1x2x3x4x5 causal": True,
+            }
+        )
+    )
+    peaks.write_text(json.dumps({f"{here} | fp32 | best kernel": {"tflops": 0.3, "median": "x"}}))
+    assert main(["kernels"]) == 0
+    out = capsys.readouterr().out
+    assert "  linear 64x64x64 (rows x in x out): oneDNN (written by an older torchneox" in out
+    assert "  64x64x32: unreadable entry (timed again)" in out
+    assert "  fp32: 0.3 TFLOP/s\n" in out
+    monkeypatch.setattr(cpu_kernels, "timer", default_faster)
+    monkeypatch.setattr(hardware, "peak_trials", fake_peaks)
+    assert main(["kernels", "--remeasure"]) == 0  # 64x64x64/32 and the peak; the rest kept
+    assert "timed 3 entries again" in capsys.readouterr().out
+    table = json.loads(kernels.read_text())
+    assert table[f"{here} | 64x64x32"]["challenger"] is False
+    assert table[f"{cpu_zero} | 64x64x16"] is True
+    assert table[f"{here} | attention float99 1x2x3x4x5 causal"] is True
