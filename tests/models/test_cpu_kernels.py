@@ -38,6 +38,7 @@ def new_process(monkeypatch) -> None:
     """What this process decided is forgotten, as in a later process."""
     monkeypatch.setattr(lin, "_verdicts", {})
     monkeypatch.setattr(cpu_kernels, "_timed_here", {})
+    monkeypatch.setattr(cpu_kernels, "second_timing", True)  # a fresh run's (trainer.py sets it)
 
 
 def default_faster(kernels, rounds):
@@ -152,6 +153,30 @@ def test_a_poisoned_cache_is_corrected_by_the_next_run(
     monkeypatch.setattr(cpu_kernels, "timer", lambda *a: pytest.fail("timed again"))
     assert main(["train", train_cfg(make_config, tmp_path, "third")]) == 0
     assert "corrected" not in capsys.readouterr().out and onednn_calls == []
+
+
+@needs_onednn
+def test_a_resumed_run_keeps_the_kernels_of_the_run_it_continues(
+    make_config, caches, tmp_path, monkeypatch, capsys
+):
+    """A second timing may move a verdict to the default: a resumed run that did so would
+    compute with other kernels than the run it continues, and no longer equal it bit for bit.
+    It reads the verdicts as they are (the next fresh run times them again)."""
+    kernels, _ = caches
+    monkeypatch.setattr(cpu_kernels, "timer", challenger_faster)
+    monkeypatch.setattr(hardware, "peak_trials", fake_peaks)
+    run_dir = str(tmp_path / "run")
+    assert main(["train", make_config("a.yml", train_iters=2, save=run_dir, load=None)]) == 0
+    assert all(not v["checked"] for v in json.loads(kernels.read_text()).values())
+    new_process(monkeypatch)
+    monkeypatch.setattr(cpu_kernels, "timer", lambda *a: pytest.fail("timed again"))
+    onednn_calls = []
+    real = lin._mm
+    monkeypatch.setattr(lin, "_mm", lambda *a: onednn_calls.append(1) or real(*a))
+    assert main(["train", make_config("b.yml", train_iters=3, save=run_dir, load=run_dir)]) == 0
+    assert "resumed from" in capsys.readouterr().out
+    assert onednn_calls  # the kernels the run it continues used, not timed a second time
+    assert all(not v["checked"] for v in json.loads(kernels.read_text()).values())
 
 
 @needs_onednn

@@ -104,6 +104,7 @@ def test_auto_measures_once_per_machine_and_shape(monkeypatch, tmp_path):
     # a later process: the cache; the oneDNN verdict timed once more (models/cpu_kernels.py)
     monkeypatch.setattr(lin, "_verdicts", {})
     monkeypatch.setattr(cpu_kernels, "_timed_here", {})
+    monkeypatch.setattr(cpu_kernels, "second_timing", True)  # not a resumed run
     assert lin.onednn_selected(768, 128, 384, "auto")
     assert not lin.onednn_selected(1000, 512, 128, "auto")
     assert measured == [(1024, 128, 384), (1024, 512, 128), (1024, 128, 384)]

@@ -13,14 +13,16 @@ when it was timed while other work loaded the machine:
 - the challenger is chosen only by a clear, repeated margin: ROUNDS interleaved rounds (the
   two kernels back to back, the order alternating), the challenger at most MARGIN of the
   default's time in at least WINS of them and in the medians; anything less keeps the default;
-- a challenger verdict is timed once more the first time a later process uses it; if the
-  default wins that second timing the verdict is corrected in the file and a line says so
-  (``take_corrections``, ``correction_line``), else it is marked confirmed and read as it is from then on;
+- a challenger verdict is timed once more the first time a later process uses it (a resumed
+  run excepted: ``second_timing``); if the default wins that second timing the verdict is
+  corrected in the file and a line says so (``take_corrections``, ``correction_line``), else
+  it is marked confirmed and read as it is from then on;
 - a default verdict is kept as it is (it can only cost what the default kernels cost).
 
 Every later process reads the verdicts instead of timing again, so two runs compute with the
-same kernels (a resumed run still equals an uninterrupted one bit for bit) once a verdict is
-confirmed or corrected. ``torchneox kernels`` shows the file, times it again or removes it.
+same kernels once a verdict is confirmed or corrected, and a resumed run, which never times a
+verdict again, with those of the run it continues (it still equals an uninterrupted run bit
+for bit). ``torchneox kernels`` shows the file, times it again or removes it.
 """
 
 from __future__ import annotations
@@ -174,6 +176,7 @@ def challenger_faster(incumbent: Callable[[], object], challenger: Callable[[], 
 _corrections: list[tuple[str, str, float | None, float | None]] = []
 _warned: set[str] = set()
 _timed_here: dict[tuple[str, str], bool] = {}  # verdicts this process timed, by (file, key)
+second_timing = True  # False in a resumed run: it computes with the kernels of the run it continues
 
 
 def take_corrections() -> list[tuple[str, str, float | None, float | None]]:
@@ -241,7 +244,7 @@ def cached_verdict(shape: str, measure: Callable[[], Verdict | bool]) -> bool:
         with locked(path):
             table = read_table(path)
             old = Verdict.from_json(table.get(name))
-            if old is not None and (old.checked or not old.challenger):
+            if old is not None and (old.checked or not old.challenger or not second_timing):
                 return old.challenger
             new = as_verdict(measure())
             if old is not None:  # a challenger verdict timed once: this is its second timing

@@ -10,9 +10,9 @@ products and loses on small ones. ``cpu_matmul``, a setting of each model (its l
   the first time the shape is met, oneDNN only when it is clearly faster (at least 10%, in
   most of several interleaved rounds; never slower than PyTorch's own choice). The verdicts
   are cached per machine (models/cpu_kernels.py), a oneDNN verdict timed once more by the
-  next run that uses it (and corrected there, with a line, where the default wins), and read,
-  not measured again, by every later run: two runs compute with the same kernels, so a
-  resumed run still equals an uninterrupted one bit for bit.
+  next fresh run that uses it (and corrected there, with a line, where the default wins), and
+  read, not measured again, by every later run: a resumed run computes with the kernels of
+  the run it continues, so it still equals an uninterrupted one bit for bit.
 - ``onednn``: oneDNN wherever PyTorch was built with it.
 - ``default``: PyTorch's own choice, as before.
 

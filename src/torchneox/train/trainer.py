@@ -96,6 +96,9 @@ class Trainer:
         # the checkpoint to load, known before building: its weights are not drawn first
         load = Path(cfg.checkpoint.load) if cfg.checkpoint.load else None
         step_dir = self.checkpoints.find(load, load_step) if load is not None else None
+        # a run that continues another computes with its kernels: no verdict timed a second time
+        step = step_dir.name.removeprefix("global_step") if step_dir is not None else "0"
+        cpu_kernels.second_timing = not (step.isdigit() and int(step) > 0)
         self._build_model(step_dir)
         self._report_memory("after building")
         self._build_loaders()
