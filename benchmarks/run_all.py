@@ -46,6 +46,11 @@ BENCHMARKS = {
     "async_checkpoint": ("async_checkpoint.py", ["--layers", "4", "--steps", "12"], False),
     "dry_run": ("dry_run.py", [], False),
     "convert_memory": ("convert_memory.py", ["--layers", "8", "--hidden", "768"], False),
+    "kernel_cache": (  # a poisoned CPU kernel cache against a fresh one and both fixed kernels
+        "kernel_cache.py",
+        ["--layers", "2", "--hidden", "128", "--seq", "64", "--steps", "12", "--threads", "1"],
+        False,
+    ),
     "gpu_check": ("gpu_check.py", ["--steps", "10"], True),
 }
 

@@ -52,6 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "estimate": verbs.cmd_estimate,
                 "bench": verbs.cmd_bench,
                 "eval": verbs.cmd_eval,
+                "kernels": verbs.cmd_kernels,
             }[args.verb]
         return handler(args)
     except (ConfigError, DataError) as e:

@@ -381,6 +381,21 @@ def _tool_verbs(verbs: argparse._SubParsersAction) -> None:
     )
     bench.add_argument("rest", nargs="*", help="passed to benchmarks/run_all.py (--list, --only)")
 
+    kernels = verbs.add_parser(
+        "kernels",
+        help="the CPU kernel verdicts and matmul peaks this machine cached, with their times",
+    )
+    what = kernels.add_mutually_exclusive_group()
+    what.add_argument(
+        "--remeasure",
+        action="store_true",
+        help="time this machine's cached verdicts and peaks again and rewrite the files "
+        "(on an otherwise idle machine)",
+    )
+    what.add_argument(
+        "--clear", action="store_true", help="remove both files: the next run times afresh"
+    )
+
     ck = verbs.add_parser("checkpoint", help="check checkpoints")
     ck_verbs = ck.add_subparsers(dest="checkpoint_verb", metavar="ACTION", parser_class=_Parser)
     ck_verbs.required = True

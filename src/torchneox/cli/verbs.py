@@ -393,6 +393,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return subprocess.call([sys.executable, str(script), *args.rest])
 
 
+def cmd_kernels(args: argparse.Namespace) -> int:
+    from torchneox.cli.kernels import cmd_kernels
+
+    return cmd_kernels(args)
+
+
 def cmd_checkpoint_verify(args: argparse.Namespace) -> int:
     from torchneox.train import checkpoint_format
 

@@ -184,13 +184,14 @@ class PrecisionConfig:
     )
     cpu_matmul: Literal["auto", "onednn", "default"] = extension(
         "auto",
-        "Kernel of the fp32 CPU linears: auto (per shape the faster of oneDNN and PyTorch's "
-        "default, timed once per machine and cached), onednn, default (PyTorch's, MKL).",
+        "Kernel of the fp32 CPU linears: auto (per shape oneDNN where it is clearly faster "
+        "than PyTorch's default, timed per machine and cached; `torchneox kernels` shows the "
+        "verdicts), onednn, default (PyTorch's, MKL).",
     )
     cpu_attention: Literal["auto", "fp32", "native"] = extension(
         "auto",
         "Precision of training attention on the CPU under bf16/fp16: auto (fp32 where, timed "
-        "once per machine at the run's shape and cached, it is faster: at short sequences "
+        "per machine at the run's shape and cached, it is clearly faster: at short sequences "
         "PyTorch's reduced-precision attention backward is several times slower), fp32 "
         "(always), native (the autocast dtype, as on a GPU).",
     )

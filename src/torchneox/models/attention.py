@@ -4,7 +4,8 @@ On the CPU under bf16 or fp16 autocast, PyTorch's reduced-precision attention ba
 several times slower than its fp32 one at short sequences (at 64 positions and 32 dimensions
 per head, 4x; past about 512 positions the reduced-precision kernel wins). ``cpu_attention``
 chooses how training attention runs there: ``auto`` (the default) times both at the run's
-shape once per machine (models/cpu_kernels.py) and, where fp32 is at least 5% faster, casts
+shape once per machine (models/cpu_kernels.py: an fp32 verdict is timed again by the next run
+that uses it) and, where fp32 is clearly faster (at least 10% in most rounds), casts
 the queries, keys and values up (exactly: they are bf16 values) and the output back;
 ``fp32`` always, ``native`` never. Both kernels accumulate in fp32; outputs differ by bf16
 rounding. Forward-only calls (evaluation, generation) are left as they are.

@@ -7,10 +7,12 @@ products and loses on small ones. ``cpu_matmul``, a setting of each model (its l
 
 - ``auto`` (the default): per product shape (rows rounded up to a power of two, inner and
   output widths), the faster of the two, measured on the forward and both backward products
-  the first time the shape is met, oneDNN only when it is at least 5% faster (never slower
-  than PyTorch's own choice). The verdicts are cached per machine (models/cpu_kernels.py)
-  and read, not measured again, by every later run there: two runs compute with the same
-  kernels, so a resumed run still equals an uninterrupted one bit for bit.
+  the first time the shape is met, oneDNN only when it is clearly faster (at least 10%, in
+  most of several interleaved rounds; never slower than PyTorch's own choice). The verdicts
+  are cached per machine (models/cpu_kernels.py), a oneDNN verdict timed once more by the
+  next fresh run that uses it (and corrected there, with a line, where the default wins), and
+  read, not measured again, by every later run: a resumed run computes with the kernels of
+  the run it continues, so it still equals an uninterrupted one bit for bit.
 - ``onednn``: oneDNN wherever PyTorch was built with it.
 - ``default``: PyTorch's own choice, as before.
 
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchneox.models.cpu_kernels import cached_verdict, challenger_faster
+from torchneox.models.cpu_kernels import Verdict, cached_verdict, compare
 
 CPU_MATMUL_CHOICES = ("auto", "onednn", "default")
 _verdicts: dict[tuple[int, int, int], bool] = {}  # auto's measurements, by (rows bucket, k, n)
@@ -48,16 +50,17 @@ def onednn_selected(rows: int, k: int, n: int, mode: str) -> bool:
     return _verdicts[key]
 
 
-def measure_onednn_faster(rows: int, k: int, n: int) -> bool:
+def measure_onednn_faster(rows: int, k: int, n: int) -> Verdict:
     """Whether oneDNN runs a linear's three products (forward, input and weight gradients) at
-    this shape in at most MARGIN (models/cpu_kernels.py) of the default kernel's time. Large shapes are timed on fewer
-    rows (at least 256: fewer would time a different, matrix-vector regime)."""
+    this shape clearly faster than the default kernel (``compare``, models/cpu_kernels.py).
+    Large shapes are timed on fewer rows (at least 256: fewer would time a different,
+    matrix-vector regime)."""
     rows = min(rows, max(256, int(2e9 // (6 * k * n))))
     g = torch.Generator().manual_seed(0)  # its own: the global RNG is left alone
     x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
     grad = torch.randn(rows, n, generator=g)
     with torch.no_grad():
-        return challenger_faster(
+        return compare(
             lambda: (F.linear(x, w), grad.mm(w), grad.t().mm(x)),
             lambda: (_mm(x, w), _mm(grad, w.t()), _mm(grad.t(), x.t())),
         )

@@ -6,8 +6,9 @@ interconnect is the per-GPU bandwidth between GPUs of one node in GB/s.
 
 from __future__ import annotations
 
-import json
+import math
 import os
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,65 +88,100 @@ def measure_cpu_tflops(
     return best
 
 
+def peak_trials(
+    dtype: torch.dtype, size: int = 1024, seconds: float = 0.2, trials: int = 5
+) -> dict[str, list[float]]:
+    """TFLOP/s of each kernel the run may use in ``dtype`` (for fp32 PyTorch's default and,
+    where PyTorch has it, oneDNN) in ``trials`` interleaved timings: the kernels take turns,
+    so a moment of competition for the cores lowers one trial of each, not a kernel's every
+    trial."""
+    kernels = ["default"]
+    if dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        kernels.append("onednn")
+    out: dict[str, list[float]] = {k: [] for k in kernels}
+    for _ in range(trials):
+        for kernel in kernels:
+            out[kernel].append(measure_cpu_tflops(dtype, size, seconds, 1, kernel=kernel))
+    return out
+
+
+def peak_record(trials: dict[str, list[float]]) -> dict:
+    """The cache's record of a peak: the best trial of the faster kernel, and how noisy its
+    trials were (the slowest and the median beside the best), when and under what load."""
+    kernel = max(trials, key=lambda k: max(trials[k]))
+    best = trials[kernel]
+    return {
+        "tflops": max(best),
+        "kernel": kernel,
+        "trials": len(best),
+        "median": statistics.median(best),
+        "slowest": min(best),
+        "measured": cpu_kernels.now(),
+        "load": cpu_kernels.load_average(),
+    }
+
+
 def machine_cpu_tflops(dtype: torch.dtype, size: int = 1024, seconds: float = 0.2, trials: int = 5):
     """The machine's matmul peak in ``dtype``: for fp32 the faster of PyTorch's default kernel
     and oneDNN (where PyTorch has it), whichever the run uses."""
-    peak = measure_cpu_tflops(dtype, size, seconds, trials)
-    if dtype == torch.float32 and torch.backends.mkldnn.is_available():
-        peak = max(peak, measure_cpu_tflops(dtype, size, seconds, trials, kernel="onednn"))
-    return peak
+    return peak_record(peak_trials(dtype, size, seconds, trials))["tflops"]
 
 
 CPU_PEAK_ENV = "TORCHNEOX_CPU_PEAK_CACHE"
 DTYPES = {"fp32": torch.float32, "bfloat16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _cpu_peak_file() -> Path:
+def cpu_peak_file() -> Path:
     default = Path.home() / ".cache" / "torchneox" / "cpu_peak.json"
     return Path(os.environ.get(CPU_PEAK_ENV, default))
 
 
-def _cpu_key(precision: str) -> str:
-    threads = torch.get_num_threads()
+def _cpu_key(precision: str, threads: int | None = None) -> str:
     # "best kernel": peaks cached before fp32 counted oneDNN are not reused
-    return (
-        f"{cpu_kernels.cpu_model()} | {threads} threads | torch {torch.__version__} | {precision} "
-        "| best kernel"
-    )
+    return f"{cpu_kernels.machine_key(threads)} | {precision} | best kernel"
 
 
-def _cached_peaks() -> dict:
-    try:
-        cached = json.loads(_cpu_peak_file().read_text())
-    except (OSError, ValueError):
-        return {}
-    return cached if isinstance(cached, dict) else {}
+def peak_value(entry: object) -> float | None:
+    """The TFLOP/s of a cache entry (a number, as written before the record, or a record)."""
+    value = entry.get("tflops") if isinstance(entry, dict) else entry
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+    return float(value) if ok and math.isfinite(value) else None
 
 
 def cpu_peak_tflops(precision: str) -> float:
-    """This CPU's matmul peak in ``precision``, measured once (the best of several timings of
-    a 1024 x 1024 GEMM, on the faster kernel) and cached per CPU model, thread count and torch version, so that MFU
-    is measured against the same figure every run."""
-    cached = _cached_peaks().get(_cpu_key(precision))
-    if isinstance(cached, int | float) and cached > 0:
-        return float(cached)
-    peak = machine_cpu_tflops(DTYPES.get(precision, torch.float32))
-    raise_cpu_peak(precision, peak)
-    return peak
+    """This CPU's matmul peak in ``precision``, measured once (the best of several interleaved
+    timings of a 1024 x 1024 GEMM, on the faster kernel) and cached per CPU model, thread count
+    and torch version, so that MFU is measured against the same figure every run."""
+    path, key = cpu_peak_file(), _cpu_key(precision)
+    cached = peak_value(cpu_kernels.read_table(path).get(key))
+    if cached is not None:
+        return cached
+    record = peak_record(peak_trials(DTYPES.get(precision, torch.float32)))
+    store_cpu_peak(key, record)
+    return record["tflops"]
+
+
+def store_cpu_peak(key: str, record: dict) -> None:
+    """``record`` written under ``key``, whole or not at all (kept in this process only where
+    the file cannot be written)."""
+    path = cpu_peak_file()
+    try:
+        with cpu_kernels.locked(path):
+            table = cpu_kernels.read_table(path)
+            table[key] = record
+            cpu_kernels.write_table(path, table)
+    except OSError:
+        pass  # a read-only home: measured again next time
 
 
 def raise_cpu_peak(precision: str, tflops: float) -> None:
     """Record a higher peak than the cached one (a step ran faster than the measured peak)."""
-    path, key = _cpu_peak_file(), _cpu_key(precision)
-    cached = _cached_peaks()
-    cached[key] = max(float(cached.get(key) or 0.0), tflops)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(cached, indent=1))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only home: measured again next time
+    key = _cpu_key(precision)
+    entry = cpu_kernels.read_table(cpu_peak_file()).get(key)
+    if (peak_value(entry) or 0.0) >= tflops:
+        return
+    record = dict(entry) if isinstance(entry, dict) else {}
+    store_cpu_peak(key, record | {"tflops": tflops, "raised_by_a_step": cpu_kernels.now()})
 
 
 REDUCED_UNITS = {"bfloat16": "AVX512-BF16 or AMX", "fp16": "AVX512-FP16 or AMX-FP16"}

@@ -24,6 +24,7 @@ from torchneox.config.report import render_yaml
 from torchneox.data.datasets import build_splits
 from torchneox.data.loader import BatchLoader
 from torchneox.data.tokenizers import build_tokenizer
+from torchneox.models import cpu_kernels
 from torchneox.parallel import flight_recorder
 from torchneox.parallel.collectives import any_rank, mean_over_dp, sum_over_dp
 from torchneox.parallel.dims import ParallelDims, init_distributed
@@ -95,6 +96,9 @@ class Trainer:
         # the checkpoint to load, known before building: its weights are not drawn first
         load = Path(cfg.checkpoint.load) if cfg.checkpoint.load else None
         step_dir = self.checkpoints.find(load, load_step) if load is not None else None
+        # a run that continues another computes with its kernels: no verdict timed a second time
+        step = step_dir.name.removeprefix("global_step") if step_dir is not None else "0"
+        cpu_kernels.second_timing = not (step.isdigit() and int(step) > 0)
         self._build_model(step_dir)
         self._report_memory("after building")
         self._build_loaders()
@@ -160,6 +164,17 @@ class Trainer:
             peaks = [None] * self.dims.world_size
             dist.all_gather_object(peaks, mine)
         self.logger.line(hardware.memory_line(when, self.device, peaks))
+
+    def _report_kernels(self) -> None:
+        """The CPU kernel verdicts any rank corrected (models/cpu_kernels.py), in one line on
+        rank 0 (the rank that timed a verdict again may be another)."""
+        corrected = cpu_kernels.take_corrections()
+        if self.dims.world_size > 1 and self.device.type == "cpu":
+            gathered: list[Any] = [None] * self.dims.world_size
+            dist.all_gather_object(gathered, corrected)
+            corrected = list(dict.fromkeys(c for rank in gathered for c in rank))
+        if corrected:
+            self.logger.line(cpu_kernels.correction_line(corrected))
 
     def _build_loaders(self) -> None:
         d, cfg, lay = self.derived, self.cfg, self.layout
@@ -374,6 +389,7 @@ class Trainer:
             out = self.train_step()
             if self.iteration == first:
                 self._report_memory("after the first step")
+                self._report_kernels()
             self.checkpoints.poll()  # a background save all ranks have written: finish it
             profiler.step()
             progress.report(out)
@@ -391,6 +407,7 @@ class Trainer:
                 )
                 break
         self.step.settle()
+        self._report_kernels()  # verdicts first met by the evaluation's shapes
         self.checkpoints.finish()
         profiler.stop()
         return self._summary(progress.last_row)
