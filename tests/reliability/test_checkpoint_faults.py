@@ -62,6 +62,41 @@ def test_a_save_that_cannot_be_written_keeps_the_previous_checkpoint(make_config
     assert (folder / "latest").read_text().strip() == "global_step4"
 
 
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_a_background_save_that_cannot_be_written_is_one_line_and_leaves_no_partial(
+    make_config, tmp_path, writer
+):
+    """The background writer used to end in an internal error with its partial folder left."""
+    folder = tmp_path / "run"
+    first = make_config(train_iters=2, checkpoint_factor=2, save=str(folder), load=str(folder))
+    assert main(["train", first]) == 0
+    shard = max(f.stat().st_size for f in (folder / "global_step2").glob("*.distcp"))
+    keys = {"async_checkpointing": True, "async_checkpoint_writer": writer}
+    cfg = make_config(
+        train_iters=4, checkpoint_factor=2, save=str(folder), load=str(folder), **keys
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "torchneox", "train", cfg],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        preexec_fn=_limit_file_size(shard // 2),
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 1, run.stderr[-3000:]
+    lines = [x for x in run.stderr.splitlines() if x.startswith("torchneox: error:")]
+    assert len(lines) == 1 and "Traceback" not in run.stderr and "internal" not in run.stderr
+    assert f"saving {folder / 'global_step4'} failed" in lines[0]
+    assert "File too large" in lines[0]
+    assert f"{folder / 'global_step2'} is still the latest checkpoint" in lines[0]
+    assert (folder / "latest").read_text().strip() == "global_step2"
+    assert sorted(p.name for p in folder.iterdir() if "global_step" in p.name) == ["global_step2"]
+    assert not checkpoint_format.verify(folder / "global_step2", content=True)
+    assert main(["train", cfg]) == 0  # space is back: the same command resumes and finishes
+    assert (folder / "latest").read_text().strip() == "global_step4"
+
+
 def test_an_unwritable_save_directory_is_refused_before_training(make_config, tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

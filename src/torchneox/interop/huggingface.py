@@ -15,7 +15,7 @@ import torch
 from torchneox.base.errors import ConfigError
 from torchneox.config.derive import derive
 from torchneox.config.load import LoadedConfig, load_mapping
-from torchneox.config.paths import new_output_dir
+from torchneox.config.paths import new_output_dir, refuse_non_empty
 from torchneox.config.report import render_yaml
 from torchneox.models import hf
 from torchneox.models.args import ModelArgs, model_args
@@ -148,7 +148,7 @@ def from_hf(
     tokenizer, its config and chat template, and the generation config beside it."""
     src, out = Path(hf_dir), Path(out_dir)
     hf.read_config(src)  # not a model folder: say so before anything is written
-    with new_output_dir(out, force, "convert from-hf") as tmp:
+    with new_output_dir(out, force, "convert from-hf", inputs=[hf_dir]) as tmp:
         loaded, sd = _read_hf(src, _tokenizer_keys(src, tmp, out), progress)
         yaml_text = render_yaml(loaded, derive(loaded))
         arch = hf.architecture_of(hf.read_config(src))
@@ -198,11 +198,14 @@ def to_hf(
     and the tokenizer with its config and chat template."""
     step_dir = checkpoint_format.resolve(ckpt)
     loaded = checkpoint_format.checkpoint_config(step_dir)
+    tok = loaded.config.tokenizer
+    inputs = [ckpt, step_dir, tok.vocab_file, tok.merge_file]  # the tokenizer's files are read too
+    out = Path(out_dir)
+    refuse_non_empty(out, force, "convert to-hf", inputs=inputs)  # before reading the weights
     args = model_args(loaded)
     arch = hf.export_architecture(args)
     _, model = weights.load_model(step_dir, stored_dtype=True)  # one copy, as stored
-    out = Path(out_dir)
-    with new_output_dir(out, force, "convert to-hf") as tmp:
+    with new_output_dir(out, force, "convert to-hf", inputs=inputs) as tmp:
         tensors = hf_tensors(hf.causal_family(arch), model.state_dict(), args)
         total = sum(p.numel() for p in model.state_dict().values()) * DTYPES[dtype].itemsize
         meter = _Progress("wrote", total, progress)

@@ -9,8 +9,13 @@ from torchneox.base.errors import ConfigError
 from torchneox.config.paths import atomic_output
 
 
+def metrics_file(run: Path) -> Path:
+    """What plot reads of a run: its metrics.jsonl (or the file given)."""
+    return run / "metrics.jsonl" if run.is_dir() else run
+
+
 def read_metrics(run: Path) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
-    path = run / "metrics.jsonl" if run.is_dir() else run
+    path = metrics_file(run)
     if not path.is_file():
         raise ConfigError("no metrics.jsonl here (is it a run's save or log_dir?)", source=str(run))
     train, valid = [], []
@@ -54,6 +59,6 @@ def plot_runs(runs: list[Path], out: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    with atomic_output(out, "plot") as tmp:
+    with atomic_output(out, "plot", inputs=[metrics_file(r) for r in runs]) as tmp:
         fig.savefig(tmp, format=Path(out).suffix[1:] or "png")
     plt.close(fig)
