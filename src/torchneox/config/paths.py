@@ -66,8 +66,12 @@ def atomic_output(path: str | Path, what: str = "output", *, inputs: Paths) -> I
     try:
         yield tmp
         os.replace(tmp, target)
-    except OSError as e:
-        raise ConfigError(f"cannot write it ({e.strerror})", source=str(target)) from None
+    except OSError as e:  # a full disk, a file-size limit, a folder made read-only meanwhile
+        raise ConfigError(
+            f"writing it failed ({_why(e, target.parent)}); nothing was written and what was "
+            "there is unchanged",
+            source=str(target),
+        ) from None
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -119,14 +123,23 @@ def new_output_dir(out: Path, force: bool, verb: str, *, inputs: Paths) -> Itera
             os.replace(out, old)
         os.replace(tmp, out)
         shutil.rmtree(old, ignore_errors=True)
-    except OSError as e:  # a full disk, a folder made read-only meanwhile
+    except OSError as e:  # a full disk, a file-size limit, a folder made read-only meanwhile
         raise ConfigError(
-            f"writing it failed ({e.strerror or e}); nothing was written and what was there "
-            "is unchanged",
+            f"writing it failed ({_why(e, out.parent)}); nothing was written (the partial "
+            "folder is removed) and what was there is unchanged",
             source=str(out),
         ) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _why(error: OSError, folder: Path) -> str:
+    """The reason a write failed, and the room left where it was written."""
+    try:
+        free = f"{shutil.disk_usage(folder).free / 2**20:,.0f} MiB free there"
+    except OSError:
+        free = "free space unknown"
+    return f"{error.strerror or error}; {free}"
 
 
 def _recover(out: Path) -> None:

@@ -189,14 +189,26 @@ def _dcp_save(state: dict[str, Any], tmp: Path) -> None:
         dcp.save(state, checkpoint_id=str(tmp))
 
 
+def os_reason(error: BaseException) -> str:
+    """Why a write failed, in a few words: the operating system's reason (and file) where the
+    error or one it was raised from carries one, else the error's last line."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen.strerror + (f" ({seen.filename})" if seen.filename else "")
+        seen = seen.__cause__ or seen.__context__
+    lines = str(error).strip().splitlines()
+    return lines[-1] if lines else type(error).__name__
+
+
 def write_failure(root: Path, final: Path, error: BaseException) -> str:
     if isinstance(error, CheckpointException):
         ranks = sorted(error.failures)
         first = next(iter(error.failures.values()))
         first = first[0] if isinstance(first, tuple) else first
-        what = f"on rank {', '.join(map(str, ranks))}: {str(first).strip().splitlines()[-1]}"
+        what = f"on rank {', '.join(map(str, ranks))}: {os_reason(first)}"
     else:
-        what = f"{error.strerror or error}" + (f" ({error.filename})" if error.filename else "")
+        what = os_reason(error)
     try:
         free = f"{shutil.disk_usage(root).free / 2**20:,.0f} MiB free there"
     except OSError:
