@@ -299,3 +299,27 @@ def test_to_hf_fp16_refuses_weights_fp16_cannot_hold(tmp_path, capsys):
     assert all(torch.isfinite(t.float()).all() for t in weights.values())
     assert main(["convert", "to-hf", str(run / "global_step2"), str(tmp_path / "ok16"),
                  "--dtype", "fp16"]) == 0  # fmt: skip
+
+
+def test_from_hf_past_a_file_size_limit_is_one_line(tmp_path, capsys):
+    """from-hf writes a checkpoint; its failed save used to escape as an internal error."""
+    from tests.reliability.test_paths import snapshot
+
+    _, hf, _, before_hf = _export_fixture(tmp_path)
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    (out / "kept.txt").write_text("what --force would replace")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    capsys.readouterr()
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, hard))  # the weights are ~500 kB
+    try:
+        status = main(["convert", "from-hf", str(hf), str(out), "--force"])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert "File too large" in err
+    _assert_nothing_half_written(
+        tmp_path, hf, out, before_hf, {"kept.txt": b"what --force would replace"}, err
+    )
+    assert snapshot(hf) == before_hf

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from torchneox.base.errors import ConfigError
+from torchneox.base.errors import CheckpointWriteError, ConfigError, first_line
 
 Paths = Iterable[str | Path]
 
@@ -123,7 +123,8 @@ def new_output_dir(out: Path, force: bool, verb: str, *, inputs: Paths) -> Itera
             os.replace(out, old)
         os.replace(tmp, out)
         shutil.rmtree(old, ignore_errors=True)
-    except OSError as e:  # a full disk, a file-size limit, a folder made read-only meanwhile
+    except (OSError, CheckpointWriteError) as e:  # a full disk, a file-size limit, a folder
+        # made read-only meanwhile; a checkpoint written into it (convert from-*) names why
         raise ConfigError(
             f"writing it failed ({_why(e, out.parent)}); nothing was written (the partial "
             "folder is removed) and what was there is unchanged",
@@ -133,13 +134,14 @@ def new_output_dir(out: Path, force: bool, verb: str, *, inputs: Paths) -> Itera
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _why(error: OSError, folder: Path) -> str:
+def _why(error: BaseException, folder: Path) -> str:
     """The reason a write failed, and the room left where it was written."""
     try:
         free = f"{shutil.disk_usage(folder).free / 2**20:,.0f} MiB free there"
     except OSError:
         free = "free space unknown"
-    return f"{error.strerror or error}; {free}"
+    why = getattr(error, "strerror", None) or getattr(error, "reason", None)
+    return f"{why or first_line(error)}; {free}"
 
 
 def _recover(out: Path) -> None:

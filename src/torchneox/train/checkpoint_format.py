@@ -179,7 +179,9 @@ def save_checkpoint(
     except (OSError, CheckpointException) as e:
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointWriteError(write_failure(root, final, e)) from None
+        error = CheckpointWriteError(write_failure(root, final, e))
+        error.reason = os_reason(_first_failure(e))
+        raise error from None
     return final
 
 
@@ -201,12 +203,18 @@ def os_reason(error: BaseException) -> str:
     return lines[-1] if lines else type(error).__name__
 
 
+def _first_failure(error: BaseException) -> BaseException:
+    """DCP's error gathers each rank's: the first of them; any other error, itself."""
+    if not isinstance(error, CheckpointException):
+        return error
+    first = next(iter(error.failures.values()))
+    return first[0] if isinstance(first, tuple) else first
+
+
 def write_failure(root: Path, final: Path, error: BaseException) -> str:
     if isinstance(error, CheckpointException):
         ranks = sorted(error.failures)
-        first = next(iter(error.failures.values()))
-        first = first[0] if isinstance(first, tuple) else first
-        what = f"on rank {', '.join(map(str, ranks))}: {os_reason(first)}"
+        what = f"on rank {', '.join(map(str, ranks))}: {os_reason(_first_failure(error))}"
     else:
         what = os_reason(error)
     try:
