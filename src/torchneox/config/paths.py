@@ -27,6 +27,13 @@ def _resolved(path: str | Path) -> Path:
     return Path(os.path.realpath(os.path.expanduser(path)))
 
 
+def _shown(path: str | Path) -> str:
+    """``path`` as given, and where a symlink leads when one is on the way."""
+    target = _resolved(path)
+    plain = os.path.abspath(os.path.expanduser(path))
+    return str(path) if Path(plain) == target else f"{path} (a link to {target})"
+
+
 def refuse_overlap(outputs: Paths, inputs: Paths, verb: str) -> None:
     """The path rule: an output that is one of the verb's inputs, holds one (the input lies
     inside the output folder) or lies inside an input folder is refused, with or without
@@ -44,7 +51,8 @@ def refuse_overlap(outputs: Paths, inputs: Paths, verb: str) -> None:
             else:
                 continue
             raise ConfigError(
-                f"{verb} would write its output {out}, which {how} its input {name}; "
+                f"{verb} would write its output {_shown(out)}, which {how} its input "
+                f"{_shown(name)}; "
                 "--force replaces an output, never an input: name an output that neither is, "
                 "holds nor lies inside an input"
             )
