@@ -208,3 +208,24 @@ def test_precompute_model_name_is_a_plain_name(here, capsys):
     argv = ["generate", "c.yml", "--checkpoint", "run", "--text-gen-type", "precompute"]
     assert main([*argv, "--set", "precompute_model_name=../escaped"]) == 2
     assert snapshot(here) == before and not (here.parent / "escaped.bin").exists()
+
+
+def test_a_conversion_killed_between_its_renames_gets_the_old_output_back(here, capsys):
+    """kill -9 after the old output was moved aside and before the new one took its place: the
+    next conversion to the same folder puts the old one back (and asks before replacing it),
+    and removes the dead writer's partial folder."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    dead = child.pid
+    before = snapshot(here / "hf")
+    (here / "hf").rename(here / f".hf.old-{dead}")
+    (here / f".hf.partial-{dead}").mkdir()
+    (here / f".hf.partial-{dead}" / "model.safetensors").write_bytes(b"half")
+    capsys.readouterr()
+    assert main(["convert", "to-hf", "run", "hf"]) == 2  # the old export is back: not replaced
+    assert "is not empty" in capsys.readouterr().err
+    assert snapshot(here / "hf") == before
+    assert not list(here.glob(".hf.*"))

@@ -13,7 +13,7 @@ import os
 import re
 import shutil
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -115,10 +115,12 @@ def new_output_dir(out: Path, force: bool, verb: str, *, inputs: Paths) -> Itera
     interrupted write leaves what was there before and nothing half-written."""
     out = Path(out)
     inputs = list(inputs)
+    refuse_overlap([out], inputs, verb)
+    with suppress(OSError):
+        _recover(out)  # first: an old output it puts back is then asked about like any other
     refuse_non_empty(out, force, verb, inputs=inputs)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        _recover(out)
         tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
