@@ -186,10 +186,11 @@ def remove_stale_partials(folder: Path, prefix: str) -> None:
         digits = re.match(r"\d+", path.name[len(prefix) :])
         if digits is None or int(digits[0]) == os.getpid() or _running(int(digits[0])):
             continue
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
+        with suppress(OSError):  # a folder we may not write to: left as it is
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
 
 
 def dataset_files(data: Any) -> list[str]:
