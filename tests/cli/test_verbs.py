@@ -118,10 +118,12 @@ def test_to_hf_refuses_what_hugging_face_cannot_express(tmp_path, capsys):
 
 
 def test_from_hf_errors_are_one_line(tmp_path, capsys):
-    assert main(["convert", "from-hf", str(tmp_path), str(tmp_path / "out")]) == 2
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    assert main(["convert", "from-hf", str(folder), str(tmp_path / "out")]) == 2
     assert "no config.json" in capsys.readouterr().err
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertModel"]}))
-    assert main(["convert", "from-hf", str(tmp_path), str(tmp_path / "out")]) == 2
+    (folder / "config.json").write_text(json.dumps({"architectures": ["BertModel"]}))
+    assert main(["convert", "from-hf", str(folder), str(tmp_path / "out")]) == 2
     assert "architecture 'BertModel' is not supported" in capsys.readouterr().err
 
 

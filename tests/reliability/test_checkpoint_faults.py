@@ -62,6 +62,62 @@ def test_a_save_that_cannot_be_written_keeps_the_previous_checkpoint(make_config
     assert (folder / "latest").read_text().strip() == "global_step4"
 
 
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_a_background_save_that_cannot_be_written_is_one_line_and_leaves_no_partial(
+    make_config, tmp_path, writer
+):
+    """The background writer used to end in an internal error with its partial folder left."""
+    folder = tmp_path / "run"
+    first = make_config(train_iters=2, checkpoint_factor=2, save=str(folder), load=str(folder))
+    assert main(["train", first]) == 0
+    shard = max(f.stat().st_size for f in (folder / "global_step2").glob("*.distcp"))
+    keys = {"async_checkpointing": True, "async_checkpoint_writer": writer}
+    cfg = make_config(
+        train_iters=4, checkpoint_factor=2, save=str(folder), load=str(folder), **keys
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "torchneox", "train", cfg],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        preexec_fn=_limit_file_size(shard // 2),
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 1, run.stderr[-3000:]
+    lines = [x for x in run.stderr.splitlines() if x.startswith("torchneox: error:")]
+    assert len(lines) == 1 and "Traceback" not in run.stderr and "internal" not in run.stderr
+    assert f"saving {folder / 'global_step4'} failed on rank 0: " in lines[0]
+    assert "File too large" in lines[0]
+    assert f"{folder / 'global_step2'} is still the latest checkpoint" in lines[0]
+    assert (folder / "latest").read_text().strip() == "global_step2"
+    assert sorted(p.name for p in folder.iterdir() if "global_step" in p.name) == ["global_step2"]
+    assert not checkpoint_format.verify(folder / "global_step2", content=True)
+    assert main(["train", cfg]) == 0  # space is back: the same command resumes and finishes
+    assert (folder / "latest").read_text().strip() == "global_step4"
+
+
+def test_a_full_disk_under_the_background_writer_process_is_one_line(
+    make_config, tmp_path, capsys, monkeypatch
+):
+    folder = tmp_path / "run"
+    cfg = make_config(train_iters=4, checkpoint_factor=2, save=str(folder), load=str(folder))
+    assert main(["train", cfg]) == 0
+    monkeypatch.setenv("TORCHNEOX_FAULT", "full@writer.write")  # the writer's next write
+    capsys.readouterr()
+    more = ["--set", "train_iters=6", "--set", "async_checkpointing=true"]
+    assert main(["train", cfg, *more]) == 1
+    err = capsys.readouterr().err
+    assert err.count("torchneox: error:") == 1 and "internal" not in err, err
+    assert f"saving {folder / 'global_step6'} failed on rank 0: No space left on device" in err
+    assert f"{folder / 'global_step4'} is still the latest checkpoint" in err
+    assert (folder / "latest").read_text().strip() == "global_step4"
+    assert sorted(p.name for p in folder.iterdir() if "global_step" in p.name) == [
+        "global_step2",
+        "global_step4",
+    ]
+
+
 def test_an_unwritable_save_directory_is_refused_before_training(make_config, tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
@@ -157,3 +213,113 @@ def test_checkpoint_verify_finds_a_byte_flipped_anywhere(
     out = capsys.readouterr().out
     assert f"{shard} does not match its checksum" in out
     assert f"{folder / 'global_step2'}: complete" in out
+
+
+def _export_fixture(tmp_path):
+    """A run with one checkpoint and an earlier export of it in ``hf`` (what --force would
+    replace)."""
+    from tests.reliability.test_paths import save_run, snapshot
+
+    run = save_run(tmp_path / "run", steps=(2,))
+    out = tmp_path / "hf"
+    assert main(["convert", "to-hf", str(run), str(out)]) == 0
+    return run, out, snapshot(run), snapshot(out)
+
+
+def _assert_nothing_half_written(tmp_path, run, out, before_run, before_out, err):
+    from tests.reliability.test_paths import snapshot
+
+    assert err.count("\n") == 1 and err.startswith("torchneox: error: "), err
+    assert "internal error" not in err
+    assert f"{out}: writing it failed" in err and "MiB free there" in err
+    assert "nothing was written" in err
+    assert snapshot(run) == before_run and snapshot(out) == before_out  # both untouched
+    assert not [p.name for p in tmp_path.iterdir() if "partial" in p.name or ".old-" in p.name]
+
+
+def test_to_hf_past_a_file_size_limit_is_one_line(tmp_path, capsys):
+    """A file-size limit (EFBIG; Python ignores SIGXFSZ) used to be an internal error."""
+    run, out, before_run, before_out = _export_fixture(tmp_path)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    capsys.readouterr()
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, hard))  # the weights are ~500 kB
+    try:
+        status = main(["convert", "to-hf", str(run), str(out), "--force"])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    err = capsys.readouterr().err
+    assert status == 2
+    assert "File too large" in err
+    _assert_nothing_half_written(tmp_path, run, out, before_run, before_out, err)
+
+
+def test_to_hf_on_a_full_disk_is_one_line(tmp_path, capsys, monkeypatch):
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    run, out, before_run, before_out = _export_fixture(tmp_path)
+
+    def full(*args, **kwargs):  # what safetensors raises when the disk fills
+        raise SafetensorError(
+            "Error while serializing: I/O error: No space left on device (os error 28)"
+        )
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    capsys.readouterr()
+    assert main(["convert", "to-hf", str(run), str(out), "--force"]) == 2
+    err = capsys.readouterr().err
+    assert "No space left on device" in err
+    _assert_nothing_half_written(tmp_path, run, out, before_run, before_out, err)
+
+
+def test_to_hf_fp16_refuses_weights_fp16_cannot_hold(tmp_path, capsys):
+    """--dtype fp16 used to turn weights beyond 65504 into inf without a word."""
+    import torch
+    from safetensors.torch import load_file
+
+    from tests.reliability.test_paths import save_run
+    from torchneox.train.weights import load_model
+
+    run = save_run(tmp_path / "run", steps=(2,))
+    _, model = load_model(run)
+    state = model.state_dict()
+    state["layers.1.mlp.down.weight"][0, 0] = -1.5e5
+    yaml_text = (run / "global_step2" / "config.yml").read_text()
+    checkpoint_format.save_checkpoint(run, 4, {"model": state}, yaml_text)
+    capsys.readouterr()
+    out = tmp_path / "hf16"
+    assert main(["convert", "to-hf", str(run), str(out), "--dtype", "fp16"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "internal error" not in err, err
+    assert "layers.1.mlp.dense_4h_to_h.weight" in err and "150000" in err, err
+    assert "65504" in err and "--dtype bf16" in err and str(run / "global_step4") in err
+    assert not out.exists() and not list(tmp_path.glob(".hf16*"))
+    assert main(["convert", "to-hf", str(run), str(out), "--dtype", "bf16"]) == 0
+    weights = load_file(out / "model.safetensors")
+    assert all(torch.isfinite(t.float()).all() for t in weights.values())
+    assert main(["convert", "to-hf", str(run / "global_step2"), str(tmp_path / "ok16"),
+                 "--dtype", "fp16"]) == 0  # fmt: skip
+
+
+def test_from_hf_past_a_file_size_limit_is_one_line(tmp_path, capsys):
+    """from-hf writes a checkpoint; its failed save used to escape as an internal error."""
+    from tests.reliability.test_paths import snapshot
+
+    _, hf, _, before_hf = _export_fixture(tmp_path)
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    (out / "kept.txt").write_text("what --force would replace")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    capsys.readouterr()
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, hard))  # the weights are ~500 kB
+    try:
+        status = main(["convert", "from-hf", str(hf), str(out), "--force"])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert "File too large" in err
+    _assert_nothing_half_written(
+        tmp_path, hf, out, before_hf, {"kept.txt": b"what --force would replace"}, err
+    )
+    assert snapshot(hf) == before_hf

@@ -238,3 +238,61 @@ def test_a_run_whose_stdout_goes_away_saves_and_fails(make_config, tmp_path):
     # and the run resumes from there
     resumed = Trainer(load_config([cfg]), device="cpu")
     assert resumed.iteration == step
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_an_interrupted_preprocess_removes_its_partial_files(tmp_path, monkeypatch, capsys, sig):
+    """Stopped halfway (Ctrl-C, `kill`, a scheduler's SIGTERM): no dataset, no *.partial-PID."""
+    from torchneox.data import preprocess as module
+
+    lines = "".join(json.dumps({"text": f"document {i} " * 5}) + "\n" for i in range(400))
+    (tmp_path / "in.jsonl").write_text(lines)
+    read_lines = module.read_lines
+
+    def signalled_halfway(inputs):
+        for number, line in enumerate(read_lines(inputs)):
+            if number == 200:
+                os.kill(os.getpid(), sig)  # delivered to this (the main) thread
+            yield line
+
+    monkeypatch.setattr(module, "read_lines", signalled_halfway)
+    seen = []  # were SIGTERM not handled, record it rather than end the test process
+    previous = signal.signal(signal.SIGTERM, lambda *a: seen.append(a))
+    try:
+        status = main(
+            ["preprocess", "--input", str(tmp_path / "in.jsonl"), "--output-prefix",
+             str(tmp_path / "out" / "d"), "--tokenizer-type", "CharLevelTokenizer"]
+        )  # fmt: skip
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert status == 130 and "torchneox: interrupted" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == []
+
+
+def test_a_later_preprocess_removes_what_a_killed_one_left(tmp_path):
+    """kill -9 cannot be caught: the next preprocess to the same output removes the partial
+    files of writers no longer running (and leaves those of one still running)."""
+    out = tmp_path / "out"
+    prefix = out / "d_text_document"
+    script = (
+        "import os, numpy as np\n"
+        "from torchneox.data.indexed import IndexedDatasetWriter\n"
+        f"w = IndexedDatasetWriter({str(prefix)!r}, np.uint16)\n"
+        "w.add_document([1, 2, 3])\n"
+        "w._bin.flush()\n"
+        "os.kill(os.getpid(), 9)\n"
+    )
+    killed = subprocess.run([sys.executable, "-c", script], check=False, timeout=60)
+    assert killed.returncode == -signal.SIGKILL
+    (left,) = [p.name for p in out.iterdir()]  # what the killed writer left
+    assert left.startswith("d_text_document.bin.partial-")
+    alive = out / f"d_text_document.bin.partial-{os.getppid()}"  # a writer still running
+    alive.write_bytes(b"")
+    (tmp_path / "in.txt").write_text("one document\nand another\n")
+    argv = ["preprocess", "--input", str(tmp_path / "in.txt"), "--output-prefix", str(out / "d")]
+    assert main([*argv, "--tokenizer-type", "CharLevelTokenizer"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == [
+        "d_text_document.bin",
+        f"d_text_document.bin.partial-{os.getppid()}",
+        "d_text_document.idx",
+    ]

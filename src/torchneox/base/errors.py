@@ -36,7 +36,10 @@ class NeoXCheckpointError(ConfigError):
 
 
 class CheckpointWriteError(RuntimeError):
-    """A save failed (disk full, unwritable directory); the previous checkpoint is untouched."""
+    """A save failed (disk full, unwritable directory); the previous checkpoint is untouched.
+    ``reason``: why, in a few words (the operating system's reason and file, where known)."""
+
+    reason: str = ""
 
 
 class TrainingStopped(RuntimeError):

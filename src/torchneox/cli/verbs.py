@@ -147,12 +147,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(generator.complete([args.prompt])[0])
         return 0
     mode = settings.textgen.text_gen_type or "interactive"
+    inputs = [args.checkpoint or args.hf, *args.files, settings.textgen.sample_input_file]
+    inputs += [tok_cfg.tokenizer.vocab_file, tok_cfg.tokenizer.merge_file]
     if mode in ("unconditional", "input-file"):
         from torchneox.config.paths import refuse_existing
 
         output = Path(settings.textgen.sample_output_file)
-        refuse_existing([output], args.force, f"generate ({mode})")
-    run_mode(generator, settings.textgen)
+        refuse_existing([output], args.force, f"generate ({mode})", inputs=inputs)
+    run_mode(generator, settings.textgen, inputs=inputs)
     return 0
 
 
@@ -258,7 +260,7 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
 
     checked = _preprocess_args(args, args.input or [])
     outputs = [Path(f"{p}{ext}") for p in checked.output_prefixes() for ext in (".bin", ".idx")]
-    refuse_existing(outputs, args.force, "preprocess")
+    refuse_existing(outputs, args.force, "preprocess", inputs=checked.inputs)
     if checked.tokenizer_type == "CharLevelTokenizer" and (args.vocab_file or args.merge_file):
         print(
             "warning: CharLevelTokenizer reads no files (a token is a byte): --vocab-file and "
@@ -282,7 +284,7 @@ def cmd_train_tokenizer(args: argparse.Namespace) -> int:
     from torchneox.config.paths import refuse_existing
     from torchneox.data.tokenizers import train_bpe
 
-    refuse_existing([Path(args.output)], args.force, "train-tokenizer")
+    refuse_existing([Path(args.output)], args.force, "train-tokenizer", inputs=args.input)
     size = train_bpe(args.input, args.output, args.vocab_size, tuple(args.jsonl_keys))
     print(f"wrote {args.output} ({size} tokens)")
     return 0
@@ -291,16 +293,20 @@ def cmd_train_tokenizer(args: argparse.Namespace) -> int:
 def cmd_data_batch(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from torchneox.config.paths import atomic_output, refuse_existing
+    from torchneox.config.paths import atomic_output, dataset_files, refuse_existing
     from torchneox.data.datasets import step_batch
     from torchneox.data.tokenizers import build_tokenizer, decode_documents
 
-    if args.out:
-        refuse_existing([Path(args.out)], args.force, "data batch --out")
     loaded = load_config(args.files, args.overrides)
+    inputs = [*args.files, *dataset_files(loaded.config.data)]
+    if args.out:
+        refuse_existing([Path(args.out)], args.force, "data batch --out", inputs=inputs)
     start, batch = step_batch(loaded, args.iteration)
     if args.out:
-        with atomic_output(args.out, "--out file") as tmp, open(tmp, "wb") as f:
+        with (
+            atomic_output(args.out, "data batch --out", inputs=inputs) as tmp,
+            open(tmp, "wb") as f,
+        ):
             if isinstance(batch, dict):
                 np.savez(f, **batch)
             else:
@@ -422,9 +428,10 @@ def cmd_checkpoint_verify(args: argparse.Namespace) -> int:
 
 def cmd_plot(args: argparse.Namespace) -> int:
     from torchneox.config.paths import refuse_existing
-    from torchneox.train.plot import plot_runs
+    from torchneox.train.plot import metrics_file, plot_runs
 
-    refuse_existing([Path(args.out)], args.force, "plot")
+    read = [metrics_file(Path(r)) for r in args.runs]  # a PNG beside them is fine
+    refuse_existing([Path(args.out)], args.force, "plot", inputs=read)
     plot_runs([Path(r) for r in args.runs], Path(args.out))
     print(f"wrote {args.out}")
     return 0

@@ -7,6 +7,7 @@ here; commands that need them (train, generate) ask for them.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from torchneox.base.errors import did_you_mean
@@ -515,7 +516,18 @@ def _check_data(ch: Checker) -> None:
     ch.positive("num_workers", allow_zero=True)
 
 
+PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
 def _check_textgen(ch: Checker) -> None:
+    name = ch.c.textgen.precompute_model_name
+    if name is not None and not PLAIN_NAME.fullmatch(name):
+        ch.fail(
+            "precompute_model_name",
+            f"{name!r} must be a plain name (letters, digits, '.', '_', '-', starting with a "
+            "letter or digit; no '/' or '..'): it names the files written beside each dataset, "
+            "DATASET_{name}.bin/.idx",
+        )
     ch.positive("temperature", allow_zero=True)
     ch.within("top_p", 0.0, 1.0)
     ch.positive("top_k", allow_zero=True)

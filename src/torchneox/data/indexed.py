@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from torchneox.base.errors import DataError
+from torchneox.config.paths import remove_stale_partials
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -121,8 +122,10 @@ class IndexedDataset:
 
 
 class IndexedDatasetWriter:
-    """Writes PREFIX.bin/.idx under temporary names; ``finish()`` renames them into place,
-    so an interrupted run never leaves a pair that loads as if complete."""
+    """Writes PREFIX.bin/.idx under temporary names (``*.partial-PID``); ``finish()`` renames
+    them into place, so an interrupted run never leaves a pair that loads as if complete;
+    ``abort()`` removes them. What a writer killed with SIGKILL left is removed by the next
+    writer of the same dataset."""
 
     def __init__(self, prefix: str | Path, dtype: np.dtype):
         self.prefix = str(prefix)
@@ -133,6 +136,8 @@ class IndexedDatasetWriter:
         suffix = f".partial-{os.getpid()}"
         self._bin_tmp = self.bin_path.with_name(self.bin_path.name + suffix)
         self._idx_tmp = self.idx_path.with_name(self.idx_path.name + suffix)
+        for final in (self.bin_path, self.idx_path):
+            remove_stale_partials(final.parent, f"{final.name}.partial-")
         try:
             self.bin_path.parent.mkdir(parents=True, exist_ok=True)
             self._bin = open(self._bin_tmp, "wb")  # noqa: SIM115 - closed in finish/abort

@@ -9,11 +9,15 @@ datasets; a fractional reward makes the reward dataset float32; see data/chat.py
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import multiprocessing
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -242,6 +246,30 @@ def _write(args: PreprocessArgs, results: Any, writers: list[Any], progress: Any
         writer.finish()
 
 
+@contextlib.contextmanager
+def _terminated_as_interrupted() -> Iterator[None]:
+    """SIGTERM (``kill``, a scheduler's stop) unwinds as Ctrl-C does, so that the partial
+    files are removed on the way out."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _worker_start(encoder: _Encoder) -> None:
+    """A worker leaves Ctrl-C to the main process, which stops the pool and cleans up."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    encoder.initialise()
+
+
 def preprocess(args: PreprocessArgs) -> list[Path]:
     """Tokenise ``args.inputs`` into one .bin/.idx pair per jsonl key; returns their prefixes."""
     if not args.inputs:
@@ -261,19 +289,27 @@ def preprocess(args: PreprocessArgs) -> list[Path]:
         if not Path(name).is_file():
             raise DataError(f"{name}: no such file")
         total += Path(name).stat().st_size
+    with _terminated_as_interrupted():
+        prefixes = _tokenise(args, dtype, total)
+    return prefixes
+
+
+def _tokenise(args: PreprocessArgs, dtype: np.dtype, total: int) -> list[Path]:
+    """The datasets written whole, or (an error, Ctrl-C, SIGTERM) their partial files removed."""
     prefixes = args.output_prefixes()
-    writers = [
-        RewardWriter(p) if kind == "_reward" else IndexedDatasetWriter(p, dtype)
-        for p, kind in args.outputs()
-    ]
+    writers: list[IndexedDatasetWriter] = []
     progress = Progress(total, args.log_interval)
     encoder = _Encoder(args)
-    pool = (
-        multiprocessing.get_context("spawn").Pool(args.workers, initializer=encoder.initialise)
-        if args.workers > 1
-        else None
-    )
+    pool = None
     try:
+        writers += [
+            RewardWriter(p) if kind == "_reward" else IndexedDatasetWriter(p, dtype)
+            for p, kind in args.outputs()
+        ]
+        if args.workers > 1:
+            pool = multiprocessing.get_context("spawn").Pool(
+                args.workers, initializer=_worker_start, initargs=(encoder,)
+            )
         results = (
             pool.imap(encoder.encode, read_lines(args.inputs), chunksize=64)
             if pool

@@ -284,6 +284,6 @@ def train_bpe(
         raise DataError(f"{', '.join(inputs)}: no text to learn a tokenizer from (empty input)")
     from torchneox.config.paths import atomic_output
 
-    with atomic_output(output, "--output tokenizer") as tmp:
+    with atomic_output(output, "train-tokenizer", inputs=inputs) as tmp:
         backend.save(str(tmp))
     return backend.get_vocab_size()

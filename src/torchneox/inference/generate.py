@@ -302,12 +302,16 @@ def generation_stop_ids(tokenizer_file: str | None) -> set[int]:
     return {i for i in ids if isinstance(i, int) and not isinstance(i, bool)}
 
 
-def run_mode(gen: TextGenerator, cfg: TextGenConfig, batch_size: int = 8) -> None:
-    """GPT-NeoX's text_gen_type modes: unconditional, input-file, interactive."""
+def run_mode(
+    gen: TextGenerator, cfg: TextGenConfig, batch_size: int = 8, *, inputs: list[str | Path]
+) -> None:
+    """GPT-NeoX's text_gen_type modes: unconditional, input-file, interactive; ``inputs``: what
+    the samples must not be written over (the checkpoint, the configs)."""
     mode = cfg.text_gen_type or "interactive"
+    inputs = [*inputs, cfg.sample_input_file]
     if mode == "unconditional":
         with (
-            atomic_output(cfg.sample_output_file, "sample_output_file") as tmp,
+            atomic_output(cfg.sample_output_file, "sample_output_file", inputs=inputs) as tmp,
             open(tmp, "w") as out,
         ):
             for start in range(0, cfg.num_samples, batch_size):
@@ -336,7 +340,7 @@ def run_mode(gen: TextGenerator, cfg: TextGenConfig, batch_size: int = 8) -> Non
             ) from None
         prompts = [p for p in text.split(cfg.prompt_end) if p.strip()]
         with (
-            atomic_output(cfg.sample_output_file, "sample_output_file") as tmp,
+            atomic_output(cfg.sample_output_file, "sample_output_file", inputs=inputs) as tmp,
             open(tmp, "w") as out,
         ):
             for start in range(0, len(prompts), batch_size):

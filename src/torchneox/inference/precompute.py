@@ -22,6 +22,7 @@ import torch
 from torch.nn import functional as F
 
 from torchneox.base.errors import ConfigError
+from torchneox.config.paths import dataset_files, refuse_overlap
 from torchneox.config.schema import NeoXConfig
 from torchneox.data.indexed import IndexedDataset, IndexedDatasetWriter, paths
 
@@ -83,9 +84,12 @@ def precompute_logprobs(
             "the model was trained with (or fewer)",
             key="seq_length",
         )
+    prefixes = list(dict.fromkeys(precompute_paths(cfg)))
+    outputs = [f"{p}_{name}{ext}" for p in prefixes for ext in (".bin", ".idx")]
+    refuse_overlap(outputs, dataset_files(cfg.data), "precompute")
     model.eval()
     written = []
-    for prefix in dict.fromkeys(precompute_paths(cfg)):
+    for prefix in prefixes:
         out = Path(f"{prefix}_{name}")
         if paths(out)[1].is_file():
             line(f"{out}.idx exists: kept")

@@ -72,7 +72,8 @@ def convert(
     force: bool = False,
 ) -> Path:
     step_dir = resolve_step(Path(folder), step)
-    refuse_non_empty(Path(out_dir), force, "convert from-gpt-neox")  # before reading
+    inputs = [folder, step_dir, *(config_files or [])]
+    refuse_non_empty(Path(out_dir), force, "convert from-gpt-neox", inputs=inputs)  # before reading
     loaded = neox_config(step_dir, config_files or [], overrides or [])
     cfg = loaded.config
     layout = NeoXLayout.read(step_dir)
@@ -111,7 +112,7 @@ def convert(
     # (weights only: iteration 0, a fresh run starts from them)
     yaml_text = render_yaml(with_absolute_paths(loaded), derived)
     out = Path(out_dir)
-    with new_output_dir(out, force, "convert from-gpt-neox") as tmp:
+    with new_output_dir(out, force, "convert from-gpt-neox", inputs=inputs) as tmp:
         step = checkpoint_format.save_checkpoint(tmp, meta["iteration"], state, yaml_text, meta)
     return out / step.name
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import re
 import shutil
 import sys
 import time
@@ -15,7 +17,7 @@ import torch
 from torchneox.base.errors import ConfigError
 from torchneox.config.derive import derive
 from torchneox.config.load import LoadedConfig, load_mapping
-from torchneox.config.paths import new_output_dir
+from torchneox.config.paths import new_output_dir, refuse_non_empty
 from torchneox.config.report import render_yaml
 from torchneox.models import hf
 from torchneox.models.args import ModelArgs, model_args
@@ -148,7 +150,7 @@ def from_hf(
     tokenizer, its config and chat template, and the generation config beside it."""
     src, out = Path(hf_dir), Path(out_dir)
     hf.read_config(src)  # not a model folder: say so before anything is written
-    with new_output_dir(out, force, "convert from-hf") as tmp:
+    with new_output_dir(out, force, "convert from-hf", inputs=[hf_dir]) as tmp:
         loaded, sd = _read_hf(src, _tokenizer_keys(src, tmp, out), progress)
         yaml_text = render_yaml(loaded, derive(loaded))
         arch = hf.architecture_of(hf.read_config(src))
@@ -198,15 +200,18 @@ def to_hf(
     and the tokenizer with its config and chat template."""
     step_dir = checkpoint_format.resolve(ckpt)
     loaded = checkpoint_format.checkpoint_config(step_dir)
+    tok = loaded.config.tokenizer
+    inputs = [ckpt, step_dir, tok.vocab_file, tok.merge_file]  # the tokenizer's files are read too
+    out = Path(out_dir)
+    refuse_non_empty(out, force, "convert to-hf", inputs=inputs)  # before reading the weights
     args = model_args(loaded)
     arch = hf.export_architecture(args)
     _, model = weights.load_model(step_dir, stored_dtype=True)  # one copy, as stored
-    out = Path(out_dir)
-    with new_output_dir(out, force, "convert to-hf") as tmp:
+    with new_output_dir(out, force, "convert to-hf", inputs=inputs) as tmp:
         tensors = hf_tensors(hf.causal_family(arch), model.state_dict(), args)
         total = sum(p.numel() for p in model.state_dict().values()) * DTYPES[dtype].itemsize
         meter = _Progress("wrote", total, progress)
-        write_shards(tensors, tmp, DTYPES[dtype], max_shard_bytes, meter)
+        write_shards(tensors, tmp, DTYPES[dtype], max_shard_bytes, meter, str(step_dir))
         eod, pad = _copy_tokenizer(loaded, tmp)
         config = hf.hf_config(arch, args, eod, pad) | {"torch_dtype": HF_DTYPE_NAMES[DTYPES[dtype]]}
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -224,13 +229,13 @@ def write_shards(
     dtype: torch.dtype,
     max_shard_bytes: int,
     meter: _Progress,
+    source: str = "",
 ) -> None:
     """Safetensors files of at most ``max_shard_bytes`` each (a larger tensor gets one of its
     own), written as each fills: in memory, never more than one shard beside the model. One
     shard is model.safetensors; more are model-0000i-of-0000n.safetensors with
-    model.safetensors.index.json, as transformers writes them."""
-    from safetensors.torch import save_file
-
+    model.safetensors.index.json, as transformers writes them. A tensor fp16 cannot hold is
+    refused (``source``: the checkpoint, for the message)."""
     names: list[list[str]] = []
     shard: dict[str, torch.Tensor] = {}
     size = total = 0
@@ -238,13 +243,15 @@ def write_shards(
     def flush() -> None:
         nonlocal shard, size
         if shard:
-            save_file(shard, str(folder / f"part-{len(names)}.tmp"), metadata={"format": "pt"})
+            _save_shard(shard, folder / f"part-{len(names)}.tmp")
             names.append(list(shard))
             meter.advance(size, f"shard {len(names)}")
         shard, size = {}, 0
 
     for name, tensor in tensors:
         t = tensor.detach().to(dtype).contiguous()
+        if dtype == torch.float16:
+            _check_fits_fp16(name, tensor, t, source)
         if shard and size + t.nbytes > max_shard_bytes:
             flush()
         shard[name] = t
@@ -261,6 +268,37 @@ def write_shards(
         weight_map |= dict.fromkeys(shard_names, final)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+FP16_MAX = torch.finfo(torch.float16).max
+
+
+def _check_fits_fp16(name: str, tensor: torch.Tensor, cast: torch.Tensor, source: str) -> None:
+    """fp16 ends at 65504: a weight beyond it would be stored as inf, so it is refused."""
+    if torch.isfinite(cast).all() or not torch.isfinite(tensor).all():
+        return
+    biggest = tensor.detach().abs().max().item()
+    raise ConfigError(
+        f"--dtype fp16: tensor {name} holds values up to {biggest:.6g} in magnitude, beyond "
+        f"fp16's largest ({FP16_MAX:.0f}), which would become inf; export with --dtype bf16 "
+        "or --dtype fp32",
+        source=source or None,
+    )
+
+
+def _save_shard(shard: dict[str, torch.Tensor], path: Path) -> None:
+    """One safetensors file; its I/O failures (a full disk, a file-size limit) raised as the
+    OSError they are, which the output folder turns into one line with nothing left behind."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(shard, str(path), metadata={"format": "pt"})
+    except SafetensorError as e:
+        code = re.search(r"os error (\d+)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from None
 
 
 def _copy_tokenizer(loaded: LoadedConfig, out: Path) -> tuple[int | None, int | None]:

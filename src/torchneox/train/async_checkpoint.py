@@ -17,6 +17,7 @@ run, first wait for it.
 from __future__ import annotations
 
 import os
+import shutil
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
@@ -85,6 +86,8 @@ class BackgroundSaves:
                         no_dist=not dist.is_initialized(),
                     )
         except (OSError, CheckpointException) as e:
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is left
             raise TrainingStopped(write_failure(self.root, final, e)) from None
         self.pending = (iteration, future, meta)
         fault_point("save.staged", iteration)  # the files are being written behind the step

@@ -179,7 +179,9 @@ def save_checkpoint(
     except (OSError, CheckpointException) as e:
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointWriteError(write_failure(root, final, e)) from None
+        error = CheckpointWriteError(write_failure(root, final, e))
+        error.reason = os_reason(_first_failure(e))
+        raise error from None
     return final
 
 
@@ -189,14 +191,32 @@ def _dcp_save(state: dict[str, Any], tmp: Path) -> None:
         dcp.save(state, checkpoint_id=str(tmp))
 
 
+def os_reason(error: BaseException) -> str:
+    """Why a write failed, in a few words: the operating system's reason (and file) where the
+    error or one it was raised from carries one, else the error's last line."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen.strerror + (f" ({seen.filename})" if seen.filename else "")
+        seen = seen.__cause__ or seen.__context__
+    lines = str(error).strip().splitlines()
+    return lines[-1] if lines else type(error).__name__
+
+
+def _first_failure(error: BaseException) -> BaseException:
+    """DCP's error gathers each rank's: the first of them; any other error, itself."""
+    if not isinstance(error, CheckpointException):
+        return error
+    first = next(iter(error.failures.values()))
+    return first[0] if isinstance(first, tuple) else first
+
+
 def write_failure(root: Path, final: Path, error: BaseException) -> str:
     if isinstance(error, CheckpointException):
         ranks = sorted(error.failures)
-        first = next(iter(error.failures.values()))
-        first = first[0] if isinstance(first, tuple) else first
-        what = f"on rank {', '.join(map(str, ranks))}: {str(first).strip().splitlines()[-1]}"
+        what = f"on rank {', '.join(map(str, ranks))}: {os_reason(_first_failure(error))}"
     else:
-        what = f"{error.strerror or error}" + (f" ({error.filename})" if error.filename else "")
+        what = os_reason(error)
     try:
         free = f"{shutil.disk_usage(root).free / 2**20:,.0f} MiB free there"
     except OSError:

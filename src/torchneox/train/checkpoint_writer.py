@@ -32,6 +32,10 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 
+from torchneox.base.errors import first_line
+from torchneox.base.faults import fault_point
+from torchneox.train.checkpoint_format import os_reason
+
 Key = tuple[str, tuple[int, ...] | None]
 
 
@@ -87,11 +91,12 @@ def _serve(conn: Any, parent: int) -> None:
             return
         writer, plan, staged = request
         try:
+            fault_point("writer.write")
             written = writer.write_data(plan, _Staged(*staged))
             written.wait()
             conn.send(written.value())
         except Exception as e:  # sent back, raised in the training process
-            conn.send(OSError(f"{type(e).__name__}: {e}"))
+            conn.send(OSError(os_reason(e)))
         del request, staged
 
 
@@ -154,10 +159,15 @@ class WriterProcess:
         else:
             central = plans
         plan = planner.finish_plan(central[0])
-        staged = self._stage({_key(item): planner.resolve_data(item) for item in plan.items})
         self.answer = None
-        self.conn.send((writer, plan, staged))
         self.pending = (writer, metadata)
+        try:
+            staged = self._stage({_key(item): planner.resolve_data(item) for item in plan.items})
+        except RuntimeError as e:  # no room in /dev/shm, a file-size limit: this save fails,
+            # as every rank learns when it is finished (a collective), like a failed write
+            self.answer = OSError(f"staging the state in shared memory failed: {first_line(e)}")
+            return
+        self.conn.send((writer, plan, staged))
 
     def done(self) -> bool:
         """Whether the writer has answered (the shards are written, or the write failed)."""
@@ -176,7 +186,7 @@ class WriterProcess:
         assert self.pending is not None
         writer, metadata = self.pending
         self.pending, self.answer = None, None
-        mine = answer if isinstance(answer, list) else repr(answer)
+        mine = answer if isinstance(answer, list) else str(answer)
         everyone = [mine]
         if group is not None:
             everyone = [None] * dist.get_world_size(group)
@@ -184,7 +194,7 @@ class WriterProcess:
         failed = [(r, a) for r, a in enumerate(everyone) if not isinstance(a, list)]
         if failed:
             rank, error = failed[0]
-            raise OSError(f"rank {rank}'s checkpoint writer: {error}")
+            raise OSError(f"on rank {rank}: {error}")
         if metadata is not None:  # rank 0
             writer.finish(metadata, everyone)
 

@@ -28,11 +28,16 @@ def _row(raw: bytes) -> dict | None:
     return row
 
 
+def metrics_file(run: Path) -> Path:
+    """What plot reads of a run: its metrics.jsonl (or the file given)."""
+    return run / "metrics.jsonl" if run.is_dir() else run
+
+
 def read_metrics(run: Path) -> tuple[list[Point], list[Point]]:
     """The training and validation losses of a run's metrics.jsonl. Lines that are no record
     (a line cut by a kill, damage) are skipped with one warning saying how many and where the
     first is; a file with nothing to plot is refused."""
-    path = run / "metrics.jsonl" if run.is_dir() else run
+    path = metrics_file(run)
     if not path.is_file():
         raise ConfigError("no metrics.jsonl here (is it a run's save or log_dir?)", source=str(run))
     try:
@@ -96,6 +101,6 @@ def plot_runs(runs: list[Path], out: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    with atomic_output(out, "plot") as tmp:
+    with atomic_output(out, "plot", inputs=[metrics_file(r) for r in runs]) as tmp:
         fig.savefig(tmp, format=Path(out).suffix[1:] or "png")
     plt.close(fig)
