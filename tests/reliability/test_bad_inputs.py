@@ -513,6 +513,10 @@ VERB_CASES = {
     ),
     "estimate-unknown-gpu": (["estimate", "model.yml", "--gpus", "8", "--gpu", "tpu9"], "tpu9"),
     "keys-unknown-option": (["config", "keys", "--markdwn"], "unrecognized arguments: --markdwn"),
+    "kernels-both-actions": (
+        ["kernels", "--remeasure", "--clear"],
+        "--clear: not allowed with argument --remeasure",
+    ),
     "demo-dir-is-a-file": (["demo", "--dir", "empty.yml/x"], "empty.yml: is a file"),
     "demo-bad-set": (["demo", "--set", "hiden_size=3"], "did you mean hidden_size?"),
     "unknown-verb": (["trian", "c.yml"], "invalid choice: 'trian'"),
