@@ -1,7 +1,8 @@
 """The run's parallel layout, typed and derived once, and every rule a layout must keep.
 
 ``Layout.from_derived`` reads the sizes ``derive`` computed; ``check_layout`` holds every
-rule about which layouts run (what is not built yet with tensor or pipeline parallelism, what
+rule about which layouts run (what is not built yet with tensor or pipeline parallelism, fp8
+with tensor parallelism, context parallelism's divisibility of the sequence, what
 an explicit pipeline schedule needs, how experts split). ``train`` (and ``train --nproc``
 before it starts any process), ``estimate`` (for the layout given and for each alternative it
 proposes) and ``config explain`` call it; the parallel code builds from a checked layout and
@@ -14,6 +15,7 @@ from typing import Any
 
 from torchneox.base.errors import ConfigError
 from torchneox.config.derived import Derived
+from torchneox.config.fp8_plan import fp8_plan
 from torchneox.config.load import LoadedConfig
 from torchneox.config.schema import NeoXConfig
 
@@ -366,6 +368,19 @@ def _context_parallel(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     return None
 
 
+def _fp8(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
+    plan = fp8_plan(cfg.precision, cfg.model)
+    if plan is None or lay.tp == 1:
+        return None
+    return _refuse(
+        "fp8 with model_parallel_size > 1 is not built (it needs torchao's float8 tensor-"
+        "parallel styles); use model_parallel_size 1 (data, ZeRO, pipeline or context "
+        "parallelism) or train in bf16",
+        key=plan.key,
+        cause="model_parallel_size",
+    )
+
+
 def compile_scope(cfg: NeoXConfig, layout: Layout) -> tuple[str, str]:
     """What ``compile`` compiles in ``layout`` ('off', 'model' or 'blocks'), and why."""
     t = cfg.training
@@ -417,6 +432,7 @@ RULES = (
     _not_built_with,
     _hybrid_sharding,
     _context_parallel,
+    _fp8,
     _compile_model,
 )
 """Every layout rule, in the order they are checked."""

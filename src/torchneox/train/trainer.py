@@ -117,7 +117,7 @@ class Trainer:
     def _fp8(self) -> FP8Plan | None:
         plan = fp8_plan(self.cfg.precision, self.cfg.model)
         if plan is not None:
-            check_fp8_hardware(plan, self.device, self.dims.tp)
+            check_fp8_hardware(plan, self.device)
         return plan
 
     def _build_model(self, step_dir: Path | None) -> None:
