@@ -42,8 +42,11 @@ def launch_local(args: argparse.Namespace) -> int:
     from torchneox.config.derive import derive
     from torchneox.config.layout import require
     from torchneox.config.load import load_config
+    from torchneox.train.checkpoint import refuse_fine_tuning_nothing
 
     loaded = load_config(args.files, args.overrides)
+    if args.load_step is None:  # as the trainer does first
+        refuse_fine_tuning_nothing(loaded)
     require(loaded, derive(loaded, world_size=args.nproc))  # config errors once, here
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     context = multiprocessing.get_context("forkserver")

@@ -31,7 +31,13 @@ from torchneox.parallel.fp8 import check_fp8_hardware
 from torchneox.parallel.parallelize import EVERY_PARAMETER
 from torchneox.train import hardware
 from torchneox.train.assembly import add_step, build_run
-from torchneox.train.checkpoint import CheckpointManager, Resumed, TrainingState
+from torchneox.train.checkpoint import (
+    CheckpointManager,
+    Resumed,
+    TrainingState,
+    post_training,
+    refuse_fine_tuning_nothing,
+)
 from torchneox.train.evaluation import Evaluator
 from torchneox.train.lr import Schedule
 from torchneox.train.metrics import MetricsLogger, Throughput, Timers, duration
@@ -65,6 +71,8 @@ class Trainer:
     ):
         self.loaded = loaded
         self.cfg = cfg = loaded.config
+        if load_step is None:  # (a step asked for is resolved, or refused, by find)
+            refuse_fine_tuning_nothing(loaded)  # before any process group, file or model
         self.device = _device(device)
         world = init_distributed(
             self.device.type,
@@ -94,7 +102,8 @@ class Trainer:
         )
         # the checkpoint to load, known before building: its weights are not drawn first
         load = Path(cfg.checkpoint.load) if cfg.checkpoint.load else None
-        step_dir = self.checkpoints.find(load, load_step) if load is not None else None
+        fine_tunes = post_training(cfg)
+        step_dir = self.checkpoints.find(load, load_step, fine_tunes) if load is not None else None
         self._build_model(step_dir)
         self._report_memory("after building")
         self._build_loaders()
