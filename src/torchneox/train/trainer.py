@@ -39,6 +39,7 @@ from torchneox.train.checkpoint import (
     refuse_fine_tuning_nothing,
 )
 from torchneox.train.evaluation import Evaluator
+from torchneox.train.fits import allocation_failure, refuse_what_cannot_fit
 from torchneox.train.lr import Schedule
 from torchneox.train.metrics import MetricsLogger, Throughput, Timers, duration
 from torchneox.train.profiling import Profiler
@@ -81,6 +82,8 @@ class Trainer:
         )
         self.derived = d = derive(loaded, world_size=world)
         self.layout = require(loaded, d)
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # (before the mesh is made)
+        refuse_what_cannot_fit(loaded, d["num_parameters"], world, local_ranks, self.device)
         self.dims = ParallelDims.from_layout(self.layout, self.device.type)
         self.dims.build_mesh()
         self.precision = d["precision"]
@@ -102,9 +105,8 @@ class Trainer:
         )
         # the checkpoint to load, known before building: its weights are not drawn first
         load = Path(cfg.checkpoint.load) if cfg.checkpoint.load else None
-        fine_tunes = post_training(cfg)
-        step_dir = self.checkpoints.find(load, load_step, fine_tunes) if load is not None else None
-        self._build_model(step_dir)
+        step_dir = self.checkpoints.find(load, load_step, post_training(cfg)) if load else None
+        self._build_checked(step_dir)
         self._report_memory("after building")
         self._build_loaders()
         self._build_step()
@@ -128,6 +130,17 @@ class Trainer:
         if plan is not None:
             check_fp8_hardware(plan, self.device)
         return plan
+
+    def _build_checked(self, step_dir: Path | None) -> None:
+        """_build_model, with a build that runs out of memory said in one line."""
+        try:
+            self._build_model(step_dir)
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            params = self.derived["num_parameters"]
+            failure = allocation_failure(self.loaded, params, self.device, e)
+            if failure is None:
+                raise
+            raise failure from None
 
     def _build_model(self, step_dir: Path | None) -> None:
         """The policy (and the reference) built shard by shard; its weights drawn from the seed,
