@@ -121,3 +121,36 @@ def test_a_wrong_value_given_with_set_inside_a_files_mapping_is_blamed_on_set(
     err = _one_line_error(capsys)
     assert expected in err, err
     assert "a.yml" not in err and "z.yml" not in err
+
+
+@pytest.mark.parametrize(
+    "verb",
+    [
+        ["config", "explain", "a.yml", "--world-size", "3"],
+        ["estimate", "a.yml", "--gpus", "3"],
+        ["train", "a.yml", "--nproc", "3"],
+    ],
+    ids=lambda v: v[0],
+)
+def test_a_layout_rule_of_several_keys_is_refused_by_every_verb(
+    tmp_path, monkeypatch, capsys, verb
+):
+    """Context parallelism's divisibility of the sequence: check_layout's, so the verbs that
+    only read the config refuse it as train does, before any process starts."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.yml").write_text(BASE)
+    assert main([*verb, "--set", "context_parallel_size=3"]) == 2
+    err = _one_line_error(capsys)
+    assert "--set: context_parallel_size: seq_length 32 must be a multiple of 2 x " in err, err
+
+
+def test_a_layout_rule_broken_by_a_set_entry_of_a_files_mapping_is_blamed_on_set(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.yml").write_text(BASE)
+    (tmp_path / "z.yml").write_text("{zero_optimization: {stage: 1}}")
+    args = ["config", "explain", "a.yml", "z.yml", "--world-size", "4"]
+    assert main([*args, "--set", "zero_optimization.mics_shard_size=3"]) == 2
+    err = _one_line_error(capsys)
+    assert "--set: zero_optimization: mics_shard_size 3 must divide the data-parallel size" in err

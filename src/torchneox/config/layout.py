@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchneox.base.errors import ConfigError
+from torchneox.config.checker import source_of
 from torchneox.config.derived import Derived
 from torchneox.config.fp8_plan import fp8_plan
 from torchneox.config.load import LoadedConfig
@@ -116,11 +117,12 @@ class Layout:
         return out
 
 
-def _refuse(message: str, key: str, cause: str) -> ConfigError:
+def _refuse(message: str, key: str, cause: str, path: str | None = None) -> ConfigError:
     """A broken rule: ``key`` is what to change, ``cause`` the layout key that makes it fail
-    (the file named is the one that set ``key``, else the one that set ``cause``)."""
+    (the file named is the one that set ``key``, else the one that set ``cause``; ``path``: the
+    entry of ``key`` meant, so that a ``--set key.entry=...`` is named rather than the file)."""
     error = ConfigError(message, key=key)
-    error.cause = cause
+    error.cause, error.path = cause, path
     return error
 
 
@@ -139,7 +141,8 @@ def check_layout(loaded: LoadedConfig, layout: Layout) -> None:
     problem = layout_problem(loaded.config, layout)
     if problem is not None:
         given = [k for k in (problem.key, getattr(problem, "cause", None)) if loaded.given(k)]
-        source = loaded.source(given[0]) if given else None
+        path = getattr(problem, "path", None) if given and given[0] == problem.key else None
+        source = source_of(loaded.origin, given[0], path) if given else None
         raise ConfigError(problem.message, source=source, key=problem.key)
 
 
@@ -227,6 +230,7 @@ def _hybrid_sharding(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
             "mics_shard_size (hybrid sharding) shards ZeRO's state: it needs stage 1, 2 or 3",
             key=key,
             cause=key,
+            path="mics_shard_size",
         )
     if lay.dp % size:
         return _refuse(
@@ -234,6 +238,7 @@ def _hybrid_sharding(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
             "of that many ranks holds one whole copy of the sharded state)",
             key=key,
             cause="model_parallel_size",
+            path="mics_shard_size",
         )
     if lay.ep > 1 and lay.hybrid:
         return _refuse(
