@@ -153,8 +153,8 @@ class LoggingConfig:
     memory_profiling: bool = key(False, "Record a CUDA memory snapshot for the profiled steps.")
     memory_profiling_path: str | None = key(None, "Where the memory snapshot goes.")
     profile: bool = key(False, "Record a torch profiler trace for the profiled steps.")
-    profile_step_start: int = key(10, "First profiled step.")
-    profile_step_stop: int = key(12, "Last profiled step.")
+    profile_step_start: int = key(10, "First profiled step.", ge=0)
+    profile_step_stop: int = key(12, "Last profiled step.", ge=0)
     log_grad_norm: bool = no_effect(
         False, "Log the gradient norm.", "the global gradient norm is always logged"
     )
@@ -201,6 +201,7 @@ class LoggingConfig:
     peak_theoretical_tflops: float | None = key(
         None,
         "Peak TFLOP/s of one device for MFU; unset: the accelerator table, or measured on CPU.",
+        gt=0,
     )
 
 
@@ -255,7 +256,9 @@ class TextGenConfig:
         None, "Folder of extra lm-eval task YAML files for eval_tasks (local tasks)."
     )
     eval_tasks_limit: float | None = extension(
-        None, "Documents per task for eval_tasks during training (a fraction if < 1); all if unset."
+        None,
+        "Documents per task for eval_tasks during training (a fraction if < 1); all if unset.",
+        gt=0,
     )
     eval_results_prefix: str = no_effect(
         "", "Prefix of evaluation result files.", "evaluations go to metrics.jsonl"
@@ -272,8 +275,10 @@ class LauncherConfig:
     include: str | None = no_effect(None, "Hosts and GPUs to use.", LAUNCH)
     exclude: str | None = no_effect(None, "Hosts and GPUs to leave out.", LAUNCH)
     num_nodes: int = key(-1, "Nodes to run on; -1 means all.")
-    num_gpus: int | None = key(None, "GPUs per node.")
-    master_port: int = key(29500, "Rendezvous port, used in the torchrun command explain prints.")
+    num_gpus: int | None = key(None, "GPUs per node.", ge=1)
+    master_port: int = key(
+        29500, "Rendezvous port, used in the torchrun command explain prints.", ge=1, le=65535
+    )
     master_addr: str | None = key(
         None, "Rendezvous host (default: the hostfile's first host), used in the torchrun command."
     )

@@ -100,9 +100,9 @@ class ModelConfig:
         "layernorm",
         "Normalisation layer; te_rmsnorm and te_layernorm (Transformer Engine) run as rmsnorm and layernorm.",
     )
-    layernorm_epsilon: float = key(1.0e-5, "Epsilon of layernorm.")
-    rms_norm_epsilon: float = key(1.0e-8, "Epsilon of rmsnorm.")
-    scalenorm_epsilon: float = key(1.0e-8, "Epsilon of scalenorm.")
+    layernorm_epsilon: float = key(1.0e-5, "Epsilon of layernorm.", ge=0)
+    rms_norm_epsilon: float = key(1.0e-8, "Epsilon of rmsnorm.", ge=0)
+    scalenorm_epsilon: float = key(1.0e-8, "Epsilon of scalenorm.", ge=0)
     use_qk_layernorm: bool = key(
         False,
         "Normalise queries and keys before attention (after the projections, before rotary), "
@@ -164,7 +164,7 @@ class ModelConfig:
         "only used by pos_emb 'rpe', which is refused",
     )
     opt_pos_emb_offset: int = key(
-        0, "Offset added to positions of learned embeddings (2 for OPT checkpoints)."
+        0, "Offset added to positions of learned embeddings (2 for OPT checkpoints).", ge=0
     )
     no_weight_tying: bool = key(
         False, "Give the output head its own weights instead of reusing the input embedding."
