@@ -29,7 +29,7 @@ def test_train_refuses_a_model_this_machine_cannot_hold_before_building_it(
     make_config, tmp_path, capsys, hidden, expected, nproc
 ):
     cfg = make_config(num_layers=2)
-    assert main(["train", cfg, "--set", f"hidden_size={hidden}", *nproc]) == 2
+    assert main(["train", cfg, "--device", "cpu", "--set", f"hidden_size={hidden}", *nproc]) == 2
     err = _one_line(capsys)
     assert f"--set: hidden_size: hidden_size {int(hidden):,} with 2 layers: " in err
     assert expected in err
@@ -54,7 +54,7 @@ def test_a_build_that_runs_out_of_memory_is_one_line(make_config, tmp_path, caps
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
 
     monkeypatch.setattr(Trainer, "_build_model", out_of_memory)
-    assert main(["train", make_config(hidden_size=32)]) == 2
+    assert main(["train", make_config(hidden_size=32), "--device", "cpu"]) == 2
     err = _one_line(capsys)
     assert "hidden_size: hidden_size 32 with 2 layers: " in err
     assert "building it ran out of memory on this cpu (CUDA out of memory. Tried to" in err
