@@ -163,7 +163,7 @@ def test_a_stopped_run_resumes_like_one_never_stopped_reference_included(
     train(cfg, f"save={whole}", "load=null", f"log_dir={whole}", four)
     moved = tmp_path / "moved"
     first = [four, "exit_interval=2", *STOPPED_UNDER[layout]]
-    train(cfg, f"save={moved}", f"load={moved}", f"log_dir={moved}", *first, nproc=2)
+    train(cfg, f"save={moved}", "load=null", f"log_dir={moved}", *first, nproc=2)
     train(cfg, f"save={moved}", f"load={moved}", f"log_dir={moved}", four)
     done, after = losses(whole), losses(moved)
     for k in (3, 4):

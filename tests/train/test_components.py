@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.helpers import build
-from torchneox.base.errors import TrainingStopped
+from torchneox.base.errors import ConfigError, TrainingStopped
 from torchneox.data.loader import BatchLoader
 from torchneox.models.moe import RouterStats, balancing_loss
 from torchneox.parallel.dims import ParallelDims
@@ -112,6 +112,19 @@ def test_nothing_to_resume_says_so(tmp_path):
     manager = CheckpointManager(checkpoint_group(tmp_path / "run"), 4, "{}\n", True, lines)
     assert manager.find(tmp_path / "empty", None) is None
     assert lines == [f"no checkpoint in {tmp_path / 'empty'}: starting from scratch"]
+    with pytest.raises(ConfigError, match=r"load: .*empty holds no checkpoint, and train_impl dpo"):
+        manager.find(tmp_path / "empty", None, "train_impl dpo")  # a post-training run
+    assert len(lines) == 1
+
+
+def test_a_load_naming_one_step_directory_loads_it(tmp_path):
+    """It used to find no 'latest' inside it and start from scratch."""
+    saved = state()
+    CheckpointManager(checkpoint_group(tmp_path / "run"), 4, "{}\n", True, Lines()).save(1, saved)
+    lines = Lines()
+    manager = CheckpointManager(checkpoint_group(tmp_path / "b"), 4, "{}\n", True, lines)
+    step = tmp_path / "run" / "global_step1"
+    assert manager.find(step, None) == step and lines == []
 
 
 def test_save_steps_are_gpt_neox_s():

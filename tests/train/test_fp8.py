@@ -29,6 +29,7 @@ def trained(make_config, tmp_path, name, **keys):
     [
         ({"fp8_recipe": "tensorwise"}, "every block linear"),
         ({"fp8_recipe": "rowwise"}, "every block linear"),
+        ({"fp8_recipe": "rowwise_with_gw_hp"}, "every block linear"),
         ({"te_fp8_mha": True}, "attention"),
     ],
 )
@@ -72,8 +73,47 @@ def test_fp8_refusals_are_one_line(make_config, tmp_path, capsys, monkeypatch):
     assert err.count("\n") == 1 and "te_fp8_amax_history_len" in err and "delayed" in err
     rowwise = load_config([make_config(fp8_recipe="rowwise")]).config
     plan = fp8_plan(rowwise.precision, rowwise.model)
-    with pytest.raises(ConfigError, match="tensor parallelism is not built"):
-        check_fp8_hardware(plan, torch.device("cpu"), tp=2)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     with pytest.raises(ConfigError, match=r"compute capability 8\.0\) has no fp8 units"):
-        check_fp8_hardware(plan, torch.device("cuda"), tp=1)
+        check_fp8_hardware(plan, torch.device("cuda"))
+
+
+@pytest.mark.parametrize("keys", [{"fp8_recipe": "rowwise"}, {"te_fp8_mha": True}])
+@pytest.mark.parametrize(
+    "verb", [["config", "explain"], ["estimate", "--gpus", "2"], ["train", "--nproc", "2"]]
+)
+def test_fp8_with_tensor_parallelism_is_a_layout_rule_every_verb_refuses(
+    make_config, capsys, keys, verb
+):
+    """Refused before any process starts, by the verbs that only read the config too (it was
+    refused once per rank at build, with the launcher's noise and exit 1)."""
+    tp = {"model_parallel_size": 2, "no_weight_tying": True}
+    cfg = make_config(precision="bfloat16", **keys, **tp)
+    args = [*verb[:2], cfg, *verb[2:]] if verb[0] == "config" else [verb[0], cfg, *verb[1:]]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    key = next(iter(keys))
+    assert f"{key}: fp8 with model_parallel_size > 1 is not built" in err, err
+
+
+def test_rowwise_with_gw_hp_and_high_precision_weight_gradients_run_under_cpu_autocast():
+    """The recipes that keep the weight gradient's product in high precision met an fp32
+    input and a bf16 output gradient under the CPU's autocast (a dtype error inside torchao)."""
+    from torchneox.config.fp8_plan import FP8Plan
+    from torchneox.parallel.fp8 import apply_fp8
+
+    for plan in (
+        FP8Plan("rowwise_with_gw_hp", "blocks"),
+        FP8Plan("tensorwise", "blocks", grad_format="e5m2", wgrad_high_precision=True),
+    ):
+        torch.manual_seed(0)
+        model = torch.nn.Module()
+        model.layers = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+        assert apply_fp8(model, plan) == 2
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model.layers(torch.randn(8, 32))
+        out.float().square().sum().backward()
+        for p in model.parameters():
+            assert p.grad is not None and p.grad.dtype == torch.float32
+            assert torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0

@@ -43,7 +43,7 @@ TINY = [
 @pytest.mark.parametrize("objective", ["sft", "dpo", "kto", "rm"])
 def test_gpt_neox_post_training_config_runs_scaled_down(tmp_path, objective):
     data = post_training_data(tmp_path / "chat")[objective]
-    overrides = [*TINY, f"save={tmp_path / 'run'}", f"load={tmp_path / 'run'}"]
+    overrides = [*TINY, f"save={tmp_path / 'run'}", "load=null"]  # random weights, as asked
     overrides.append(f"log_dir={tmp_path / 'run'}")
     # the config's own data and tokenizer paths, pointed at the data made here
     overrides += [f"{k}={json.dumps(v)}" for k, v in data.items() if k.endswith("paths")]
@@ -62,6 +62,25 @@ def test_gpt_neox_post_training_config_runs_scaled_down(tmp_path, objective):
     assert any("test_lm_loss" in r for r in rows)
     if objective == "dpo":
         assert steps[0]["lm_loss"] == pytest.approx(0.6931472, abs=1e-4)
+
+
+@pytest.mark.parametrize("objective", ["sft", "dpo", "kto", "rm"])
+@pytest.mark.parametrize("nproc", [[], ["--nproc", "2"]], ids=["one process", "--nproc 2"])
+def test_a_post_training_run_whose_load_does_not_exist_is_refused_before_anything(
+    tmp_path, monkeypatch, capsys, objective, nproc
+):
+    """GPT-NeoX's config, scaled down: its load (checkpoints/neox_converted/...) is not here.
+    Fine-tuning random weights (policy and reference) is never what was meant: one line naming
+    load and the folder, exit 2, before a process, a folder or a model is made."""
+    monkeypatch.chdir(tmp_path)
+    tiny = [a for o in TINY for a in ("--set", o)]  # a layout that runs here
+    assert main(["train", str(CONFIGS / f"llama3-8b-{objective}.yml"), *tiny, *nproc]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    load = "checkpoints/neox_converted/llama3-8b-instruct"
+    assert f"llama3-8b-{objective}.yml: load: {load} holds no checkpoint, and " in err, err
+    assert "set load: null to train from random weights" in err
+    assert list(tmp_path.iterdir()) == []  # no save folder, no logs
 
 
 def test_reinforce_stops_with_one_line_saying_what_it_needs(capsys):

@@ -194,7 +194,11 @@ def test_a_loaded_run_draws_no_weights_but_the_heads_it_lacks(make_config, tmp_p
     data = post_training_data(tmp_path / "chat")
     shape = {"seq_length": 64, "max_position_embeddings": 64, "save": None, "data_path": None}
     sft = {**data["sft"], **shape, "train_micro_batch_size_per_gpu": 2}
-    run(make_config("sft.yml", **sft | {"train_iters": 2, "save": str(tmp_path / "lm")}))
+    run(
+        make_config(
+            "sft.yml", **sft | {"train_iters": 2, "save": str(tmp_path / "lm"), "load": None}
+        )
+    )
     drawn: list[str] = []
     real = transformer.init_parameter
 

@@ -37,14 +37,33 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 GRACE_SECONDS = 30.0
 
 
-def launch_local(args: argparse.Namespace) -> int:
-    """The same training command in ``--nproc`` local processes; the exit status."""
+def _refuse_before_starting(loaded: Any, args: argparse.Namespace) -> None:
+    """What the trainer would refuse on every rank, refused once before any process starts:
+    a post-training run with nothing to load, the config and layout, a model too large."""
+    import torch
+
     from torchneox.config.derive import derive
     from torchneox.config.layout import require
+    from torchneox.train.checkpoint import refuse_fine_tuning_nothing
+    from torchneox.train.fits import refuse_unaddressable, refuse_what_cannot_fit
+
+    if args.load_step is None:  # as the trainer does first
+        refuse_fine_tuning_nothing(loaded)
+    derived = derive(loaded, world_size=args.nproc)
+    require(loaded, derived)
+    params = derived["num_parameters"]
+    if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu":
+        refuse_what_cannot_fit(loaded, params, args.nproc, args.nproc, torch.device("cpu"))
+    else:  # (each rank measures its GPU: no CUDA context is made here)
+        refuse_unaddressable(loaded, params)
+
+
+def launch_local(args: argparse.Namespace) -> int:
+    """The same training command in ``--nproc`` local processes; the exit status."""
     from torchneox.config.load import load_config
 
     loaded = load_config(args.files, args.overrides)
-    require(loaded, derive(loaded, world_size=args.nproc))  # config errors once, here
+    _refuse_before_starting(loaded, args)  # config errors once, here
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)

@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
+import math
+
 from torchneox.base.errors import ConfigError
-from torchneox.config.schema import NeoXConfig
+from torchneox.config.schema import KEYS, NeoXConfig
+
+
+def source_of(origin: dict[str, str], key: str, path: str | None = None) -> str:
+    """Where ``key`` (or the entry ``path`` inside it, 'params.lr') was given: a value set with
+    ``--set key.params.lr=...`` is that override's, even when a file gave the rest of ``key``."""
+    if path:
+        parts = path.split(".")
+        for n in range(len(parts), 0, -1):
+            dotted = ".".join([key, *parts[:n]])
+            if dotted in origin:
+                return origin[dotted]
+    return origin.get(key, "defaults")
 
 
 class Checker:
@@ -13,21 +27,19 @@ class Checker:
         self.c = config
         self.origin = origin
 
-    def fail(self, key: str, message: str) -> None:
-        raise ConfigError(message, source=self.origin.get(key, "defaults"), key=key)
+    def fail(self, key: str, message: str, *, path: str | None = None) -> None:
+        """``path``: the entry of a mapping key the message is about ('params.lr')."""
+        raise ConfigError(message, source=source_of(self.origin, key, path), key=key)
 
-    def positive(self, key: str, *, allow_zero: bool = False) -> None:
-        value = self.c.get(key)
-        if value is None:
-            return
-        if value < 0 or (value == 0 and not allow_zero):
-            bound = ">= 0" if allow_zero else "> 0"
-            self.fail(key, f"must be {bound}, got {value}")
-
-    def within(self, key: str, low: float, high: float, *, high_open: bool = False) -> None:
-        value = self.c.get(key)
-        if value is None:
-            return
-        if value < low or value > high or (high_open and value == high):
-            bracket = ")" if high_open else "]"
-            self.fail(key, f"must be in [{low}, {high}{bracket}, got {value}")
+    def ranges(self) -> None:
+        """Every key whose field declares a range (``key(..., gt=0)``), in schema order: the
+        value, or each number of a list, must lie in it and be finite."""
+        for name, spec in KEYS.items():
+            bounds = spec.info.range
+            value = self.c.get(name) if bounds is not None else None
+            for v in value if isinstance(value, list) else [value]:
+                if v is None or isinstance(v, bool) or not isinstance(v, int | float):
+                    continue
+                if not (math.isfinite(v) and bounds.holds(v)):
+                    each = " (each of them)" if isinstance(value, list) else ""
+                    self.fail(name, f"must be {bounds}{each}, got {value}")

@@ -1,7 +1,8 @@
 """The run's parallel layout, typed and derived once, and every rule a layout must keep.
 
 ``Layout.from_derived`` reads the sizes ``derive`` computed; ``check_layout`` holds every
-rule about which layouts run (what is not built yet with tensor or pipeline parallelism, what
+rule about which layouts run (what is not built yet with tensor or pipeline parallelism, fp8
+with tensor parallelism, context parallelism's divisibility of the sequence, what
 an explicit pipeline schedule needs, how experts split). ``train`` (and ``train --nproc``
 before it starts any process), ``estimate`` (for the layout given and for each alternative it
 proposes) and ``config explain`` call it; the parallel code builds from a checked layout and
@@ -13,7 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchneox.base.errors import ConfigError
+from torchneox.config.checker import source_of
 from torchneox.config.derived import Derived
+from torchneox.config.fp8_plan import fp8_plan
 from torchneox.config.load import LoadedConfig
 from torchneox.config.schema import NeoXConfig
 
@@ -114,11 +117,12 @@ class Layout:
         return out
 
 
-def _refuse(message: str, key: str, cause: str) -> ConfigError:
+def _refuse(message: str, key: str, cause: str, path: str | None = None) -> ConfigError:
     """A broken rule: ``key`` is what to change, ``cause`` the layout key that makes it fail
-    (the file named is the one that set ``key``, else the one that set ``cause``)."""
+    (the file named is the one that set ``key``, else the one that set ``cause``; ``path``: the
+    entry of ``key`` meant, so that a ``--set key.entry=...`` is named rather than the file)."""
     error = ConfigError(message, key=key)
-    error.cause = cause
+    error.cause, error.path = cause, path
     return error
 
 
@@ -137,7 +141,8 @@ def check_layout(loaded: LoadedConfig, layout: Layout) -> None:
     problem = layout_problem(loaded.config, layout)
     if problem is not None:
         given = [k for k in (problem.key, getattr(problem, "cause", None)) if loaded.given(k)]
-        source = loaded.source(given[0]) if given else None
+        path = getattr(problem, "path", None) if given and given[0] == problem.key else None
+        source = source_of(loaded.origin, given[0], path) if given else None
         raise ConfigError(problem.message, source=source, key=problem.key)
 
 
@@ -225,6 +230,7 @@ def _hybrid_sharding(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
             "mics_shard_size (hybrid sharding) shards ZeRO's state: it needs stage 1, 2 or 3",
             key=key,
             cause=key,
+            path="mics_shard_size",
         )
     if lay.dp % size:
         return _refuse(
@@ -232,6 +238,7 @@ def _hybrid_sharding(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
             "of that many ranks holds one whole copy of the sharded state)",
             key=key,
             cause="model_parallel_size",
+            path="mics_shard_size",
         )
     if lay.ep > 1 and lay.hybrid:
         return _refuse(
@@ -366,6 +373,19 @@ def _context_parallel(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     return None
 
 
+def _fp8(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
+    plan = fp8_plan(cfg.precision, cfg.model)
+    if plan is None or lay.tp == 1:
+        return None
+    return _refuse(
+        "fp8 with model_parallel_size > 1 is not built (it needs torchao's float8 tensor-"
+        "parallel styles); use model_parallel_size 1 (data, ZeRO, pipeline or context "
+        "parallelism) or train in bf16",
+        key=plan.key,
+        cause="model_parallel_size",
+    )
+
+
 def compile_scope(cfg: NeoXConfig, layout: Layout) -> tuple[str, str]:
     """What ``compile`` compiles in ``layout`` ('off', 'model' or 'blocks'), and why."""
     t = cfg.training
@@ -417,6 +437,7 @@ RULES = (
     _not_built_with,
     _hybrid_sharding,
     _context_parallel,
+    _fp8,
     _compile_model,
 )
 """Every layout rule, in the order they are checked."""

@@ -168,7 +168,8 @@ def keys_text() -> str:
             group = spec.group
             lines += ["", f"[{GROUP_TITLES[group]}]"]
         status = "" if spec.info.status is Status.USED else f"  [{STATUS_WORDS[spec.info.status]}]"
-        lines.append(f"  {name} = {_default_text(spec.default)}{status}")
+        bounds = f"  ({spec.info.range})" if spec.info.range else ""
+        lines.append(f"  {name} = {_default_text(spec.default)}{bounds}{status}")
         lines.append(f"      {spec.help}" + (f" ({spec.info.why})" if spec.info.why else ""))
     return "\n".join(lines).lstrip("\n")
 
@@ -188,6 +189,8 @@ def keys_markdown() -> str:
         "- **torchneox only**: not a GPT-NeoX key.",
         "",
         "Keys may be written with hyphens or underscores. Numbers written like `1e-5` are read as numbers.",
+        "**Allowed** is a number's range (each number's, for a list), checked when the config loads",
+        "(`train`, `config explain` and `estimate` refuse the same values).",
     ]
     group = None
     for name, spec in KEYS.items():
@@ -197,14 +200,15 @@ def keys_markdown() -> str:
                 "",
                 f"## {GROUP_TITLES[group]}",
                 "",
-                "| key | type | default | status | meaning |",
-                "|---|---|---|---|---|",
+                "| key | type | default | allowed | status | meaning |",
+                "|---|---|---|---|---|---|",
             ]
         meaning = spec.help + (f" *{spec.info.why}.*" if spec.info.why else "")
         cells = [
             f"`{name}`",
             _type_text(spec.type),
             f"`{_default_text(spec.default)}`",
+            str(spec.info.range or ""),
             STATUS_WORDS[spec.info.status],
             meaning.replace("|", "\\|"),
         ]

@@ -28,7 +28,7 @@ class DataConfig:
         False, "Weight datasets by document count (tempered by weighted_sampler_alpha)."
     )
     weighted_sampler_alpha: float = key(
-        1.0, "Exponent on document-count weights; below 1 favours small datasets."
+        1.0, "Exponent on document-count weights; below 1 favours small datasets.", gt=0
     )
     data_impl: Literal["infer", "mmap", "cached"] = key(
         "infer", "Dataset format; mmap (MMIDIDX) is read, infer means mmap, cached is refused."
@@ -48,7 +48,7 @@ class DataConfig:
         "Unpacked and pack_until_overflow data: keep documents longer than a sample (cut); "
         "false leaves them out.",
     )
-    num_workers: int = key(2, "Background processes that prepare batches.")
+    num_workers: int = key(2, "Background processes that prepare batches.", ge=0)
     use_shared_fs: bool = key(
         True, "Index files are built once on a shared filesystem (else once per node)."
     )
@@ -130,7 +130,7 @@ class TokenizerConfig:
 class LoggingConfig:
     """Console, metrics files, TensorBoard, W&B and profiling."""
 
-    log_interval: int = key(100, "Steps between log lines.")
+    log_interval: int = key(100, "Steps between log lines.", ge=1)
     steps_per_print: int = no_effect(
         10, "DeepSpeed's own loss print interval.", "log_interval sets the log cadence"
     )
@@ -153,8 +153,8 @@ class LoggingConfig:
     memory_profiling: bool = key(False, "Record a CUDA memory snapshot for the profiled steps.")
     memory_profiling_path: str | None = key(None, "Where the memory snapshot goes.")
     profile: bool = key(False, "Record a torch profiler trace for the profiled steps.")
-    profile_step_start: int = key(10, "First profiled step.")
-    profile_step_stop: int = key(12, "Last profiled step.")
+    profile_step_start: int = key(10, "First profiled step.", ge=0)
+    profile_step_stop: int = key(12, "Last profiled step.", ge=0)
     log_grad_norm: bool = no_effect(
         False, "Log the gradient norm.", "the global gradient norm is always logged"
     )
@@ -201,6 +201,7 @@ class LoggingConfig:
     peak_theoretical_tflops: float | None = key(
         None,
         "Peak TFLOP/s of one device for MFU; unset: the accelerator table, or measured on CPU.",
+        gt=0,
     )
 
 
@@ -213,18 +214,23 @@ class TextGenConfig:
         "Generation mode: unconditional, input-file, interactive, or precompute (a reference "
         "model's log-probabilities of the training data, for DPO and KTO).",
     )
-    temperature: float = key(0.0, "Sampling temperature; 0 means greedy.")
-    top_k: int = key(0, "Sample among the k most likely tokens; 0 means no limit.")
+    temperature: float = key(0.0, "Sampling temperature; 0 means greedy.", ge=0)
+    top_k: int = key(0, "Sample among the k most likely tokens; 0 means no limit.", ge=0)
     top_p: float = key(
-        0.0, "Sample among the most likely tokens covering this probability; 0 means off."
+        0.0,
+        "Sample among the most likely tokens covering this probability; 0 means off.",
+        ge=0,
+        le=1,
     )
     maximum_tokens: int = key(
-        64, "Most tokens generated per prompt; never past the model's last position (as GPT-NeoX)."
+        64,
+        "Most tokens generated per prompt; never past the model's last position (as GPT-NeoX).",
+        ge=1,
     )
     prompt_end: str = key("\n", "What ends one prompt in interactive and input-file modes.")
     sample_input_file: str | None = key(None, "Prompts, one per line (input-file mode).")
     sample_output_file: str = key("samples.txt", "Where generations are written.")
-    num_samples: int = key(1, "Samples drawn in unconditional mode.")
+    num_samples: int = key(1, "Samples drawn in unconditional mode.", ge=1)
     recompute: bool = key(False, "Recompute attention over the whole text each step (no KV cache).")
     decode_loop: Literal["auto", "static", "dynamic"] = extension(
         "auto",
@@ -250,7 +256,9 @@ class TextGenConfig:
         None, "Folder of extra lm-eval task YAML files for eval_tasks (local tasks)."
     )
     eval_tasks_limit: float | None = extension(
-        None, "Documents per task for eval_tasks during training (a fraction if < 1); all if unset."
+        None,
+        "Documents per task for eval_tasks during training (a fraction if < 1); all if unset.",
+        gt=0,
     )
     eval_results_prefix: str = no_effect(
         "", "Prefix of evaluation result files.", "evaluations go to metrics.jsonl"
@@ -267,8 +275,10 @@ class LauncherConfig:
     include: str | None = no_effect(None, "Hosts and GPUs to use.", LAUNCH)
     exclude: str | None = no_effect(None, "Hosts and GPUs to leave out.", LAUNCH)
     num_nodes: int = key(-1, "Nodes to run on; -1 means all.")
-    num_gpus: int | None = key(None, "GPUs per node.")
-    master_port: int = key(29500, "Rendezvous port, used in the torchrun command explain prints.")
+    num_gpus: int | None = key(None, "GPUs per node.", ge=1)
+    master_port: int = key(
+        29500, "Rendezvous port, used in the torchrun command explain prints.", ge=1, le=65535
+    )
     master_addr: str | None = key(
         None, "Rendezvous host (default: the hostfile's first host), used in the torchrun command."
     )

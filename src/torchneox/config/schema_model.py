@@ -52,30 +52,35 @@ GATED_ACTIVATIONS = ("geglu", "reglu", "swiglu", "bilinear", "glu")
 class ModelConfig:
     """The decoder: sizes, norms, positions, activations, residual layout, initialisation."""
 
-    num_layers: int | None = key(None, "Number of transformer blocks.")
-    hidden_size: int | None = key(None, "Width of the residual stream.")
-    num_attention_heads: int | None = key(None, "Number of query heads; must divide hidden_size.")
+    num_layers: int | None = key(None, "Number of transformer blocks.", ge=1)
+    hidden_size: int | None = key(None, "Width of the residual stream.", ge=1)
+    num_attention_heads: int | None = key(
+        None, "Number of query heads; must divide hidden_size.", ge=1
+    )
     num_kv_heads: int | None = key(
-        None, "Number of key/value heads (grouped-query attention); unset means one per query head."
+        None,
+        "Number of key/value heads (grouped-query attention); unset means one per query head.",
+        ge=1,
     )
     head_dim: int | None = extension(
         None,
         "Width of each attention head; unset: hidden_size / num_attention_heads (Qwen3 sets "
         "it apart: its heads together are wider than the residual stream).",
+        ge=1,
     )
-    seq_length: int | None = key(None, "Tokens per training sample.")
+    seq_length: int | None = key(None, "Tokens per training sample.", ge=1)
     max_position_embeddings: int | None = key(
-        None, "Longest sequence the position scheme supports; defaults to seq_length."
+        None, "Longest sequence the position scheme supports; defaults to seq_length.", ge=1
     )
     intermediate_size: int | None = key(
-        None, "Width of the MLP before gating rules are applied; unset means 4 x hidden_size."
+        None, "Width of the MLP before gating rules are applied; unset means 4 x hidden_size.", ge=1
     )
     expansion_factor: float | None = key(
-        None, "MLP width as a multiple of hidden_size, used when intermediate_size is unset."
+        None, "MLP width as a multiple of hidden_size, used when intermediate_size is unset.", gt=0
     )
-    mlp_multiple_of: int = key(1, "Round the MLP width up to a multiple of this.")
+    mlp_multiple_of: int = key(1, "Round the MLP width up to a multiple of this.", ge=1)
     sliding_window_width: int | None = key(
-        None, "Each token attends only to this many previous tokens (itself included)."
+        None, "Each token attends only to this many previous tokens (itself included).", ge=1
     )
     inter_document_attention_masking: bool = extension(
         False,
@@ -95,9 +100,9 @@ class ModelConfig:
         "layernorm",
         "Normalisation layer; te_rmsnorm and te_layernorm (Transformer Engine) run as rmsnorm and layernorm.",
     )
-    layernorm_epsilon: float = key(1.0e-5, "Epsilon of layernorm.")
-    rms_norm_epsilon: float = key(1.0e-8, "Epsilon of rmsnorm.")
-    scalenorm_epsilon: float = key(1.0e-8, "Epsilon of scalenorm.")
+    layernorm_epsilon: float = key(1.0e-5, "Epsilon of layernorm.", ge=0)
+    rms_norm_epsilon: float = key(1.0e-8, "Epsilon of rmsnorm.", ge=0)
+    scalenorm_epsilon: float = key(1.0e-8, "Epsilon of scalenorm.", ge=0)
     use_qk_layernorm: bool = key(
         False,
         "Normalise queries and keys before attention (after the projections, before rotary), "
@@ -132,7 +137,7 @@ class ModelConfig:
     rotary_pct: float = key(
         1.0, "Fraction of each head's dimensions that rotary embeddings rotate."
     )
-    rotary_emb_base: int = key(10000, "Base of the rotary frequencies.")
+    rotary_emb_base: int = key(10000, "Base of the rotary frequencies.", ge=1)
     rope_scaling: dict[str, Any] | None = extension(
         None,
         "Rotary frequency scaling, as Hugging Face's rope_scaling: {type: linear, factor}; "
@@ -159,13 +164,13 @@ class ModelConfig:
         "only used by pos_emb 'rpe', which is refused",
     )
     opt_pos_emb_offset: int = key(
-        0, "Offset added to positions of learned embeddings (2 for OPT checkpoints)."
+        0, "Offset added to positions of learned embeddings (2 for OPT checkpoints).", ge=0
     )
     no_weight_tying: bool = key(
         False, "Give the output head its own weights instead of reusing the input embedding."
     )
     make_vocab_size_divisible_by: int = key(
-        128, "Pad the vocabulary to a multiple of this (times model_parallel_size)."
+        128, "Pad the vocabulary to a multiple of this (times model_parallel_size).", ge=1
     )
     activation: Literal[
         "gelu",
@@ -186,15 +191,15 @@ class ModelConfig:
     output_layer_init_method: InitMethod = key(
         "scaled_normal", "Initialisation of the attention output and second MLP projections."
     )
-    init_method_std: float = key(0.02, "Standard deviation of the normal initialisations.")
+    init_method_std: float = key(0.02, "Standard deviation of the normal initialisations.", gt=0)
     gpt_j_residual: bool = key(
         False, "Parallel residual: attention and MLP both read the block input and are summed."
     )
     gpt_j_tied: bool = key(
         False, "With gpt_j_residual, feed attention and MLP from one shared norm."
     )
-    hidden_dropout: float = key(0.0, "Dropout on the outputs of attention and MLP.")
-    attention_dropout: float = key(0.0, "Dropout on attention probabilities.")
+    hidden_dropout: float = key(0.0, "Dropout on the outputs of attention and MLP.", ge=0, lt=1)
+    attention_dropout: float = key(0.0, "Dropout on attention probabilities.", ge=0, lt=1)
     attention_config: list[Any] | None = key(
         None,
         "Attention type per layer, as [[types, count], ...]; global and flash run as SDPA attention.",
@@ -294,14 +299,16 @@ class ModelConfig:
         True, "With te_fp8_mha: weight gradients in fp8 too (false: in high precision)."
     )
     te_fp8_amax_history_len: int = key(
-        1, "With te_fp8_mha: length of the amax history; torchao scales from the current one (1)."
+        1,
+        "With te_fp8_mha: length of the amax history; torchao scales from the current one (1).",
+        ge=1,
     )
     te_fp8_amax_compute_algo: str = key(
         "most_recent",
         "With te_fp8_mha: how the scale's amax is taken from its history; only most_recent "
         "(torchao's current scaling).",
     )
-    te_fp8_margin: int = key(0, "With te_fp8_mha: margin of the fp8 scale; only 0 (torchao).")
+    te_fp8_margin: int = key(0, "With te_fp8_mha: margin of the fp8 scale; only 0 (torchao).", ge=0)
     serve_model_weights: bool = unsupported(
         False,
         "Serve the weights over a socket to an online data server (GPT-NeoX's online REINFORCE).",
@@ -326,9 +333,9 @@ class ModelConfig:
 class MoEConfig:
     """Mixture-of-experts layers replacing the MLP every moe_expert_interval blocks."""
 
-    moe_num_experts: int = key(1, "Experts per MoE layer; 1 means no MoE layers.")
-    moe_expert_interval: int = key(1, "Every this many blocks, the MLP is an MoE layer.")
-    moe_top_k: int = key(1, "Experts each token is sent to.")
+    moe_num_experts: int = key(1, "Experts per MoE layer; 1 means no MoE layers.", ge=1)
+    moe_expert_interval: int = key(1, "Every this many blocks, the MLP is an MoE layer.", ge=1)
+    moe_top_k: int = key(1, "Experts each token is sent to.", ge=1)
     moe_router_type: Literal["sinkhorn", "topk"] = key(
         "sinkhorn", "Routing: sinkhorn (balanced, for training) or topk."
     )
@@ -339,12 +346,13 @@ class MoEConfig:
         "load-balancing loss in fp32 always",
     )
     moe_jitter_eps: float | None = key(
-        None, "Multiplicative noise on router inputs while training; unset means none."
+        None, "Multiplicative noise on router inputs while training; unset means none.", ge=0
     )
     expert_parallel_size: int = extension(
         1,
         "Ranks the experts of each MoE layer are split over (a divisor of the data-parallel "
         "size); tokens reach their experts by all-to-all.",
+        ge=1,
     )
     moe_renormalize_top_k: bool = extension(
         False,
@@ -355,4 +363,5 @@ class MoEConfig:
         0.0,
         "Weight of Switch Transformer's load-balancing loss added to the training loss; 0 (the "
         "default) adds none, as GPT-NeoX adds none; it is logged as moe_aux_loss either way.",
+        ge=0,
     )

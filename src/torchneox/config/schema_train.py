@@ -18,9 +18,11 @@ class ParallelConfig:
     """How the run is laid out over processes."""
 
     pipe_parallel_size: int = key(
-        0, "Pipeline stages: 0 and 1 run one stage as a plain module; 2 or more run a schedule."
+        0,
+        "Pipeline stages: 0 and 1 run one stage as a plain module; 2 or more run a schedule.",
+        ge=0,
     )
-    model_parallel_size: int = key(1, "Tensor-parallel ranks that split each layer.")
+    model_parallel_size: int = key(1, "Tensor-parallel ranks that split each layer.", ge=1)
     sequence_parallel: bool = key(
         False, "With tensor parallelism, also split norms and dropout along the sequence."
     )
@@ -28,6 +30,7 @@ class ParallelConfig:
         1,
         "Context-parallel ranks that split every sample's sequence (load-balanced chunks; each "
         "attention layer gathers the keys and values of the whole sequence).",
+        ge=1,
     )
     pipe_partition_method: str = key(
         "type:transformer|mlp",
@@ -41,16 +44,19 @@ class ParallelConfig:
     pipeline_virtual_stages: int = extension(
         2,
         "Stages per rank for interleaved_1f1b, looped_bfs and interleaved_zero_bubble (zbv uses 2).",
+        ge=1,
     )
     distributed_backend: str = key(
         "nccl", "Collective backend; torchneox uses gloo on CPU whatever this says."
     )
     distributed_timeout_minutes: float = extension(
-        30.0, "How long a collective may wait for a rank before the run stops with an error."
+        30.0, "How long a collective may wait for a rank before the run stops with an error.", gt=0
     )
-    world_size: int | None = derived(None, "Total processes; taken from the launcher.")
+    world_size: int | None = derived(None, "Total processes; taken from the launcher.", ge=1)
     global_num_gpus: int | None = derived(
-        None, "Total GPUs GPT-NeoX launched on; used as the world size when no launcher gives one."
+        None,
+        "Total GPUs GPT-NeoX launched on; used as the world size when no launcher gives one.",
+        ge=1,
     )
     is_pipe_parallel: bool = derived(
         False,
@@ -71,17 +77,19 @@ class OptimizerConfig:
         None, "{type: Adam|AdamW|SGD|Lion, params: {lr, betas, eps, weight_decay, momentum}}."
     )
     weight_decay: float = key(
-        0.1, "Decoupled weight decay on weight matrices (never on biases and norms)."
+        0.1, "Decoupled weight decay on weight matrices (never on biases and norms).", ge=0
     )
-    gradient_clipping: float = key(1.0, "Clip gradients to this global L2 norm; 0 turns it off.")
-    clip_grad: float = key(1.0, "Megatron's name for gradient_clipping.")
+    gradient_clipping: float = key(
+        1.0, "Clip gradients to this global L2 norm; 0 turns it off.", ge=0
+    )
+    clip_grad: float = key(1.0, "Megatron's name for gradient_clipping.", ge=0)
     zero_optimization: dict[str, Any] | None = key(
         None, "ZeRO settings; only 'stage' (0-3) matters here."
     )
     optimizer_type: Literal[
         "adam", "onebitadam", "cpu_adam", "cpu_torch_adam", "sm3", "madgrad_wd", "sgd", "lion"
     ] = derived("adam", "Optimizer name, taken from optimizer.type.")
-    lr: float | None = derived(None, "Peak learning rate, taken from optimizer.params.lr.")
+    lr: float | None = derived(None, "Peak learning rate, taken from optimizer.params.lr.", gt=0)
     zero_stage: int | list[int] | str | None = derived(
         None, "ZeRO stage, taken from zero_optimization.stage."
     )
@@ -114,12 +122,15 @@ class LRConfig:
     lr_decay_style: Literal["constant", "linear", "cosine", "exponential"] = key(
         "linear", "Shape of the decay after warmup."
     )
-    lr_decay_iters: int | None = key(None, "Steps the decay spans; defaults to train_iters.")
+    lr_decay_iters: int | None = key(None, "Steps the decay spans; defaults to train_iters.", ge=1)
     lr_decay_fraction: float | None = key(
-        None, "Decay over this fraction of train_iters (lr_decay_iters wins when both are set)."
+        None,
+        "Decay over this fraction of train_iters (lr_decay_iters wins when both are set).",
+        gt=0,
+        le=1,
     )
-    min_lr: float = key(0.0, "Floor of the learning rate.")
-    warmup: float = key(0.01, "Linear warmup over this fraction of the decay steps.")
+    min_lr: float = key(0.0, "Floor of the learning rate.", ge=0)
+    warmup: float = key(0.01, "Linear warmup over this fraction of the decay steps.", ge=0, le=1)
     override_lr_scheduler: bool = key(
         False,
         "On resume, take the schedule from the config, not the checkpoint (torchneox's default).",
@@ -151,12 +162,14 @@ class PrecisionConfig:
         None, "Apex AMP settings.", "apex AMP is not used; set precision instead"
     )
     loss_scale: float | None = key(
-        None, "Static fp16 loss scale; unset (or 0) means dynamic scaling."
+        None, "Static fp16 loss scale; unset (or 0) means dynamic scaling.", ge=0
     )
     dynamic_loss_scale: bool | None = derived(None, "Whether the fp16 loss scale is dynamic.")
-    hysteresis: int = key(2, "Overflows tolerated before the dynamic loss scale drops.")
-    loss_scale_window: float = key(1000.0, "Clean steps before the dynamic loss scale doubles.")
-    min_scale: float = key(1.0, "Lowest dynamic loss scale.")
+    hysteresis: int = key(2, "Overflows tolerated before the dynamic loss scale drops.", ge=1)
+    loss_scale_window: float = key(
+        1000.0, "Clean steps before the dynamic loss scale doubles.", gt=0
+    )
+    min_scale: float = key(1.0, "Lowest dynamic loss scale.", gt=0)
     fp32_allreduce: bool = key(False, "Average gradients across ranks in fp32.")
     communication_data_type: str | None = key(
         None, "Dtype of gradient reduction (fp32, bf16, fp16); unset follows precision."
@@ -202,26 +215,32 @@ class TrainingConfig:
     """Batch sizes, steps, seed, evaluation cadence and activation checkpointing."""
 
     train_batch_size: int | None = key(
-        None, "Samples per optimizer step, summed over data-parallel ranks and micro-batches."
+        None, "Samples per optimizer step, summed over data-parallel ranks and micro-batches.", ge=1
     )
-    train_micro_batch_size_per_gpu: int | None = key(None, "Samples per forward pass on one rank.")
-    gradient_accumulation_steps: int = key(1, "Micro-batches accumulated per optimizer step.")
-    batch_size: int | None = key(None, "Megatron's name for train_micro_batch_size_per_gpu.")
-    train_iters: int | None = key(None, "Optimizer steps to train for.")
+    train_micro_batch_size_per_gpu: int | None = key(
+        None, "Samples per forward pass on one rank.", ge=1
+    )
+    gradient_accumulation_steps: int = key(1, "Micro-batches accumulated per optimizer step.", ge=1)
+    batch_size: int | None = key(None, "Megatron's name for train_micro_batch_size_per_gpu.", ge=1)
+    train_iters: int | None = key(None, "Optimizer steps to train for.", ge=1)
     train_epochs: int | None = unsupported(
         None,
         "Train for this many passes over the data.",
         "epoch-based training is not supported; give train_iters instead",
     )
-    seed: int = key(1234, "Seed for initialisation, dropout and data order.")
-    exit_interval: int | None = key(None, "Save and exit once the step is a multiple of this.")
-    eval_interval: int = key(1000, "Steps between validation runs.")
-    eval_iters: int = key(100, "Batches per validation run.")
+    seed: int = key(1234, "Seed for initialisation, dropout and data order.", ge=0)
+    exit_interval: int | None = key(
+        None, "Save and exit once the step is a multiple of this.", ge=1
+    )
+    eval_interval: int = key(1000, "Steps between validation runs.", ge=1)
+    eval_iters: int = key(100, "Batches per validation run.", ge=0)
     checkpoint_activations: bool = key(
         False, "Recompute activations in backward instead of storing them."
     )
     checkpoint_num_layers: int = key(
-        1, "Checkpoint every this many blocks (1: all; GPT-NeoX recomputes chunks of this many)."
+        1,
+        "Checkpoint every this many blocks (1: all; GPT-NeoX recomputes chunks of this many).",
+        ge=1,
     )
     checkpoint_activations_mode: Literal["full", "selective"] = extension(
         "full",
@@ -267,6 +286,7 @@ class TrainingConfig:
         "Steps whose loss or gradient is NaN/Inf that may be skipped (not applied, counted in "
         "skipped_steps) before the run stops; 0: stop at the first. fp16 runs skip through the "
         "loss scaler instead.",
+        ge=0,
     )
     eod_mask_loss: bool = key(False, "Leave end-of-document tokens out of the loss.")
     short_seq_prob: float = no_effect(
@@ -281,11 +301,13 @@ class TrainingConfig:
         0.0,
         "Reward models (train_impl rm): weight of the squared rewards added to the loss. For "
         "PaLM's logit z-loss on language modelling set the torchneox key lm_z_loss.",
+        ge=0,
     )
     lm_z_loss: float = extension(
         0.0,
         "Weight of PaLM's logit z-loss (mean over tokens of logsumexp(logits)^2) added to the "
         "language-model loss and logged as z_loss; 0 adds nothing (GPT-NeoX has no such term).",
+        ge=0,
     )
     fp32_reinforce: bool = no_effect(True, "REINFORCE loss in fp32.", REINFORCE)
     kl_impl: Literal["abs", "mse", "kl", "full"] = no_effect(
@@ -299,11 +321,13 @@ class TrainingConfig:
     dpo_reference_free: bool = key(
         False, "DPO without a reference model (its log-probabilities taken as 0)."
     )
-    dpo_beta: float = key(0.1, "DPO: beta, the strength of the preference margin.")
+    dpo_beta: float = key(0.1, "DPO: beta, the strength of the preference margin.", gt=0)
     kto_fp32: bool = key(True, "KTO: the log-probabilities in fp32.")
-    kto_desirable_weight: float = key(1.0, "KTO: weight of desirable (reward > 0) samples.")
-    kto_undesirable_weight: float = key(1.0, "KTO: weight of undesirable (reward < 0) samples.")
-    kto_beta: float = key(0.1, "KTO: beta.")
+    kto_desirable_weight: float = key(1.0, "KTO: weight of desirable (reward > 0) samples.", gt=0)
+    kto_undesirable_weight: float = key(
+        1.0, "KTO: weight of undesirable (reward < 0) samples.", gt=0
+    )
+    kto_beta: float = key(0.1, "KTO: beta.", gt=0)
     use_mup: bool = unsupported(
         False, "Parametrise with muP.", "muP is not supported; remove use_mup"
     )
@@ -346,13 +370,13 @@ class CheckpointConfig:
     save: str | None = key(None, "Directory checkpoints are written to.")
     load: str | None = key(None, "Directory to resume from (its 'latest' checkpoint).")
     checkpoint_factor: int | None = key(
-        None, "Save every this many steps (linear), or at powers of it (log)."
+        None, "Save every this many steps (linear), or at powers of it (log).", ge=1
     )
     checkpoint_scale: Literal["linear", "log"] = key(
         "linear", "Spacing of saves: multiples of checkpoint_factor, or its powers."
     )
-    extra_save_iters: list[int] | None = key(None, "Further steps to save at.")
-    keep_last_n_checkpoints: int | None = key(None, "Delete all but the newest this many.")
+    extra_save_iters: list[int] | None = key(None, "Further steps to save at.", ge=0)
+    keep_last_n_checkpoints: int | None = key(None, "Delete all but the newest this many.", ge=1)
     no_save_optim: bool = key(False, "Leave the optimizer state out of checkpoints.")
     no_save_rng: bool = key(False, "Leave RNG states out of checkpoints.")
     no_load_optim: bool = key(False, "Do not restore the optimizer state.")

@@ -7,6 +7,7 @@ here; commands that need them (train, generate) ask for them.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -86,6 +87,7 @@ COMM_DTYPES = ("fp32", "fp16", "bf16", "bfloat16")
 def validate(config: NeoXConfig, origin: dict[str, str]) -> None:
     check = Checker(config, origin)
     _check_refused(check)  # a feature that is not built is named before any check trips on it
+    check.ranges()  # every key's range, declared on its field (fields.py), before cross-key checks
     _check_model(check)
     _check_rope_scaling(check)
     _check_moe(check)
@@ -95,8 +97,8 @@ def validate(config: NeoXConfig, origin: dict[str, str]) -> None:
     _check_precision(check)
     _check_training(check)
     _check_data(check)
-    _check_post_training(check)
     _check_textgen(check)
+    _check_post_training(check)
 
 
 REINFORCE_NEEDS = (
@@ -205,11 +207,7 @@ def _check_kto(ch: Checker) -> None:
 
 def _check_parallel(ch: Checker) -> None:
     p = ch.c.parallel
-    ch.positive("pipe_parallel_size", allow_zero=True)
-    ch.positive("model_parallel_size")
-    for k in ("world_size", "global_num_gpus"):
-        ch.positive(k)
-    # (which layouts run is config/layout.py's check_layout)
+    # (sizes are ranges declared on the fields; which layouts run is layout.py's check_layout)
     method = p.pipe_partition_method
     if not (method in ("parameters", "uniform") or method.startswith("type:")):
         ch.fail(
@@ -260,6 +258,7 @@ def _check_optimizer(ch: Checker) -> None:
                     "optimizer",
                     f"params.{name} is not a parameter of {opt['type']}"
                     f"{did_you_mean(name, OPTIMIZER_PARAMS[kind])}",
+                    path=f"params.{name}",
                 )
             params[name] = _optimizer_param(ch, name, value)
         opt["params"] = params
@@ -277,10 +276,6 @@ def _check_optimizer(ch: Checker) -> None:
             f"{o.optimizer_type!r} ({REFUSED_OPTIMIZERS.get(o.optimizer_type, 'this optimizer')}) "
             "is not supported; use adam, sgd or lion",
         )
-    ch.positive("lr")
-    ch.positive("weight_decay", allow_zero=True)
-    ch.positive("gradient_clipping", allow_zero=True)
-    ch.positive("clip_grad", allow_zero=True)
     if (
         "gradient_clipping" in ch.origin
         and "clip_grad" in ch.origin
@@ -294,37 +289,37 @@ def _check_optimizer(ch: Checker) -> None:
 
 
 def _optimizer_param(ch: Checker, name: str, value: Any) -> Any:
+    def fail(message: str) -> None:
+        ch.fail("optimizer", message, path=f"params.{name}")
+
     def number(v: Any) -> float:
         try:
             if isinstance(v, bool):
                 raise ValueError
             return float(v)
         except (TypeError, ValueError):
-            ch.fail("optimizer", f"params.{name} must be a number, got {value!r}")
+            fail(f"params.{name} must be a number, got {value!r}")
             raise AssertionError from None
 
     if name == "betas":
         if not isinstance(value, list | tuple) or len(value) != 2:
-            ch.fail("optimizer", f"params.betas must be two numbers, got {value!r}")
+            fail(f"params.betas must be two numbers, got {value!r}")
         betas = [number(v) for v in value]
         if not all(0.0 <= b < 1.0 for b in betas):
-            ch.fail("optimizer", f"params.betas must be in [0, 1), got {value!r}")
+            fail(f"params.betas must be in [0, 1), got {value!r}")
         return betas
     if name in ("amsgrad", "nesterov", "bias_correction"):
         if not isinstance(value, bool):
-            ch.fail("optimizer", f"params.{name} must be true or false, got {value!r}")
+            fail(f"params.{name} must be true or false, got {value!r}")
         if name == "bias_correction" and not value:
-            ch.fail(
-                "optimizer",
+            fail(
                 "params.bias_correction: false (Adam without bias correction) is not built: "
                 "torch's Adam always corrects its moments; remove it or set it to true",
             )
         return value
     result = number(value)
-    if result < 0 or (name == "lr" and result == 0):
-        ch.fail(
-            "optimizer", f"params.{name} must be {'> 0' if name == 'lr' else '>= 0'}, got {value!r}"
-        )
+    if not math.isfinite(result) or result < 0 or (name == "lr" and result == 0):
+        fail(f"params.{name} must be {'> 0' if name == 'lr' else '>= 0'}, got {value!r}")
     return result
 
 
@@ -334,18 +329,27 @@ def _check_zero(ch: Checker) -> None:
         return
     for name, value in zero.items():
         if name not in ZERO_KEYS:
-            ch.fail("zero_optimization", f"unknown entry {name!r}{did_you_mean(name, ZERO_KEYS)}")
+            ch.fail(
+                "zero_optimization",
+                f"unknown entry {name!r}{did_you_mean(name, ZERO_KEYS)}",
+                path=name,
+            )
         if name in ZERO_OFFLOAD_KEYS and value and value != {"device": "none"}:
             ch.fail(
                 "zero_optimization",
                 f"{name}: CPU/NVMe offload is not supported; remove it or set it to false",
+                path=name,
             )
     shard = zero.get("mics_shard_size")
     if shard is not None and (isinstance(shard, bool) or not isinstance(shard, int) or shard < 1):
-        ch.fail("zero_optimization", f"mics_shard_size must be a positive integer, got {shard!r}")
+        ch.fail(
+            "zero_optimization",
+            f"mics_shard_size must be a positive integer, got {shard!r}",
+            path="mics_shard_size",
+        )
     stage = zero.get("stage", 0)
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-        ch.fail("zero_optimization", f"stage must be 0, 1, 2 or 3, got {stage!r}")
+        ch.fail("zero_optimization", f"stage must be 0, 1, 2 or 3, got {stage!r}", path="stage")
     given = ch.c.optimizer.zero_stage
     if "zero_stage" in ch.origin and given is not None and given != stage:
         ch.fail("zero_stage", f"{given!r} contradicts zero_optimization.stage {stage}; give one")
@@ -353,11 +357,6 @@ def _check_zero(ch: Checker) -> None:
 
 def _check_lr(ch: Checker) -> None:
     lr = ch.c.lr
-    ch.within("warmup", 0.0, 1.0)
-    ch.positive("min_lr", allow_zero=True)
-    ch.positive("lr_decay_iters")
-    if lr.lr_decay_fraction is not None and not 0.0 < lr.lr_decay_fraction <= 1.0:
-        ch.fail("lr_decay_fraction", f"must be in (0, 1], got {lr.lr_decay_fraction}")
     if lr.override_lr_scheduler and lr.use_checkpoint_lr_scheduler:
         ch.fail(
             "use_checkpoint_lr_scheduler",
@@ -375,7 +374,7 @@ def _check_precision(ch: Checker) -> None:
         entries = getattr(pr, name)
         for k in entries or {}:
             if k not in allowed:
-                ch.fail(name, f"unknown entry {k!r}{did_you_mean(k, allowed)}")
+                ch.fail(name, f"unknown entry {k!r}{did_you_mean(k, allowed)}", path=k)
     fp16_on = bool(pr.fp16 and pr.fp16.get("enabled", False))
     bf16_on = bool(pr.bf16 and pr.bf16.get("enabled", False))
     if fp16_on and bf16_on:
@@ -394,7 +393,7 @@ def _check_precision(ch: Checker) -> None:
         ):
             v = pr.fp16.get(k)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or v < 0):
-                ch.fail("fp16", f"{k} must be a number >= 0, got {v!r}")
+                ch.fail("fp16", f"{k} must be a number >= 0, got {v!r}", path=k)
     if pr.communication_data_type is not None and pr.communication_data_type not in COMM_DTYPES:
         ch.fail(
             "communication_data_type",
@@ -406,10 +405,6 @@ def _check_precision(ch: Checker) -> None:
             "zero_param_dtype", "bf16 weights are for precision: bfloat16; use auto or fp32"
         )  # fmt: skip
     _check_fp8(ch)
-    ch.positive("loss_scale", allow_zero=True)
-    ch.positive("hysteresis")
-    ch.positive("loss_scale_window")
-    ch.positive("min_scale")
 
 
 def _check_fp8(ch: Checker) -> None:
@@ -430,19 +425,6 @@ def _check_fp8(ch: Checker) -> None:
 
 def _check_training(ch: Checker) -> None:
     t, ck = ch.c.training, ch.c.checkpoint
-    for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
-        ch.positive(k)
-    for k in (
-        "batch_size",
-        "train_iters",
-        "eval_interval",
-        "checkpoint_num_layers",
-        "exit_interval",
-    ):
-        ch.positive(k)
-    ch.positive("eval_iters", allow_zero=True)
-    ch.positive("seed", allow_zero=True)
-    ch.positive("skip_nonfinite_steps", allow_zero=True)
     if (
         t.batch_size is not None
         and t.train_micro_batch_size_per_gpu is not None
@@ -453,18 +435,12 @@ def _check_training(ch: Checker) -> None:
             f"{t.batch_size} contradicts train_micro_batch_size_per_gpu "
             f"{t.train_micro_batch_size_per_gpu}; give one of them",
         )
-    ch.positive("lm_z_loss", allow_zero=True)
-    ch.positive("checkpoint_factor")
-    ch.positive("keep_last_n_checkpoints")
     if (
         ck.checkpoint_scale == "log"
         and ck.checkpoint_factor is not None
         and ck.checkpoint_factor < 2
     ):
         ch.fail("checkpoint_factor", "must be >= 2 with checkpoint_scale: log (it is the base)")
-    if any(i < 0 for i in ck.extra_save_iters or []):
-        ch.fail("extra_save_iters", f"steps must be >= 0, got {ck.extra_save_iters}")
-    ch.positive("log_interval")
     lg = ch.c.logging
     if lg.profile_step_stop < lg.profile_step_start:
         ch.fail(
@@ -512,8 +488,6 @@ def _check_data(ch: Checker) -> None:
                 )
             if any(w < 0 for w in weights) or sum(weights) <= 0:
                 ch.fail(f"{kind}_data_weights", f"must be >= 0 with a positive sum, got {weights}")
-    ch.positive("weighted_sampler_alpha")
-    ch.positive("num_workers", allow_zero=True)
 
 
 PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -528,8 +502,3 @@ def _check_textgen(ch: Checker) -> None:
             "letter or digit; no '/' or '..'): it names the files written beside each dataset, "
             "DATASET_{name}.bin/.idx",
         )
-    ch.positive("temperature", allow_zero=True)
-    ch.within("top_p", 0.0, 1.0)
-    ch.positive("top_k", allow_zero=True)
-    ch.positive("maximum_tokens")
-    ch.positive("num_samples")

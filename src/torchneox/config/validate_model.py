@@ -46,28 +46,14 @@ def _attention_kinds(attention_config: Any) -> list[str]:
 
 def _check_model(ch: Checker) -> None:
     m = ch.c.model
-    for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "num_kv_heads"):
-        ch.positive(k)
     if m.num_layers and m.num_layers > MAX_LAYERS:
         ch.fail("num_layers", f"{m.num_layers:,} layers is more than {MAX_LAYERS:,}; is it a typo?")
-    for k in ("max_position_embeddings", "intermediate_size", "sliding_window_width", "head_dim"):
-        ch.positive(k)
-    for k in (
-        "mlp_multiple_of",
-        "make_vocab_size_divisible_by",
-        "init_method_std",
-        "rotary_emb_base",
-    ):
-        ch.positive(k)
-    ch.positive("expansion_factor")
     if m.activation == "gelu" and m.onnx_safe and m.bias_gelu_fusion:
         ch.fail(
             "bias_gelu_fusion",
             "cannot be set together with onnx_safe for activation gelu (GPT-NeoX refuses the "
             "pair too); choose one gelu",
         )
-    ch.within("hidden_dropout", 0.0, 1.0, high_open=True)
-    ch.within("attention_dropout", 0.0, 1.0, high_open=True)
     if (
         not m.head_dim
         and m.hidden_size
@@ -219,12 +205,16 @@ def _check_rope_scaling(ch: Checker) -> None:
             continue
         if name == "truncate":
             if not isinstance(value, bool):
-                ch.fail("rope_scaling", f"yarn's truncate is true or false, got {value!r}")
+                ch.fail(
+                    "rope_scaling", f"yarn's truncate is true or false, got {value!r}", path=name
+                )
             continue
         number = not isinstance(value, bool) and isinstance(value, int | float)
         if not number or value < 0 or (required and value == 0):
             bound = "> 0" if required else ">= 0"
-            ch.fail("rope_scaling", f"{kind} scaling needs {name} {bound}, got {value!r}")
+            ch.fail(
+                "rope_scaling", f"{kind} scaling needs {name} {bound}, got {value!r}", path=name
+            )
     if kind == "llama3" and spec["high_freq_factor"] <= spec["low_freq_factor"]:
         ch.fail("rope_scaling", "llama3 scaling needs high_freq_factor > low_freq_factor")
     if kind == "dynamic" and _rotary_dims(ch) == 2:
@@ -240,9 +230,5 @@ def _rotary_dims(ch: Checker) -> int:
 
 def _check_moe(ch: Checker) -> None:
     e = ch.c.moe
-    ch.positive("moe_num_experts")
-    ch.positive("moe_expert_interval")
-    ch.positive("moe_top_k")
-    ch.positive("moe_jitter_eps", allow_zero=True)
     if e.moe_num_experts > 1 and e.moe_top_k > e.moe_num_experts:
         ch.fail("moe_top_k", f"{e.moe_top_k} is more than moe_num_experts {e.moe_num_experts}")

@@ -30,6 +30,7 @@ from torchneox.estimate.memory import (
     step_time,
 )
 from torchneox.estimate.parameters import stage_params
+from torchneox.train.fits import refuse_unaddressable
 from torchneox.train.hardware import ACCELERATORS, Accelerator, peak_tflops
 
 
@@ -53,6 +54,7 @@ def estimate(
     _check_request(gpus, gpu, nodes, mfu)
     cfg = loaded.config
     d = derive(loaded, world_size=gpus)
+    refuse_unaddressable(loaded, d["num_parameters"])  # (its meta model cannot be made)
     _check_batch(d)
     layout = Layout.from_derived(cfg, d)
     check_layout(loaded, layout)

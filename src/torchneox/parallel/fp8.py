@@ -42,8 +42,9 @@ def torchao_config(plan: FP8Plan) -> Any:
     return dataclasses.replace(config, **changes) if changes else config
 
 
-def check_fp8_hardware(plan: FP8Plan, device: torch.device, tp: int) -> None:
-    """One line where fp8 cannot run: no torchao, a GPU without fp8 units, tensor parallel."""
+def check_fp8_hardware(plan: FP8Plan, device: torch.device) -> None:
+    """One line where fp8 cannot run here: no torchao, a GPU without fp8 units (what no
+    layout runs, fp8 with tensor parallelism, is config/layout.py's check_layout)."""
     try:
         import torchao.float8  # noqa: F401
     except ImportError:
@@ -59,12 +60,6 @@ def check_fp8_hardware(plan: FP8Plan, device: torch.device, tp: int) -> None:
                 "8.9 or newer (Ada, Hopper, Blackwell); train in bf16 instead",
                 key=plan.key,
             )
-    if tp > 1:
-        raise ConfigError(
-            "fp8 with tensor parallelism is not built (it needs torchao's float8 parallel "
-            "styles); use model_parallel_size 1 or train in bf16",
-            key=plan.key,
-        )
 
 
 def apply_fp8(model: nn.Module, plan: FP8Plan) -> int:
@@ -86,6 +81,9 @@ def apply_fp8(model: nn.Module, plan: FP8Plan) -> int:
         return ok
 
     convert_to_float8_training(model, module_filter_fn=covered, config=torchao_config(plan))
+    modules = dict(model.named_modules())
+    for name in swapped:
+        modules[name].register_forward_pre_hook(_cpu_autocast_input)
     if not swapped:
         raise ConfigError(
             "no linear of the blocks has both dimensions divisible by 16, as torchao's fp8 "
@@ -93,3 +91,13 @@ def apply_fp8(model: nn.Module, plan: FP8Plan) -> int:
             key=plan.key,
         )
     return len(swapped)
+
+
+def _cpu_autocast_input(module: nn.Module, args: tuple) -> tuple | None:
+    """Under the CPU's autocast, the input in its dtype, as torchao's Float8Linear casts it
+    under CUDA's only: otherwise a product the recipe keeps in high precision
+    (rowwise_with_gw_hp's weight gradient, te_fp8_wgrad false) would meet an fp32 input and a
+    bf16 output gradient."""
+    if torch.is_autocast_enabled("cpu") and not torch.is_autocast_enabled("cuda"):
+        return (args[0].to(torch.get_autocast_dtype("cpu")), *args[1:])
+    return None

@@ -32,8 +32,15 @@ from torchneox.parallel.fp8 import check_fp8_hardware
 from torchneox.parallel.parallelize import EVERY_PARAMETER
 from torchneox.train import hardware
 from torchneox.train.assembly import add_step, build_run
-from torchneox.train.checkpoint import CheckpointManager, Resumed, TrainingState
+from torchneox.train.checkpoint import (
+    CheckpointManager,
+    Resumed,
+    TrainingState,
+    post_training,
+    refuse_fine_tuning_nothing,
+)
 from torchneox.train.evaluation import Evaluator
+from torchneox.train.fits import allocation_failure, refuse_what_cannot_fit
 from torchneox.train.lr import Schedule
 from torchneox.train.metrics import MetricsLogger, Throughput, Timers, duration
 from torchneox.train.profiling import Profiler
@@ -66,6 +73,8 @@ class Trainer:
     ):
         self.loaded = loaded
         self.cfg = cfg = loaded.config
+        if load_step is None:  # (a step asked for is resolved, or refused, by find)
+            refuse_fine_tuning_nothing(loaded)  # before any process group, file or model
         self.device = _device(device)
         world = init_distributed(
             self.device.type,
@@ -74,6 +83,8 @@ class Trainer:
         )
         self.derived = d = derive(loaded, world_size=world)
         self.layout = require(loaded, d)
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # (before the mesh is made)
+        refuse_what_cannot_fit(loaded, d["num_parameters"], world, local_ranks, self.device)
         self.dims = ParallelDims.from_layout(self.layout, self.device.type)
         self.dims.build_mesh()
         self.precision = d["precision"]
@@ -95,11 +106,11 @@ class Trainer:
         )
         # the checkpoint to load, known before building: its weights are not drawn first
         load = Path(cfg.checkpoint.load) if cfg.checkpoint.load else None
-        step_dir = self.checkpoints.find(load, load_step) if load is not None else None
+        step_dir = self.checkpoints.find(load, load_step, post_training(cfg)) if load else None
         # a run that continues another computes with its kernels: no verdict timed a second time
         step = step_dir.name.removeprefix("global_step") if step_dir is not None else "0"
         cpu_kernels.second_timing = not (step.isdigit() and int(step) > 0)
-        self._build_model(step_dir)
+        self._build_checked(step_dir)
         self._report_memory("after building")
         self._build_loaders()
         self._build_step()
@@ -121,8 +132,19 @@ class Trainer:
     def _fp8(self) -> FP8Plan | None:
         plan = fp8_plan(self.cfg.precision, self.cfg.model)
         if plan is not None:
-            check_fp8_hardware(plan, self.device, self.dims.tp)
+            check_fp8_hardware(plan, self.device)
         return plan
+
+    def _build_checked(self, step_dir: Path | None) -> None:
+        """_build_model, with a build that runs out of memory said in one line."""
+        try:
+            self._build_model(step_dir)
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            params = self.derived["num_parameters"]
+            failure = allocation_failure(self.loaded, params, self.device, e)
+            if failure is None:
+                raise
+            raise failure from None
 
     def _build_model(self, step_dir: Path | None) -> None:
         """The policy (and the reference) built shard by shard; its weights drawn from the seed,
