@@ -115,6 +115,34 @@ def _char_checkpoint(folder):
     checkpoint_format.save_checkpoint(folder, 0, state, render_yaml(loaded, derive(loaded)))
 
 
+def test_a_prompt_file_without_a_mode_is_read_not_ignored(tmp_path, monkeypatch):
+    """It used to open the interactive prompt, reading standard input instead of the file."""
+    import io
+    import json
+
+    from torchneox.cli import main
+
+    _char_checkpoint(tmp_path / "ckpt")
+    (tmp_path / "p.txt").write_text("the quick\nbrown fox\n")
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    out = tmp_path / "out.jsonl"
+    args = ["generate", "--checkpoint", str(tmp_path / "ckpt"), "--maximum-tokens", "3"]
+    assert (
+        main(
+            [
+                *args,
+                "--sample-input-file",
+                str(tmp_path / "p.txt"),
+                "--sample-output-file",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["context"] for r in rows] == ["the quick", "brown fox"]
+
+
 def test_a_binary_prompt_file_is_one_line_naming_it(tmp_path, capsys):
     from torchneox.cli import main
 

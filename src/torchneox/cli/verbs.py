@@ -113,6 +113,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from torchneox.data.tokenizers import build_tokenizer
     from torchneox.inference.generate import (
         TextGenerator,
+        generation_mode,
         generation_stop_ids,
         run_mode,
         sampling_from,
@@ -146,7 +147,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.prompt is not None:
         print(generator.complete([args.prompt])[0])
         return 0
-    mode = settings.textgen.text_gen_type or "interactive"
+    mode = generation_mode(settings.textgen)
     inputs = [args.checkpoint or args.hf, *args.files, settings.textgen.sample_input_file]
     inputs += [tok_cfg.tokenizer.vocab_file, tok_cfg.tokenizer.merge_file]
     if mode in ("unconditional", "input-file"):

@@ -302,12 +302,18 @@ def generation_stop_ids(tokenizer_file: str | None) -> set[int]:
     return {i for i in ids if isinstance(i, int) and not isinstance(i, bool)}
 
 
+def generation_mode(cfg: TextGenConfig) -> str:
+    """text_gen_type, or when it is unset: input-file if a sample_input_file is given (GPT-NeoX
+    refuses an unset type), else interactive."""
+    return cfg.text_gen_type or ("input-file" if cfg.sample_input_file else "interactive")
+
+
 def run_mode(
     gen: TextGenerator, cfg: TextGenConfig, batch_size: int = 8, *, inputs: list[str | Path]
 ) -> None:
     """GPT-NeoX's text_gen_type modes: unconditional, input-file, interactive; ``inputs``: what
     the samples must not be written over (the checkpoint, the configs)."""
-    mode = cfg.text_gen_type or "interactive"
+    mode = generation_mode(cfg)
     inputs = [*inputs, cfg.sample_input_file]
     if mode == "unconditional":
         with (
