@@ -110,7 +110,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from torchneox.config.load import load_config
-    from torchneox.data.tokenizers import build_tokenizer
+    from torchneox.data.tokenizers import build_tokenizer, model_tokenizer
     from torchneox.inference.generate import (
         TextGenerator,
         generation_stop_ids,
@@ -133,13 +133,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
             settings.set(name, getattr(args, name))
     if (settings.textgen.text_gen_type or "") == "precompute":
         return _precompute(model, settings, device)
-    tok_cfg = (
-        settings
-        if settings.tokenizer.vocab_file
-        or settings.tokenizer.tokenizer_type == "CharLevelTokenizer"
-        else loaded.config
+    own = not (
+        settings.tokenizer.vocab_file or settings.tokenizer.tokenizer_type == "CharLevelTokenizer"
     )
-    tokenizer = build_tokenizer(tok_cfg.tokenizer)
+    tok_cfg = loaded.config if own else settings
+    if own:  # the model's own tokenizer: its config named, and what is missing
+        tokenizer = model_tokenizer(tok_cfg.tokenizer, _model_config_name(args))
+    else:
+        tokenizer = build_tokenizer(tok_cfg.tokenizer)
     sampling = sampling_from(settings.textgen, tokenizer.eod_id, args.seed)
     sampling.stop_ids |= generation_stop_ids(tok_cfg.tokenizer.vocab_file)
     generator = TextGenerator(model, tokenizer, sampling)
@@ -154,6 +155,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         refuse_existing([output], args.force, f"generate ({mode})")
     run_mode(generator, settings.textgen)
     return 0
+
+
+def _model_config_name(args: argparse.Namespace) -> str:
+    """What names the model's tokenizer: the checkpoint's config.yml, or the HF folder."""
+    if args.hf:
+        return str(args.hf)
+    from torchneox.train.checkpoint_format import resolve
+
+    return str(resolve(args.checkpoint) / "config.yml")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
