@@ -133,11 +133,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
             settings.set(name, getattr(args, name))
     if (settings.textgen.text_gen_type or "") == "precompute":
         return _precompute(model, settings, device)
-    own = not (
-        settings.tokenizer.vocab_file or settings.tokenizer.tokenizer_type == "CharLevelTokenizer"
+    tok_cfg = (
+        settings
+        if settings.tokenizer.vocab_file
+        or settings.tokenizer.tokenizer_type == "CharLevelTokenizer"
+        else loaded.config
     )
-    tok_cfg = loaded.config if own else settings
-    if own:  # the model's own tokenizer: its config named, and what is missing
+    tokenizer_set = {o.partition("=")[0].strip() for o in args.overrides} & TOKENIZER_FILE_KEYS
+    if tok_cfg is loaded.config and not tokenizer_set:  # the model's own: say what is missing
         tokenizer = model_tokenizer(tok_cfg.tokenizer, _model_config_name(args))
     else:
         tokenizer = build_tokenizer(tok_cfg.tokenizer)
@@ -155,6 +158,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         refuse_existing([output], args.force, f"generate ({mode})")
     run_mode(generator, settings.textgen)
     return 0
+
+
+TOKENIZER_FILE_KEYS = {"tokenizer_type", "vocab_file", "merge_file"}
 
 
 def _model_config_name(args: argparse.Namespace) -> str:
