@@ -250,3 +250,34 @@ def test_imported_checkpoint_evaluates(tmp_path, capsys, monkeypatch):
     assert main(["eval", "--checkpoint", str(tmp_path / "ckpt"), "--tasks", "hellaswag"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "hellaswag" in err and "--include-path" in err
+
+
+def test_a_vocab_file_left_on_the_cluster_takes_the_weights_vocabulary(tmp_path, capsys):
+    """The stored config names its tokenizer at the training cluster's path: the checkpoint
+    converts with the vocabulary size its weights have (here 128 rows, not GPT-2's 50304), and
+    the note names the missing file and the option to pass it; generate then says the same."""
+    step = tmp_path / "neox" / "global_step10"
+    shutil.copytree(G / "pp1" / "global_step10", step)
+    config = step / "configs" / "tiny_pp1.yml"
+    text = config.read_text().replace("./data/gpt2-vocab.json", "/cluster/data/gpt2-vocab.json")
+    config.write_text(text.replace("./data/gpt2-merges.txt", "/cluster/data/gpt2-merges.txt"))
+    rows = {}
+    for name, key in (("layer_00", "word_embeddings.weight"), ("layer_06", "final_linear.weight")):
+        path = step / f"{name}-model_00-model_states.pt"
+        tensors = torch.load(path, weights_only=False)
+        tensors[key] = rows[key] = tensors[key][:128].clone()
+        torch.save(tensors, path)
+    capsys.readouterr()
+    assert main(["convert", "from-gpt-neox", str(step), str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err
+    assert "vocab_file /cluster/data/gpt2-vocab.json, which is not here" in err, err
+    assert "the vocabulary size its weights have (128)" in err, err
+    assert "--set vocab_file=PATH --set merge_file=PATH" in err, err
+    loaded, model = load_model(tmp_path / "out")
+    assert loaded.config.tokenizer.padded_vocab_size == 128
+    assert torch.equal(model.embed.weight, rows["word_embeddings.weight"])
+    assert torch.equal(model.output.weight, rows["final_linear.weight"])
+    generate = ["generate", "--checkpoint", str(tmp_path / "out"), "--prompt", "a"]
+    assert main([*generate, "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "vocab_file /cluster/data/gpt2-vocab.json, which is not here" in err, err

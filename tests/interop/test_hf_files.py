@@ -248,3 +248,36 @@ def test_a_bf16_hub_model_stays_one_bf16_copy_and_comes_back_identical(tmp_path)
     assert set(original) == set(back)
     for name, tensor in original.items():
         assert back[name].dtype == torch.bfloat16 and torch.equal(tensor, back[name]), name
+
+
+def test_generate_without_the_model_s_tokenizer_says_what_is_missing(tmp_path, capsys):
+    """A checkpoint whose config names no tokenizer file, or one that is not here, is refused
+    naming its config, the missing file and the option that passes one (it used to ask for a
+    GPT-2 tokenizer's vocab_file the user never chose)."""
+    _, folder = _hf_model(tmp_path, "llama-gqa")  # no tokenizer in the folder
+    assert main(["convert", "from-hf", str(folder), str(tmp_path / "bare")]) == 0
+    config = tmp_path / "bare" / "global_step0" / "config.yml"
+    capsys.readouterr()
+    generate = ["generate", "--prompt", "ab", "--maximum-tokens", "2", "--device", "cpu"]
+    assert main([*generate, "--checkpoint", str(tmp_path / "bare")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "GPT2" not in err, err
+    assert f"{config}: no tokenizer file is named or found" in err, err
+    assert "--set tokenizer_type=HFTokenizer --set vocab_file=PATH/tokenizer.json" in err
+    assert main([*generate, "--hf", str(folder)]) == 2
+    assert f"{folder}: no tokenizer file is named or found" in capsys.readouterr().err
+    # the config names a tokenizer.json that is gone (a run moved off its cluster)
+    make_chat_tokenizer(folder)
+    assert main(["convert", "from-hf", str(folder), str(tmp_path / "named")]) == 0
+    (tmp_path / "named" / "tokenizer.json").unlink()
+    capsys.readouterr()
+    assert main([*generate, "--checkpoint", str(tmp_path / "named")]) == 2
+    err = capsys.readouterr().err
+    missing = tmp_path / "named" / "tokenizer.json"
+    assert err.count("\n") == 1, err
+    assert f"names the HFTokenizer tokenizer's vocab_file {missing}, which is not here" in err
+    assert "pass it with --set vocab_file=PATH" in err
+    # and the option named works
+    make_chat_tokenizer(tmp_path / "tok")
+    vocab = f"vocab_file={tmp_path / 'tok' / 'tokenizer.json'}"
+    assert main([*generate, "--checkpoint", str(tmp_path / "named"), "--set", vocab]) == 0

@@ -4,6 +4,7 @@ naming the file, the previous checkpoint kept, and an older complete one offered
 
 from __future__ import annotations
 
+import io
 import os
 import resource
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from torchneox.cli import main
 from torchneox.train import checkpoint_format
@@ -323,3 +325,42 @@ def test_from_hf_past_a_file_size_limit_is_one_line(tmp_path, capsys):
         tmp_path, hf, out, before_hf, {"kept.txt": b"what --force would replace"}, err
     )
     assert snapshot(hf) == before_hf
+
+
+def _nan_over(step, name: str) -> None:
+    """NaN float32 bytes over one model tensor's bytes in its shard, the file's size kept."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(str(step)).read_metadata()
+    (info,) = [v for k, v in metadata.storage_data.items() if k.fqn == name]
+    shard = step / info.relative_path
+    data = bytearray(shard.read_bytes())
+    record = bytes(data[info.offset : info.offset + info.length])
+    raw = torch.load(io.BytesIO(record), weights_only=True).numpy().tobytes()
+    at = info.offset + record.index(raw)  # the tensor's raw bytes inside its record
+    data[at : at + len(raw)] = bytes.fromhex("0000c07f") * (len(raw) // 4)  # float32 NaN
+    shard.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("verb", ["generate", "to-hf", "resume"])
+def test_nan_bytes_over_a_weight_are_refused_on_load(
+    make_config, tmp_path, capsys, monkeypatch, verb
+):
+    """A shard damaged in place with its size kept (too large for its checksum to be read on
+    load) used to generate garbage with exit 0: every weight loaded is checked to be finite."""
+    monkeypatch.setattr(checkpoint_format, "CHECKSUMMED_BELOW", 0)  # every shard counts as large
+    folder = tmp_path / "run"
+    cfg = make_config(train_iters=2, checkpoint_factor=2, save=str(folder), load=str(folder))
+    assert main(["train", cfg]) == 0
+    _nan_over(folder / "global_step2", "model.layers.1.mlp.up.weight")
+    capsys.readouterr()
+    argv = {
+        "generate": ["generate", "--checkpoint", str(folder), "--prompt", "the", "--device", "cpu"],
+        "to-hf": ["convert", "to-hf", str(folder), str(tmp_path / "hf")],
+        "resume": ["train", cfg, "--set", "train_iters=4"],
+    }[verb]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"{folder / 'global_step2'}: tensor layers.1.mlp.up.weight holds NaN" in err, err
+    assert not (tmp_path / "hf").exists()

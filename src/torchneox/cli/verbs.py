@@ -110,7 +110,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from torchneox.config.load import load_config
-    from torchneox.data.tokenizers import build_tokenizer
+    from torchneox.data.tokenizers import build_tokenizer, model_tokenizer
     from torchneox.inference.generate import (
         TextGenerator,
         generation_mode,
@@ -140,7 +140,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         or settings.tokenizer.tokenizer_type == "CharLevelTokenizer"
         else loaded.config
     )
-    tokenizer = build_tokenizer(tok_cfg.tokenizer)
+    tokenizer_set = {o.partition("=")[0].strip() for o in args.overrides} & TOKENIZER_FILE_KEYS
+    if tok_cfg is loaded.config and not tokenizer_set:  # the model's own: say what is missing
+        tokenizer = model_tokenizer(tok_cfg.tokenizer, _model_config_name(args))
+    else:
+        tokenizer = build_tokenizer(tok_cfg.tokenizer)
     sampling = sampling_from(settings.textgen, tokenizer.eod_id, args.seed)
     sampling.stop_ids |= generation_stop_ids(tok_cfg.tokenizer.vocab_file)
     generator = TextGenerator(model, tokenizer, sampling)
@@ -157,6 +161,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
         refuse_existing([output], args.force, f"generate ({mode})", inputs=inputs)
     run_mode(generator, settings.textgen, inputs=inputs)
     return 0
+
+
+TOKENIZER_FILE_KEYS = {"tokenizer_type", "vocab_file", "merge_file"}
+
+
+def _model_config_name(args: argparse.Namespace) -> str:
+    """What names the model's tokenizer: the checkpoint's config.yml, or the HF folder."""
+    if args.hf:
+        return str(args.hf)
+    from torchneox.train.checkpoint_format import resolve
+
+    return str(resolve(args.checkpoint) / "config.yml")
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -141,6 +141,34 @@ def build_tokenizer(tok: TokenizerConfig) -> Tokenizer:
     )
 
 
+def model_tokenizer(tok: TokenizerConfig, where: str) -> Tokenizer:
+    """The tokenizer a model's own config names (a checkpoint's config.yml, a Hugging Face
+    folder): one that names no file, or a file that is not here (a training cluster's path),
+    is said as such, with the option that passes the right one."""
+    kind = tok.tokenizer_type
+    if kind in (None, "CharLevelTokenizer") or kind not in TOKENIZER_TYPES:
+        return build_tokenizer(tok)
+    files = [("vocab_file", tok.vocab_file)]
+    if kind in ("GPT2BPETokenizer", "HFGPT2Tokenizer"):
+        files.append(("merge_file", tok.merge_file))
+    if not tok.vocab_file:
+        raise ConfigError(
+            "no tokenizer file is named or found (vocab_file is unset): pass the model's "
+            "tokenizer with "
+            "--set tokenizer_type=HFTokenizer --set vocab_file=PATH/tokenizer.json (or the "
+            "tokenizer_type and files it was trained with)",
+            source=where,
+        )
+    for key, path in files:
+        if not path or not Path(path).is_file():
+            raise ConfigError(
+                f"names the {kind} tokenizer's {key} {path or '(none)'}, which is not here: "
+                f"pass it with --set {key}=PATH",
+                source=where,
+            )
+    return build_tokenizer(tok)
+
+
 TOKENIZER_TYPES = (
     "HFTokenizer",
     "GPT2BPETokenizer",

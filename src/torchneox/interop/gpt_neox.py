@@ -5,6 +5,7 @@ that the run continues where GPT-NeoX stopped; the config from the checkpoint's 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from torchneox.config.derive import derive
 from torchneox.config.load import LoadedConfig, load_config, with_absolute_paths
 from torchneox.config.paths import new_output_dir, refuse_non_empty
 from torchneox.config.report import render_yaml
+from torchneox.config.vocab import tokenizer_vocab_size
 from torchneox.interop.gpt_neox_files import (
     NeoXLayout,
     load_file,
@@ -91,6 +93,9 @@ def convert(
     derived = derive(loaded, world_size=world)
     args = ModelArgs.from_config(cfg, derived["padded_vocab_size"])
     layers = merged_layers(layout, states, args, progress)
+    if _vocab_from_weights(loaded, layers):  # the tokenizer's file is not here
+        derived = derive(loaded, world_size=world)
+        args = ModelArgs.from_config(cfg, derived["padded_vocab_size"])
     bias_factor = float(layout.tp) if (cfg.model.gpt_j_residual and layout.tp > 1) else 1.0
     weights = _checked_model_state(layers, args, bias_factor, step_dir)
     iteration = int(states[0].get("iteration") or 0) if states else 0
@@ -115,6 +120,31 @@ def convert(
     with new_output_dir(out, force, "convert from-gpt-neox", inputs=inputs) as tmp:
         step = checkpoint_format.save_checkpoint(tmp, meta["iteration"], state, yaml_text, meta)
     return out / step.name
+
+
+def _vocab_from_weights(loaded: LoadedConfig, layers: dict) -> bool:
+    """A config whose tokenizer file is not here (named at the training cluster's path, say):
+    the vocabulary is the size the weights have (the embedding's rows), said on stderr with
+    the option that passes the file for tokenizing. False when the file is read, or the
+    config gives padded_vocab_size."""
+    cfg = loaded.config
+    embed = layers.get(0, {}).get("word_embeddings.weight")
+    tok = cfg.tokenizer
+    if embed is None or tok.padded_vocab_size is not None or tokenizer_vocab_size(cfg).exact:
+        return False
+    rows = int(embed.shape[0])
+    cfg.set("padded_vocab_size", rows)
+    loaded.origin["padded_vocab_size"] = "the rows of the checkpoint's word embeddings"
+    gpt2 = tok.tokenizer_type in ("GPT2BPETokenizer", "HFGPT2Tokenizer")
+    option = "--set vocab_file=PATH" + (" --set merge_file=PATH" if gpt2 else "")
+    print(
+        f"note: the checkpoint's config names the {tok.tokenizer_type} vocab_file "
+        f"{tok.vocab_file}, which is not here: converted with the vocabulary size its weights "
+        f"have ({rows}); to tokenize for this model, pass the tokenizer with {option} "
+        "(generate, train, eval)",
+        file=sys.stderr,
+    )
+    return True
 
 
 def _training_meta(state: dict, iteration: int, tbs: int, t: Any) -> dict[str, Any]:

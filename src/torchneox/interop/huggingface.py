@@ -122,8 +122,42 @@ def _read_hf(
         meter.advance(path.stat().st_size, path.name)
     with _naming(hf_dir):
         sd = importer.result()
+    if importer.untied:  # transformers loads the stored head: so does the converted model
+        untied = keys | {"no_weight_tying": True} | tokenizer_keys
+        loaded = load_mapping(untied, str(hf_dir / "config.json"))
+        args = model_args(loaded)
+    _say_what_was_read(importer, hf_dir, args, sd)
     _check_shapes(args, sd, str(hf_dir))
     return loaded, sd
+
+
+def _say_what_was_read(
+    importer: WeightImporter, hf_dir: Path, args: ModelArgs, sd: dict[str, torch.Tensor]
+) -> None:
+    """A head transformers would draw at random refused; an untied head and the buffers
+    skipped said on stderr: nothing in the folder dropped without a word."""
+    config = hf_dir / "config.json"
+    if not (args.tied_embeddings or args.value_head or "output.weight" in sd):
+        raise hf.HFError(
+            "the weights have no output head (lm_head.weight) and tie_word_embeddings is false "
+            "(transformers' default when config.json has none): transformers would draw the "
+            "head at random; set tie_word_embeddings: true if the head is the embedding",
+            source=str(config),
+            key="tie_word_embeddings",
+        )
+    if importer.untied:
+        print(
+            f"warning: {config} says tie_word_embeddings, but the folder's "
+            f"{importer.stored_head_name} differs from the embedding: loaded as its own head "
+            "(untied), as transformers loads it",
+            file=sys.stderr,
+        )
+    if importer.skipped:
+        print(
+            f"note: skipped {len(importer.skipped)} buffers that torchneox recomputes, as "
+            f"transformers does ({importer.skipped[0]}, ...)",
+            file=sys.stderr,
+        )
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ import torch
 
 from torchneox.base.errors import HFError, first_line
 from torchneox.models.args import ModelArgs
+from torchneox.models.hf_defaults import DEFAULTS, rope, with_defaults
 
 ARCHITECTURES = (
     "GPTNeoXForCausalLM",
@@ -112,67 +113,6 @@ def iter_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         ) from None
 
 
-SCALED_ROPE = {
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-    "dynamic": ("factor",),
-    "yarn": (
-        "factor",
-        "original_max_position_embeddings",
-        "attention_factor",
-        "beta_fast",
-        "beta_slow",
-        "mscale",
-        "mscale_all_dim",
-        "truncate",
-    ),
-}
-"""The rope scaling types torchneox computes, and the fields it reads of each."""
-
-
-def _rope(hf: dict[str, Any]) -> tuple[float, float, dict[str, Any] | None]:
-    """(theta, partial rotary factor, rope_scaling key or None) from old-style or
-    rope_parameters-style configs."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    chosen: dict[str, Any] | None = None
-    # either may ask for scaling (transformers applies rope_scaling over a default
-    # rope_parameters): a model converted without it would compute other logits
-    for key, spec in (("rope_parameters", params), ("rope_scaling", scaling)):
-        kind = (spec.get("rope_type") or spec.get("type")) if isinstance(spec, dict) else spec
-        if kind in (None, "default"):
-            continue
-        if kind not in SCALED_ROPE:
-            raise HFError(
-                f"rope scaling {kind!r} is not supported yet (torchneox maps "
-                f"{', '.join(SCALED_ROPE)}); the model would compute other logits without it",
-                key=key,
-            )
-        fields = {n: spec[n] for n in SCALED_ROPE[kind] if spec.get(n) is not None}
-        chosen = {"type": kind} | fields
-    if chosen is not None:
-        _original_context(hf, chosen)
-    theta = params.get("rope_theta", hf.get("rope_theta", hf.get("rotary_emb_base", 10000.0)))
-    pct = params.get(
-        "partial_rotary_factor", hf.get("partial_rotary_factor", hf.get("rotary_pct", 1.0))
-    )
-    return float(theta), float(pct), chosen
-
-
-def _original_context(hf: dict[str, Any], spec: dict[str, Any]) -> None:
-    """The pretraining context the scaling counts from, as transformers finds it: a top-level
-    original_max_position_embeddings first, then the scaling's own, then max_position_
-    embeddings (dynamic scaling always counts from max_position_embeddings)."""
-    context = hf.get("max_position_embeddings", 2048)
-    if spec["type"] == "dynamic":
-        spec["original_max_position_embeddings"] = context
-    elif spec["type"] in ("llama3", "yarn"):
-        top = hf.get("original_max_position_embeddings")
-        spec["original_max_position_embeddings"] = top or spec.get(
-            "original_max_position_embeddings", context
-        )
-
-
 def neox_config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     """A GPT-NeoX-style config (flat keys) describing the same model as the HF config."""
     named = (hf.get("architectures") or [None])[0]
@@ -184,9 +124,10 @@ def neox_config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
             key="architectures",
         )
     reward = _reward_model_keys(hf, named)
-    theta, pct, scaling = _rope(hf)
+    hf = with_defaults(hf, arch)  # what transformers assumes where config.json says nothing
+    theta, pct, scaling = rope(hf, arch)
     h, heads = hf["hidden_size"], hf["num_attention_heads"]
-    context = hf.get("max_position_embeddings", 2048)
+    context = hf["max_position_embeddings"]
     cfg: dict[str, Any] = {
         "num_layers": hf["num_hidden_layers"],
         "hidden_size": h,
@@ -196,10 +137,10 @@ def neox_config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "pos_emb": "rotary",
         "rotary_pct": pct,
         "rotary_emb_base": int(theta) if float(theta).is_integer() else theta,
-        "no_weight_tying": not hf.get("tie_word_embeddings", arch != "GPTNeoXForCausalLM"),
+        "no_weight_tying": not hf["tie_word_embeddings"],
         "padded_vocab_size": hf["vocab_size"],
         "make_vocab_size_divisible_by": 1,
-        "attention_dropout": float(hf.get("attention_dropout", 0.0)),
+        "attention_dropout": float(hf["attention_dropout"]),
     }
     if hf.get("head_dim") not in (None, h // heads):
         if arch == "GPTNeoXForCausalLM":
@@ -212,7 +153,7 @@ def neox_config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         if scaling["type"] == "dynamic":  # positions reach factor x the original context
             cfg["max_position_embeddings"] = int(context * scaling["factor"])
     _full_attention_only(hf)
-    act = hf.get("hidden_act", "gelu")
+    act = hf["hidden_act"]
     if arch == "GPTNeoXForCausalLM":
         cfg.update(_gpt_neox_keys(hf, act))
     else:
@@ -256,12 +197,12 @@ def _gpt_neox_keys(hf: dict[str, Any], act: str) -> dict[str, Any]:
         )
     return HF_ACTIVATIONS[act] | {
         "norm": "layernorm",
-        "layernorm_epsilon": hf.get("layer_norm_eps", 1e-5),
+        "layernorm_epsilon": hf["layer_norm_eps"],
         "intermediate_size": hf["intermediate_size"],
         "mlp_multiple_of": 1,
-        "gpt_j_residual": hf.get("use_parallel_residual", True),
-        "use_bias_in_attn_linear": hf.get("attention_bias", True),
-        "hidden_dropout": float(hf.get("hidden_dropout", 0.0)),
+        "gpt_j_residual": hf["use_parallel_residual"],
+        "use_bias_in_attn_linear": hf["attention_bias"],
+        "hidden_dropout": float(hf["hidden_dropout"]),
     }
 
 
@@ -272,10 +213,12 @@ def _llama_family_keys(hf: dict[str, Any], arch: str, act: str) -> dict[str, Any
     if act != "silu":
         raise HFError(f"hidden_act {act!r} is not supported for {arch}", key="hidden_act")
     width = hf["intermediate_size"]
-    bias = bool(hf.get("attention_bias", False))
+    # attention_bias and mlp_bias where the architecture reads them (hf_defaults.DEFAULTS
+    # has them then); elsewhere its layers have none, whatever config.json says
+    bias = bool(hf.get("attention_bias", False)) if "attention_bias" in DEFAULTS[arch] else False
     keys = {
         "norm": "rmsnorm",
-        "rms_norm_epsilon": hf.get("rms_norm_eps", 1e-6),
+        "rms_norm_epsilon": hf["rms_norm_eps"],
         "activation": "swiglu",
         # GPT-NeoX's gated sizing: 2/3 of intermediate_size, halved, rounded to mlp_multiple_of
         "intermediate_size": 3 * width,
@@ -283,8 +226,8 @@ def _llama_family_keys(hf: dict[str, Any], arch: str, act: str) -> dict[str, Any
         "gpt_j_residual": False,
         "use_bias_in_norms": False,
         "use_bias_in_attn_linear": bias,
-        "use_bias_in_mlp": hf.get("mlp_bias", False),
-        "num_kv_heads": hf.get("num_key_value_heads", hf["num_attention_heads"]),
+        "use_bias_in_mlp": bool(hf["mlp_bias"]) if "mlp_bias" in DEFAULTS[arch] else False,
+        "num_kv_heads": hf["num_key_value_heads"],
     }
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and hf.get("use_sliding_window"):
         raise HFError(

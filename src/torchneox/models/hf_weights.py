@@ -86,22 +86,47 @@ class WeightImporter:
             }
         self.out: dict[str, torch.Tensor] = {}
         self._experts_seen: dict[str, set[int]] = {}
+        self._source: dict[str, str] = {}  # torchneox name -> the Hugging Face tensor it is
+        self.skipped: list[str] = []  # buffers transformers recomputes too (IGNORED)
+        self.stored_head: torch.Tensor | None = None  # a head saved beside tied embeddings
+        self.stored_head_name = ""
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """File one Hugging Face tensor; an HFError names one that no rule maps."""
         if IGNORED.match(name):
+            self.skipped.append(name)
             return
         top, _, kind = name.rpartition(".")
         if top in self.top:
-            if self.top[top] == "output" and self.args.tied_embeddings:
-                return  # a tied head saved anyway: it is the embedding
-            self.out[f"{self.top[top]}.{kind}"] = tensor
+            ours = f"{self.top[top]}.{kind}"
+            self._claim(ours, name)
+            if ours == "output.weight" and self.args.tied_embeddings:
+                self.stored_head = tensor  # the embedding, or a head of its own (unties)
+                self.stored_head_name = name
+                return
+            self.out[ours] = tensor
             return
         if not self._layer_tensor(name, tensor):
             raise HFError(
                 f"tensor {name} is not mapped to torchneox's {self.arch} (the model would "
                 "compute something else without it)"
             )
+
+    def _claim(self, ours: str, name: str) -> None:
+        """Two Hugging Face tensors for one of torchneox's (GPTNeoX's embed_out beside
+        lm_head): refused, never one kept and the other dropped."""
+        if ours in self._source:
+            raise HFError(f"tensors {self._source[ours]} and {name} are both the model's {ours}")
+        self._source[ours] = name
+
+    @property
+    def untied(self) -> bool:
+        """config.json ties the embeddings, but the folder's head differs from them: then
+        transformers (5.x) loads that head as the model's own, and so does torchneox."""
+        head, embed = self.stored_head, self.out.get("embed.weight")
+        if head is None or embed is None:
+            return False
+        return head.shape != embed.shape or not torch.equal(head, embed)
 
     def _layer_tensor(self, name: str, tensor: torch.Tensor) -> bool:
         expert = re.fullmatch(
@@ -129,10 +154,12 @@ class WeightImporter:
         if self.arch == GPT_NEOX and module == "attention.query_key_value":
             q, k, v = split_qkv(tensor, self.args.num_heads, self.args.head_dim)
             for ours, part in (("wq", q), ("wk", k), ("wv", v)):
+                self._claim(f"{dst}attention.{ours}.{kind}", name)
                 self.out[f"{dst}attention.{ours}.{kind}"] = part
             return True
         if module not in self.layer:
             return False
+        self._claim(f"{dst}{self.layer[module]}.{kind}", name)
         self.out[f"{dst}{self.layer[module]}.{kind}"] = tensor
         return True
 
@@ -157,6 +184,8 @@ class WeightImporter:
             if len(seen) != self.args.moe_num_experts:
                 missing = min(set(range(self.args.moe_num_experts)) - seen)
                 raise HFError(f"the weights have no expert {missing} for {name}")
+        if self.untied:
+            self.out["output.weight"] = self.stored_head
         return self.out
 
 

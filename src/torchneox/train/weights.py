@@ -50,7 +50,23 @@ def load_model_weights(step_dir: Path, model: torch.nn.Module, prefix: str = "mo
     wanted = {k: v for k, v in sd.items() if k not in fresh}
     load_state(step_dir, {prefix: wanted})
     model.load_state_dict(wanted, strict=not fresh)
+    refuse_non_finite(model.state_dict(), step_dir)
     return fresh
+
+
+def refuse_non_finite(sd: dict[str, torch.Tensor], source: Path | str) -> None:
+    """Every floating weight finite (one pass each, this rank's shard of a sharded one): a
+    checkpoint damaged in place with its sizes kept is refused in one line naming the tensor,
+    never turned into a model that computes NaN."""
+    for key, tensor in sd.items():
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        floating = local.is_floating_point() and local.element_size() > 1  # not fp8
+        if floating and not bool(torch.isfinite(local).all()):
+            raise ConfigError(
+                f"tensor {key} holds NaN or infinite values: the checkpoint is damaged "
+                "(restore it from a copy, or use an earlier global_step folder)",
+                source=str(source),
+            )
 
 
 @torch.no_grad()
