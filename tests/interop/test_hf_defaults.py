@@ -152,3 +152,32 @@ def test_skipped_rotary_buffers_are_listed(tmp_path, capsys):
     assert f"skipped 1 buffers that torchneox recomputes, as transformers does ({inv_freq}" in (
         capsys.readouterr().err
     )
+
+
+def test_a_pythia_folder_without_its_head_names_embed_out(tmp_path, capsys):
+    _, folder = _hf_model(tmp_path, "pythia-14m")
+    heads = ("lm_head.weight", "embed_out.weight")
+    _edit_weights(folder, lambda w: {k: v for k, v in w.items() if k not in heads})
+    config = json.loads((folder / "config.json").read_text()) | {"tie_word_embeddings": False}
+    (folder / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    assert main(["convert", "from-hf", str(folder), str(tmp_path / "out")]) == 2
+    assert "no output head (embed_out.weight)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("verb", ["from-hf", "generate"])
+def test_a_folder_with_nan_weights_is_refused_naming_the_tensor(tmp_path, capsys, verb):
+    """It used to convert, or generate garbage with exit 0."""
+    _, folder = _hf_model(tmp_path, "llama-gqa")
+    name = "model.layers.1.mlp.up_proj.weight"
+    _edit_weights(folder, lambda w: w | {name: torch.full_like(w[name], float("nan"))})
+    capsys.readouterr()
+    argv = {
+        "from-hf": ["convert", "from-hf", str(folder), str(tmp_path / "out")],
+        "generate": ["generate", "--hf", str(folder), "--prompt", "the", "--device", "cpu"],
+    }[verb]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"{folder}: tensor {name} holds NaN or infinite values" in err, err
+    assert not (tmp_path / "out").exists()

@@ -21,7 +21,7 @@ from torchneox.config.paths import new_output_dir, refuse_non_empty
 from torchneox.config.report import render_yaml
 from torchneox.models import hf
 from torchneox.models.args import ModelArgs, model_args
-from torchneox.models.hf_weights import WeightImporter, hf_tensors
+from torchneox.models.hf_weights import GPT_NEOX, WeightImporter, hf_tensors
 from torchneox.models.transformer import Transformer
 from torchneox.train import checkpoint_format, weights
 
@@ -122,6 +122,7 @@ def _read_hf(
         meter.advance(path.stat().st_size, path.name)
     with _naming(hf_dir):
         sd = importer.result()
+    weights.refuse_non_finite(sd, hf_dir, importer.source, "download or export the folder again")
     if importer.untied:  # transformers loads the stored head: so does the converted model
         untied = keys | {"no_weight_tying": True} | tokenizer_keys
         loaded = load_mapping(untied, str(hf_dir / "config.json"))
@@ -138,8 +139,9 @@ def _say_what_was_read(
     skipped said on stderr: nothing in the folder dropped without a word."""
     config = hf_dir / "config.json"
     if not (args.tied_embeddings or args.value_head or "output.weight" in sd):
+        head = "embed_out.weight" if importer.arch == GPT_NEOX else "lm_head.weight"
         raise hf.HFError(
-            "the weights have no output head (lm_head.weight) and tie_word_embeddings is false "
+            f"the weights have no output head ({head}) and tie_word_embeddings is false "
             "(transformers' default when config.json has none): transformers would draw the "
             "head at random; set tie_word_embeddings: true if the head is the embedding",
             source=str(config),

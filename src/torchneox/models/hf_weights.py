@@ -86,7 +86,7 @@ class WeightImporter:
             }
         self.out: dict[str, torch.Tensor] = {}
         self._experts_seen: dict[str, set[int]] = {}
-        self._source: dict[str, str] = {}  # torchneox name -> the Hugging Face tensor it is
+        self.source: dict[str, str] = {}  # torchneox name -> the Hugging Face tensor it is
         self.skipped: list[str] = []  # buffers transformers recomputes too (IGNORED)
         self.stored_head: torch.Tensor | None = None  # a head saved beside tied embeddings
         self.stored_head_name = ""
@@ -115,9 +115,9 @@ class WeightImporter:
     def _claim(self, ours: str, name: str) -> None:
         """Two Hugging Face tensors for one of torchneox's (GPTNeoX's embed_out beside
         lm_head): refused, never one kept and the other dropped."""
-        if ours in self._source:
-            raise HFError(f"tensors {self._source[ours]} and {name} are both the model's {ours}")
-        self._source[ours] = name
+        if ours in self.source:
+            raise HFError(f"tensors {self.source[ours]} and {name} are both the model's {ours}")
+        self.source[ours] = name
 
     @property
     def untied(self) -> bool:

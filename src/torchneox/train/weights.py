@@ -54,17 +54,23 @@ def load_model_weights(step_dir: Path, model: torch.nn.Module, prefix: str = "mo
     return fresh
 
 
-def refuse_non_finite(sd: dict[str, torch.Tensor], source: Path | str) -> None:
+def refuse_non_finite(
+    sd: dict[str, torch.Tensor],
+    source: Path | str,
+    names: dict[str, str] | None = None,
+    remedy: str = "restore it from a copy, or use an earlier global_step folder",
+) -> None:
     """Every floating weight finite (one pass each, this rank's shard of a sharded one): a
-    checkpoint damaged in place with its sizes kept is refused in one line naming the tensor,
-    never turned into a model that computes NaN."""
+    checkpoint damaged in place with its sizes kept is refused in one line naming the tensor
+    (as ``names`` calls it in the files, when given), never turned into a model that computes
+    NaN."""
     for key, tensor in sd.items():
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
         floating = local.is_floating_point() and local.element_size() > 1  # not fp8
         if floating and not bool(torch.isfinite(local).all()):
+            name = (names or {}).get(key, key)
             raise ConfigError(
-                f"tensor {key} holds NaN or infinite values: the checkpoint is damaged "
-                "(restore it from a copy, or use an earlier global_step folder)",
+                f"tensor {name} holds NaN or infinite values: the weights are damaged ({remedy})",
                 source=str(source),
             )
 
