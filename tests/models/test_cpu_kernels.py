@@ -114,6 +114,23 @@ def train_cfg(make_config, tmp_path, name):
     return make_config(f"{name}.yml", train_iters=2, save=str(tmp_path / name), load=None)
 
 
+def test_a_correction_the_cache_could_not_keep_says_so(caches, monkeypatch):
+    """A full or read-only disk: the run takes the default, and its line does not claim the
+    file was updated."""
+    kernels, _ = caches
+    kernels.write_text(json.dumps({f"{cpu_kernels.machine_key()} | 8x8x8": True}))
+    monkeypatch.setattr(
+        cpu_kernels, "write_table", lambda *a: (_ for _ in ()).throw(OSError(28, "full"))
+    )
+    measured = cpu_kernels.Verdict(False, default_ms=1.0, challenger_ms=2.0)
+    assert cpu_kernels.cached_verdict("8x8x8", lambda: measured) is False
+    line = cpu_kernels.correction_line(cpu_kernels.take_corrections())
+    assert line.endswith(
+        "which now run on the default; the cache could not be rewritten (this run only) "
+        "(`torchneox kernels` shows every verdict)"
+    ), line
+
+
 @needs_onednn
 def test_a_poisoned_cache_is_corrected_by_the_next_run(
     make_config, caches, tmp_path, monkeypatch, capsys

@@ -26,6 +26,19 @@ def two_checkpoints(make_config, tmp_path) -> tuple[str, object]:
     return cfg, folder
 
 
+def _train_with_small_files(cfg: str, limit: int) -> subprocess.CompletedProcess:
+    """``train cfg`` in a process whose files cannot grow past ``limit`` bytes."""
+    return subprocess.run(
+        [sys.executable, "-m", "torchneox", "train", cfg],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        preexec_fn=_limit_file_size(limit),
+        timeout=300,
+        check=False,
+    )
+
+
 def _limit_file_size(limit: int):
     def apply() -> None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
@@ -42,15 +55,7 @@ def test_a_save_that_cannot_be_written_keeps_the_previous_checkpoint(make_config
     # resume to step 4 with files limited to a fraction of a shard: the real save code fails
     # writing its shards as it would on a full disk
     cfg = make_config(train_iters=4, checkpoint_factor=2, save=str(folder), load=str(folder))
-    run = subprocess.run(
-        [sys.executable, "-m", "torchneox", "train", cfg],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        preexec_fn=_limit_file_size(shard // 2),
-        timeout=300,
-        check=False,
-    )
+    run = _train_with_small_files(cfg, shard // 2)
     assert run.returncode == 1
     lines = [x for x in run.stderr.splitlines() if x.startswith("torchneox: error:")]
     assert len(lines) == 1 and "Traceback" not in run.stderr
@@ -77,15 +82,7 @@ def test_a_background_save_that_cannot_be_written_is_one_line_and_leaves_no_part
     cfg = make_config(
         train_iters=4, checkpoint_factor=2, save=str(folder), load=str(folder), **keys
     )
-    run = subprocess.run(
-        [sys.executable, "-m", "torchneox", "train", cfg],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        preexec_fn=_limit_file_size(shard // 2),
-        timeout=300,
-        check=False,
-    )
+    run = _train_with_small_files(cfg, shard // 2)
     assert run.returncode == 1, run.stderr[-3000:]
     lines = [x for x in run.stderr.splitlines() if x.startswith("torchneox: error:")]
     assert len(lines) == 1 and "Traceback" not in run.stderr and "internal" not in run.stderr

@@ -36,7 +36,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from functools import cache
 from pathlib import Path
@@ -249,12 +249,15 @@ def cached_verdict(shape: str, measure: Callable[[], Verdict | bool]) -> bool:
             new = as_verdict(measure())
             if old is not None:  # a challenger verdict timed once: this is its second timing
                 new.checked = True
-                if not new.challenger:
-                    _corrections.append((shape, str(path), new.default_ms, new.challenger_ms))
             table[name] = asdict(new)
             _timed_here[str(path), name] = new.challenger
-            with suppress(OSError):  # a full or read-only disk: kept in this process only
+            written = str(path)
+            try:
                 write_table(path, table)
+            except OSError:  # a full or read-only disk: kept in this process only
+                written = ""
+            if old is not None and not new.challenger:
+                _corrections.append((shape, written, new.default_ms, new.challenger_ms))
             return new.challenger
     except OSError:  # no cache folder to be had (a read-only home): measured here only
         return as_verdict(measure()).challenger
@@ -282,13 +285,17 @@ def correction_line(corrections: list[tuple[str, str, float | None, float | None
     shapes = "; ".join(
         times(shape, d, c) for shape, _, d, c in sorted(corrections, key=lambda c: c[0])
     )
-    files = ", ".join(dict.fromkeys(path for _, path, _, _ in corrections))
+    files = ", ".join(dict.fromkeys(path for _, path, _, _ in corrections if path))
+    unwritten = any(not path for _, path, _, _ in corrections)
+    saved = f"{files} updated" if files else ""
+    if unwritten:  # a cache that could not be written keeps its old verdicts for later runs
+        saved += ("; " if saved else "") + "the cache could not be rewritten (this run only)"
     many = len(corrections) > 1
     return (
         f"CPU kernel verdict{'s' if many else ''} corrected: the cached choice of the "
         f"non-default kernel lost to PyTorch's default when timed again at "
         f"{f'{len(corrections)} shapes' if many else 'one shape'} ({shapes}), which now run "
-        f"on the default; {files} updated (`torchneox kernels` shows every verdict)"
+        f"on the default; {saved} (`torchneox kernels` shows every verdict)"
     )
 
 
