@@ -6,10 +6,12 @@ interconnect is the per-GPU bandwidth between GPUs of one node in GB/s.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +63,30 @@ def peak_tflops(acc: Accelerator, precision: str) -> float:
     return {"bfloat16": acc.bf16_tflops, "fp16": acc.fp16_tflops}.get(precision, acc.fp32_tflops)
 
 
+@functools.lru_cache(maxsize=2)
+def _product(dtype: torch.dtype, size: int, kernel: str) -> Callable[[], object]:
+    """One ``size`` x ``size`` matmul in ``dtype`` by ``kernel`` (default, or onednn: oneDNN's
+    product of models/linear.py), warmed up once: ``peak_trials``' interleaved trials reuse it
+    (a 1024-wide bf16 product takes 0.3 s on a CPU without bf16 units) and clear it after."""
+    # its own generator: measuring (the first run on a machine) must not move the global RNG
+    # that dropout draws from, or that run would train differently from every later one
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=g).to(dtype)
+    b = torch.randn(size, size, generator=g).to(dtype)
+    product = (lambda: linear._mm(a, b)) if kernel == "onednn" else (lambda: a @ b)
+    product()
+    return product
+
+
+def _tflops(product: Callable[[], object], size: int, seconds: float) -> float:
+    """TFLOP/s of ``product`` (a ``size``-cubed matmul) run for at least ``seconds``."""
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        product()
+        count += 1
+    return 2 * size**3 * count / (time.perf_counter() - start) / 1e12
+
+
 def measure_cpu_tflops(
     dtype: torch.dtype = torch.float32,
     size: int = 512,
@@ -71,21 +97,8 @@ def measure_cpu_tflops(
     """Achieved matmul TFLOP/s of this CPU (all threads torch uses): the best of ``trials``
     timings, so that a moment of competition for the cores does not lower the peak. ``kernel``
     onednn times oneDNN's product (models/linear.py) instead of PyTorch's default one."""
-    # its own generator: measuring (the first run on a machine) must not move the global RNG
-    # that dropout draws from, or that run would train differently from every later one
-    g = torch.Generator().manual_seed(0)
-    a = torch.randn(size, size, generator=g).to(dtype)
-    b = torch.randn(size, size, generator=g).to(dtype)
-    product = (lambda: linear._mm(a, b)) if kernel == "onednn" else (lambda: a @ b)
-    product()
-    best = 0.0
-    for _ in range(trials):
-        count, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            product()
-            count += 1
-        best = max(best, 2 * size**3 * count / (time.perf_counter() - start) / 1e12)
-    return best
+    product = _product(dtype, size, kernel)
+    return max(_tflops(product, size, seconds) for _ in range(trials))
 
 
 def peak_trials(
@@ -94,14 +107,17 @@ def peak_trials(
     """TFLOP/s of each kernel the run may use in ``dtype`` (for fp32 PyTorch's default and,
     where PyTorch has it, oneDNN) in ``trials`` interleaved timings: the kernels take turns,
     so a moment of competition for the cores lowers one trial of each, not a kernel's every
-    trial."""
+    trial. Each kernel is warmed up once (``_product``)."""
     kernels = ["default"]
     if dtype == torch.float32 and torch.backends.mkldnn.is_available():
         kernels.append("onednn")
     out: dict[str, list[float]] = {k: [] for k in kernels}
-    for _ in range(trials):
-        for kernel in kernels:
-            out[kernel].append(measure_cpu_tflops(dtype, size, seconds, 1, kernel=kernel))
+    try:
+        for _ in range(trials):
+            for kernel in kernels:
+                out[kernel].append(measure_cpu_tflops(dtype, size, seconds, 1, kernel=kernel))
+    finally:
+        _product.cache_clear()
     return out
 
 
