@@ -39,12 +39,13 @@ GRACE_SECONDS = 30.0
 
 def _refuse_before_starting(loaded: Any, args: argparse.Namespace) -> None:
     """What the trainer would refuse on every rank, refused once before any process starts:
-    a post-training run with nothing to load, the config and layout, a model too large."""
-    import torch
-
+    a post-training run with nothing to load, the config and layout, a model too large. It
+    imports no torch (the rank server imports it meanwhile): a CPU's free memory is read only
+    where the ranks will run on the CPU for sure (--device cpu, or no GPU driver here); the
+    ranks check a GPU's themselves."""
     from torchneox.config.derive import derive
     from torchneox.config.layout import require
-    from torchneox.train.checkpoint import refuse_fine_tuning_nothing
+    from torchneox.train.fine_tuning import refuse_fine_tuning_nothing
     from torchneox.train.fits import refuse_unaddressable, refuse_what_cannot_fit
 
     if args.load_step is None:  # as the trainer does first
@@ -52,9 +53,10 @@ def _refuse_before_starting(loaded: Any, args: argparse.Namespace) -> None:
     derived = derive(loaded, world_size=args.nproc)
     require(loaded, derived)
     params = derived["num_parameters"]
-    if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu":
-        refuse_what_cannot_fit(loaded, params, args.nproc, args.nproc, torch.device("cpu"))
-    else:  # (each rank measures its GPU: no CUDA context is made here)
+    no_gpu = not any(Path(p).exists() for p in ("/proc/driver/nvidia", "/dev/kfd"))
+    if args.device == "cpu" or (args.device is None and no_gpu):
+        refuse_what_cannot_fit(loaded, params, args.nproc, args.nproc, "cpu")
+    else:
         refuse_unaddressable(loaded, params)
 
 

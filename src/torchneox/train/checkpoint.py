@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-from torchneox.base.errors import CheckpointWriteError, ConfigError, TrainingStopped
+from torchneox.base.errors import CheckpointWriteError, TrainingStopped
 from torchneox.train.async_checkpoint import BackgroundSaves
 from torchneox.train.checkpoint_format import (
     META_FILE,
@@ -24,6 +24,7 @@ from torchneox.train.checkpoint_format import (
     save_checkpoint,
     step_dirs,
 )
+from torchneox.train.fine_tuning import no_weights_to_fine_tune
 from torchneox.train.optim import load_optimizer_state
 from torchneox.train.weights import load_model_weights
 
@@ -64,46 +65,6 @@ class Resumed:
     iteration: int
     training_state: bool  # False: weights only (finetune, or a converted checkpoint)
     reference: bool = False  # the reference model's weights were loaded
-
-
-def post_training(cfg: Any) -> str | None:
-    """What makes a run fine-tune the weights it loads (a DPO, KTO or reward-model objective,
-    finetune, or SFT's label datasets), in words; None for pretraining."""
-    impl = cfg.training.train_impl
-    if impl != "normal":
-        return f"train_impl {impl}"
-    if cfg.checkpoint.finetune:
-        return "finetune: true"
-    if cfg.data.train_label_data_paths:
-        return "supervised fine-tuning (train_label_data_paths)"
-    return None
-
-
-def no_weights_to_fine_tune(
-    load_dir: Path, fine_tunes: str, source: str | None = None
-) -> ConfigError:
-    reference = " and its reference" if fine_tunes in ("train_impl dpo", "train_impl kto") else ""
-    return ConfigError(
-        f"{load_dir} holds no checkpoint, and {fine_tunes} fine-tunes the weights it loads "
-        f"(the policy{reference} would start from random weights): point load at the model to "
-        "start from (convert from-hf or from-gpt-neox writes one), or set load: null to train "
-        "from random weights",
-        source=source,
-        key="load",
-    )
-
-
-def refuse_fine_tuning_nothing(loaded: Any) -> None:
-    """Before anything is built or started: a post-training run whose ``load`` holds no
-    checkpoint is refused in one line (a pretraining run starts from scratch, as in GPT-NeoX)."""
-    cfg = loaded.config
-    fine_tunes = post_training(cfg)
-    if cfg.checkpoint.load is None or fine_tunes is None:
-        return
-    load_dir = Path(cfg.checkpoint.load)
-    found = (load_dir / "latest").is_file() or (load_dir / META_FILE).is_file()
-    if not (found or (load_dir.is_dir() and step_dirs(load_dir))):
-        raise no_weights_to_fine_tune(load_dir, fine_tunes, loaded.source("load"))
 
 
 class CheckpointManager:

@@ -9,8 +9,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from torchneox.base.errors import ConfigError, first_line
 
 PARAM_BYTES = 4  # fp32 parameters (masters); gradients and optimizer state come on top
@@ -48,9 +46,16 @@ def refuse_unaddressable(loaded: Any, num_parameters: int) -> None:
         )
 
 
-def free_bytes(device: torch.device) -> int | None:
-    """Memory this device has free now (the CPU's MemAvailable), or None where unknown."""
-    if device.type == "cuda":
+def _kind(device: Any) -> str:
+    return device if isinstance(device, str) else device.type
+
+
+def free_bytes(device: Any) -> int | None:
+    """Memory this device (a torch.device, or "cpu") has free now (the CPU's MemAvailable),
+    or None where unknown."""
+    if _kind(device) == "cuda":
+        import torch
+
         return torch.cuda.mem_get_info(device)[0]
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -74,23 +79,25 @@ def _too_large(loaded: Any, num_parameters: int, ranks: int, free: int, where: s
 
 
 def refuse_what_cannot_fit(
-    loaded: Any, num_parameters: int, ranks: int, local_ranks: int, device: torch.device
+    loaded: Any, num_parameters: int, ranks: int, local_ranks: int, device: Any
 ) -> None:
     """Before building: refused when even each rank's share of the parameters alone (ZeRO 3
     over every rank, the most any layout splits them) passes what this device has free."""
     refuse_unaddressable(loaded, num_parameters)
     free = free_bytes(device)
     share = math.ceil(num_parameters * PARAM_BYTES / ranks)
-    here = local_ranks if device.type == "cpu" else 1  # a machine's processes share its memory
+    here = local_ranks if _kind(device) == "cpu" else 1  # a machine's processes share memory
     if free is not None and share * here > free:
-        raise _too_large(loaded, num_parameters, ranks, free, f"on this {device.type}")
+        raise _too_large(loaded, num_parameters, ranks, free, f"on this {_kind(device)}")
 
 
 def allocation_failure(
-    loaded: Any, num_parameters: int, device: torch.device, error: BaseException
+    loaded: Any, num_parameters: int, device: Any, error: BaseException
 ) -> ConfigError | None:
     """The one line for a build that ran out of memory (what the check before it let through:
     gradients, optimizer state, a reference model), or None for any other error."""
+    import torch
+
     text = str(error).lower()
     if not isinstance(error, torch.OutOfMemoryError) and not any(
         s in text for s in ALLOCATION_FAILURES

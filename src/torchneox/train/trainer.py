@@ -32,14 +32,9 @@ from torchneox.parallel.fp8 import check_fp8_hardware
 from torchneox.parallel.parallelize import EVERY_PARAMETER
 from torchneox.train import hardware
 from torchneox.train.assembly import add_step, build_run
-from torchneox.train.checkpoint import (
-    CheckpointManager,
-    Resumed,
-    TrainingState,
-    post_training,
-    refuse_fine_tuning_nothing,
-)
+from torchneox.train.checkpoint import CheckpointManager, Resumed, TrainingState
 from torchneox.train.evaluation import Evaluator
+from torchneox.train.fine_tuning import post_training, refuse_fine_tuning_nothing
 from torchneox.train.fits import allocation_failure, refuse_what_cannot_fit
 from torchneox.train.lr import Schedule
 from torchneox.train.metrics import MetricsLogger, Throughput, Timers, duration
