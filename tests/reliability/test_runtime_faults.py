@@ -258,6 +258,8 @@ def test_an_interrupted_preprocess_removes_its_partial_files(tmp_path, monkeypat
     monkeypatch.setattr(module, "read_lines", signalled_halfway)
     seen = []  # were SIGTERM not handled, record it rather than end the test process
     previous = signal.signal(signal.SIGTERM, lambda *a: seen.append(a))
+    # Ctrl-C as in a terminal's process (an xdist worker ignores SIGINT)
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         status = main(
             ["preprocess", "--input", str(tmp_path / "in.jsonl"), "--output-prefix",
@@ -265,6 +267,7 @@ def test_an_interrupted_preprocess_removes_its_partial_files(tmp_path, monkeypat
         )  # fmt: skip
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
     assert status == 130 and "torchneox: interrupted" in capsys.readouterr().err
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == []
 
