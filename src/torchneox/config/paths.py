@@ -144,14 +144,18 @@ def new_output_dir(out: Path, force: bool, verb: str, *, inputs: Paths) -> Itera
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def free_space(folder: Path) -> str:
+    """'N MiB free there': the room left where a write failed, for its one line."""
+    try:
+        return f"{shutil.disk_usage(folder).free / 2**20:,.0f} MiB free there"
+    except OSError:
+        return "free space unknown"
+
+
 def _why(error: BaseException, folder: Path) -> str:
     """The reason a write failed, and the room left where it was written."""
-    try:
-        free = f"{shutil.disk_usage(folder).free / 2**20:,.0f} MiB free there"
-    except OSError:
-        free = "free space unknown"
     why = getattr(error, "strerror", None) or getattr(error, "reason", None)
-    return f"{why or first_line(error)}; {free}"
+    return f"{why or first_line(error)}; {free_space(folder)}"
 
 
 def _recover(out: Path) -> None:

@@ -123,17 +123,22 @@ def _read_hf(
     with _naming(hf_dir):
         sd = importer.result()
     weights.refuse_non_finite(sd, hf_dir, importer.source, "download or export the folder again")
-    if importer.untied:  # transformers loads the stored head: so does the converted model
-        untied = keys | {"no_weight_tying": True} | tokenizer_keys
-        loaded = load_mapping(untied, str(hf_dir / "config.json"))
+    untied = importer.untied  # (compares the stored head with the embedding: once)
+    if untied:  # transformers loads the stored head: so does the converted model
+        keys = keys | {"no_weight_tying": True} | tokenizer_keys
+        loaded = load_mapping(keys, str(hf_dir / "config.json"))
         args = model_args(loaded)
-    _say_what_was_read(importer, hf_dir, args, sd)
+    _say_what_was_read(importer, untied, hf_dir, args, sd)
     _check_shapes(args, sd, str(hf_dir))
     return loaded, sd
 
 
 def _say_what_was_read(
-    importer: WeightImporter, hf_dir: Path, args: ModelArgs, sd: dict[str, torch.Tensor]
+    importer: WeightImporter,
+    untied: bool,
+    hf_dir: Path,
+    args: ModelArgs,
+    sd: dict[str, torch.Tensor],
 ) -> None:
     """A head transformers would draw at random refused; an untied head and the buffers
     skipped said on stderr: nothing in the folder dropped without a word."""
@@ -147,7 +152,7 @@ def _say_what_was_read(
             source=str(config),
             key="tie_word_embeddings",
         )
-    if importer.untied:
+    if untied:
         print(
             f"warning: {config} says tie_word_embeddings, but the folder's "
             f"{importer.stored_head_name} differs from the embedding: loaded as its own head "

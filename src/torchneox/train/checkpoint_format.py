@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torchneox.base.errors import CheckpointWriteError, ConfigError
 from torchneox.base.faults import fault_point
 from torchneox.config.load import LoadedConfig, load_config
+from torchneox.config.paths import free_space
 
 FORMAT = "torchneox-checkpoint-2"  # 2: with manifest.json
 CONFIG_FILE = "config.yml"
@@ -217,10 +218,7 @@ def write_failure(root: Path, final: Path, error: BaseException) -> str:
         what = f"on rank {', '.join(map(str, ranks))}: {os_reason(_first_failure(error))}"
     else:
         what = os_reason(error)
-    try:
-        free = f"{shutil.disk_usage(root).free / 2**20:,.0f} MiB free there"
-    except OSError:
-        free = "free space unknown"
+    free = free_space(root)
     kept = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
     last = (
         f"{root / kept} is still the latest checkpoint" if kept else "no earlier checkpoint exists"
