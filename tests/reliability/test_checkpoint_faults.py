@@ -236,16 +236,24 @@ def _assert_nothing_half_written(tmp_path, run, out, before_run, before_out, err
     assert not [p.name for p in tmp_path.iterdir() if "partial" in p.name or ".old-" in p.name]
 
 
+def _main_with_small_files(argv: list[str], limit: int) -> int:
+    """``main(argv)`` in this process with files limited to ``limit`` bytes (EFBIG past it:
+    Python ignores SIGXFSZ)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        return main(argv)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
 def test_to_hf_past_a_file_size_limit_is_one_line(tmp_path, capsys):
     """A file-size limit (EFBIG; Python ignores SIGXFSZ) used to be an internal error."""
     run, out, before_run, before_out = _export_fixture(tmp_path)
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     capsys.readouterr()
-    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, hard))  # the weights are ~500 kB
-    try:
-        status = main(["convert", "to-hf", str(run), str(out), "--force"])
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    status = _main_with_small_files(
+        ["convert", "to-hf", str(run), str(out), "--force"], 100_000
+    )  # the weights are ~500 kB
     err = capsys.readouterr().err
     assert status == 2
     assert "File too large" in err
@@ -308,13 +316,10 @@ def test_from_hf_past_a_file_size_limit_is_one_line(tmp_path, capsys):
     out = tmp_path / "ckpt"
     out.mkdir()
     (out / "kept.txt").write_text("what --force would replace")
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     capsys.readouterr()
-    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, hard))  # the weights are ~500 kB
-    try:
-        status = main(["convert", "from-hf", str(hf), str(out), "--force"])
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    status = _main_with_small_files(
+        ["convert", "from-hf", str(hf), str(out), "--force"], 100_000
+    )  # the weights are ~500 kB
     err = capsys.readouterr().err
     assert status == 2, err
     assert "File too large" in err
