@@ -12,9 +12,10 @@ import torch.nn.functional as F
 
 from tests.helpers import losses
 from torchneox.config.load import load_config, load_mapping
-from torchneox.models import attention, cpu_kernels
+from torchneox.models import cpu_kernels
+from torchneox.models.mixers import attention
 from torchneox.models.args import model_args
-from torchneox.models.attention import Attention, AttentionBias
+from torchneox.models.mixers.attention import Attention, AttentionBias
 from torchneox.train.trainer import Trainer
 
 KEYS = {"num_layers": 1, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 16}

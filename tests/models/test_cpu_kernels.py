@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from torchneox.cli import main
-from torchneox.models import attention, cpu_kernels
+from torchneox.models import cpu_kernels
+from torchneox.models.mixers import attention
 from torchneox.models import linear as lin
 from torchneox.train import hardware
 

@@ -137,7 +137,7 @@ def test_documents_in_a_packed_sample_see_only_themselves(variant):
     """inter_document_attention_masking: with each token's document and its position in it, a
     document's logits in a packed row are those of the document run alone, whatever the other
     documents hold."""
-    from torchneox.models.attention import documents
+    from torchneox.models.mixers.attention import documents
 
     _, model = build(variant)
     model.eval()

@@ -152,7 +152,7 @@ def _remeasure(kernels: dict, peaks: dict) -> tuple[dict, dict, int]:
 
 
 def _measure_for(shape: str):
-    """The timing behind a verdict's shape name (models/linear.py, models/attention.py)."""
+    """The timing behind a verdict's shape name (models/linear.py, models/mixers/attention.py)."""
     from torchneox.models.linear import measure_onednn_faster
 
     words = shape.split()

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from torchneox.config.schema import ModelConfig, MoEConfig, NeoXConfig
 from torchneox.config.schema_model import GATED_ACTIVATIONS
+from torchneox.config.validate_model import layer_attention_types
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -88,6 +89,52 @@ def is_moe_layer(e: MoEConfig, layer: int) -> bool:
 
 
 @dataclass(frozen=True)
+class LayerCounts:
+    """One layer's parameters, those a token passes through, and its forward FLOPs per token
+    (matmuls: 2 per weight a token meets; mixing: what the sequence adds, as attention's
+    scores over ``context`` positions)."""
+
+    params: int
+    active: int
+    forward_flops: int
+    moe: bool = False
+
+
+def attention_layer(config: NeoXConfig, layer: int) -> LayerCounts:
+    """A transformer layer: norms, attention (dense or block-sparse) and its MLP or MoE."""
+    m, e = config.model, config.moe
+    assert m.hidden_size and m.num_attention_heads and m.seq_length
+    h, d = m.hidden_size, head_dim(m)
+    kv_width, q_width = kv_heads(m) * d, m.num_attention_heads * d
+    attn_bias = m.use_bias_in_attn_linear
+    qkv = h * (q_width + 2 * kv_width) + (q_width + 2 * kv_width if attn_bias else 0)
+    out_bias = attn_bias if m.attention_output_bias is None else m.attention_output_bias
+    dense = q_width * h + (h if out_bias else 0) + qk_norm_params(m)
+    attention_matmul = h * (q_width + 2 * kv_width) + q_width * h
+    widths = mlp_widths(m)
+    mlp_matmul = h * widths.up + widths.down * h
+    mlp = mlp_matmul + ((widths.up + h) if m.use_bias_in_mlp else 0)
+    params = norm_params(m) * (1 if m.gpt_j_tied else 2) + qkv + dense
+    context = min(m.seq_length, m.sliding_window_width or m.seq_length)
+    # scores (q.k) and the weighted sum of values: 2 matmuls, 2 FLOPs per multiply-add
+    scores = 2 * 2 * context * m.num_attention_heads * d
+    forward = 2 * attention_matmul + scores
+    if not is_moe_layer(e, layer):
+        return LayerCounts(params + mlp, params + mlp, forward + 2 * mlp_matmul)
+    router = h * e.moe_num_experts
+    return LayerCounts(
+        params + router + e.moe_num_experts * mlp,
+        params + router + e.moe_top_k * mlp,
+        forward + 2 * (router + e.moe_top_k * mlp_matmul),
+        moe=True,
+    )
+
+
+LAYER_COUNTS = {"global": attention_layer, "flash": attention_layer}
+"""Each attention_config layer type's counts (models/block.py's FAMILIES builds them)."""
+
+
+@dataclass(frozen=True)
 class ModelCounts:
     total: int
     embedding: int
@@ -101,20 +148,9 @@ class ModelCounts:
 
 def count(config: NeoXConfig, vocab: int) -> ModelCounts:
     """Parameters and training FLOPs per token for the padded vocabulary ``vocab``."""
-    m, e = config.model, config.moe
+    m = config.model
     assert m.hidden_size and m.num_layers and m.num_attention_heads and m.seq_length
-    h, d = m.hidden_size, head_dim(m)
-    kv_width, q_width = kv_heads(m) * d, m.num_attention_heads * d
-    attn_bias = m.use_bias_in_attn_linear
-    qkv = h * (q_width + 2 * kv_width) + (q_width + 2 * kv_width if attn_bias else 0)
-    out_bias = attn_bias if m.attention_output_bias is None else m.attention_output_bias
-    dense = q_width * h + (h if out_bias else 0) + qk_norm_params(m)
-    attention_matmul = h * (q_width + 2 * kv_width) + q_width * h
-    widths = mlp_widths(m)
-    mlp_matmul = h * widths.up + widths.down * h
-    mlp = mlp_matmul + ((widths.up + h) if m.use_bias_in_mlp else 0)
-    norms_per_layer = norm_params(m) * (1 if m.gpt_j_tied else 2)
-
+    h = m.hidden_size
     embedding = vocab * h
     if m.pos_emb == "learned":
         embedding += ((m.max_position_embeddings or m.seq_length) + m.opt_pos_emb_offset) * h
@@ -124,27 +160,14 @@ def count(config: NeoXConfig, vocab: int) -> ModelCounts:
     own_head = m.no_weight_tying or reward_model
     total = embedding + norm_params(m) + (head if own_head else 0)
     active = total
-    forward_matmul = head
+    forward = 2 * head
     moe_layers = 0
-    for layer in range(m.num_layers):
-        layer_params = norms_per_layer + qkv + dense
-        total += layer_params
-        active += layer_params
-        forward_matmul += attention_matmul
-        if is_moe_layer(e, layer):
-            moe_layers += 1
-            router = h * e.moe_num_experts
-            total += router + e.moe_num_experts * mlp
-            active += router + e.moe_top_k * mlp
-            forward_matmul += router + e.moe_top_k * mlp_matmul
-        else:
-            total += mlp
-            active += mlp
-            forward_matmul += mlp_matmul
-    context = min(m.seq_length, m.sliding_window_width or m.seq_length)
-    # scores (q.k) and the weighted sum of values: 2 matmuls, 2 FLOPs per multiply-add
-    attention_scores = 2 * 2 * context * m.num_attention_heads * d * m.num_layers
-    forward = 2 * forward_matmul + attention_scores
+    for layer, kind in enumerate(layer_attention_types(config)):
+        counts = LAYER_COUNTS[kind](config, layer)
+        total += counts.params
+        active += counts.active
+        forward += counts.forward_flops
+        moe_layers += counts.moe
     return ModelCounts(
         total=total,
         embedding=embedding + (head if own_head else 0),

@@ -14,7 +14,7 @@ from torchneox.base.errors import ConfigError
 from torchneox.config.paths import atomic_output
 from torchneox.config.schema_io import TextGenConfig
 from torchneox.data.tokenizers import Tokenizer
-from torchneox.models.attention import KVCache, StaticKVCache
+from torchneox.models.mixers.attention import KVCache, StaticKVCache
 from torchneox.models.transformer import Transformer
 
 

@@ -9,6 +9,12 @@ from torchneox.config.derive import derive
 from torchneox.config.load import LoadedConfig
 from torchneox.config.schema import NeoXConfig
 from torchneox.config.sizes import head_dim, kv_heads, mlp_widths, rotary_dims
+from torchneox.config.validate_model import layer_attention_types
+
+ATTENTION_LAYER_TYPES = (
+    "global", "flash", "local", "sparse_fixed", "sparse_variable", "bigbird", "bslongformer"
+)  # fmt: skip
+"""The attention_config types that are attention (dense or block-sparse)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,20 @@ class ModelArgs:
     """A reward model (train_impl rm): the head gives one value per position, not logits."""
     cpu_matmul: str = "auto"
     """The kernel of fp32 CPU linears (models/linear.py); build_model selects it."""
+
+    layer_types: tuple[str, ...] = ()
+    """Each layer's attention_config type (global, flash, a sparse type, mamba, rwkv, gmlp,
+    amlp); empty: every layer global."""
+    seq_length: int = 0
+    """The training sequence length (gMLP's spatial gating is a seq x seq matrix)."""
+
+    def layer_type(self, layer: int) -> str:
+        return self.layer_types[layer] if self.layer_types else "global"
+
+    def is_attention_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` is attention (global, flash or block-sparse): what holds
+        keys and values in a KV cache."""
+        return self.layer_type(layer) in ATTENTION_LAYER_TYPES
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe_num_experts > 1 and layer % self.moe_interval == 0
@@ -124,7 +144,13 @@ class ModelArgs:
             norm_position=m.norm_position,
             value_head=cfg.training.train_impl == "rm",
             cpu_matmul=cfg.precision.cpu_matmul,
+            **_layer_families(cfg),
         )
+
+
+def _layer_families(cfg: NeoXConfig) -> dict:
+    """The layer types and what their families read (ModelArgs' fields by name)."""
+    return {"layer_types": tuple(layer_attention_types(cfg)), "seq_length": cfg.model.seq_length}
 
 
 def _rope_scaling(spec: dict | None) -> tuple[tuple[str, float], ...]:

@@ -1,7 +1,7 @@
 """Which of two CPU kernels runs a shape faster, timed per machine and cached.
 
 The fp32 linears (``cpu_matmul``, models/linear.py) and reduced-precision attention
-(``cpu_attention``, models/attention.py) each have two ways to compute the same thing whose
+(``cpu_attention``, models/mixers/attention.py) each have two ways to compute the same thing whose
 speeds cross over with the shape and the processor: PyTorch's default and a challenger. A
 verdict is measured the first time a shape is met and written to
 ``~/.cache/torchneox/cpu_kernels.json`` (or ``$TORCHNEOX_CPU_KERNEL_CACHE``), keyed by the CPU

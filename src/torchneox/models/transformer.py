@@ -22,17 +22,16 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from torchneox.models.args import ModelArgs
-from torchneox.models.attention import (
-    Attention,
+from torchneox.models.block import Block, special_init
+from torchneox.models.init import init_function
+from torchneox.models.linear import Linear, linear
+from torchneox.models.mixers.attention import (
     AttentionBias,
     ContextShard,
     KVCache,
     StaticKVCache,
 )
-from torchneox.models.init import init_function
-from torchneox.models.linear import Linear, linear
-from torchneox.models.mlp import MLP
-from torchneox.models.moe import MoE, RouterStats
+from torchneox.models.moe import RouterStats
 from torchneox.models.norms import build_norm
 from torchneox.models.positions import alibi_slopes, rotary_tables, sinusoidal_table
 
@@ -73,19 +72,23 @@ def local_part(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...] | N
 
 
 def init_parameter(args: ModelArgs, name: str, param: torch.Tensor, seed: int) -> None:
-    """Initialise ``param`` (named ``name`` in the unwrapped model) as one process would: a
-    norm's scale to one, biases to zero, weights drawn whole from the generator of their name
+    """Initialise ``param`` (named ``name`` in the unwrapped model) as one process would: by
+    its mixer's own rule where it has one (mamba's A_log, D and dt bias, RWKV's mixes and
+    decays), else a norm's scale to one, biases to zero, weights by init_method or
+    output_layer_init_method; every drawn tensor is drawn whole from the generator of its name
     (then, for a shard, only its part kept)."""
     module, _, leaf = name.rpartition(".")
     local, where = local_part(param)
-    if not is_drawn(name):
+    init = special_init(args, name)
+    if init is None and not is_drawn(name):
         scale = module.endswith("norm") and leaf in ("weight", "g")
         local.fill_(1.0 if scale else 0.0)
         return
     if where is not None and local.numel() == 0:  # an empty shard: nothing of it is kept
         return
-    method = args.output_init_method if name.endswith(OUTPUT_LAYERS) else args.init_method
-    init = init_function(method, args.init_std, args.num_layers, args.hidden_size)
+    if init is None:
+        method = args.output_init_method if name.endswith(OUTPUT_LAYERS) else args.init_method
+        init = init_function(method, args.init_std, args.num_layers, args.hidden_size)
     generator = torch.Generator(device=local.device).manual_seed(_param_seed(seed, name))
     if where is None:
         init(local, generator)
@@ -93,49 +96,6 @@ def init_parameter(args: ModelArgs, name: str, param: torch.Tensor, seed: int) -
     whole = torch.empty(param.shape, dtype=local.dtype, device=local.device)
     init(whole, generator)
     local.copy_(whole[where])
-
-
-class Block(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int):
-        super().__init__()
-        self.parallel_residual = args.parallel_residual
-        self.norm_output = args.norm_position == "output"
-        self.attention_norm = build_norm(args.norm, args.hidden_size, args.norm_eps, args.norm_bias)
-        self.attention = Attention(args, layer)
-        self.mlp_norm = (
-            None
-            if args.shared_norm
-            else build_norm(args.norm, args.hidden_size, args.norm_eps, args.norm_bias)
-        )
-        self.is_moe = args.is_moe_layer(layer)
-        self.mlp = MoE(args) if self.is_moe else MLP(args)
-        self.dropout = nn.Dropout(args.hidden_dropout)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor] | None,
-        bias: AttentionBias,
-        cache: KVCache | None = None,
-    ) -> tuple[torch.Tensor, RouterStats | None]:
-        """The block's output, and its router's statistics when its MLP is an MoE layer."""
-        if self.norm_output:  # OLMo 2: each sublayer's output normalised, then added
-            x = x + self.dropout(self.attention_norm(self.attention(x, rope, bias, cache)))
-            mlp_out, stats = self._mlp(x)
-            return x + self.dropout(self.mlp_norm(mlp_out)), stats
-        normed = self.attention_norm(x)
-        attn = self.dropout(self.attention(normed, rope, bias, cache))
-        if self.parallel_residual:
-            mlp_out, stats = self._mlp(normed if self.mlp_norm is None else self.mlp_norm(x))
-            return x + attn + self.dropout(mlp_out), stats
-        x = x + attn
-        mlp_out, stats = self._mlp(self.mlp_norm(x))
-        return x + self.dropout(mlp_out), stats
-
-    def _mlp(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterStats | None]:
-        if self.is_moe:
-            return self.mlp(x)
-        return self.mlp(x), None
 
 
 class Transformer(nn.Module):
@@ -254,11 +214,11 @@ class Transformer(nn.Module):
             allowed = (allowed & key_valid_BS[:, None, None, :]) | (k == q)[None, None]
         gather = context.gather if context is not None else None
         if a.pos_emb != "alibi":
-            return AttentionBias(allowed, is_causal=False, gather=gather)
+            return AttentionBias(allowed, is_causal=False, gather=gather, valid_BS=key_valid_BS)
         distance = (q - k).clamp(min=0).float()
         scores = -self.alibi[:, None, None] * distance[None]  # [H, T, S]
         mask = scores[None].masked_fill(~allowed, float("-inf"))
-        return AttentionBias(mask, is_causal=False, gather=gather)
+        return AttentionBias(mask, is_causal=False, gather=gather, valid_BS=key_valid_BS)
 
     def _rope(
         self, positions_BT: torch.Tensor | None, start: int, t: int, length: int | None = None

@@ -21,7 +21,7 @@ import torch
 from torch.distributed._functional_collectives import all_gather_tensor_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchneox.models.attention import ContextShard, Gather
+from torchneox.models.mixers.attention import ContextShard, Gather
 
 
 def chunk_positions(length: int, ranks: int, rank: int, device: torch.device) -> torch.Tensor:

@@ -16,7 +16,7 @@ from torchneox.base.errors import DataError
 from torchneox.data.gpt_dataset import GPTDataset
 from torchneox.data.indexed import IndexedDataset
 from torchneox.data.loader import BatchLoader
-from torchneox.models.attention import documents
+from torchneox.models.mixers.attention import documents
 from torchneox.models.transformer import Transformer
 from torchneox.train.loss import lm_loss
 

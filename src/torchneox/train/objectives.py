@@ -350,7 +350,7 @@ class DocumentMasked:
     eod_id: int
 
     def prepare(self, batch: Any) -> Prepared:
-        from torchneox.models.attention import documents
+        from torchneox.models.mixers.attention import documents
 
         prep = self.inner.prepare(batch)
         prep.positions, prep.segments = documents(prep.inputs, self.eod_id)

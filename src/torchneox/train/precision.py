@@ -10,7 +10,7 @@ import torch
 
 from torchneox.config.loss_scale import loss_scale_spec
 from torchneox.config.schema import PrecisionConfig
-from torchneox.models.attention import cpu_attention_in_fp32, set_cpu_attention
+from torchneox.models.mixers.attention import cpu_attention_in_fp32, set_cpu_attention
 
 DTYPES = {"fp32": torch.float32, "bfloat16": torch.bfloat16, "fp16": torch.float16}
 

@@ -34,13 +34,17 @@ Gather = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor
 
 @dataclass
 class AttentionBias:
-    """What SDPA needs besides q, k, v: an explicit mask/bias or the causal flag."""
+    """What SDPA needs besides q, k, v: an explicit mask/bias or the causal flag (every mixer
+    is handed it; the recurrent ones read only ``valid_BS``)."""
 
     mask: torch.Tensor | None
     """bool [B|1, 1, T, S] (True = attend) or float [B|1, H, T, S] added to the scores."""
     is_causal: bool
     gather: Gather | None = None
     """Context parallelism: the whole sequence's keys and values from this rank's."""
+    valid_BS: torch.Tensor | None = None
+    """[B, S] the real (not padding) positions of the cache and this forward's tokens, when
+    some are padding (a recurrent mixer zeroes those inputs; attention has them in ``mask``)."""
 
 
 @dataclass
@@ -80,7 +84,9 @@ def documents(tokens_BT: torch.Tensor, eod_id: int) -> tuple[torch.Tensor, torch
 
 
 class KVCache:
-    """Keys and values of every layer, preallocated for ``max_len`` positions."""
+    """What decoding keeps between forwards: the keys and values of every attention layer,
+    preallocated for ``max_len`` positions, and each recurrent layer's state (a mamba or RWKV
+    mixer's, kept in ``states[layer]`` by the mixer itself and updated in place)."""
 
     def __init__(
         self,
@@ -90,9 +96,14 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ):
-        shape = (args.num_layers, batch, args.num_kv_heads, max_len, args.head_dim)
+        attention = [i for i in range(args.num_layers) if args.is_attention_layer(i)]
+        self.slot_of = {layer: j for j, layer in enumerate(attention)}
+        """Each attention layer's row of ``k`` and ``v``."""
+        shape = (len(attention), batch, args.num_kv_heads, max_len, args.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.states: dict[int, dict[str, torch.Tensor]] = {}
+        """A recurrent layer's state by layer index (empty before its first forward)."""
         self.length = 0
         self.max_len = max_len
 
@@ -102,9 +113,14 @@ class KVCache:
         end = self.length + k_BHTD.shape[2]
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions, asked for {end}")
-        self.k[layer, :, :, self.length : end] = k_BHTD
-        self.v[layer, :, :, self.length : end] = v_BHTD
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        row = self.slot_of[layer]
+        self.k[row, :, :, self.length : end] = k_BHTD
+        self.v[row, :, :, self.length : end] = v_BHTD
+        return self.k[row, :, :, :end], self.v[row, :, :, :end]
+
+    def state(self, layer: int) -> dict[str, torch.Tensor]:
+        """Recurrent layer ``layer``'s state (a dict its mixer fills on its first forward)."""
+        return self.states.setdefault(layer, {})
 
 
 class StaticKVCache(KVCache):
@@ -125,10 +141,10 @@ class StaticKVCache(KVCache):
     def update(
         self, layer: int, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        index = self.queries(k_BHTD.shape[2])
-        self.k[layer].index_copy_(2, index, k_BHTD)
-        self.v[layer].index_copy_(2, index, v_BHTD)
-        return self.k[layer], self.v[layer]
+        index, row = self.queries(k_BHTD.shape[2]), self.slot_of[layer]
+        self.k[row].index_copy_(2, index, k_BHTD)
+        self.v[row].index_copy_(2, index, v_BHTD)
+        return self.k[row], self.v[row]
 
     def advance(self, t: int) -> None:
         self.slot += t

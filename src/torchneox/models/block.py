@@ -1,0 +1,140 @@
+"""The block that holds a mixer, written once for every layer family.
+
+A block is ``x + mixer(norm(x))`` then, where the family has one, ``x + mlp(mlp_norm(x))``
+(GPT-NeoX's transformer layer also has the parallel residual of gpt_j_residual and OLMo 2's
+normalised outputs). Which mixer a layer holds is its ``attention_config`` type, as GPT-NeoX
+selects it per layer; each family names its sublayers, and those names are the parameters'
+(``layers.{i}.attention.wq.weight``, ``layers.{i}.mamba.in_proj.weight``, ...):
+
+    family     layer types                              sublayers (norm, mixer, norm, mlp)
+    attention  global, flash (and the sparse types)     attention_norm attention mlp_norm mlp
+
+Every mixer is called as ``mixer(x, rope, bias, cache)`` and returns a tensor shaped like
+``x``: attention reads the rotary tables, the mask and the KV cache; a recurrent mixer keeps
+its state in ``cache.state(layer)`` and ignores the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from torchneox.models.args import ModelArgs
+from torchneox.models.init import InitFn
+from torchneox.models.mixers.attention import Attention, AttentionBias, KVCache
+from torchneox.models.mlp import MLP
+from torchneox.models.moe import MoE, RouterStats
+from torchneox.models.norms import build_norm
+
+Builder = Callable[[ModelArgs, int], nn.Module]
+
+
+def _mlp_or_moe(args: ModelArgs, layer: int) -> nn.Module:
+    return MoE(args) if args.is_moe_layer(layer) else MLP(args)
+
+
+@dataclass(frozen=True)
+class Family:
+    """A layer family: its sublayers' names and how each is built."""
+
+    norm: str
+    mixer: str
+    build_mixer: Builder
+    mlp_norm: str | None = None
+    mlp: str | None = None
+    build_mlp: Builder | None = None
+    mlp_is_mixer: bool = False
+    """The second sublayer is called as a mixer is (RWKV's channel mix keeps a state)."""
+    init_rule: Callable[[ModelArgs, str], InitFn | None] | None = None
+    """The family's own initialisation of a parameter (its name in the block, after
+    ``layers.{i}.``), or None where init_method's rule applies."""
+
+
+ATTENTION = Family(
+    "attention_norm", "attention", Attention, "mlp_norm", "mlp", _mlp_or_moe
+)  # fmt: skip
+
+FAMILIES: dict[str, Family] = {"global": ATTENTION, "flash": ATTENTION}
+"""The family of each attention_config layer type torchneox builds."""
+
+
+def family_of(args: ModelArgs, layer: int) -> Family:
+    return FAMILIES[args.layer_type(layer)]
+
+
+def special_init(args: ModelArgs, name: str) -> InitFn | None:
+    """The initialisation of parameter ``name`` its layer's family asks for (None: the
+    model's default rule)."""
+    if not name.startswith("layers."):
+        return None
+    layer, _, rest = name.removeprefix("layers.").partition(".")
+    family = family_of(args, int(layer))
+    return family.init_rule(args, rest) if family.init_rule is not None else None
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        family = self.family = family_of(args, layer)
+        attention = family is ATTENTION  # GPT-NeoX's residual options are its transformer's
+        self.parallel_residual = attention and args.parallel_residual
+        self.norm_output = attention and args.norm_position == "output"
+        self.is_moe = family.build_mlp is _mlp_or_moe and args.is_moe_layer(layer)
+
+        def norm() -> nn.Module:
+            return build_norm(args.norm, args.hidden_size, args.norm_eps, args.norm_bias)
+
+        setattr(self, family.norm, norm())
+        setattr(self, family.mixer, family.build_mixer(args, layer))
+        if family.mlp is not None:
+            shared = attention and args.shared_norm  # gpt_j_tied: one norm feeds both
+            setattr(self, family.mlp_norm, None if shared else norm())
+            setattr(self, family.mlp, family.build_mlp(args, layer))
+        self.dropout = nn.Dropout(args.hidden_dropout)
+
+    def sublayers(self) -> tuple[nn.Module, nn.Module, nn.Module | None, nn.Module | None]:
+        """(norm, mixer, mlp norm, mlp) of this block's family (None where it has none)."""
+        f = self.family
+        return (
+            getattr(self, f.norm),
+            getattr(self, f.mixer),
+            getattr(self, f.mlp_norm) if f.mlp_norm else None,
+            getattr(self, f.mlp) if f.mlp else None,
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        bias: AttentionBias,
+        cache: KVCache | None = None,
+    ) -> tuple[torch.Tensor, RouterStats | None]:
+        """The block's output, and its router's statistics when its MLP is an MoE layer."""
+        norm, mixer, mlp_norm, mlp = self.sublayers()
+        if self.norm_output:  # OLMo 2: each sublayer's output normalised, then added
+            x = x + self.dropout(norm(mixer(x, rope, bias, cache)))
+            mlp_out, stats = self._mlp(mlp, x, rope, bias, cache)
+            return x + self.dropout(mlp_norm(mlp_out)), stats
+        normed = norm(x)
+        mixed = self.dropout(mixer(normed, rope, bias, cache))
+        if mlp is None:
+            return x + mixed, None
+        if self.parallel_residual:
+            mlp_in = normed if mlp_norm is None else mlp_norm(x)
+            mlp_out, stats = self._mlp(mlp, mlp_in, rope, bias, cache)
+            return x + mixed + self.dropout(mlp_out), stats
+        x = x + mixed
+        mlp_out, stats = self._mlp(mlp, mlp_norm(x), rope, bias, cache)
+        return x + self.dropout(mlp_out), stats
+
+    def _mlp(
+        self, mlp: nn.Module, x: torch.Tensor, *context
+    ) -> tuple[torch.Tensor, RouterStats | None]:
+        if self.is_moe:
+            return mlp(x)
+        if self.family.mlp_is_mixer:
+            return mlp(x, *context), None
+        return mlp(x), None
