@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from tests.helpers import losses
 from torchneox.config.load import load_config, load_mapping
 from torchneox.models import cpu_kernels
-from torchneox.models.mixers import attention
 from torchneox.models.args import model_args
+from torchneox.models.mixers import attention
 from torchneox.models.mixers.attention import Attention, AttentionBias
 from torchneox.train.trainer import Trainer
 

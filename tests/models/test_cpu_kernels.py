@@ -15,8 +15,8 @@ import torch
 
 from torchneox.cli import main
 from torchneox.models import cpu_kernels
-from torchneox.models.mixers import attention
 from torchneox.models import linear as lin
+from torchneox.models.mixers import attention
 from torchneox.train import hardware
 
 needs_onednn = pytest.mark.skipif(
