@@ -97,12 +97,45 @@ def _shapes(loaded: LoadedConfig, out: Derived) -> None:
     )
     out.put("residual", "parallel" if m.gpt_j_residual else "sequential", residual)
     kinds = layer_attention_types(cfg, loaded.origin)
-    out.put(
-        "attention",
-        "sdpa" + (f", window {m.sliding_window_width}" if m.sliding_window_width else ""),
-        f"causal scaled_dot_product_attention on all {len(kinds)} layers"
-        + (" ('flash' and 'global' alike)" if m.attention_config else ""),
-    )
+    dense = [k for k in kinds if k in ("global", "flash")]
+    if dense:
+        out.put(
+            "attention",
+            "sdpa" + (f", window {m.sliding_window_width}" if m.sliding_window_width else ""),
+            "causal scaled_dot_product_attention on "
+            + (f"all {len(kinds)}" if len(dense) == len(kinds) else f"{len(dense)} of {len(kinds)}")
+            + " layers"
+            + (" ('flash' and 'global' alike)" if m.attention_config else ""),
+        )
+    if set(kinds) - {"global", "flash"}:
+        out.put(
+            "layers",
+            layer_runs(kinds),
+            "attention_config, layer by layer: "
+            + ", ".join(dict.fromkeys(LAYER_TEXT.get(kind, kind) for kind in kinds)),
+        )
+
+
+LAYER_TEXT = {
+    "global": "global/flash: x + attention(norm(x)), then + mlp(norm(.))",
+    "flash": "global/flash: x + attention(norm(x)), then + mlp(norm(.))",
+    "mamba": "mamba: x + mamba(norm(x)) (selective state space, no MLP)",
+    "rwkv": "rwkv: x + time_mix(norm(x)), then + channel_mix(norm(.)) (RWKV-6)",
+    "gmlp": "gmlp: spatial gating over the sequence, no attention",
+    "amlp": "amlp: gMLP's spatial gating with a one-head tiny attention",
+}
+"""What each attention_config type builds (a block-sparse type: attention with its layout)."""
+
+
+def layer_runs(kinds: list[str]) -> str:
+    """The layer types as runs of consecutive layers: '0-1 mamba, 2 global, 3 mamba'."""
+    runs: list[tuple[int, int, str]] = []
+    for i, kind in enumerate(kinds):
+        if runs and runs[-1][2] == kind:
+            runs[-1] = (runs[-1][0], i, kind)
+        else:
+            runs.append((i, i, kind))
+    return ", ".join(f"{a}-{b} {k}" if b > a else f"{a} {k}" for a, b, k in runs)
 
 
 def _counts(cfg: NeoXConfig, out: Derived, padded: int) -> None:
