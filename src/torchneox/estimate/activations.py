@@ -3,13 +3,15 @@ memory, no compute, only what autograd saves for backward, per layer and for the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from torchneox.config.load import LoadedConfig
+from torchneox.config.validate_model import layer_attention_types
 from torchneox.estimate.parameters import PARAM_BYTES, meta_model
+from torchneox.models.args import ATTENTION_LAYER_TYPES
 from torchneox.models.moe import LocalTokenDispatcher
 
 
@@ -35,6 +37,18 @@ class Trace:
     moe_experts: float = 0.0
     moe_weights: float = 0.0
     moe_expert_weights: float = 0.0  # autocast's copies of the experts: split by ep
+    families: dict[str, FamilyTrace] = field(default_factory=dict)
+    """A layer of each non-attention type the model has (mamba, rwkv, gmlp, amlp)."""
+
+
+@dataclass(frozen=True)
+class FamilyTrace:
+    """What a layer of one non-attention family saves (as Trace's layer_* fields)."""
+
+    replicated: float
+    split: float
+    kept: float
+    weights: float
 
 
 def _trace_saved(
@@ -45,18 +59,20 @@ def _trace_saved(
     batch: int = 1,
     moe: bool = False,
     cp: int = 1,
+    kind: str | None = None,
 ) -> tuple[float, float, float, float]:
     """(replicated, split, kept, experts) bytes saved by a forward + loss on fake tensors: on
     (fake) CUDA tensors on a GPU machine, so autocast and attention pick what training picks
     there, else on the CPU, whose autocast keeps the same dtypes. ``moe``: every layer an MoE
     layer with balanced routing (else every layer dense). ``cp``: as context-parallel rank 0 of
-    ``cp`` holds it (its share of the tokens, every rank's keys and values)."""
+    ``cp`` holds it (its share of the tokens, every rank's keys and values). ``kind``: every
+    layer of that attention_config type (else global attention)."""
     if torch.cuda.is_available():
         try:
-            return _trace_on(loaded, vocab, layers, precision, "cuda", batch, moe, cp)
+            return _trace_on(loaded, vocab, layers, precision, "cuda", batch, moe, cp, kind)
         except Exception:  # a kernel with no fake implementation: trace on the CPU instead
             pass
-    return _trace_on(loaded, vocab, layers, precision, "cpu", batch, moe, cp)
+    return _trace_on(loaded, vocab, layers, precision, "cpu", batch, moe, cp, kind)
 
 
 class _BalancedCounts(LocalTokenDispatcher):
@@ -146,6 +162,7 @@ def _trace_on(
     batch: int = 1,
     moe: bool = False,
     cp: int = 1,
+    kind: str | None = None,
 ) -> tuple[float, float, float, float]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -154,9 +171,9 @@ def _trace_on(
     from torchneox.train.loss import lm_loss
     from torchneox.train.precision import autocast
 
-    args, _ = meta_model(
-        loaded, vocab, layers, **({"moe_interval": 1} if moe else {"moe_num_experts": 1})
-    )
+    changes: dict[str, Any] = {"moe_interval": 1} if moe else {"moe_num_experts": 1}
+    changes["layer_types"] = (kind or "global",) * layers
+    args, _ = meta_model(loaded, vocab, layers, **changes)
     seq = loaded.config.model.seq_length
     rec = _SavedBytes(args.hidden_size)
     with FakeTensorMode(allow_non_fake_inputs=True), torch.device(device):
@@ -191,12 +208,17 @@ def _traced_context(seq: int, cp: int, device: torch.device):
 
 
 def _layer_terms(
-    loaded: LoadedConfig, vocab: int, precision: str, moe: bool, cp: int = 1
+    loaded: LoadedConfig,
+    vocab: int,
+    precision: str,
+    moe: bool,
+    cp: int = 1,
+    kind: str | None = None,
 ) -> dict[str, float]:
     """Four traces (1 and 2 layers, micro-batch 1 and 2) separate what grows with the layers
     and with the micro-batch from what does not."""
     t = {
-        (n, b): _trace_saved(loaded, vocab, n, precision, b, moe, cp)
+        (n, b): _trace_saved(loaded, vocab, n, precision, b, moe, cp, kind)
         for n in (1, 2)
         for b in (1, 2)
     }
@@ -223,8 +245,8 @@ def _layer_terms(
 
 
 def trace_activations(loaded: LoadedConfig, vocab: int, precision: str, cp: int = 1) -> Trace:
-    """Per dense layer, per MoE layer (when the model has them) and for the rest, on one of
-    ``cp`` context-parallel ranks."""
+    """Per dense layer, per MoE layer (when the model has them), per layer of each other
+    family it has, and for the rest, on one of ``cp`` context-parallel ranks."""
     seq, h = loaded.config.model.seq_length // cp, loaded.config.model.hidden_size
     dense = _layer_terms(loaded, vocab, precision, moe=False, cp=cp)
     trace = Trace(
@@ -246,4 +268,10 @@ def trace_activations(loaded: LoadedConfig, vocab: int, precision: str, cp: int 
         trace.moe_experts = moe["experts"]
         trace.moe_weights = moe["weights"]
         trace.moe_expert_weights = moe["expert_weights"]
+    for kind in dict.fromkeys(layer_attention_types(loaded.config)):
+        if kind not in ATTENTION_LAYER_TYPES:
+            terms = _layer_terms(loaded, vocab, precision, moe=False, cp=cp, kind=kind)
+            trace.families[kind] = FamilyTrace(
+                terms["replicated"], terms["split"], terms["kept"], terms["weights"]
+            )
     return trace

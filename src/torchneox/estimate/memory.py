@@ -10,6 +10,7 @@ from torchneox.config.layout import Layout
 from torchneox.config.load import LoadedConfig
 from torchneox.config.optimizer import optimizer_spec
 from torchneox.config.sizes import is_moe_layer
+from torchneox.config.validate_model import layer_attention_types
 from torchneox.estimate.activations import Trace
 from torchneox.estimate.parameters import PARAM_BYTES, expert_sharded, local_numel
 from torchneox.models.transformer import is_drawn
@@ -153,9 +154,16 @@ def _activation_bytes(
         trace.moe_weights / tp + trace.moe_expert_weights / ep,
         trace.moe_kept / tp,
     )
+    kinds = layer_attention_types(loaded.config)
+    families = {
+        kind: (mb * (f.replicated / rep_by + f.split / tp), f.weights / tp, f.kept / tp)
+        for kind, f in trace.families.items()
+    }
     stored = recompute = 0.0
     for position, layer in enumerate(layers):
-        acts, weights, kept = moe if is_moe_layer(loaded.config.moe, layer) else dense
+        acts, weights, kept = families.get(kinds[layer]) or (
+            moe if is_moe_layer(loaded.config.moe, layer) else dense
+        )
         checkpointed = layout.checkpoint != "none" and position % layout.every == 0
         if not checkpointed:
             stored += acts + weights

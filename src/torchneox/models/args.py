@@ -83,7 +83,13 @@ class ModelArgs:
         return self.layer_type(layer) in ATTENTION_LAYER_TYPES
 
     def is_moe_layer(self, layer: int) -> bool:
-        return self.moe_num_experts > 1 and layer % self.moe_interval == 0
+        """Whether layer ``layer``'s MLP is a mixture of experts (an attention layer's, as
+        GPT-NeoX places them: every moe_expert_interval-th layer)."""
+        return (
+            self.moe_num_experts > 1
+            and layer % self.moe_interval == 0
+            and self.is_attention_layer(layer)
+        )
 
     @classmethod
     def from_config(cls, cfg: NeoXConfig, vocab_size: int) -> ModelArgs:
