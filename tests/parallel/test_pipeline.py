@@ -3,6 +3,8 @@ give the losses and weights of one process; pipe_parallel_size 0 and 1 build no 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -15,7 +17,8 @@ from tests.helpers import (
 from torchneox.cli import main
 from torchneox.config.load import load_config
 from torchneox.models.args import model_args
-from torchneox.parallel.pipeline import rank_stage_indices, stage_layers
+from torchneox.models.transformer import build_model
+from torchneox.parallel.pipeline import layer_costs, rank_stage_indices, stage_layers
 from torchneox.train.trainer import Trainer
 from torchneox.train.weights import load_model
 
@@ -104,3 +107,13 @@ def test_stage_split_is_balanced_and_covers_every_layer(config):
     assert rank_stage_indices("zbv", 0, 2, 2) == [0, 3] and rank_stage_indices(
         "interleaved_1f1b", 1, 2, 2
     ) == [1, 3]
+
+
+def test_parameters_partition_charges_each_block_what_it_holds(config):
+    """An MoE layer weighs its experts: 'parameters' costs are each built block's count."""
+    args = model_args(load_config([config], ["num_layers=4", "moe_num_experts=4"]))
+    args = dataclasses.replace(args, moe_interval=2)
+    model = build_model(args)
+    built = [sum(p.numel() for p in block.parameters()) for block in model.layers.values()]
+    assert layer_costs(args, "parameters") == built
+    assert built[0] > built[1]  # layer 0 is an MoE layer, layer 1 a dense one

@@ -38,12 +38,19 @@ MULTI = {
 
 
 def layer_costs(args: ModelArgs, method: str) -> list[float]:
-    """Relative cost of each block; 'parameters' also charges the embedding and the head."""
-    if method == "parameters":
-        h = args.hidden_size
-        per_block = 4 * h * h + 2 * h * args.mlp_width * (3 if args.gated else 2) / 2
-        return [per_block] * args.num_layers
-    return [1.0] * args.num_layers
+    """Relative cost of each block ('parameters': its parameter count, as built, whatever its
+    family; the embedding and the head are charged by ``stage_layers``)."""
+    if method != "parameters":
+        return [1.0] * args.num_layers
+    from torchneox.models.block import Block
+
+    counts: dict[tuple[str, bool], float] = {}
+    for layer in range(args.num_layers):
+        kind = (args.layer_type(layer), args.is_moe_layer(layer))
+        if kind not in counts:
+            with torch.device("meta"):
+                counts[kind] = float(sum(p.numel() for p in Block(args, layer).parameters()))
+    return [counts[(args.layer_type(i), args.is_moe_layer(i))] for i in range(args.num_layers)]
 
 
 def stage_layers(args: ModelArgs, num_stages: int, method: str) -> list[range]:
