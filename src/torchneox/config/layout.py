@@ -19,6 +19,7 @@ from torchneox.config.derived import Derived
 from torchneox.config.fp8_plan import fp8_plan
 from torchneox.config.load import LoadedConfig
 from torchneox.config.schema import NeoXConfig
+from torchneox.config.validate_model import layer_attention_types
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 """Pipeline schedules that run one stage per rank; the others run several."""
@@ -353,7 +354,15 @@ def _context_parallel(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
             key=key,
             cause="seq_length",
         )
+    sequential = sorted(
+        set(layer_attention_types(cfg)) & {"mamba", "rwkv", "gmlp", "amlp"}
+    )  # fmt: skip
     others = (
+        (
+            bool(sequential),
+            f"{' and '.join(sequential)} layers (they mix along the sequence it splits)",
+            "attention_config",
+        ),
         (lay.ep > 1, "expert_parallel_size > 1", "expert_parallel_size"),
         (lay.hybrid, "mics_shard_size (hybrid sharding)", "zero_optimization"),
         (
