@@ -20,15 +20,13 @@ ROPE_SCALING_FIELDS = {
 ROPE_SCALING_OPTIONAL = {
     "yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
 }
-ATTENTION_TYPES_OK = ("global", "flash")
+ATTENTION_TYPES_OK = ("global", "flash", "gmlp", "amlp")
 ATTENTION_TYPES_REFUSED = {
     "local": "DeepSpeed block-sparse attention",
     "sparse_fixed": "DeepSpeed block-sparse attention",
     "sparse_variable": "DeepSpeed block-sparse attention",
     "bigbird": "DeepSpeed block-sparse attention",
     "bslongformer": "DeepSpeed block-sparse attention",
-    "gmlp": "gMLP blocks",
-    "amlp": "gMLP blocks",
     "mamba": "mamba layers",
     "rwkv": "RWKV layers",
     "ring": "ring attention",
