@@ -97,11 +97,34 @@ def _shapes(loaded: LoadedConfig, out: Derived) -> None:
     )
     out.put("residual", "parallel" if m.gpt_j_residual else "sequential", residual)
     kinds = layer_attention_types(cfg, loaded.origin)
+    attention = sum(k in ("global", "flash") for k in kinds)
+    if attention:
+        out.put(
+            "attention",
+            "sdpa" + (f", window {m.sliding_window_width}" if m.sliding_window_width else ""),
+            "causal scaled_dot_product_attention on "
+            + (f"all {attention}" if attention == len(kinds) else f"{attention} of {len(kinds)}")
+            + " layers"
+            + (" ('flash' and 'global' alike)" if m.attention_config else ""),
+        )
+    else:
+        out.put("attention", "none", "no layer of attention_config is an attention layer")
+    _gmlp(cfg, kinds, out)
+
+
+def _gmlp(cfg: NeoXConfig, kinds: list[str], out: Derived) -> None:
+    m = cfg.model
+    gmlp, amlp = kinds.count("gmlp"), kinds.count("amlp")
+    if not gmlp + amlp:
+        return
+    ff = sizes.gmlp_width(m.hidden_size)
+    tiny = f", {amlp} aMLP with a one-head attention of width {m.gmlp_attn_dim}" if amlp else ""
     out.put(
-        "attention",
-        "sdpa" + (f", window {m.sliding_window_width}" if m.sliding_window_width else ""),
-        f"causal scaled_dot_product_attention on all {len(kinds)} layers"
-        + (" ('flash' and 'global' alike)" if m.attention_config else ""),
+        "gmlp",
+        gmlp + amlp,
+        f"{gmlp + amlp} of {len(kinds)} layers are gMLP blocks{tiny}: x + gmlp(norm(x)), "
+        f"gating width {ff} (4 x hidden_size), a causal {m.seq_length} x {m.seq_length} "
+        "spatial projection, no MLP",
     )
 
 

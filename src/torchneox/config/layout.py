@@ -19,6 +19,7 @@ from torchneox.config.derived import Derived
 from torchneox.config.fp8_plan import fp8_plan
 from torchneox.config.load import LoadedConfig
 from torchneox.config.schema import NeoXConfig
+from torchneox.config.validate_model import layer_attention_types
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 """Pipeline schedules that run one stage per rank; the others run several."""
@@ -386,6 +387,29 @@ def _fp8(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     )
 
 
+def _gmlp(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
+    """gMLP's spatial gating mixes every position of a sequence through one norm over the
+    whole gating width: neither splits."""
+    if lay.tp == 1 and lay.cp == 1:
+        return None
+    if not {"gmlp", "amlp"} & set(layer_attention_types(cfg)):
+        return None
+    if lay.tp > 1:
+        return _refuse(
+            "gmlp/amlp layers with model_parallel_size > 1 are not built (the gate's norm "
+            "spans the whole gating width; GPT-NeoX normalises each rank's part, another model "
+            "than one process's); use data parallelism, ZeRO or pipeline stages",
+            key="model_parallel_size",
+            cause="attention_config",
+        )
+    return _refuse(
+        "gmlp/amlp layers mix every position of a sequence through one seq x seq matrix, "
+        "which context parallelism would split; use context_parallel_size 1",
+        key="context_parallel_size",
+        cause="attention_config",
+    )
+
+
 def compile_scope(cfg: NeoXConfig, layout: Layout) -> tuple[str, str]:
     """What ``compile`` compiles in ``layout`` ('off', 'model' or 'blocks'), and why."""
     t = cfg.training
@@ -439,6 +463,7 @@ RULES = (
     _context_parallel,
     _fp8,
     _compile_model,
+    _gmlp,
 )
 """Every layout rule, in the order they are checked."""
 
