@@ -8,8 +8,9 @@ import torch
 from torch.nn import functional as F
 
 from tests.helpers import build
-from torchneox.base.errors import ConfigError
+from torchneox.base.errors import ConfigError, HFError
 from torchneox.inference.generate import Sampling, generate
+from torchneox.models.hf import export_architecture
 from torchneox.models.mixers.attention import AttentionBias
 
 
@@ -135,3 +136,12 @@ def test_padded_logits_equal_unpadded():
         alone = model(tokens)
         out = model(padded, positions_BT=positions, key_valid_BS=valid)
     torch.testing.assert_close(out[:, 6:], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_hugging_face_export_is_refused_in_one_line():
+    """transformers has no gMLP: a model with such layers is not exported as something else."""
+    _, model = build("gmlp-global-mix")
+    with pytest.raises(HFError) as err:
+        export_architecture(model.args)
+    assert "attention_config gmlp layers (transformers has no gMLP)" in str(err.value)
+    assert "\n" not in str(err.value)
