@@ -9,6 +9,8 @@ from torch.nn import functional as F
 
 from tests.helpers import build
 from torchneox.base.errors import ConfigError, HFError
+from torchneox.config.derive import derive
+from torchneox.config.sizes import count
 from torchneox.inference.generate import Sampling, generate
 from torchneox.models.hf import export_architecture
 from torchneox.models.mixers.attention import AttentionBias
@@ -145,3 +147,12 @@ def test_hugging_face_export_is_refused_in_one_line():
         export_architecture(model.args)
     assert "attention_config gmlp layers (transformers has no gMLP)" in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_flops_per_token_count_the_gating_and_the_tiny_attention():
+    loaded, _ = build("amlp")
+    vocab = derive(loaded)["padded_vocab_size"]
+    h, ff, s, a = 64, 256, 64, 16
+    layer = 2 * (h * 2 * ff + ff * h) + 2 * s * ff  # projections, the s x s gating
+    layer += 2 * (2 * ff * 3 * a + a * ff) + 2 * 2 * s * a  # tiny attention: projections, scores
+    assert count(loaded.config, vocab).flops_per_token == 3 * (2 * layer + 2 * vocab * h)

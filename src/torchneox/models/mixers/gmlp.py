@@ -28,6 +28,7 @@ are indexed by those positions) and padded positions are masked out.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -42,6 +43,10 @@ from torchneox.models.mixers.attention import AttentionBias, KVCache, StaticKVCa
 from torchneox.models.mlp import ACTIVATIONS
 from torchneox.models.norms import build_norm
 
+Writers = Callable[[str], Callable[[torch.Tensor], torch.Tensor]]
+"""A layer's cache: ``writers(name)(rows)`` stores this forward's rows of the cached tensor
+``name`` ([B, T, ...]) and returns all of its rows so far ([B, S, ...])."""
+
 
 class TinyAttention(nn.Module):
     """aMLP's one-head causal attention over both halves, of width ``d_attn``."""
@@ -51,7 +56,9 @@ class TinyAttention(nn.Module):
         self.proj_qkv = Linear(2 * d_ff, 3 * d_attn)
         self.proj_ffn = Linear(d_attn, d_ff)
 
-    def forward(self, x_BTF: torch.Tensor, allowed: torch.Tensor | None, writers=None):
+    def forward(
+        self, x_BTF: torch.Tensor, allowed: torch.Tensor | None, writers: Writers | None = None
+    ) -> torch.Tensor:
         """``allowed``: [B|1, T, S] the keys each query sees (None: causal over this input);
         ``writers``: the cache's (``_cache_slots``), which keep the keys and values."""
         q, k, v = self.proj_qkv(x_BTF).chunk(3, dim=-1)
@@ -124,15 +131,16 @@ class GMLP(nn.Module):
 
     def _gate_cached(
         self, gate_BTF: torch.Tensor, bias: AttentionBias, cache: KVCache | None
-    ) -> tuple[torch.Tensor, torch.Tensor, dict | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor, Writers | None]:
         """Decoding or padded rows: (which keys each query may see [B|1, T, S] for the tiny
         attention, the gate, the tiny attention's cache writers or None)."""
         t, seq = gate_BTF.shape[1], self.sgu.seq_length
+        # the last position this forward can reach (a static cache: its whole buffer)
+        end = t if cache is None else cache.length + t
+        end = cache.max_len if isinstance(cache, StaticKVCache) else end
+        if end > seq:
+            raise self._too_long(end)
         q_idx, writers = _cache_slots(cache, self.layer, t, gate_BTF.device)
-        if cache is not None and not isinstance(cache, StaticKVCache) and cache.length + t > seq:
-            raise self._too_long(cache.length + t)
-        if cache is None and t > seq:
-            raise self._too_long(t)
         keys = writers("gate")(gate_BTF) if writers is not None else gate_BTF
         s = keys.shape[1]
         k_idx = torch.arange(s, device=gate_BTF.device)
@@ -143,7 +151,6 @@ class GMLP(nn.Module):
             valid = bias.valid_BS
             real = (valid.long().cumsum(1) - 1).clamp(min=0)
             q_pos, k_pos, allowed = real[:, q_idx], real, allowed & valid[:, None, :]
-        q_pos, k_pos = q_pos.clamp(max=seq - 1), k_pos.clamp(max=seq - 1)  # unwritten: masked
         w = self.sgu.proj.weight[q_pos[:, :, None], k_pos[:, None, :]] * allowed
         b = self.sgu.proj.bias[q_pos]
         gate = torch.matmul(w.to(keys.dtype), keys) + b.to(keys.dtype)[..., None]
@@ -152,7 +159,9 @@ class GMLP(nn.Module):
         return allowed, gate, writers
 
 
-def _cache_slots(cache: KVCache | None, layer: int, t: int, device: torch.device):
+def _cache_slots(
+    cache: KVCache | None, layer: int, t: int, device: torch.device
+) -> tuple[torch.Tensor, Writers | None]:
     """The cache positions of this forward's tokens [T], and a writer per cached tensor name
     (it stores this forward's rows and returns every cached row, [B, S, ...]); no writers
     without a cache."""
