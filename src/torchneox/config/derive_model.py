@@ -97,16 +97,18 @@ def _shapes(loaded: LoadedConfig, out: Derived) -> None:
     )
     out.put("residual", "parallel" if m.gpt_j_residual else "sequential", residual)
     kinds = layer_attention_types(cfg, loaded.origin)
-    dense = [k for k in kinds if k in ("global", "flash")]
-    if dense:
+    attention = sum(k in ("global", "flash") for k in kinds)
+    if attention:
         out.put(
             "attention",
             "sdpa" + (f", window {m.sliding_window_width}" if m.sliding_window_width else ""),
             "causal scaled_dot_product_attention on "
-            + (f"all {len(kinds)}" if len(dense) == len(kinds) else f"{len(dense)} of {len(kinds)}")
+            + (f"all {attention}" if attention == len(kinds) else f"{attention} of {len(kinds)}")
             + " layers"
             + (" ('flash' and 'global' alike)" if m.attention_config else ""),
         )
+    else:
+        out.put("attention", "none", "no layer of attention_config is an attention layer")
     if set(kinds) - {"global", "flash"}:
         out.put(
             "layers",
@@ -114,6 +116,23 @@ def _shapes(loaded: LoadedConfig, out: Derived) -> None:
             "attention_config, layer by layer: "
             + ", ".join(dict.fromkeys(LAYER_TEXT.get(kind, kind) for kind in kinds)),
         )
+    _gmlp(cfg, kinds, out)
+
+
+def _gmlp(cfg: NeoXConfig, kinds: list[str], out: Derived) -> None:
+    m = cfg.model
+    gmlp, amlp = kinds.count("gmlp"), kinds.count("amlp")
+    if not gmlp + amlp:
+        return
+    ff = sizes.gmlp_width(m.hidden_size)
+    tiny = f", {amlp} aMLP with a one-head attention of width {m.gmlp_attn_dim}" if amlp else ""
+    out.put(
+        "gmlp",
+        gmlp + amlp,
+        f"{gmlp + amlp} of {len(kinds)} layers are gMLP blocks{tiny}: x + gmlp(norm(x)), "
+        f"gating width {ff} (4 x hidden_size), a causal {m.seq_length} x {m.seq_length} "
+        "spatial projection, no MLP",
+    )
 
 
 LAYER_TEXT = {

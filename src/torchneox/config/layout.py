@@ -395,6 +395,29 @@ def _fp8(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     )
 
 
+def _gmlp(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
+    """gMLP's spatial gating mixes every position of a sequence through one norm over the
+    whole gating width: neither splits."""
+    if lay.tp == 1 and lay.cp == 1:
+        return None
+    if not {"gmlp", "amlp"} & set(layer_attention_types(cfg)):
+        return None
+    if lay.tp > 1:
+        return _refuse(
+            "gmlp/amlp layers with model_parallel_size > 1 are not built (the gate's norm "
+            "spans the whole gating width; GPT-NeoX normalises each rank's part, another model "
+            "than one process's); use data parallelism, ZeRO or pipeline stages",
+            key="model_parallel_size",
+            cause="attention_config",
+        )
+    return _refuse(
+        "gmlp/amlp layers mix every position of a sequence through one seq x seq matrix, "
+        "which context parallelism would split; use context_parallel_size 1",
+        key="context_parallel_size",
+        cause="attention_config",
+    )
+
+
 def compile_scope(cfg: NeoXConfig, layout: Layout) -> tuple[str, str]:
     """What ``compile`` compiles in ``layout`` ('off', 'model' or 'blocks'), and why."""
     t = cfg.training
@@ -448,6 +471,7 @@ RULES = (
     _context_parallel,
     _fp8,
     _compile_model,
+    _gmlp,
 )
 """Every layout rule, in the order they are checked."""
 

@@ -45,6 +45,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "rotary_dims",
         "residual",
         "attention",
+        "layers",
+        "gmlp",
         "num_parameters",
         "num_active_parameters",
         "flops_per_token",

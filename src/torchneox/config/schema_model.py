@@ -227,8 +227,11 @@ class ModelConfig:
         "Train only a soft prompt, freezing the model.",
         "soft prompt tuning is not supported; remove soft_prompt_tuning",
     )
-    gmlp_attn_dim: int = no_effect(
-        64, "Attention width inside gMLP blocks.", "gMLP blocks are not built"
+    gmlp_attn_dim: int = key(
+        64,
+        "Width of the one-head tiny attention of attention_config 'amlp' layers (gmlp layers "
+        "have none).",
+        ge=1,
     )
     apply_query_key_layer_scaling: bool = no_effect(
         False,

@@ -130,7 +130,34 @@ def attention_layer(config: NeoXConfig, layer: int) -> LayerCounts:
     )
 
 
+def gmlp_width(hidden_size: int) -> int:
+    """A gMLP block's gating width (each half of its first projection): GPT-NeoX's ff_mult
+    4 x hidden_size, whatever intermediate_size, expansion_factor or the activation say."""
+    return 4 * hidden_size
+
+
+def gmlp_layer(config: NeoXConfig, layer: int) -> LayerCounts:
+    """A gMLP block (aMLP: with its tiny attention): norm, hidden -> 2ff, the gate's norm,
+    the seq x seq spatial projection (computed whole: 2 FLOPs per position and channel), ff ->
+    hidden."""
+    m = config.model
+    assert m.hidden_size and m.seq_length
+    h, s, a = m.hidden_size, m.seq_length, m.gmlp_attn_dim
+    ff = gmlp_width(h)
+    norm = norm_params(m)
+    gate_norm = norm if norm <= 1 else norm // h * ff  # scalenorm: one scalar at any width
+    matmul = h * 2 * ff + ff * h
+    params = norm + matmul + gate_norm + s * s + s
+    forward = 2 * matmul + 2 * s * ff
+    if layer_attention_types(config)[layer] == "amlp":
+        tiny = 2 * ff * 3 * a + a * ff
+        params += tiny + 3 * a + ff
+        forward += 2 * tiny + 2 * 2 * s * a  # its projections, scores and weighted sum
+    return LayerCounts(params, params, forward)
+
+
 LAYER_COUNTS = {"global": attention_layer, "flash": attention_layer}
+LAYER_COUNTS |= {"gmlp": gmlp_layer, "amlp": gmlp_layer}
 """Each attention_config layer type's counts (models/block.py's FAMILIES builds them)."""
 
 

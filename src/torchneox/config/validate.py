@@ -298,7 +298,11 @@ def _optimizer_param(ch: Checker, name: str, value: Any) -> Any:
                 raise ValueError
             return float(v)
         except (TypeError, ValueError):
-            fail(f"params.{name} must be a number, got {value!r}")
+            text = isinstance(v, str)  # GPT-NeoX's gmlp_small.yml: eps 1.0e_8, a string to YAML
+            fail(
+                f"params.{name} must be a number, got {'the text ' if text else ''}{value!r}"
+                + ("; write it as a number (such as 1.0e-8)" if text else "")
+            )
             raise AssertionError from None
 
     if name == "betas":

@@ -20,15 +20,13 @@ ROPE_SCALING_FIELDS = {
 ROPE_SCALING_OPTIONAL = {
     "yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
 }
-ATTENTION_TYPES_OK = ("global", "flash")
+ATTENTION_TYPES_OK = ("global", "flash", "gmlp", "amlp")
 ATTENTION_TYPES_REFUSED = {
     "local": "DeepSpeed block-sparse attention",
     "sparse_fixed": "DeepSpeed block-sparse attention",
     "sparse_variable": "DeepSpeed block-sparse attention",
     "bigbird": "DeepSpeed block-sparse attention",
     "bslongformer": "DeepSpeed block-sparse attention",
-    "gmlp": "gMLP blocks",
-    "amlp": "gMLP blocks",
     "mamba": "mamba layers",
     "rwkv": "RWKV layers",
     "ring": "ring attention",
@@ -82,7 +80,28 @@ def _check_model(ch: Checker) -> None:
         )
     _check_positions(ch)
     _check_block_layout(ch)
-    layer_attention_types(ch.c, ch.origin)
+    _check_gmlp(ch, layer_attention_types(ch.c, ch.origin))
+
+
+def _check_gmlp(ch: Checker, types: list[str]) -> None:
+    """gmlp/amlp layers: their spatial gating covers seq_length positions of one sequence."""
+    kind = next((k for k in types if k in ("gmlp", "amlp")), None)
+    if kind is None:
+        return
+    m = ch.c.model
+    if m.seq_length and m.max_position_embeddings and m.max_position_embeddings > m.seq_length:
+        ch.fail(
+            "max_position_embeddings",
+            f"{m.max_position_embeddings} is longer than seq_length {m.seq_length}, but "
+            f"'{kind}' layers mix at most seq_length positions (their seq x seq gating); "
+            "leave it unset or equal to seq_length",
+        )
+    if m.inter_document_attention_masking:
+        ch.fail(
+            "inter_document_attention_masking",
+            f"is not built for '{kind}' layers (their spatial gating mixes the positions of "
+            "the whole sample, as GPT-NeoX's); set it false",
+        )
 
 
 def _check_positions(ch: Checker) -> None:

@@ -16,8 +16,10 @@ from torchneox.config.derive import derive
 from torchneox.config.load import LoadedConfig, load_config, with_absolute_paths
 from torchneox.config.paths import new_output_dir, refuse_non_empty
 from torchneox.config.report import render_yaml
+from torchneox.config.validate_model import layer_attention_types
 from torchneox.config.vocab import tokenizer_vocab_size
 from torchneox.interop.gpt_neox_files import (
+    GMLP_TYPES,
     NeoXLayout,
     load_file,
     merged_layers,
@@ -85,6 +87,7 @@ def convert(
             f"{cfg.parallel.model_parallel_size}; convert with --set model_parallel_size={layout.tp}",
             source=str(step_dir),
         )
+    _check_gmlp(cfg, layout, with_optimizer)
     states = [load_file(layout.rank_files[r]) for r in range(len(layout.rank_files))]
     world = None  # layer files alone: the world size the config gives, or the smallest layout
     if states:  # the run's own world: its data-parallel size sets the global batch
@@ -120,6 +123,27 @@ def convert(
     with new_output_dir(out, force, "convert from-gpt-neox", inputs=inputs) as tmp:
         step = checkpoint_format.save_checkpoint(tmp, meta["iteration"], state, yaml_text, meta)
     return out / step.name
+
+
+def _check_gmlp(cfg: Any, layout: NeoXLayout, with_optimizer: bool) -> None:
+    """What of a GPT-NeoX run with gmlp/amlp layers does not come in, in one line."""
+    kind = next((k for k in layer_attention_types(cfg) if k in GMLP_TYPES), None)
+    if kind is None:
+        return
+    if layout.tp > 1:
+        raise NeoXCheckpointError(
+            f"'{kind}' layers split over {layout.tp} tensor ranks do not import: GPT-NeoX "
+            "normalised each rank's part of the gate on its own, which no one-process model "
+            "computes",
+            source=str(layout.step_dir),
+        )
+    if with_optimizer:
+        raise NeoXCheckpointError(
+            f"the optimizer state of '{kind}' layers does not import yet (GPT-NeoX's optimizer "
+            "also holds the projection biases it never adds, which torchneox does not build); "
+            "convert without --with-optimizer",
+            source=str(layout.step_dir),
+        )
 
 
 def _vocab_from_weights(loaded: LoadedConfig, layers: dict) -> bool:

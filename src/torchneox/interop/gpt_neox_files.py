@@ -272,9 +272,31 @@ def merged_layers(
     return out
 
 
+GMLP_TYPES = ("gmlp", "amlp")
+GMLP_UNUSED = ("input_linear.bias", "output_linear.bias")
+"""GMLPBlock's projection biases: GPT-NeoX builds them with skip_bias_add and drops them, so
+they never reach its output (torchneox builds none)."""
+
+
+def _gmlp_tensors(dst: str, src: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A GMLPBlock's tensors (megatron/model/gmlp.py's names) under torchneox's: its norm is
+    the block's gmlp_norm, the rest the gmlp mixer's (rmsnorm's scale is its weight)."""
+    out = {}
+    for name, tensor in src.items():
+        if name in GMLP_UNUSED:
+            continue
+        module, _, kind = name.rpartition(".")
+        kind = "weight" if kind == "scale" else kind
+        ours = "gmlp_norm" if module == "norm" else f"gmlp.{module}"
+        out[f"{dst}{ours}.{kind}"] = tensor
+    return out
+
+
 def block_tensors(
     dst: str, src: dict[str, torch.Tensor], args: ModelArgs, bias_factor: float
 ) -> dict[str, torch.Tensor]:
+    if args.layer_type(int(dst.split(".")[1])) in GMLP_TYPES:
+        return _gmlp_tensors(dst, src)
     out: dict[str, torch.Tensor] = {}
     names = {
         "input_layernorm": "attention_norm",

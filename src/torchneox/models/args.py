@@ -73,6 +73,8 @@ class ModelArgs:
     amlp); empty: every layer global."""
     seq_length: int = 0
     """The training sequence length (gMLP's spatial gating is a seq x seq matrix)."""
+    gmlp_attn_dim: int = 64
+    """The width of an amlp layer's one-head tiny attention."""
 
     def layer_type(self, layer: int) -> str:
         return self.layer_types[layer] if self.layer_types else "global"
@@ -156,7 +158,9 @@ class ModelArgs:
 
 def _layer_families(cfg: NeoXConfig) -> dict:
     """The layer types and what their families read (ModelArgs' fields by name)."""
-    return {"layer_types": tuple(layer_attention_types(cfg)), "seq_length": cfg.model.seq_length}
+    out = {"layer_types": tuple(layer_attention_types(cfg)), "seq_length": cfg.model.seq_length}
+    out["gmlp_attn_dim"] = cfg.model.gmlp_attn_dim
+    return out
 
 
 def _rope_scaling(spec: dict | None) -> tuple[tuple[str, float], ...]:

@@ -8,6 +8,7 @@ selects it per layer; each family names its sublayers, and those names are the p
 
     family     layer types                              sublayers (norm, mixer, norm, mlp)
     attention  global, flash (and the sparse types)     attention_norm attention mlp_norm mlp
+    gmlp       gmlp, amlp (mixers/gmlp.py)              gmlp_norm gmlp (no MLP)
 
 Every mixer is called as ``mixer(x, rope, bias, cache)`` and returns a tensor shaped like
 ``x``: attention reads the rotary tables, the mask and the KV cache; a recurrent mixer keeps
@@ -25,6 +26,7 @@ from torch import nn
 from torchneox.models.args import ModelArgs
 from torchneox.models.init import InitFn
 from torchneox.models.mixers.attention import Attention, AttentionBias, KVCache
+from torchneox.models.mixers.gmlp import GMLP, gmlp_init
 from torchneox.models.mlp import MLP
 from torchneox.models.moe import MoE, RouterStats
 from torchneox.models.norms import build_norm
@@ -57,7 +59,10 @@ ATTENTION = Family(
     "attention_norm", "attention", Attention, "mlp_norm", "mlp", _mlp_or_moe
 )  # fmt: skip
 
+GMLP_FAMILY = Family("gmlp_norm", "gmlp", GMLP, init_rule=gmlp_init)
+
 FAMILIES: dict[str, Family] = {"global": ATTENTION, "flash": ATTENTION}
+FAMILIES |= {"gmlp": GMLP_FAMILY, "amlp": GMLP_FAMILY}
 """The family of each attention_config layer type torchneox builds."""
 
 

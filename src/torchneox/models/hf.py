@@ -292,6 +292,9 @@ def export_architecture(args: ModelArgs) -> str:
 
 def _common_problems(args: ModelArgs) -> list[str]:
     problems = []
+    gmlp = [kind for kind in ("gmlp", "amlp") if kind in args.layer_types]
+    if gmlp:
+        problems.append(f"attention_config {' and '.join(gmlp)} layers (transformers has no gMLP)")
     if args.pos_emb != "rotary":
         problems.append(f"pos_emb {args.pos_emb!r} (Hugging Face GPTNeoX and Llama use rotary)")
     if args.shared_norm:
