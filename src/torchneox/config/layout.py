@@ -354,15 +354,7 @@ def _context_parallel(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
             key=key,
             cause="seq_length",
         )
-    sequential = sorted(
-        set(layer_attention_types(cfg)) & {"mamba", "rwkv", "gmlp", "amlp"}
-    )  # fmt: skip
     others = (
-        (
-            bool(sequential),
-            f"{' and '.join(sequential)} layers (they mix along the sequence it splits)",
-            "attention_config",
-        ),
         (lay.ep > 1, "expert_parallel_size > 1", "expert_parallel_size"),
         (lay.hybrid, "mics_shard_size (hybrid sharding)", "zero_optimization"),
         (
