@@ -218,6 +218,9 @@ VARIANTS = {
         "qk_norm_scope": "width",
         "norm_position": "output",
     },
+    # RWKV-6 (GPT-NeoX's configs/rwkv), alone and every other layer with attention
+    "rwkv": {"attention_config": [[["rwkv"], "all"]]},
+    "rwkv-global": {"attention_config": [[["rwkv"], 1], [["global"], 1]], "pos_emb": "rotary"},
     "reward-model": {
         "pos_emb": "rotary",
         "train_impl": "rm",
