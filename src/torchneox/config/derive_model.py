@@ -97,11 +97,25 @@ def _shapes(loaded: LoadedConfig, out: Derived) -> None:
     )
     out.put("residual", "parallel" if m.gpt_j_residual else "sequential", residual)
     kinds = layer_attention_types(cfg, loaded.origin)
+    attending = sum(k in ("global", "flash") for k in kinds)
+    if attending:
+        out.put(
+            "attention",
+            "sdpa" + (f", window {m.sliding_window_width}" if m.sliding_window_width else ""),
+            f"causal scaled_dot_product_attention on {'all ' * (attending == len(kinds))}"
+            f"{attending} layers" + (" ('flash' and 'global' alike)" if m.attention_config else ""),
+        )
+    if "rwkv" in kinds:
+        _rwkv(cfg, kinds.count("rwkv"), out)
+
+
+def _rwkv(cfg: NeoXConfig, layers: int, out: Derived) -> None:
+    w = sizes.rwkv_widths(cfg.model)
     out.put(
-        "attention",
-        "sdpa" + (f", window {m.sliding_window_width}" if m.sliding_window_width else ""),
-        f"causal scaled_dot_product_attention on all {len(kinds)} layers"
-        + (" ('flash' and 'global' alike)" if m.attention_config else ""),
+        "rwkv",
+        f"{layers} layers",
+        f"{layers} RWKV-6 layers: dim_att {w.dim_att} ({cfg.model.num_attention_heads} heads of "
+        f"{w.head_size}), channel mix {w.ffn_dim} (GPT-NeoX's rules), ln1/ln2 LayerNorm eps 1e-5",
     )
 
 
