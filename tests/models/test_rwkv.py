@@ -13,7 +13,9 @@ import torch
 from torch.nn import functional as F
 
 from tests.helpers import build
+from torchneox.base.errors import HFError
 from torchneox.inference.generate import Sampling, generate
+from torchneox.models.hf import export_architecture
 from torchneox.models.mixers.attention import AttentionBias, KVCache
 from torchneox.models.mixers.rwkv import wkv
 
@@ -212,3 +214,11 @@ def test_left_padding_changes_nothing(variant):
             alone = model(torch.cat([row, nxt[i]])[None])[0]
             torch.testing.assert_close(batched[i, 12 - len(row) :], alone[:-1])
             torch.testing.assert_close(step[i, 0], alone[-1])
+
+
+def test_export_to_hugging_face_says_in_one_line_that_rwkv_cannot_go():
+    args = build("rwkv")[1].args
+    with pytest.raises(HFError) as err:
+        export_architecture(args)
+    assert "RWKV-6 layers (transformers' Rwkv is RWKV-4" in str(err.value)
+    assert "\n" not in str(err.value)

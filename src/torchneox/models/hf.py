@@ -292,6 +292,8 @@ def export_architecture(args: ModelArgs) -> str:
 
 def _common_problems(args: ModelArgs) -> list[str]:
     problems = []
+    if "rwkv" in args.layer_types:
+        problems.append("RWKV-6 layers (transformers' Rwkv is RWKV-4; GPTNeoX and Llama attend)")
     if args.pos_emb != "rotary":
         problems.append(f"pos_emb {args.pos_emb!r} (Hugging Face GPTNeoX and Llama use rotary)")
     if args.shared_norm:
