@@ -222,3 +222,21 @@ def test_export_to_hugging_face_says_in_one_line_that_rwkv_cannot_go():
         export_architecture(args)
     assert "RWKV-6 layers (transformers' Rwkv is RWKV-4" in str(err.value)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash-linear-attention runs on CUDA")
+def test_flash_linear_attention_kernel_equals_the_chunked_path():
+    pytest.importorskip("fla")
+    from torchneox.models.mixers.rwkv import fla_wkv
+
+    g = torch.Generator().manual_seed(0)
+    b, h, t, n = 2, 4, 100, 64
+    r, k, v = (torch.randn(b, h, t, n, generator=g) for _ in range(3))
+    log_decay = -(torch.rand(b, h, t, n, generator=g) * 6 - 6).exp()
+    u = torch.randn(h, n, generator=g)
+    state = torch.randn(b, h, n, n, generator=g)
+    y, final = wkv(r, k, v, log_decay, u, state)
+    cuda = [x.cuda() for x in (r, k, v, log_decay, u, state)]
+    y_fla, final_fla = fla_wkv(*cuda)
+    torch.testing.assert_close(y_fla.cpu(), y, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(final_fla.cpu(), final, rtol=1e-3, atol=1e-3)

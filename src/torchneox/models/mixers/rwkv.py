@@ -30,6 +30,7 @@ and recurrence run over the batch; here they run over the sequence (docs/migrati
 from __future__ import annotations
 
 import math
+from inspect import signature
 
 import torch
 from torch import nn
@@ -100,15 +101,17 @@ def fla_wkv(r, k, v, log_decay, u, state):
         from fla.ops.rwkv6 import chunk_rwkv6
     except ImportError:
         return None
+    # older releases default to [B, H, T, N] (head_first), newer ones take only [B, T, H, N]
+    layout = {"head_first": False} if "head_first" in signature(chunk_rwkv6).parameters else {}
     y, final = chunk_rwkv6(
-        *(x.transpose(1, 2).contiguous() for x in (r, k, v, log_decay)),
-        u,
+        *(x.to(r.dtype).transpose(1, 2).contiguous() for x in (r, k, v, log_decay)),
+        u.to(r.dtype),
         scale=1.0,
         initial_state=state,
         output_final_state=True,
-        head_first=False,
+        **layout,
     )
-    return y.transpose(1, 2), final.float()
+    return y.transpose(1, 2).float(), final.float()
 
 
 def _shifted(x: torch.Tensor, state: dict, name: str, cache) -> torch.Tensor:
