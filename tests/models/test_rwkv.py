@@ -251,3 +251,10 @@ def test_cuda_graph_decoding_equals_recomputing():
     graphed = generate(model, prompts, Sampling(maximum_tokens=10, decode_loop="static"))
     recomputed = generate(model, prompts, Sampling(maximum_tokens=10, use_cache=False))
     assert graphed == recomputed
+
+
+def test_widths_follow_dim_att_and_intermediate_size():
+    block = build("rwkv-widths")[1].layers["1"]
+    assert block.time_mix.receptance.weight.shape == (128, 64)
+    assert block.time_mix.time_faaaa.shape == (4, 32)
+    assert block.channel_mix.key.weight.shape == (96, 64)  # 100 rounded down to 96

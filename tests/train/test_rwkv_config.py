@@ -18,6 +18,9 @@ def test_gpt_neox_rwkv_config_explains(capsys):
     assert "12 RWKV-6 layers: dim_att 768 (12 heads of 64), channel mix 2688" in out
     # 12 x 8,024,064 per layer + embeddings, learned positions and the untied head
     assert "175,129,344 (175M), of which 78,839,808 in embeddings" in out
+    # 3 x (12 layers x 16,220,160 + the head's 2 x 50,304 x 768)
+    assert "815,726,592 (816MFLOP) = 3 x forward (2 per weight a token meets, output head " in out
+    assert "plus the RWKV recurrence's state read-out and update)" in out
     assert "bf16.loss_scale: DeepSpeed reads it for fp16 only" in out
 
 

@@ -136,12 +136,17 @@ def _counts(cfg: NeoXConfig, out: Derived, padded: int) -> None:
             f"{counts.active:,} ({_human(counts.active)}) reach each token: {counts.moe_layers} MoE "
             f"layers of {cfg.moe.moe_num_experts} experts, top-{cfg.moe.moe_top_k}",
         )
+    kinds = layer_attention_types(cfg)
+    mixing = [
+        f"attention scores over {min(m.seq_length, m.sliding_window_width or m.seq_length)} "
+        "positions"
+    ] * any(k in ("global", "flash") for k in kinds)
+    mixing += ["the RWKV recurrence's state read-out and update"] * ("rwkv" in kinds)
     out.put(
         "flops_per_token",
         counts.flops_per_token,
         f"{counts.flops_per_token:,} ({_human(counts.flops_per_token)}FLOP) = 3 x forward "
-        f"(2 per weight a token meets, output head included, plus attention scores over "
-        f"{min(m.seq_length, m.sliding_window_width or m.seq_length)} positions)",
+        f"(2 per weight a token meets, output head included, plus {' and '.join(mixing)})",
     )
 
 
