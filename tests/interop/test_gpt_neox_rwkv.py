@@ -109,3 +109,14 @@ def test_a_tensor_the_rwkv_layer_does_not_have_is_named_in_one_line(tmp_path, ca
     assert err.count("torchneox: error:") == 1 and "Traceback" not in err
     line = err.splitlines()[-1]
     assert "weights do not match the config: layers.1.time_mix.time_first is not in" in line
+
+
+def test_its_optimizer_state_is_refused_in_one_line(tmp_path, capsys):
+    write_checkpoint(tmp_path / "neox")
+    args = ["convert", "from-gpt-neox", str(tmp_path / "neox"), str(tmp_path / "ckpt")]
+    args += ["--with-optimizer", "--set", f"vocab_file={GPT2}/vocab.json"]
+    assert main([*args, "--set", f"merge_file={GPT2}/merges.txt"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "--with-optimizer does not read the optimizer state of RWKV layers yet" in err
+    assert not (tmp_path / "ckpt").exists()

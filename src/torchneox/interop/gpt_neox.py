@@ -92,6 +92,12 @@ def convert(
         world = max(cfg.parallel.pipe_parallel_size, 1) * cfg.parallel.model_parallel_size * dp
     derived = derive(loaded, world_size=world)
     args = ModelArgs.from_config(cfg, derived["padded_vocab_size"])
+    if with_optimizer and "rwkv" in args.layer_types:
+        raise NeoXCheckpointError(
+            "--with-optimizer does not read the optimizer state of RWKV layers yet; convert "
+            "the weights without it",
+            source=str(step_dir),
+        )
     layers = merged_layers(layout, states, args, progress)
     if _vocab_from_weights(loaded, layers):  # the tokenizer's file is not here
         derived = derive(loaded, world_size=world)
