@@ -92,12 +92,8 @@ def convert(
         world = max(cfg.parallel.pipe_parallel_size, 1) * cfg.parallel.model_parallel_size * dp
     derived = derive(loaded, world_size=world)
     args = ModelArgs.from_config(cfg, derived["padded_vocab_size"])
-    if with_optimizer and "rwkv" in args.layer_types:
-        raise NeoXCheckpointError(
-            "--with-optimizer does not read the optimizer state of RWKV layers yet; convert "
-            "the weights without it",
-            source=str(step_dir),
-        )
+    if with_optimizer:
+        _optimizer_readable(args, step_dir)
     layers = merged_layers(layout, states, args, progress)
     if _vocab_from_weights(loaded, layers):  # the tokenizer's file is not here
         derived = derive(loaded, world_size=world)
@@ -126,6 +122,15 @@ def convert(
     with new_output_dir(out, force, "convert from-gpt-neox", inputs=inputs) as tmp:
         step = checkpoint_format.save_checkpoint(tmp, meta["iteration"], state, yaml_text, meta)
     return out / step.name
+
+
+def _optimizer_readable(args: ModelArgs, step_dir: Path) -> None:
+    if "rwkv" in args.layer_types:
+        raise NeoXCheckpointError(
+            "--with-optimizer does not read the optimizer state of RWKV layers yet; convert "
+            "the weights without it",
+            source=str(step_dir),
+        )
 
 
 def _vocab_from_weights(loaded: LoadedConfig, layers: dict) -> bool:
