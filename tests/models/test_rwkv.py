@@ -139,15 +139,15 @@ def test_initialisation_is_gpt_neox_s():
             "g": 1.0 - torch.pow(ddd, 0.5 * ratio_1_to_almost0),
         }
         for name, value in expected.items():
-            torch.testing.assert_close(getattr(tm, f"time_maa_{name}").data, value)
+            assert torch.equal(getattr(tm, f"time_maa_{name}").data, value), name
         decay_speed = torch.ones(dim_att)
         tmp = torch.zeros(dim_att)
         for n in range(dim_att):
             decay_speed[n] = -6 + 5 * (n / (dim_att - 1)) ** (0.7 + 1.3 * ratio_0_to_1)
             zigzag = ((n + 1) % 3 - 1) * 0.1
             tmp[n] = ratio_0_to_1 * (1 - (n / (dim_att - 1))) + zigzag
-        torch.testing.assert_close(tm.time_decay.data, decay_speed.reshape(1, 1, dim_att))
-        torch.testing.assert_close(tm.time_faaaa.data, tmp.reshape(heads, dim_att // heads))
+        assert torch.equal(tm.time_decay.data, decay_speed.reshape(1, 1, dim_att))
+        assert torch.equal(tm.time_faaaa.data, tmp.reshape(heads, dim_att // heads))
         for name in ("k", "r"):
             torch.testing.assert_close(
                 getattr(cm, f"time_maa_{name}").data, 1.0 - torch.pow(ddd, ratio_1_to_almost0)

@@ -258,7 +258,7 @@ def _decay(args: ModelArgs, layer: int) -> torch.Tensor:
 
 def _faaaa(args: ModelArgs, layer: int) -> torch.Tensor:
     ratio_0_to_1, _ = _ratios(args, layer)
-    index = torch.arange(args.rwkv_dim_att)
+    index = torch.arange(args.rwkv_dim_att, dtype=torch.float64)
     zigzag = ((index + 1) % 3 - 1) * 0.1
     return (ratio_0_to_1 * (1 - index / (args.rwkv_dim_att - 1)) + zigzag).float()
 
