@@ -258,3 +258,18 @@ def test_widths_follow_dim_att_and_intermediate_size():
     assert block.time_mix.receptance.weight.shape == (128, 64)
     assert block.time_mix.time_faaaa.shape == (4, 32)
     assert block.channel_mix.key.weight.shape == (96, 64)  # 100 rounded down to 96
+
+
+def test_the_recurrence_runs_in_fp32_under_bf16_autocast(monkeypatch):
+    mix = lively(build("rwkv")[1]).layers["1"].time_mix
+    seen = []
+
+    def spy(*args, **kwargs):
+        y, state = wkv(*args, **kwargs)
+        seen.append((y.dtype, state.dtype, torch.is_autocast_enabled("cpu")))
+        return y, state
+
+    monkeypatch.setattr("torchneox.models.mixers.rwkv.wkv", spy)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        mix(torch.randn(2, 40, 64), None, AttentionBias(None, True))
+    assert seen == [(torch.float32, torch.float32, False)]

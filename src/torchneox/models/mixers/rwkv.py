@@ -201,7 +201,8 @@ class TimeMix(nn.Module):
             out = fla_wkv(r, k, v, log_decay, self.time_faaaa, state)
             if out is not None:
                 return out
-        return wkv(r, k, v, log_decay, self.time_faaaa, state)
+        with torch.autocast(r.device.type, enabled=False):  # the recurrence in fp32
+            return wkv(r, k, v, log_decay, self.time_faaaa, state)
 
 
 class ChannelMix(nn.Module):
