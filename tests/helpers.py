@@ -218,6 +218,15 @@ VARIANTS = {
         "qk_norm_scope": "width",
         "norm_position": "output",
     },
+    # RWKV-6 (GPT-NeoX's configs/rwkv), alone and every other layer with attention
+    "rwkv": {"attention_config": [[["rwkv"], "all"]]},
+    "rwkv-global": {"attention_config": [[["rwkv"], 1], [["global"], 1]], "pos_emb": "rotary"},
+    # its own widths: dim_att 128 (4 heads of 32), a channel mix of 100 rounded down to 96
+    "rwkv-widths": {
+        "attention_config": [[["rwkv"], "all"]],
+        "dim_att": 128,
+        "intermediate_size": 100,
+    },
     "reward-model": {
         "pos_emb": "rotary",
         "train_impl": "rm",

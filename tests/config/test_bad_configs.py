@@ -481,6 +481,29 @@ CASES = [
         ["gpt_j_tied: only means something with gpt_j_residual: true"],
     ),
     (
+        "rwkv-hidden-size",
+        {"a.yml": BASE.replace("64", "48").replace("}\n", 'attention_config: [[["rwkv"], 2]]}\n')},
+        [],
+        ["a.yml", "hidden_size: 48 is not a multiple of 32, as RWKV layers need"],
+    ),
+    (
+        "rwkv-dim-att",
+        {"a.yml": BASE.replace("}\n", 'attention_config: [[["rwkv"], 2]], dim_att: 80}\n')},
+        [],
+        ["dim_att: RWKV's dim_att 80 must be a multiple of 32 and of num_attention_heads 4"],
+    ),
+    (
+        "rwkv-two-widths",
+        {
+            "a.yml": BASE.replace(
+                "}\n",
+                'attention_config: [[["rwkv"], 2]], intermediate_size: 128, expansion_factor: 2}\n',
+            )
+        },
+        [],
+        ["expansion_factor: RWKV layers take intermediate_size or expansion_factor, not both"],
+    ),
+    (
         "world-size-flag",
         {"a.yml": BASE},
         ["--world-size", "0"],

@@ -78,6 +78,16 @@ CASES = [
         UNTIED | {"pipe_parallel_size": 2, "gradient_accumulation_steps": 2, "lm_z_loss": 1e-4},
         "lm_z_loss: is not built for tensor or pipeline parallelism yet",
     ),
+    (
+        "rwkv-with-tensor-parallelism",
+        UNTIED | {"model_parallel_size": 2, "attention_config": [[["rwkv"], "all"]]},
+        "model_parallel_size: 2 with RWKV layers (attention_config 'rwkv') is not built",
+    ),
+    (
+        "rwkv-with-context-parallelism",
+        {"context_parallel_size": 2, "attention_config": [[["rwkv"], 1], [["global"], 1]]},
+        "context_parallel_size: 2 with RWKV layers (attention_config 'rwkv') is not built",
+    ),
 ]
 
 

@@ -22,6 +22,7 @@ from torchneox.config.loss_scale import loss_scale_spec
 from torchneox.config.optimizer import optimizer_spec
 from torchneox.config.schema import KEYS, NeoXConfig
 from torchneox.config.validate import (
+    BF16_IGNORED,
     ZERO_KEYS,
     ZERO_OFFLOAD_KEYS,
     split_fractions,
@@ -516,6 +517,8 @@ def _no_effect(loaded: LoadedConfig, out: Derived) -> None:
             "global_num_gpus",
         ):
             out.no_effect[name] = "GPT-NeoX sets this at launch; torchneox derives its own value"
+    for sub in (cfg.precision.bf16 or {}).keys() & set(BF16_IGNORED):
+        out.no_effect[f"bf16.{sub}"] = "DeepSpeed reads it for fp16 only; bf16 has no loss scale"
     for sub, value in (cfg.optimizer.zero_optimization or {}).items():
         if sub in ZERO_OFFLOAD_KEYS and not value:
             continue  # offload switched off, as torchneox requires

@@ -117,6 +117,8 @@ def _shapes(loaded: LoadedConfig, out: Derived) -> None:
             + ", ".join(dict.fromkeys(LAYER_TEXT.get(kind, kind) for kind in kinds)),
         )
     _gmlp(cfg, kinds, out)
+    if "rwkv" in kinds:
+        _rwkv(cfg, kinds.count("rwkv"), out)
 
 
 def _gmlp(cfg: NeoXConfig, kinds: list[str], out: Derived) -> None:
@@ -132,6 +134,16 @@ def _gmlp(cfg: NeoXConfig, kinds: list[str], out: Derived) -> None:
         f"{gmlp + amlp} of {len(kinds)} layers are gMLP blocks{tiny}: x + gmlp(norm(x)), "
         f"gating width {ff} (4 x hidden_size), a causal {m.seq_length} x {m.seq_length} "
         "spatial projection, no MLP",
+    )
+
+
+def _rwkv(cfg: NeoXConfig, layers: int, out: Derived) -> None:
+    w = sizes.rwkv_widths(cfg.model)
+    out.put(
+        "rwkv",
+        f"{layers} layers",
+        f"{layers} RWKV-6 layers: dim_att {w.dim_att} ({cfg.model.num_attention_heads} heads of "
+        f"{w.head_size}), channel mix {w.ffn_dim} (GPT-NeoX's rules), ln1/ln2 LayerNorm eps 1e-5",
     )
 
 
@@ -174,12 +186,17 @@ def _counts(cfg: NeoXConfig, out: Derived, padded: int) -> None:
             f"{counts.active:,} ({_human(counts.active)}) reach each token: {counts.moe_layers} MoE "
             f"layers of {cfg.moe.moe_num_experts} experts, top-{cfg.moe.moe_top_k}",
         )
+    kinds = layer_attention_types(cfg)
+    mixing = [
+        f"attention scores over {min(m.seq_length, m.sliding_window_width or m.seq_length)} "
+        "positions"
+    ] * any(k in ("global", "flash") for k in kinds)
+    mixing += ["the RWKV recurrence's state read-out and update"] * ("rwkv" in kinds)
     out.put(
         "flops_per_token",
         counts.flops_per_token,
         f"{counts.flops_per_token:,} ({_human(counts.flops_per_token)}FLOP) = 3 x forward "
-        f"(2 per weight a token meets, output head included, plus attention scores over "
-        f"{min(m.seq_length, m.sliding_window_width or m.seq_length)} positions)",
+        f"(2 per weight a token meets, output head included, plus {' and '.join(mixing)})",
     )
 
 

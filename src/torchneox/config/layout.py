@@ -374,6 +374,21 @@ def _context_parallel(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     return None
 
 
+def _rwkv(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
+    """RWKV layers are not split over tensor ranks (GPT-NeoX refuses it too) nor their
+    sequences over context ranks (the recurrence runs through the whole sequence)."""
+    if (lay.tp == 1 and lay.cp == 1) or "rwkv" not in layer_attention_types(cfg):
+        return None
+    key, size = ("model_parallel_size", lay.tp) if lay.tp > 1 else ("context_parallel_size", lay.cp)
+    return _refuse(
+        f"{size} with RWKV layers (attention_config 'rwkv') is not built (GPT-NeoX refuses "
+        f"tensor parallelism for them too); set {key}: 1 and use data parallelism (any ZeRO "
+        "stage) or pipeline stages",
+        key=key,
+        cause="attention_config",
+    )
+
+
 def _fp8(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     plan = fp8_plan(cfg.precision, cfg.model)
     if plan is None or lay.tp == 1:
@@ -451,6 +466,7 @@ def _compile_model(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
 
 
 RULES = (
+    _rwkv,
     _whole_heads,
     _pipeline,
     _experts,

@@ -47,6 +47,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "attention",
         "layers",
         "gmlp",
+        "rwkv",
         "num_parameters",
         "num_active_parameters",
         "flops_per_token",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from torchneox.config.fields import extension, key, no_effect, unsupported
+from torchneox.config.fields import derived, extension, key, no_effect, unsupported
 
 FUSED = (
     "a fused-kernel switch; torchneox needs no custom kernels (SDPA and torch.compile do this work)"
@@ -21,7 +21,6 @@ ONLINE = (
     "only used by GPT-NeoX's online REINFORCE setup (serve_model_weights, dataset_impl "
     "'online'), which torchneox does not build"
 )
-RWKV = "configures RWKV layers, which torchneox does not build (attention_config 'rwkv' is refused)"
 
 INIT_METHODS = (
     "normal",
@@ -327,9 +326,20 @@ class ModelConfig:
     online_dataserver_ports: int | list[int] = no_effect(
         10000, "Ports of the online data servers.", ONLINE
     )
-    dim_att: int | None = no_effect(None, "RWKV attention width.", RWKV)
-    head_size: int | None = no_effect(None, "RWKV head size.", RWKV)
-    ffn_dim: int | None = no_effect(None, "RWKV feed-forward width.", RWKV)
+    dim_att: int | None = key(
+        None,
+        "RWKV's time-mix width (receptance, key, value, gate, decay); unset: hidden_size. "
+        "A multiple of 32 and of num_attention_heads.",
+        ge=32,
+    )
+    head_size: int | None = derived(
+        None, "RWKV's head size: dim_att / num_attention_heads (GPT-NeoX overwrites a given value)."
+    )
+    ffn_dim: int | None = derived(
+        None,
+        "RWKV's channel-mix width: intermediate_size, else expansion_factor (3.5) x hidden_size, "
+        "rounded down to a multiple of 32 (GPT-NeoX overwrites a given value).",
+    )
 
 
 @dataclass

@@ -158,6 +158,48 @@ def gmlp_layer(config: NeoXConfig, layer: int) -> LayerCounts:
 
 LAYER_COUNTS = {"global": attention_layer, "flash": attention_layer}
 LAYER_COUNTS |= {"gmlp": gmlp_layer, "amlp": gmlp_layer}
+
+
+@dataclass(frozen=True)
+class RWKVWidths:
+    dim_att: int
+    head_size: int
+    ffn_dim: int
+
+
+def rwkv_widths(m: ModelConfig) -> RWKVWidths:
+    """GPT-NeoX's RWKV widths: dim_att (hidden_size where unset), heads of dim_att /
+    num_attention_heads, and a channel mix of intermediate_size or expansion_factor (3.5) x
+    hidden_size, rounded down to a multiple of 32."""
+    assert m.hidden_size and m.num_attention_heads
+    dim_att = m.dim_att or m.hidden_size
+    ffn = m.intermediate_size or int((m.expansion_factor or 3.5) * m.hidden_size)
+    return RWKVWidths(dim_att, dim_att // m.num_attention_heads, int(ffn // 32 * 32))
+
+
+RWKV_MIX_RANK, RWKV_DECAY_RANK = 32, 64
+"""The low-rank widths of RWKV-6's five token-shift mixes and of its decay."""
+
+
+def rwkv_layer(config: NeoXConfig, layer: int) -> LayerCounts:
+    """An RWKV-6 layer: ln1, the time mix, ln2, the channel mix. FLOPs: every weight a token
+    meets (the projections and low-rank mixes) and the WKV recurrence's state read-out and
+    update (2 multiply-adds per state element: 4 x dim_att x head_size)."""
+    m = config.model
+    assert m.hidden_size
+    h, w = m.hidden_size, rwkv_widths(m)
+    d, f = w.dim_att, w.ffn_dim
+    mixes = 6 * h + h * 5 * RWKV_MIX_RANK + 5 * RWKV_MIX_RANK * h
+    decay = d + h * RWKV_DECAY_RANK + RWKV_DECAY_RANK * d
+    time_matmul = 5 * RWKV_MIX_RANK * h * 2 + RWKV_DECAY_RANK * (h + d) + 5 * h * d
+    time_mix = mixes + decay + d + 5 * h * d + 2 * d  # + bonus u, projections, GroupNorm
+    channel_matmul = 2 * h * f + h * h
+    params = 4 * h + time_mix + 2 * h + channel_matmul
+    forward = 2 * (time_matmul + channel_matmul) + 4 * d * w.head_size
+    return LayerCounts(params, params, forward)
+
+
+LAYER_COUNTS |= {"rwkv": rwkv_layer}
 """Each attention_config layer type's counts (models/block.py's FAMILIES builds them)."""
 
 

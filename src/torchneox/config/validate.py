@@ -80,7 +80,10 @@ FP16_KEYS = (
     "consecutive_hysteresis",
     "min_loss_scale",
 )
-BF16_KEYS = ("enabled", "type", "immediate_grad_update", "check_grad_overflow")
+BF16_IGNORED = ("bf16", *FP16_KEYS[FP16_KEYS.index("loss_scale") :])
+"""What GPT-NeoX's configs/rwkv/170M.yml also puts in bf16 (its fp16 block's keys): DeepSpeed
+reads none of them for bf16, which has no loss scale."""
+BF16_KEYS = ("enabled", "type", "immediate_grad_update", "check_grad_overflow", *BF16_IGNORED)
 COMM_DTYPES = ("fp32", "fp16", "bf16", "bfloat16")
 
 

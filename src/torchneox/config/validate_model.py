@@ -20,7 +20,7 @@ ROPE_SCALING_FIELDS = {
 ROPE_SCALING_OPTIONAL = {
     "yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
 }
-ATTENTION_TYPES_OK = ("global", "flash", "gmlp", "amlp")
+ATTENTION_TYPES_OK = ("global", "flash", "gmlp", "amlp", "rwkv")
 ATTENTION_TYPES_REFUSED = {
     "local": "DeepSpeed block-sparse attention",
     "sparse_fixed": "DeepSpeed block-sparse attention",
@@ -28,7 +28,6 @@ ATTENTION_TYPES_REFUSED = {
     "bigbird": "DeepSpeed block-sparse attention",
     "bslongformer": "DeepSpeed block-sparse attention",
     "mamba": "mamba layers",
-    "rwkv": "RWKV layers",
     "ring": "ring attention",
 }
 
@@ -80,7 +79,10 @@ def _check_model(ch: Checker) -> None:
         )
     _check_positions(ch)
     _check_block_layout(ch)
-    _check_gmlp(ch, layer_attention_types(ch.c, ch.origin))
+    types = layer_attention_types(ch.c, ch.origin)
+    _check_gmlp(ch, types)
+    if "rwkv" in types:
+        _check_rwkv(ch)
 
 
 def _check_gmlp(ch: Checker, types: list[str]) -> None:
@@ -101,6 +103,34 @@ def _check_gmlp(ch: Checker, types: list[str]) -> None:
             "inter_document_attention_masking",
             f"is not built for '{kind}' layers (their spatial gating mixes the positions of "
             "the whole sample, as GPT-NeoX's); set it false",
+        )
+
+
+def _check_rwkv(ch: Checker) -> None:
+    """RWKV's widths, as GPT-NeoX asserts them (multiples of 32, whole heads)."""
+    m = ch.c.model
+    if not (m.hidden_size and m.num_attention_heads):
+        return
+    if m.hidden_size % 32:
+        ch.fail("hidden_size", f"{m.hidden_size} is not a multiple of 32, as RWKV layers need")
+    dim_att = m.dim_att or m.hidden_size
+    if dim_att % 32 or dim_att % m.num_attention_heads:
+        ch.fail(
+            "dim_att" if m.dim_att else "num_attention_heads",
+            f"RWKV's dim_att {dim_att} must be a multiple of 32 and of num_attention_heads "
+            f"{m.num_attention_heads} (its heads are dim_att / num_attention_heads wide)",
+        )
+    if m.intermediate_size and m.expansion_factor:
+        ch.fail(
+            "expansion_factor",
+            "RWKV layers take intermediate_size or expansion_factor, not both; unset one",
+        )
+    ffn = m.intermediate_size or int((m.expansion_factor or 3.5) * m.hidden_size)
+    if ffn < 32:
+        ch.fail(
+            "intermediate_size" if m.intermediate_size else "expansion_factor",
+            f"gives RWKV a channel mix of {ffn}, rounded down to a multiple of 32: 0; "
+            "make it at least 32",
         )
 
 

@@ -196,12 +196,17 @@ def _cuda_graph(step, cache: StaticKVCache):
     Warm-up runs on a side stream first, as capture asks; each writes the keys the real
     step writes and the slot is put back after it."""
     slot = cache.slot.clone()
+    # a recurrent layer's state (updated in place) is put back after the warm-up runs too
+    states = {layer: {k: v.clone() for k, v in s.items()} for layer, s in cache.states.items()}
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
             step()
             cache.slot.copy_(slot)
+            for layer, saved in states.items():
+                for name, value in saved.items():
+                    cache.states[layer][name].copy_(value)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

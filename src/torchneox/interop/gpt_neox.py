@@ -95,6 +95,8 @@ def convert(
         world = max(cfg.parallel.pipe_parallel_size, 1) * cfg.parallel.model_parallel_size * dp
     derived = derive(loaded, world_size=world)
     args = ModelArgs.from_config(cfg, derived["padded_vocab_size"])
+    if with_optimizer:
+        _optimizer_readable(args, step_dir)
     layers = merged_layers(layout, states, args, progress)
     if _vocab_from_weights(loaded, layers):  # the tokenizer's file is not here
         derived = derive(loaded, world_size=world)
@@ -143,6 +145,15 @@ def _check_gmlp(cfg: Any, layout: NeoXLayout, with_optimizer: bool) -> None:
             "also holds the projection biases it never adds, which torchneox does not build); "
             "convert without --with-optimizer",
             source=str(layout.step_dir),
+        )
+
+
+def _optimizer_readable(args: ModelArgs, step_dir: Path) -> None:
+    if "rwkv" in args.layer_types:
+        raise NeoXCheckpointError(
+            "--with-optimizer does not read the optimizer state of RWKV layers yet; convert "
+            "the weights without it",
+            source=str(step_dir),
         )
 
 

@@ -333,6 +333,26 @@ def block_tensors(
     return out
 
 
+RWKV_NAMES = (
+    ("ln1.", "time_mix_norm."),
+    ("ln2.", "channel_mix_norm."),
+    ("att.ln_x.", "time_mix.out_norm."),
+    ("att.", "time_mix."),
+    ("ffn.", "channel_mix."),
+)
+"""GPT-NeoX's RWKVResidualLayer names -> torchneox's (the rest of each name is the same)."""
+
+
+def rwkv_tensors(dst: str, src: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, tensor in src.items():
+        theirs, ours = next(((t, o) for t, o in RWKV_NAMES if name.startswith(t)), (None, None))
+        if theirs is None:
+            raise NeoXCheckpointError(f"{dst}: {name} is not a tensor of GPT-NeoX's RWKV layer")
+        out[f"{dst}{ours}{name.removeprefix(theirs)}"] = tensor
+    return out
+
+
 def _split_fused_qkv(
     dst: str, qkv: torch.Tensor, kind: str, args: ModelArgs
 ) -> list[tuple[str, torch.Tensor]]:
@@ -368,6 +388,9 @@ def model_state(
     if "position_embeddings.weight" in layers[0]:
         out["pos_embed.weight"] = layers[0]["position_embeddings.weight"]
     for i in range(n):
+        if args.layer_type(i) == "rwkv":
+            out |= rwkv_tensors(f"layers.{i}.", layers[i + 2])
+            continue
         out |= block_tensors(f"layers.{i}.", layers[i + 2], args, bias_factor)
     for kind in ("weight", "bias", "scale"):
         if f"norm.{kind}" in layers[n + 3]:

@@ -8,7 +8,7 @@ from torchneox.base.errors import ConfigError
 from torchneox.config.derive import derive
 from torchneox.config.load import LoadedConfig
 from torchneox.config.schema import NeoXConfig
-from torchneox.config.sizes import head_dim, kv_heads, mlp_widths, rotary_dims
+from torchneox.config.sizes import head_dim, kv_heads, mlp_widths, rotary_dims, rwkv_widths
 from torchneox.config.validate_model import layer_attention_types
 
 ATTENTION_LAYER_TYPES = (
@@ -75,6 +75,10 @@ class ModelArgs:
     """The training sequence length (gMLP's spatial gating is a seq x seq matrix)."""
     gmlp_attn_dim: int = 64
     """The width of an amlp layer's one-head tiny attention."""
+    rwkv_dim_att: int = 0
+    """RWKV's time-mix width (dim_att; heads of dim_att / num_attention_heads)."""
+    rwkv_ffn_dim: int = 0
+    """RWKV's channel-mix width."""
 
     def layer_type(self, layer: int) -> str:
         return self.layer_types[layer] if self.layer_types else "global"
@@ -158,7 +162,11 @@ class ModelArgs:
 
 def _layer_families(cfg: NeoXConfig) -> dict:
     """The layer types and what their families read (ModelArgs' fields by name)."""
-    out = {"layer_types": tuple(layer_attention_types(cfg)), "seq_length": cfg.model.seq_length}
+    types = tuple(layer_attention_types(cfg))
+    out = {"layer_types": types, "seq_length": cfg.model.seq_length}
+    if "rwkv" in types:
+        widths = rwkv_widths(cfg.model)
+        out |= {"rwkv_dim_att": widths.dim_att, "rwkv_ffn_dim": widths.ffn_dim}
     out["gmlp_attn_dim"] = cfg.model.gmlp_attn_dim
     return out
 

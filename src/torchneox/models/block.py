@@ -9,6 +9,8 @@ selects it per layer; each family names its sublayers, and those names are the p
     family     layer types                              sublayers (norm, mixer, norm, mlp)
     attention  global, flash (and the sparse types)     attention_norm attention mlp_norm mlp
     gmlp       gmlp, amlp (mixers/gmlp.py)              gmlp_norm gmlp (no MLP)
+    rwkv       rwkv                                     time_mix_norm time_mix channel_mix_norm
+                                                        channel_mix
 
 Every mixer is called as ``mixer(x, rope, bias, cache)`` and returns a tensor shaped like
 ``x``: attention reads the rotary tables, the mask and the KV cache; a recurrent mixer keeps
@@ -25,6 +27,7 @@ from torch import nn
 
 from torchneox.models.args import ModelArgs
 from torchneox.models.init import InitFn
+from torchneox.models.mixers import rwkv
 from torchneox.models.mixers.attention import Attention, AttentionBias, KVCache
 from torchneox.models.mixers.gmlp import GMLP, gmlp_init
 from torchneox.models.mlp import MLP
@@ -53,6 +56,13 @@ class Family:
     init_rule: Callable[[ModelArgs, str], InitFn | None] | None = None
     """The family's own initialisation of a parameter (its name in the block, after
     ``layers.{i}.``), or None where init_method's rule applies."""
+    layer_init_rule: Callable[[ModelArgs, int, str], InitFn | None] | None = None
+    """As ``init_rule``, for a family whose initialisations depend on the layer's index."""
+    build_norm: Callable[[ModelArgs], nn.Module] | None = None
+    """The family's own norms (None: the config's ``norm``)."""
+    norm_first_input: bool = False
+    """On layer 0, the block's input is normalised by the first norm before anything else
+    (GPT-NeoX's RWKV applies ln1 twice there)."""
 
 
 ATTENTION = Family(
@@ -63,6 +73,13 @@ GMLP_FAMILY = Family("gmlp_norm", "gmlp", GMLP, init_rule=gmlp_init)
 
 FAMILIES: dict[str, Family] = {"global": ATTENTION, "flash": ATTENTION}
 FAMILIES |= {"gmlp": GMLP_FAMILY, "amlp": GMLP_FAMILY}
+RWKV = Family(
+    "time_mix_norm", "time_mix", rwkv.TimeMix, "channel_mix_norm", "channel_mix",
+    rwkv.ChannelMix, mlp_is_mixer=True, layer_init_rule=rwkv.init_rule,
+    build_norm=rwkv.layer_norm, norm_first_input=True,
+)  # fmt: skip
+
+FAMILIES |= {"rwkv": RWKV}
 """The family of each attention_config layer type torchneox builds."""
 
 
@@ -77,6 +94,8 @@ def special_init(args: ModelArgs, name: str) -> InitFn | None:
         return None
     layer, _, rest = name.removeprefix("layers.").partition(".")
     family = family_of(args, int(layer))
+    if family.layer_init_rule is not None:
+        return family.layer_init_rule(args, int(layer), rest)
     return family.init_rule(args, rest) if family.init_rule is not None else None
 
 
@@ -89,7 +108,11 @@ class Block(nn.Module):
         self.norm_output = attention and args.norm_position == "output"
         self.is_moe = family.build_mlp is _mlp_or_moe and args.is_moe_layer(layer)
 
+        self.norm_input = family.norm_first_input and layer == 0
+
         def norm() -> nn.Module:
+            if family.build_norm is not None:
+                return family.build_norm(args)
             return build_norm(args.norm, args.hidden_size, args.norm_eps, args.norm_bias)
 
         setattr(self, family.norm, norm())
@@ -119,6 +142,8 @@ class Block(nn.Module):
     ) -> tuple[torch.Tensor, RouterStats | None]:
         """The block's output, and its router's statistics when its MLP is an MoE layer."""
         norm, mixer, mlp_norm, mlp = self.sublayers()
+        if self.norm_input:
+            x = norm(x)
         if self.norm_output:  # OLMo 2: each sublayer's output normalised, then added
             x = x + self.dropout(norm(mixer(x, rope, bias, cache)))
             mlp_out, stats = self._mlp(mlp, x, rope, bias, cache)

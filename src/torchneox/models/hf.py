@@ -295,6 +295,8 @@ def _common_problems(args: ModelArgs) -> list[str]:
     gmlp = [kind for kind in ("gmlp", "amlp") if kind in args.layer_types]
     if gmlp:
         problems.append(f"attention_config {' and '.join(gmlp)} layers (transformers has no gMLP)")
+    if "rwkv" in args.layer_types:
+        problems.append("RWKV-6 layers (transformers' Rwkv is RWKV-4; GPTNeoX and Llama attend)")
     if args.pos_emb != "rotary":
         problems.append(f"pos_emb {args.pos_emb!r} (Hugging Face GPTNeoX and Llama use rotary)")
     if args.shared_norm:
