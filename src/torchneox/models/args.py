@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from torchneox.base.errors import ConfigError
 from torchneox.config.derive import derive
 from torchneox.config.load import LoadedConfig
 from torchneox.config.schema import NeoXConfig
 from torchneox.config.sizes import head_dim, kv_heads, mlp_widths, rotary_dims
+from torchneox.config.sparsity import SPARSE_TYPES, Sparsity, sparsity
 from torchneox.config.validate_model import layer_attention_types
 
 ATTENTION_LAYER_TYPES = (
@@ -73,6 +75,8 @@ class ModelArgs:
     amlp); empty: every layer global."""
     seq_length: int = 0
     """The training sequence length (gMLP's spatial gating is a seq x seq matrix)."""
+    sparsity_config: tuple[tuple[str, Any], ...] = ()
+    """sparsity_config's fields (lists as tuples): the block-sparse layers' layouts."""
 
     def layer_type(self, layer: int) -> str:
         return self.layer_types[layer] if self.layer_types else "global"
@@ -81,6 +85,14 @@ class ModelArgs:
         """Whether layer ``layer`` is attention (global, flash or block-sparse): what holds
         keys and values in a KV cache."""
         return self.layer_type(layer) in ATTENTION_LAYER_TYPES
+
+    def sparsity(self, layer: int) -> Sparsity | None:
+        """Layer ``layer``'s block-sparse layout settings (None: not a block-sparse layer)."""
+        kind = self.layer_type(layer)
+        if kind not in SPARSE_TYPES:
+            return None
+        fields = {k: list(v) if isinstance(v, tuple) else v for k, v in self.sparsity_config}
+        return sparsity(kind, fields)
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe_num_experts > 1 and layer % self.moe_interval == 0
@@ -150,7 +162,14 @@ class ModelArgs:
 
 def _layer_families(cfg: NeoXConfig) -> dict:
     """The layer types and what their families read (ModelArgs' fields by name)."""
-    return {"layer_types": tuple(layer_attention_types(cfg)), "seq_length": cfg.model.seq_length}
+    sparse = cfg.model.sparsity_config or {}
+    return {
+        "layer_types": tuple(layer_attention_types(cfg)),
+        "seq_length": cfg.model.seq_length,
+        "sparsity_config": tuple(
+            (k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(sparse.items())
+        ),
+    }
 
 
 def _rope_scaling(spec: dict | None) -> tuple[tuple[str, float], ...]:

@@ -22,9 +22,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from torchneox.config.sparsity import SPARSE_TYPES
 from torchneox.models.args import ModelArgs
 from torchneox.models.init import InitFn
 from torchneox.models.mixers.attention import Attention, AttentionBias, KVCache
+from torchneox.models.mixers.sparse import SparseAttention
 from torchneox.models.mlp import MLP
 from torchneox.models.moe import MoE, RouterStats
 from torchneox.models.norms import build_norm
@@ -53,11 +55,18 @@ class Family:
     ``layers.{i}.``), or None where init_method's rule applies."""
 
 
+def _attention(args: ModelArgs, layer: int) -> nn.Module:
+    """Dense attention, or block-sparse where the layer's type has a layout (its parameters
+    are the same)."""
+    return SparseAttention(args, layer) if args.sparsity(layer) else Attention(args, layer)
+
+
 ATTENTION = Family(
-    "attention_norm", "attention", Attention, "mlp_norm", "mlp", _mlp_or_moe
+    "attention_norm", "attention", _attention, "mlp_norm", "mlp", _mlp_or_moe
 )  # fmt: skip
 
 FAMILIES: dict[str, Family] = {"global": ATTENTION, "flash": ATTENTION}
+FAMILIES |= dict.fromkeys(SPARSE_TYPES, ATTENTION)
 """The family of each attention_config layer type torchneox builds."""
 
 
