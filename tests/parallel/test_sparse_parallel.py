@@ -1,5 +1,6 @@
 """Block-sparse layers under parallel layouts: tensor parallelism splits the heads and each
-rank takes its heads' layouts, so two tensor ranks train as one process does; a stopped run
+rank takes its heads' layouts, so two tensor ranks train as one process does, as do two
+context ranks (each takes the layout at its positions); a stopped run
 resumes bit for bit."""
 
 from __future__ import annotations
@@ -41,10 +42,12 @@ def sparse(make_module_config):
     )
 
 
-def test_tensor_parallel_equals_one_process(sparse, tmp_path, tmp_path_factory):
+@pytest.mark.parametrize("layout", ["model_parallel_size=2", "context_parallel_size=2"])
+def test_two_ranks_equal_one_process(sparse, tmp_path, tmp_path_factory, layout):
+    # context parallelism: each rank's queries take the layout at their gathered positions
     baseline = one_process(sparse, tmp_path_factory, "gradient_accumulation_steps=2")
-    out = tmp_path / "tp2"
-    train(sparse, f"save={out}", "load=null", "model_parallel_size=2", nproc=2)
+    out = tmp_path / "two"
+    train(sparse, f"save={out}", "load=null", layout, nproc=2)
     assert_same_training(out, baseline)
 
 
