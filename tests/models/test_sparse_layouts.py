@@ -31,7 +31,7 @@ def random_picks(layer: int, heads: int, n: int, k: int, causal_range: bool) -> 
 
 
 def layout(kind: str, spec: dict, heads: int, seq: int, layer: int = 0) -> torch.Tensor:
-    got = build_layout(sparsity(kind, spec), heads, seq, layer)
+    got = torch.from_numpy(build_layout(sparsity(kind, spec), heads, seq, layer))
     return got.expand(heads, -1, -1) if got.shape[0] == 1 else got
 
 
@@ -174,15 +174,15 @@ def test_gpt_neox_defaults_per_type():
 
 def test_each_layer_draws_its_own_random_blocks():
     spec = sparsity("bigbird", {"num_random_blocks": 3, "num_sliding_window_blocks": 1})
-    a, b = (build_layout(spec, 1, 16 * 32, layer) for layer in (0, 1))
+    a, b = (torch.from_numpy(build_layout(spec, 1, 16 * 32, layer)) for layer in (0, 1))
     assert not torch.equal(a, b)  # DeepSpeed reuses one layout for every layer
-    assert torch.equal(a, build_layout(spec, 1, 16 * 32, 0))  # and each is fixed
+    assert torch.equal(a, torch.from_numpy(build_layout(spec, 1, 16 * 32, 0)))  # each is fixed
 
 
 def test_causal_density_counts_the_pairs_the_layout_lets_through():
     block, n = 4, 3
-    full = torch.ones(1, n, n, dtype=torch.bool)
+    full = torch.ones(1, n, n, dtype=torch.bool).numpy()
     assert causal_density(full, block) == 1.0
-    diagonal = torch.eye(n, dtype=torch.bool)[None]
+    diagonal = torch.eye(n, dtype=torch.bool)[None].numpy()
     # each diagonal block holds block * (block + 1) / 2 causal pairs, of L (L + 1) / 2
     assert causal_density(diagonal, block) == pytest.approx(n * 10 / (12 * 13 / 2))

@@ -5,6 +5,10 @@ resumes bit for bit."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -61,3 +65,14 @@ def test_resumes_bitwise(sparse, tmp_path):
     }
     after, before = weights(moved), weights(unstopped)
     assert all(torch.equal(after[name], before[name]) for name in before)
+
+
+def test_the_dry_run_rehearses_a_sparse_model_with_several_threads(sparse, tmp_path):
+    # the layouts explain and the estimate count are built without torch: a torch operation
+    # in the process that forks the rehearsed ranks hung them (its thread pool does not fork)
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    command = [sys.executable, "-m", "torchneox", "train", sparse, "--dry-run"]
+    command += ["--set", f"save={tmp_path / 'run'}", "--set", "model_parallel_size=2"]
+    run = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "every rehearsed rank built and holds what estimate computes" in run.stdout

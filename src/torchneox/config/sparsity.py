@@ -4,10 +4,12 @@ each layer's block layout built by DeepSpeed's rules (DeeperSpeed
 ``deepspeed/ops/sparse_attention/sparsity_config.py``, with the arguments GPT-NeoX's
 ``configure_sparse_attention`` passes).
 
-A layout is a bool tensor [heads, blocks, blocks] over ``seq_length`` positions (block
+A layout is a bool array [heads, blocks, blocks] over ``seq_length`` positions (block
 ``block``): query block i may attend to key block j. The model ANDs it with the causal mask at
 the positions of each call (models/mixers/sparse.py); the estimator counts the pairs it lets
-through. It lives on this floor because ``config explain`` and ``estimate`` count from it.
+through. It lives on this floor because ``config explain`` and ``estimate`` count from it, in
+numpy: a torch operation in the process that forks the dry run's ranks hangs them (the
+intra-op thread pool does not survive a fork).
 
 Departures from DeepSpeed, all listed in docs/migrating-from-gpt-neox.md: each layer draws its
 random blocks from its own generator (seeded by the layer's index), where DeepSpeed draws from
@@ -22,7 +24,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+import numpy as np
 
 from torchneox.base.errors import did_you_mean
 
@@ -190,13 +192,13 @@ def layout_seed(layer: int) -> int:
     return 1_000_003 * (layer + 1)
 
 
-def build_layout(s: Sparsity, heads: int, seq_length: int, layer: int) -> torch.Tensor:
+def build_layout(s: Sparsity, heads: int, seq_length: int, layer: int) -> np.ndarray:
     """Layer ``layer``'s layout, bool [heads, blocks, blocks] (one head's when every head shares
     it: [1, blocks, blocks]), by DeepSpeed's rules for ``s.kind``."""
     n = seq_length // s.block
     rng = random.Random(layout_seed(layer))
     count = heads if s.per_head else 1
-    layout = torch.zeros(count, n, n, dtype=torch.bool, device="cpu")
+    layout = np.zeros((count, n, n), dtype=bool)
     for h in range(count):
         one = layout[h]
         if s.kind == "local":
@@ -218,35 +220,35 @@ def build_layout(s: Sparsity, heads: int, seq_length: int, layer: int) -> torch.
             _sliding(one, s.local, bidirectional=True)
             _global_columns(one, s, first_row_at_start=False, rows=True)
         if not s.bidirectional and s.kind in ("bigbird", "bslongformer"):
-            layout[h] = torch.tril(one)
+            layout[h] = np.tril(one)
     return layout
 
 
-def _sliding(one: torch.Tensor, window: int, bidirectional: bool) -> None:
+def _sliding(one: np.ndarray, window: int, bidirectional: bool) -> None:
     n, w = one.shape[0], window // 2
     for row in range(n):
         one[row, max(0, row - w) : (min(row + w + 1, n) if bidirectional else row + 1)] = True
 
 
-def _random(one: torch.Tensor, k: int, rng: random.Random, causal_range: bool) -> None:
+def _random(one: np.ndarray, k: int, rng: random.Random, causal_range: bool) -> None:
     n = one.shape[0]
     for row in range(n):
         population = range(row + 1) if causal_range else range(n)
         one[row, rng.sample(population, min(k, len(population)))] = True
 
 
-def _windows(one: torch.Tensor, start: int, end: int, bidirectional: bool) -> None:
+def _windows(one: np.ndarray, start: int, end: int, bidirectional: bool) -> None:
     for row in range(start, end):
         one[row, start : (end if bidirectional else row + 1)] = True
 
 
-def _fixed_local(one: torch.Tensor, s: Sparsity) -> None:
+def _fixed_local(one: np.ndarray, s: Sparsity) -> None:
     n = one.shape[0]
     for i in range(0, n, s.local):
         _windows(one, i, min(i + s.local, n), s.bidirectional)
 
 
-def _fixed_global(one: torch.Tensor, s: Sparsity, h: int) -> None:
+def _fixed_global(one: np.ndarray, s: Sparsity, h: int) -> None:
     n, g = one.shape[0], s.global_blocks
     first = s.local - (1 + h % s.patterns) * g
     end = n - n % s.local
@@ -259,7 +261,7 @@ def _fixed_global(one: torch.Tensor, s: Sparsity, h: int) -> None:
             one[i : i + g, :] = True
 
 
-def _variable_local(one: torch.Tensor, s: Sparsity) -> None:
+def _variable_local(one: np.ndarray, s: Sparsity) -> None:
     n, start = one.shape[0], 0
     for size in s.windows:
         _windows(one, start, min(start + size, n), s.bidirectional)
@@ -269,7 +271,7 @@ def _variable_local(one: torch.Tensor, s: Sparsity) -> None:
 
 
 def _global_columns(
-    one: torch.Tensor, s: Sparsity, first_row_at_start: bool, rows: bool = False
+    one: np.ndarray, s: Sparsity, first_row_at_start: bool, rows: bool = False
 ) -> None:
     """Global blocks: columns every later (or every) row attends to; ``rows`` (or horizontal
     global attention): the global blocks attend to every block."""
@@ -284,12 +286,11 @@ def _global_columns(
         one[start if first_row_at_start else 0 :, start:end] = True
 
 
-def causal_density(layout: torch.Tensor, block: int) -> float:
+def causal_density(layout: np.ndarray, block: int) -> float:
     """The share of a causal [seq, seq] attention matrix's (query, key) pairs with key <= query
     that ``layout`` [heads, blocks, blocks] lets through, averaged over its heads."""
     n = layout.shape[-1]
-    within = torch.tril(torch.ones(block, block)).sum()  # a diagonal block's causal pairs
-    pairs_per_head = (torch.tril(layout, -1).sum((-2, -1)) * block * block).float()
-    pairs_per_head += layout.diagonal(dim1=-2, dim2=-1).sum(-1).float() * within
+    below = np.tril(layout, -1).sum(axis=(-2, -1)) * block * block  # whole blocks
+    diagonal = np.diagonal(layout, axis1=-2, axis2=-1).sum(-1) * (block * (block + 1) // 2)
     causal_pairs = n * block * (n * block + 1) / 2
-    return float(pairs_per_head.mean()) / causal_pairs
+    return float((below + diagonal).mean()) / causal_pairs

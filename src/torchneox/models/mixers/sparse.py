@@ -43,7 +43,7 @@ class SparseAttention(Attention):
 
     def _layout(self, device: torch.device | str | None) -> torch.Tensor:
         layout = build_layout(self.spec, self.num_heads, self.seq_length, self.layer)
-        return layout if device is None else layout.to(device)
+        return torch.from_numpy(layout).to("cpu" if device is None else device)
 
     def init_buffers(self, device: torch.device | str) -> None:
         """Recompute the layout on ``device`` (after ``to_empty``)."""
