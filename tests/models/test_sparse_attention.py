@@ -15,6 +15,7 @@ from torchneox.config.load import load_mapping
 from torchneox.config.sizes import count
 from torchneox.inference.generate import Sampling, generate
 from torchneox.models.args import model_args
+from torchneox.models.mixers import sparse
 from torchneox.models.mixers.attention import AttentionBias, KVCache, StaticKVCache
 from torchneox.models.mixers.sparse import SparseAttention
 from torchneox.models.transformer import build_model
@@ -146,14 +147,42 @@ def test_tensor_parallel_ranks_take_their_heads_layouts():
     assert torch.equal(layer._head_layouts(), whole[2:4])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention runs on CUDA")
+def _flex_and_dense(layer, x):
+    """The layer's FlexAttention path and its dense path on the same queries, keys and values."""
+    b, t, _ = x.shape
+    q, k = layer._queries_keys(x)
+    v = layer.wv(x).view(b, t, -1, layer.head_dim).transpose(1, 2)
+    positions = torch.arange(t, device=x.device)
+    dense = layer._attend(q, k, v, AttentionBias(None, False, positions=(positions, positions)))
+    return layer._flex(q, k, v), dense
+
+
 @pytest.mark.parametrize("kind", list(SPARSE))
-def test_flex_attention_equals_the_dense_path(kind):
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_the_flex_block_mask_equals_the_dense_mask(kind, kv_heads, monkeypatch):
+    # on the CPU FlexAttention runs forward only and unfused (eager): enough to hold the block
+    # mask built from the layout to the dense mask, per head and under GQA
+    from torch.nn.attention.flex_attention import flex_attention
+
+    monkeypatch.setattr(sparse, "_COMPILED_FLEX", flex_attention)
+    _, model = sparse_model(kind, num_kv_heads=kv_heads)
+    with torch.no_grad():
+        flex, dense = _flex_and_dense(model.layers["0"].attention, torch.randn(2, 64, 64))
+    torch.testing.assert_close(flex, dense)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention trains on CUDA")
+@pytest.mark.parametrize("kind", list(SPARSE))
+def test_flex_attention_equals_the_dense_path_on_cuda(kind):
     _, model = sparse_model(kind, num_kv_heads=2)
     layer = model.layers["0"].attention.cuda()
     layer.init_buffers("cuda")
-    x = torch.randn(2, 64, 64, device="cuda")
-    flex = layer(x, None, AttentionBias(None, is_causal=True))
-    positions = torch.arange(64, device="cuda")
-    dense = layer(x, None, AttentionBias(None, False, positions=(positions, positions)))
-    torch.testing.assert_close(flex, dense, atol=2e-5, rtol=1e-4)
+    x = torch.randn(2, 64, 64, device="cuda", requires_grad=True)
+    # the layer takes FlexAttention for a whole causal sequence on CUDA
+    whole = layer(x, None, AttentionBias(None, is_causal=True))
+    flex, dense = _flex_and_dense(layer, x)
+    torch.testing.assert_close(whole, layer.wo(flex.transpose(1, 2).reshape(2, 64, -1)))
+    torch.testing.assert_close(flex, dense, atol=1e-4, rtol=1e-4)
+    (grad_flex,) = torch.autograd.grad(flex.square().sum(), x)
+    (grad_dense,) = torch.autograd.grad(dense.square().sum(), x)
+    torch.testing.assert_close(grad_flex, grad_dense, atol=1e-4, rtol=1e-4)
