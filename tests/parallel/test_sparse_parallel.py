@@ -1,7 +1,8 @@
 """Block-sparse layers under parallel layouts: tensor parallelism splits the heads and each
 rank takes its heads' layouts, so two tensor ranks train as one process does, as do two
-context ranks (each takes the layout at its positions); a stopped run
-resumes bit for bit."""
+context ranks (each takes the layout at its positions) and two pipeline stages (each layer
+builds its layout from its own index); a stopped run resumes bit for bit; the dry run
+rehearses a sparse model."""
 
 from __future__ import annotations
 
@@ -46,7 +47,9 @@ def sparse(make_module_config):
     )
 
 
-@pytest.mark.parametrize("layout", ["model_parallel_size=2", "context_parallel_size=2"])
+@pytest.mark.parametrize(
+    "layout", ["model_parallel_size=2", "context_parallel_size=2", "pipe_parallel_size=2"]
+)
 def test_two_ranks_equal_one_process(sparse, tmp_path, tmp_path_factory, layout):
     # context parallelism: each rank's queries take the layout at their gathered positions
     baseline = one_process(sparse, tmp_path_factory, "gradient_accumulation_steps=2")
