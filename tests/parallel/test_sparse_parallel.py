@@ -1,7 +1,8 @@
 """Block-sparse layers under parallel layouts: tensor parallelism splits the heads and each
 rank takes its heads' layouts, so two tensor ranks train as one process does, as do two
 context ranks (each takes the layout at its positions) and two pipeline stages (each layer
-builds its layout from its own index); a stopped run resumes bit for bit; the dry run
+builds its layout from its own index), and two data-parallel ranks under ZeRO 1 and 3; a
+stopped run resumes bit for bit; the dry run
 rehearses a sparse model."""
 
 from __future__ import annotations
@@ -47,14 +48,22 @@ def sparse(make_module_config):
     )
 
 
-@pytest.mark.parametrize(
-    "layout", ["model_parallel_size=2", "context_parallel_size=2", "pipe_parallel_size=2"]
-)
+LAYOUTS = {
+    "tp2": ["model_parallel_size=2"],
+    "cp2": ["context_parallel_size=2"],
+    "pp2": ["pipe_parallel_size=2"],
+    # data parallel 2: micro-batches of 2, accumulated twice
+    "zero1": ["zero_optimization.stage=1", "train_micro_batch_size_per_gpu=2"],
+    "zero3": ["zero_optimization.stage=3", "train_micro_batch_size_per_gpu=2"],
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_two_ranks_equal_one_process(sparse, tmp_path, tmp_path_factory, layout):
     # context parallelism: each rank's queries take the layout at their gathered positions
     baseline = one_process(sparse, tmp_path_factory, "gradient_accumulation_steps=2")
     out = tmp_path / "two"
-    train(sparse, f"save={out}", "load=null", layout, nproc=2)
+    train(sparse, f"save={out}", "load=null", *LAYOUTS[layout], nproc=2)
     assert_same_training(out, baseline)
 
 
