@@ -10,11 +10,13 @@ import torch
 from torch.nn import functional as F
 
 from tests.helpers import BASE
+from torchneox.base.errors import HFError
 from torchneox.config.derive import derive
 from torchneox.config.load import load_mapping
 from torchneox.config.sizes import count
 from torchneox.inference.generate import Sampling, generate
 from torchneox.models.args import model_args
+from torchneox.models.hf import export_architecture
 from torchneox.models.mixers import sparse
 from torchneox.models.mixers.attention import AttentionBias, KVCache, StaticKVCache
 from torchneox.models.mixers.sparse import SparseAttention
@@ -186,3 +188,9 @@ def test_flex_attention_equals_the_dense_path_on_cuda(kind):
     (grad_flex,) = torch.autograd.grad(flex.square().sum(), x)
     (grad_dense,) = torch.autograd.grad(dense.square().sum(), x)
     torch.testing.assert_close(grad_flex, grad_dense, atol=1e-4, rtol=1e-4)
+
+
+def test_export_to_hugging_face_is_refused_in_one_line():
+    _, model = sparse_model("local")
+    with pytest.raises(HFError, match=r"block-sparse layers \(local; Hugging Face attends"):
+        export_architecture(model.args)
