@@ -66,8 +66,8 @@ ATTENTION = Family(
 )  # fmt: skip
 
 FAMILIES: dict[str, Family] = {"global": ATTENTION, "flash": ATTENTION}
-FAMILIES |= dict.fromkeys(SPARSE_TYPES, ATTENTION)
 """The family of each attention_config layer type torchneox builds."""
+FAMILIES |= dict.fromkeys(SPARSE_TYPES, ATTENTION)  # block-sparse: attention with a layout
 
 
 def family_of(args: ModelArgs, layer: int) -> Family:
