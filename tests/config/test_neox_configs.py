@@ -25,10 +25,6 @@ ALL_CONFIGS = (
 # The shipped configs that ask for something torchneox does not build, and the line it says.
 REFUSED = {
     "bnb_125M.yml": ("use_bnb_optimizer", "bitsandbytes 8-bit optimizers are not supported"),
-    "sparse.yml": (
-        "attention_config",
-        "'local' attention (DeepSpeed block-sparse attention) is not supported",
-    ),
     # post-training configs load and explain; online REINFORCE is the one refused
     "post-training/llama3-8b-reinforce.yml": (
         "train_impl",

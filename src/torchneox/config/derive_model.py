@@ -10,6 +10,7 @@ from torchneox.config import sizes
 from torchneox.config.derived import Derived
 from torchneox.config.load import LoadedConfig
 from torchneox.config.schema import NeoXConfig
+from torchneox.config.sparsity import SPARSE_TYPES, sparsity
 from torchneox.config.validate_model import layer_attention_types
 from torchneox.config.vocab import GPT2_VOCAB, tokenizer_vocab_size
 
@@ -134,6 +135,29 @@ def _gmlp(cfg: NeoXConfig, kinds: list[str], out: Derived) -> None:
         f"{gmlp + amlp} of {len(kinds)} layers are gMLP blocks{tiny}: x + gmlp(norm(x)), "
         f"gating width {ff} (4 x hidden_size), a causal {m.seq_length} x {m.seq_length} "
         "spatial projection, no MLP",
+    )
+    _sparse_layouts(cfg, kinds, out)
+
+
+def _sparse_layouts(cfg: NeoXConfig, kinds: list[str], out: Derived) -> None:
+    """Each block-sparse layer's type and the share of causal pairs its layout attends to."""
+    m = cfg.model
+    layers = [(i, kind) for i, kind in enumerate(kinds) if kind in SPARSE_TYPES]
+    if not layers:
+        return
+    groups: dict[str, list[str]] = {}  # "type share" -> its layers
+    for i, kind in layers:
+        spec = sparsity(kind, m.sparsity_config)
+        density = sizes.layout_density(spec, m.num_attention_heads, m.seq_length, i)
+        groups.setdefault(f"{kind} {density:.1%}", []).append(str(i))
+    shares = [f"{text} (layer{'s' * (len(at) > 1)} {', '.join(at)})" for text, at in groups.items()]
+    block = sparsity(layers[0][1], m.sparsity_config).block
+    out.put(
+        "sparse_layouts",
+        ", ".join(shares),
+        f"each sparse type and the share of the causal (query, key) pairs its block layout "
+        f"attends to (block {block}, DeepSpeed's layouts; each layer draws its own random "
+        "blocks); the FLOPs count only those pairs",
     )
 
 

@@ -48,6 +48,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "layers",
         "gmlp",
         "rwkv",
+        "sparse_layouts",
         "num_parameters",
         "num_active_parameters",
         "flops_per_token",

@@ -201,12 +201,14 @@ class ModelConfig:
     attention_dropout: float = key(0.0, "Dropout on attention probabilities.", ge=0, lt=1)
     attention_config: list[Any] | None = key(
         None,
-        "Attention type per layer, as [[types, count], ...]; global and flash run as SDPA attention.",
+        "Attention type per layer, as [[types, count], ...]; global and flash run as SDPA "
+        "attention, the block-sparse types as SDPA or FlexAttention with their layout.",
     )
-    sparsity_config: dict[str, Any] | None = no_effect(
+    sparsity_config: dict[str, Any] | None = key(
         None,
-        "Block-sparse attention settings.",
-        "only used by sparse attention types in attention_config, which are refused",
+        "Block-sparse layouts of the attention_config types local, sparse_fixed, "
+        "sparse_variable, bigbird and bslongformer (block, num_local_blocks, ...; "
+        "docs/model.md).",
     )
     output_layer_parallelism: Literal["column"] = key(
         "column", "How the output head is split across tensor ranks (by vocabulary)."

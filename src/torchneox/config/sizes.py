@@ -5,10 +5,12 @@ model (torchneox.models) builds exactly these shapes, and a test holds the two t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from torchneox.config.schema import ModelConfig, MoEConfig, NeoXConfig
 from torchneox.config.schema_model import GATED_ACTIVATIONS
+from torchneox.config.sparsity import SPARSE_TYPES, Sparsity, build_layout, causal_density, sparsity
 from torchneox.config.validate_model import layer_attention_types
 
 
@@ -200,6 +202,30 @@ def rwkv_layer(config: NeoXConfig, layer: int) -> LayerCounts:
 
 
 LAYER_COUNTS |= {"rwkv": rwkv_layer}
+
+
+def sparse_attention_layer(config: NeoXConfig, layer: int) -> LayerCounts:
+    """A block-sparse attention layer: global attention's parameters; its scores and weighted
+    values over the share of the causal (query, key) pairs its layout lets through (a layout
+    that keeps every block counts as global attention does)."""
+    m = config.model
+    assert m.hidden_size and m.num_attention_heads and m.seq_length
+    dense = attention_layer(config, layer)
+    kind = layer_attention_types(config)[layer]
+    context = min(m.seq_length, m.sliding_window_width or m.seq_length)
+    scores = 2 * 2 * context * m.num_attention_heads * head_dim(m)
+    spec = sparsity(kind, m.sparsity_config)
+    density = layout_density(spec, m.num_attention_heads, m.seq_length, layer)
+    return replace(dense, forward_flops=dense.forward_flops - scores + round(scores * density))
+
+
+@lru_cache(maxsize=256)
+def layout_density(spec: Sparsity, heads: int, seq_length: int, layer: int) -> float:
+    """The share of causal pairs layer ``layer``'s layout attends to (its heads' mean)."""
+    return causal_density(build_layout(spec, heads, seq_length, layer), spec.block)
+
+
+LAYER_COUNTS |= dict.fromkeys(SPARSE_TYPES, sparse_attention_layer)
 """Each attention_config layer type's counts (models/block.py's FAMILIES builds them)."""
 
 

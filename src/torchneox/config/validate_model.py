@@ -8,6 +8,7 @@ from typing import Any
 from torchneox.base.errors import ConfigError, did_you_mean
 from torchneox.config.checker import Checker
 from torchneox.config.schema import NeoXConfig
+from torchneox.config.sparsity import SPARSE_TYPES, check_sparsity
 
 MAX_LAYERS = 100_000  # per-layer lists are built from num_layers; far past any real model
 ROPE_SCALING_FIELDS = {
@@ -20,13 +21,8 @@ ROPE_SCALING_FIELDS = {
 ROPE_SCALING_OPTIONAL = {
     "yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
 }
-ATTENTION_TYPES_OK = ("global", "flash", "gmlp", "amlp", "rwkv")
+ATTENTION_TYPES_OK = ("global", "flash", "gmlp", "amlp", "rwkv", *SPARSE_TYPES)
 ATTENTION_TYPES_REFUSED = {
-    "local": "DeepSpeed block-sparse attention",
-    "sparse_fixed": "DeepSpeed block-sparse attention",
-    "sparse_variable": "DeepSpeed block-sparse attention",
-    "bigbird": "DeepSpeed block-sparse attention",
-    "bslongformer": "DeepSpeed block-sparse attention",
     "mamba": "mamba layers",
     "ring": "ring attention",
 }
@@ -81,6 +77,7 @@ def _check_model(ch: Checker) -> None:
     _check_block_layout(ch)
     types = layer_attention_types(ch.c, ch.origin)
     _check_gmlp(ch, types)
+    _check_sparsity(ch, types)
     if "rwkv" in types:
         _check_rwkv(ch)
 
@@ -131,6 +128,23 @@ def _check_rwkv(ch: Checker) -> None:
             "intermediate_size" if m.intermediate_size else "expansion_factor",
             f"gives RWKV a channel mix of {ffn}, rounded down to a multiple of 32: 0; "
             "make it at least 32",
+        )
+
+
+def _check_sparsity(ch: Checker, kinds: list[str]) -> None:
+    """sparsity_config's fields, and DeepSpeed's rules for the sparse layers it lays out."""
+    m = ch.c.model
+    problem = check_sparsity(m.sparsity_config, kinds, m.seq_length)
+    if problem is not None:
+        field, message = problem  # the message names the field
+        ch.fail("sparsity_config", message, path=field or None)
+    sparse = sorted(set(kinds) & set(SPARSE_TYPES))
+    if sparse and m.max_position_embeddings and m.max_position_embeddings > (m.seq_length or 0):
+        ch.fail(
+            "max_position_embeddings",
+            f"{m.max_position_embeddings} is longer than seq_length {m.seq_length}, the "
+            f"positions the block-sparse layout of '{sparse[0]}' covers (as in GPT-NeoX); set "
+            "max_position_embeddings to seq_length",
         )
 
 
@@ -212,9 +226,13 @@ def layer_attention_types(config: NeoXConfig, origin: dict[str, str] | None = No
             if kind not in ATTENTION_TYPES_OK:
                 fail(f"unknown attention type '{kind}'{did_you_mean(kind, ATTENTION_TYPES_OK)}")
         if count == "all":
-            if not m.num_layers:
-                fail("'all' needs num_layers")
-            count = m.num_layers // len(kinds)
+            if not m.num_layers:  # a fragment (GPT-NeoX's sparse.yml): laid out once sized
+                return []
+            if m.num_layers % len(kinds):
+                fail(
+                    f"'all' repeats {kinds} over {m.num_layers} layers, not a multiple of {len(kinds)}"
+                )
+            count = m.num_layers  # GPT-NeoX: the pattern repeated over every layer
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             fail(f"layer count must be a positive integer or 'all', got {count!r}")
         if len(types_per_layer) + count > (m.num_layers or MAX_LAYERS):

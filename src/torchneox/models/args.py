@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from torchneox.base.errors import ConfigError
 from torchneox.config.derive import derive
 from torchneox.config.load import LoadedConfig
 from torchneox.config.schema import NeoXConfig
 from torchneox.config.sizes import head_dim, kv_heads, mlp_widths, rotary_dims, rwkv_widths
+from torchneox.config.sparsity import SPARSE_TYPES, Sparsity, sparsity
 from torchneox.config.validate_model import layer_attention_types
 
 ATTENTION_LAYER_TYPES = (
@@ -79,6 +81,8 @@ class ModelArgs:
     """RWKV's time-mix width (dim_att; heads of dim_att / num_attention_heads)."""
     rwkv_ffn_dim: int = 0
     """RWKV's channel-mix width."""
+    sparsity_config: tuple[tuple[str, Any], ...] = ()
+    """sparsity_config's fields (lists as tuples): the block-sparse layers' layouts."""
 
     def layer_type(self, layer: int) -> str:
         return self.layer_types[layer] if self.layer_types else "global"
@@ -87,6 +91,14 @@ class ModelArgs:
         """Whether layer ``layer`` is attention (global, flash or block-sparse): what holds
         keys and values in a KV cache."""
         return self.layer_type(layer) in ATTENTION_LAYER_TYPES
+
+    def sparsity(self, layer: int) -> Sparsity | None:
+        """Layer ``layer``'s block-sparse layout settings (None: not a block-sparse layer)."""
+        kind = self.layer_type(layer)
+        if kind not in SPARSE_TYPES:
+            return None
+        fields = {k: list(v) if isinstance(v, tuple) else v for k, v in self.sparsity_config}
+        return sparsity(kind, fields)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is a mixture of experts (an attention layer's, as
@@ -168,6 +180,10 @@ def _layer_families(cfg: NeoXConfig) -> dict:
         widths = rwkv_widths(cfg.model)
         out |= {"rwkv_dim_att": widths.dim_att, "rwkv_ffn_dim": widths.ffn_dim}
     out["gmlp_attn_dim"] = cfg.model.gmlp_attn_dim
+    sparse = cfg.model.sparsity_config or {}
+    out["sparsity_config"] = tuple(
+        (k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(sparse.items())
+    )
     return out
 
 

@@ -25,11 +25,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from torchneox.config.sparsity import SPARSE_TYPES
 from torchneox.models.args import ModelArgs
 from torchneox.models.init import InitFn
 from torchneox.models.mixers import rwkv
 from torchneox.models.mixers.attention import Attention, AttentionBias, KVCache
 from torchneox.models.mixers.gmlp import GMLP, gmlp_init
+from torchneox.models.mixers.sparse import SparseAttention
 from torchneox.models.mlp import MLP
 from torchneox.models.moe import MoE, RouterStats
 from torchneox.models.norms import build_norm
@@ -65,8 +67,14 @@ class Family:
     (GPT-NeoX's RWKV applies ln1 twice there)."""
 
 
+def _attention(args: ModelArgs, layer: int) -> nn.Module:
+    """Dense attention, or block-sparse where the layer's type has a layout (its parameters
+    are the same)."""
+    return SparseAttention(args, layer) if args.sparsity(layer) else Attention(args, layer)
+
+
 ATTENTION = Family(
-    "attention_norm", "attention", Attention, "mlp_norm", "mlp", _mlp_or_moe
+    "attention_norm", "attention", _attention, "mlp_norm", "mlp", _mlp_or_moe
 )  # fmt: skip
 
 GMLP_FAMILY = Family("gmlp_norm", "gmlp", GMLP, init_rule=gmlp_init)
@@ -81,6 +89,7 @@ RWKV = Family(
 
 FAMILIES |= {"rwkv": RWKV}
 """The family of each attention_config layer type torchneox builds."""
+FAMILIES |= dict.fromkeys(SPARSE_TYPES, ATTENTION)  # block-sparse: attention with a layout
 
 
 def family_of(args: ModelArgs, layer: int) -> Family:

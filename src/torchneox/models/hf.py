@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from torchneox.base.errors import HFError, first_line
+from torchneox.config.sparsity import SPARSE_TYPES
 from torchneox.models.args import ModelArgs
 from torchneox.models.hf_defaults import DEFAULTS, rope, with_defaults
 
@@ -301,6 +302,9 @@ def _common_problems(args: ModelArgs) -> list[str]:
         problems.append(f"pos_emb {args.pos_emb!r} (Hugging Face GPTNeoX and Llama use rotary)")
     if args.shared_norm:
         problems.append("gpt_j_tied (one norm for attention and MLP)")
+    sparse = sorted({t for t in args.layer_types if t in SPARSE_TYPES})
+    if sparse:
+        problems.append(f"block-sparse layers ({', '.join(sparse)}; Hugging Face attends densely)")
     if args.qk_norm == "neox":
         problems.append(
             "qk_norm_scope neox (GPT-NeoX's one query/key norm; Qwen3 normalises each head, "

@@ -143,8 +143,12 @@ class Transformer(nn.Module):
             self.register_buffer("alibi", alibi_slopes(a.num_heads).to(device), persistent=False)
 
     def init_buffers(self, device: torch.device | str) -> None:
-        """Recompute the position tables on ``device`` (after ``to_empty``)."""
+        """Recompute the position tables on ``device`` (after ``to_empty``), and the layers'
+        own (a block-sparse layer's layout)."""
         self._make_buffers(torch.device(device))
+        for module in self.modules():
+            if module is not self and hasattr(module, "init_buffers"):
+                module.init_buffers(device)
 
     @torch.no_grad()
     def init_weights(
@@ -213,12 +217,13 @@ class Transformer(nn.Module):
             # a padded query still sees itself, so no row is empty (its output is never used)
             allowed = (allowed & key_valid_BS[:, None, None, :]) | (k == q)[None, None]
         gather = context.gather if context is not None else None
+        positions = (q[:, 0], k[0]) if context is not None or static is not None else None
         if a.pos_emb != "alibi":
-            return AttentionBias(allowed, is_causal=False, gather=gather, valid_BS=key_valid_BS)
+            return AttentionBias(allowed, False, gather, key_valid_BS, positions)
         distance = (q - k).clamp(min=0).float()
         scores = -self.alibi[:, None, None] * distance[None]  # [H, T, S]
         mask = scores[None].masked_fill(~allowed, float("-inf"))
-        return AttentionBias(mask, is_causal=False, gather=gather, valid_BS=key_valid_BS)
+        return AttentionBias(mask, False, gather, key_valid_BS, positions)
 
     def _rope(
         self, positions_BT: torch.Tensor | None, start: int, t: int, length: int | None = None

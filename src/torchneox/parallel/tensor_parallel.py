@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from torchneox.models.mixers.sparse import SparseAttention
 from torchneox.models.transformer import Transformer
 
 COLUMN_SPLIT = ("attention.wq", "attention.wk", "attention.wv", "mlp.up", "mlp.gate")
@@ -83,6 +84,9 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
             if block.mlp_norm is not None:
                 plan["mlp_norm"] = SequenceParallel()
         parallelize_module(block, mesh, plan)
+        if isinstance(getattr(block, "attention", None), SparseAttention):
+            # its layout per head follows the heads this rank holds
+            block.attention.keep_heads(mesh.get_local_rank(), mesh.size())
 
 
 def _linear(block: nn.Module, name: str) -> bool:

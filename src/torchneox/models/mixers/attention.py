@@ -45,6 +45,9 @@ class AttentionBias:
     valid_BS: torch.Tensor | None = None
     """[B, S] the real (not padding) positions of the cache and this forward's tokens, when
     some are padding (a recurrent mixer zeroes those inputs; attention has them in ``mask``)."""
+    positions: tuple[torch.Tensor, torch.Tensor] | None = None
+    """([T] the queries', [S] the keys' positions) where they are not the last T of 0..S
+    (context parallelism, a static cache): a block-sparse layer's layout is taken there."""
 
 
 @dataclass
