@@ -97,7 +97,12 @@ def _shapes(loaded: LoadedConfig, out: Derived) -> None:
         else ("sequential: x + attn(norm(x)), then + mlp(norm(.))")
     )
     out.put("residual", "parallel" if m.gpt_j_residual else "sequential", residual)
-    kinds = layer_attention_types(cfg, loaded.origin)
+    _layers(cfg, layer_attention_types(cfg, loaded.origin), out)
+
+
+def _layers(cfg: NeoXConfig, kinds: list[str], out: Derived) -> None:
+    """The attention line, the layer types as runs, and each family's own line."""
+    m = cfg.model
     attention = sum(k in ("global", "flash") for k in kinds)
     if attention:
         out.put(
@@ -115,9 +120,15 @@ def _shapes(loaded: LoadedConfig, out: Derived) -> None:
             "layers",
             layer_runs(kinds),
             "attention_config, layer by layer: "
-            + ", ".join(dict.fromkeys(LAYER_TEXT.get(kind, kind) for kind in kinds)),
+            + ", ".join(
+                dict.fromkeys(
+                    LAYER_TEXT.get(kind, f"{kind}: block-sparse attention (sparse_layouts)")
+                    for kind in kinds
+                )
+            ),
         )
     _gmlp(cfg, kinds, out)
+    _sparse_layouts(cfg, kinds, out)
     if "rwkv" in kinds:
         _rwkv(cfg, kinds.count("rwkv"), out)
 
@@ -136,7 +147,6 @@ def _gmlp(cfg: NeoXConfig, kinds: list[str], out: Derived) -> None:
         f"gating width {ff} (4 x hidden_size), a causal {m.seq_length} x {m.seq_length} "
         "spatial projection, no MLP",
     )
-    _sparse_layouts(cfg, kinds, out)
 
 
 def _sparse_layouts(cfg: NeoXConfig, kinds: list[str], out: Derived) -> None:
