@@ -236,7 +236,7 @@ VARIANTS = {
     # gMLP and aMLP blocks (GPT-NeoX's gmlp_small.yml, scaled down), alone and mixed
     "gmlp": {"attention_config": [[["gmlp"], "all"]], "pos_emb": "none"},
     "amlp": {"attention_config": [[["amlp"], "all"]], "pos_emb": "none", "gmlp_attn_dim": 16},
-    "gmlp-global-mix": {"attention_config": [[["gmlp", "global"], 2]], "pos_emb": "rotary"},
+    "gmlp-global-mix": {"attention_config": [[["gmlp", "global"], 1]], "pos_emb": "rotary"},
 }
 
 

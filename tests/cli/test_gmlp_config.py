@@ -118,7 +118,7 @@ def test_gmlp_small_trains_scaled_down_with_falling_loss(gmlp_small, tiny_data, 
 def test_gmlp_amlp_and_attention_layers_train_together(make_config):
     config = make_config(
         num_layers=3,
-        attention_config=[[["gmlp", "global", "amlp"], 3]],
+        attention_config=[[["gmlp", "global", "amlp"], 1]],
         gmlp_attn_dim=16,
         train_iters=12,
         warmup=0.0,
@@ -146,7 +146,7 @@ def _refusal(config: str, *overrides: str) -> ConfigError:
     ],
 )
 def test_what_gmlp_layers_cannot_do_is_one_line(make_config, override, key, says):
-    config = make_config(attention_config=[[["global", "amlp"], 2]], no_weight_tying=True)
+    config = make_config(attention_config=[[["global", "amlp"], 1]], no_weight_tying=True)
     err = _refusal(config, override)
     assert err.key == key
     assert says in str(err)

@@ -386,6 +386,18 @@ CASES = [
         [],
         ["attention_config: describes more than 4 layers but num_layers is 4"],
     ),
+    (
+        "attention-pattern-repeated",  # GPT-NeoX repeats the pattern: 2 x 4 = 8 layers
+        {"a.yml": "{num_layers: 4, attention_config: [[[rwkv, global], 4]]}"},
+        [],
+        ["attention_config: describes more than 4 layers but num_layers is 4 (each entry's"],
+    ),
+    (
+        "attention-all-and-more",
+        {"a.yml": "{num_layers: 4, attention_config: [[[global], 2], [[rwkv, global], all]]}"},
+        [],
+        ["attention_config: an entry with 'all' describes every layer; remove the other"],
+    ),
     ("unsupported-mup", {"a.yml": "{use_mup: true}"}, [], ["use_mup: muP is not supported"]),
     (
         "unsupported-rpe",

@@ -20,6 +20,7 @@ from torchneox.config.fields import Status
 from torchneox.config.load import load_config
 from torchneox.config.report import keys_markdown, resolved_config
 from torchneox.config.schema import KEYS
+from torchneox.config.validate_model import layer_attention_types
 
 MODEL = """
 # NeoX dialect: flow mapping, comments, trailing commas, Python-style True
@@ -363,3 +364,20 @@ def test_launcher_keys_become_a_torchrun_command(write, tmp_path):
     bad = write("badhosts", "node-a eight\n")
     with pytest.raises(ConfigError, match="badhosts:1: expected 'HOST slots=N'"):
         derive(load_config([write("c.yml", MODEL)], [f"hostfile={bad}"]), world_size=1)
+
+
+@pytest.mark.parametrize(
+    "attention_config,layers",
+    [
+        ([[["rwkv", "global"], 2]], ["rwkv", "global", "rwkv", "global"]),
+        ([[["global"], 1], [["gmlp", "flash", "global"], 1]], ["global", "gmlp", "flash", "global"]),
+        ([[["rwkv", "global"], "all"]], ["rwkv", "global", "rwkv", "global"]),
+        (["global", "rwkv", "rwkv", "global"], ["global", "rwkv", "rwkv", "global"]),
+    ],
+)  # fmt: skip
+def test_attention_config_expands_as_gpt_neox_does(tmp_path, attention_config, layers):
+    """GPT-NeoX's expand_attention_types: a pattern repeated count times, 'all' over every
+    layer, a list of names one per layer."""
+    path = tmp_path / "a.yml"
+    path.write_text(json.dumps({"num_layers": 4, "attention_config": attention_config}))
+    assert layer_attention_types(load_config([path]).config) == layers

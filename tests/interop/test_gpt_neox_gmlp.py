@@ -20,7 +20,7 @@ CONFIG = {
     "hidden_size": H,
     "num_attention_heads": 4,
     "seq_length": S,
-    "attention_config": [[["gmlp", "amlp"], 2]],
+    "attention_config": [[["gmlp", "amlp"], 1]],
     "gmlp_attn_dim": A,
     "pos_emb": "none",
     "no_weight_tying": True,

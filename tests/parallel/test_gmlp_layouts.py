@@ -17,7 +17,7 @@ from tests.helpers import (
 
 GMLP_KEYS = {
     "num_layers": 4,
-    "attention_config": [[["gmlp", "global", "amlp", "gmlp"], 4]],
+    "attention_config": [[["gmlp", "global", "amlp", "gmlp"], 1]],
     "gmlp_attn_dim": 16,
     "no_weight_tying": True,
     **DP_KEYS,

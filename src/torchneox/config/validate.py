@@ -15,6 +15,7 @@ from torchneox.base.errors import did_you_mean
 from torchneox.config.checker import Checker
 from torchneox.config.schema import NeoXConfig
 from torchneox.config.validate_model import (
+    ATTENTION_TYPES_OK,
     ATTENTION_TYPES_REFUSED,
     _attention_kinds,
     _check_model,
@@ -121,7 +122,7 @@ def _check_refused(ch: Checker) -> None:
             ch.fail(
                 "attention_config",
                 f"'{kind}' attention ({ATTENTION_TYPES_REFUSED[kind]}) is not supported; "
-                f"use 'global' or 'flash' (both run as SDPA attention)",
+                f"use one of {', '.join(ATTENTION_TYPES_OK)}",
             )
     t, d = c.training, c.data
     if t.train_impl == "reinforce":

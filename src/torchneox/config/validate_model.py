@@ -201,7 +201,10 @@ def _check_block_layout(ch: Checker) -> None:
 
 
 def layer_attention_types(config: NeoXConfig, origin: dict[str, str] | None = None) -> list[str]:
-    """attention_config expanded to one type per layer (GPT-NeoX's [[types, count]] form)."""
+    """attention_config expanded to one type per layer, as GPT-NeoX's expand_attention_types
+    does: each [[types...], n] entry repeats its pattern n times (``[[["mamba", "global"], 4]]``
+    is 8 layers), [[types...], "all"] repeats it over every layer, and a list of names is one
+    per layer already."""
     m = config.model
     source = (origin or {}).get("attention_config", "defaults")
     if m.attention_config is None:
@@ -210,40 +213,53 @@ def layer_attention_types(config: NeoXConfig, origin: dict[str, str] | None = No
     def fail(message: str) -> None:
         raise ConfigError(message, source=source, key="attention_config")
 
+    entries = m.attention_config
+    if entries and all(isinstance(item, str) for item in entries):  # already one per layer
+        entries = [[list(entries), 1]]
     types_per_layer: list[str] = []
-    for item in m.attention_config:
+    for item in entries:
         if not (isinstance(item, list | tuple) and len(item) == 2 and isinstance(item[0], list)):
             fail(f"each entry must be [[types...], count], got {item!r}")
         kinds, count = item
-        for kind in kinds:
-            if not isinstance(kind, str):
-                fail(f"attention type {kind!r} is not a name")
-            if kind in ATTENTION_TYPES_REFUSED:
-                fail(
-                    f"'{kind}' attention ({ATTENTION_TYPES_REFUSED[kind]}) is not supported; "
-                    f"use 'global' or 'flash' (both run as SDPA attention)"
-                )
-            if kind not in ATTENTION_TYPES_OK:
-                fail(f"unknown attention type '{kind}'{did_you_mean(kind, ATTENTION_TYPES_OK)}")
+        _check_kinds(kinds, fail)
         if count == "all":
+            if len(entries) > 1:  # GPT-NeoX silently drops the other entries
+                fail("an entry with 'all' describes every layer; remove the other entries")
             if not m.num_layers:  # a fragment (GPT-NeoX's sparse.yml): laid out once sized
                 return []
             if m.num_layers % len(kinds):
                 fail(
                     f"'all' repeats {kinds} over {m.num_layers} layers, not a multiple of {len(kinds)}"
                 )
-            count = m.num_layers  # GPT-NeoX: the pattern repeated over every layer
+            count = m.num_layers // len(kinds)
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            fail(f"layer count must be a positive integer or 'all', got {count!r}")
-        if len(types_per_layer) + count > (m.num_layers or MAX_LAYERS):
+            fail(f"repeat count must be a positive integer or 'all', got {count!r}")
+        if len(types_per_layer) + count * len(kinds) > (m.num_layers or MAX_LAYERS):
             fail(
                 f"describes more than {m.num_layers or MAX_LAYERS:,} layers "
                 + (f"but num_layers is {m.num_layers}" if m.num_layers else "(num_layers is unset)")
+                + " (each entry's pattern is repeated count times, as in GPT-NeoX)"
             )
-        types_per_layer.extend(kinds * (count // len(kinds)) + kinds[: count % len(kinds)])
+        types_per_layer.extend(kinds * count)
     if m.num_layers and len(types_per_layer) != m.num_layers:
-        fail(f"describes {len(types_per_layer)} layers but num_layers is {m.num_layers}")
+        fail(
+            f"describes {len(types_per_layer)} layers but num_layers is {m.num_layers} (each "
+            "entry's pattern is repeated count times, as in GPT-NeoX)"
+        )
     return types_per_layer
+
+
+def _check_kinds(kinds: list, fail) -> None:
+    for kind in kinds:
+        if not isinstance(kind, str):
+            fail(f"attention type {kind!r} is not a name")
+        if kind in ATTENTION_TYPES_REFUSED:
+            fail(
+                f"'{kind}' attention ({ATTENTION_TYPES_REFUSED[kind]}) is not supported; "
+                f"use one of {', '.join(ATTENTION_TYPES_OK)}"
+            )
+        if kind not in ATTENTION_TYPES_OK:
+            fail(f"unknown attention type '{kind}'{did_you_mean(kind, ATTENTION_TYPES_OK)}")
 
 
 def _check_rope_scaling(ch: Checker) -> None:
