@@ -218,6 +218,15 @@ VARIANTS = {
         "qk_norm_scope": "width",
         "norm_position": "output",
     },
+    # Mamba (GPT-NeoX's configs/mamba: rmsnorm, no positions) and a mix with attention
+    "mamba": {"attention_config": [[["mamba"], 2]], "norm": "rmsnorm", "pos_emb": "none"},
+    "mamba-global": {
+        "attention_config": [[["mamba", "global"], 2]],
+        "pos_emb": "rotary",
+        "mamba_use_bias_in_linears": True,
+        "mamba_use_bias_in_conv": False,
+        "expansion_factor": 1.5,
+    },
     "reward-model": {
         "pos_emb": "rotary",
         "train_impl": "rm",

@@ -20,7 +20,7 @@ ROPE_SCALING_FIELDS = {
 ROPE_SCALING_OPTIONAL = {
     "yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
 }
-ATTENTION_TYPES_OK = ("global", "flash")
+ATTENTION_TYPES_OK = ("global", "flash", "mamba")
 ATTENTION_TYPES_REFUSED = {
     "local": "DeepSpeed block-sparse attention",
     "sparse_fixed": "DeepSpeed block-sparse attention",
@@ -29,7 +29,6 @@ ATTENTION_TYPES_REFUSED = {
     "bslongformer": "DeepSpeed block-sparse attention",
     "gmlp": "gMLP blocks",
     "amlp": "gMLP blocks",
-    "mamba": "mamba layers",
     "rwkv": "RWKV layers",
     "ring": "ring attention",
 }
@@ -59,6 +58,7 @@ def _check_model(ch: Checker) -> None:
         and m.hidden_size
         and m.num_attention_heads
         and m.hidden_size % m.num_attention_heads
+        and not _attention_free(m.attention_config)
     ):
         ch.fail(
             "num_attention_heads",
@@ -83,6 +83,19 @@ def _check_model(ch: Checker) -> None:
     _check_positions(ch)
     _check_block_layout(ch)
     layer_attention_types(ch.c, ch.origin)
+    mamba = "mamba" in _attention_kinds(m.attention_config)
+    if mamba and m.intermediate_size and m.expansion_factor:
+        ch.fail(
+            "expansion_factor",
+            "cannot be set with intermediate_size for mamba layers (d_inner is one or the "
+            "other, as GPT-NeoX asserts); remove one",
+        )
+
+
+def _attention_free(attention_config: Any) -> bool:
+    """Whether every layer is a mamba layer (GPT-NeoX then ignores num_attention_heads)."""
+    kinds = _attention_kinds(attention_config)
+    return bool(kinds) and set(kinds) == {"mamba"}
 
 
 def _check_positions(ch: Checker) -> None:
@@ -91,7 +104,7 @@ def _check_positions(ch: Checker) -> None:
         ch.fail(
             "pos_emb", "'rpe' (T5 relative position buckets) is not supported; use rotary or alibi"
         )
-    if m.pos_emb == "rotary":
+    if m.pos_emb == "rotary" and not _attention_free(m.attention_config):
         if not 0.0 < m.rotary_pct <= 1.0:
             ch.fail("rotary_pct", f"must be in (0, 1], got {m.rotary_pct}")
         if (

@@ -8,6 +8,7 @@ selects it per layer; each family names its sublayers, and those names are the p
 
     family     layer types                              sublayers (norm, mixer, norm, mlp)
     attention  global, flash (and the sparse types)     attention_norm attention mlp_norm mlp
+    mamba      mamba                                    mamba_norm mamba (no MLP)
 
 Every mixer is called as ``mixer(x, rope, bias, cache)`` and returns a tensor shaped like
 ``x``: attention reads the rotary tables, the mask and the KV cache; a recurrent mixer keeps
@@ -24,6 +25,7 @@ from torch import nn
 
 from torchneox.models.args import ModelArgs
 from torchneox.models.init import InitFn
+from torchneox.models.mixers import mamba
 from torchneox.models.mixers.attention import Attention, AttentionBias, KVCache
 from torchneox.models.mlp import MLP
 from torchneox.models.moe import MoE, RouterStats
@@ -57,7 +59,9 @@ ATTENTION = Family(
     "attention_norm", "attention", Attention, "mlp_norm", "mlp", _mlp_or_moe
 )  # fmt: skip
 
-FAMILIES: dict[str, Family] = {"global": ATTENTION, "flash": ATTENTION}
+MAMBA = Family("mamba_norm", "mamba", mamba.Mamba, init_rule=mamba.init_rule)
+
+FAMILIES: dict[str, Family] = {"global": ATTENTION, "flash": ATTENTION, "mamba": MAMBA}
 """The family of each attention_config layer type torchneox builds."""
 
 
