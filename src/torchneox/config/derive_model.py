@@ -3,13 +3,15 @@ the residual form, the attention, and the parameter and FLOP counts (config/size
 
 from __future__ import annotations
 
+import importlib.util
+import math
 from decimal import Decimal
 
 from torchneox.base.errors import ConfigError
 from torchneox.config import sizes
 from torchneox.config.derived import Derived
 from torchneox.config.load import LoadedConfig
-from torchneox.config.schema import NeoXConfig
+from torchneox.config.schema import ModelConfig, NeoXConfig
 from torchneox.config.validate_model import layer_attention_types
 from torchneox.config.vocab import GPT2_VOCAB, tokenizer_vocab_size
 
@@ -97,11 +99,61 @@ def _shapes(loaded: LoadedConfig, out: Derived) -> None:
     )
     out.put("residual", "parallel" if m.gpt_j_residual else "sequential", residual)
     kinds = layer_attention_types(cfg, loaded.origin)
+    attention = [k for k in kinds if k in ("global", "flash")]
     out.put(
         "attention",
         "sdpa" + (f", window {m.sliding_window_width}" if m.sliding_window_width else ""),
-        f"causal scaled_dot_product_attention on all {len(kinds)} layers"
+        (
+            f"causal scaled_dot_product_attention on all {len(kinds)} layers"
+            if len(attention) == len(kinds)
+            else f"causal scaled_dot_product_attention on {len(attention)} of {len(kinds)} layers"
+        )
         + (" ('flash' and 'global' alike)" if m.attention_config else ""),
+    )
+    if "mamba" in kinds:
+        _mamba(cfg, out, kinds.count("mamba"))
+
+
+def _mamba(cfg: NeoXConfig, out: Derived, layers: int) -> None:
+    """The mamba layers' shapes and which kernels run them (the fusion keys ask for CUDA
+    kernels that may not be installed)."""
+    m = cfg.model
+    d = sizes.mamba_inner(m)
+    source = (
+        f"intermediate_size {d}"
+        if m.intermediate_size
+        else f"expansion_factor {m.expansion_factor or 2} x hidden_size {m.hidden_size}"
+    )
+    out.put(
+        "mamba",
+        f"{layers} layers, d_inner {d}",
+        f"{layers} mamba layers: d_inner {d} ({source}), dt_rank {math.ceil(m.hidden_size / 16)}, "
+        f"state {sizes.MAMBA_STATE}, conv {sizes.MAMBA_CONV}; {mamba_kernels(m)}",
+    )
+
+
+def mamba_kernels(m: ModelConfig) -> str:
+    """What runs mamba's convolution and scan, in one line."""
+    asked = [
+        k
+        for k in (
+            "mamba_inner_func_fusion",
+            "mamba_selective_scan_fusion",
+            "mamba_causal_conv_fusion",
+        )
+        if getattr(m, k)
+    ]
+    if not asked:
+        return "torchneox's parallel scan and torch's conv1d on every device (no fusion key set)"
+    here = all(importlib.util.find_spec(p) for p in ("mamba_ssm", "causal_conv1d"))
+    if not here:
+        return (
+            f"{asked[0]} is set but mamba-ssm / causal-conv1d are not installed: torchneox's "
+            "parallel scan and torch's conv1d run instead"
+        )
+    return (
+        f"{', '.join(asked)}: mamba-ssm / causal-conv1d's kernels on CUDA for training forwards; "
+        "torchneox's parallel scan on CPUs and when decoding"
     )
 
 
@@ -127,7 +179,13 @@ def _counts(cfg: NeoXConfig, out: Derived, padded: int) -> None:
         counts.flops_per_token,
         f"{counts.flops_per_token:,} ({_human(counts.flops_per_token)}FLOP) = 3 x forward "
         f"(2 per weight a token meets, output head included, plus attention scores over "
-        f"{min(m.seq_length, m.sliding_window_width or m.seq_length)} positions)",
+        f"{min(m.seq_length, m.sliding_window_width or m.seq_length)} positions"
+        + (
+            ", and mamba's scans: 7 per channel and state"
+            if "mamba" in str(m.attention_config)
+            else ""
+        )
+        + ")",
     )
 
 

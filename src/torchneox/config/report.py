@@ -45,6 +45,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "rotary_dims",
         "residual",
         "attention",
+        "mamba",
         "num_parameters",
         "num_active_parameters",
         "flops_per_token",
