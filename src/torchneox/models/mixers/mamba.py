@@ -130,7 +130,8 @@ class Mamba(nn.Module):
         x = _masked(x, valid)
         dt, B, C = self.x_proj(x).split([self.dt_rank, D_STATE, D_STATE], dim=-1)
         with torch.autocast(x.device.type, enabled=False):
-            dt = F.softplus(F.linear(dt.float(), self.dt_proj.weight.float(), self.dt_proj.bias))
+            w, b = self.dt_proj.weight.float(), self.dt_proj.bias.float()
+            dt = F.softplus(F.linear(dt.float(), w, b))
             A = -torch.exp(self.A_log.float())
             h0 = state.get("ssm") if state is not None else None
             if h0 is None:
