@@ -356,6 +356,15 @@ CASES = [
         ["train_data_weights: has 1 weights for 2 train_data_paths"],
     ),
     (
+        "mamba-document-masking",
+        {
+            "a.yml": "{hidden_size: 64, num_attention_heads: 4, num_layers: 2, seq_length: 64, "
+            "attention_config: [[[mamba], 2]], inter_document_attention_masking: true}"
+        },
+        [],
+        ["a.yml: inter_document_attention_masking: is not built for mamba layers"],
+    ),
+    (
         "mamba-tensor-parallel",
         {
             "a.yml": "{hidden_size: 64, num_attention_heads: 4, num_layers: 2, seq_length: 64, "

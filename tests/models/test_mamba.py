@@ -116,3 +116,36 @@ def test_eval_mode_equals_training_mode_without_dropout():
         evaluated = model.eval()(tokens)
     torch.testing.assert_close(train.detach(), evaluated)
     assert math.isfinite(train.sum().item())
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_gives_the_same_gradients(mode):
+    from torchneox.parallel.activation_ckpt import apply_activation_checkpointing
+    from torchneox.train.loss import lm_loss
+
+    def grads(checkpointed: bool):
+        _, model = build("mamba-global")
+        if checkpointed:
+            assert apply_activation_checkpointing(model, 1, mode) == 2
+        tokens = torch.randint(0, 200, (2, 33), generator=torch.Generator().manual_seed(1))
+        lm_loss(model(tokens[:, :-1]), tokens[:, 1:], None).backward()
+        return {
+            n.replace("_checkpoint_wrapped_module.", ""): p.grad
+            for n, p in model.named_parameters()
+        }
+
+    plain, checkpointed = grads(False), grads(True)
+    for name, grad in plain.items():
+        torch.testing.assert_close(checkpointed[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_compiled_blocks_equal_eager():
+    from torchneox.parallel.activation_ckpt import compile_blocks
+
+    _, model = build("mamba")
+    tokens = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        eager = model(tokens)
+        compile_blocks(model)
+        compiled = model(tokens)
+    torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)

@@ -84,6 +84,13 @@ def _check_model(ch: Checker) -> None:
     _check_block_layout(ch)
     layer_attention_types(ch.c, ch.origin)
     mamba = "mamba" in _attention_kinds(m.attention_config)
+    if mamba and m.inter_document_attention_masking:
+        ch.fail(
+            "inter_document_attention_masking",
+            "is not built for mamba layers (their scan would have to restart at every "
+            "document); leave it false: mamba layers read a packed sample as one sequence, as "
+            "GPT-NeoX's do",
+        )
     if mamba and m.intermediate_size and m.expansion_factor:
         ch.fail(
             "expansion_factor",
