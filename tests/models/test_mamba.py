@@ -149,3 +149,25 @@ def test_compiled_blocks_equal_eager():
         compile_blocks(model)
         compiled = model(tokens)
     torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+
+
+def test_a_decode_step_is_undone_before_a_cuda_graph_is_captured():
+    """The static loop's warm-up steps (before capturing a CUDA graph) advance the recurrent
+    states; snapshot puts them back in place, with the slot."""
+    from torchneox.inference.generate import snapshot
+    from torchneox.models.mixers.attention import StaticKVCache
+
+    _, model = build("mamba-global")
+    model.eval()
+    cache = StaticKVCache(model.args, 2, 16, torch.float32, "cpu")
+    with torch.no_grad():
+        model(torch.randint(0, 200, (2, 5)), cache=cache)
+        before = {k: v.clone() for k, v in cache.states[0].items()}
+        ssm = cache.states[0]["ssm"]
+        put_back = snapshot(cache)
+        model(torch.randint(0, 200, (2, 1)), cache=cache)
+        assert not torch.equal(cache.states[0]["ssm"], before["ssm"])
+        put_back()
+    assert cache.slot.item() == 5 and cache.states[0]["ssm"] is ssm
+    for name, value in before.items():
+        assert torch.equal(cache.states[0][name], value), name
