@@ -30,7 +30,7 @@ def test_gpt_neox_mamba_config_explains(path, capsys):
     assert "mamba_inner_func_fusion" in out
 
 
-def test_gpt_neox_mamba_config_trains_scaled_down(tmp_path, tiny_data):
+def test_gpt_neox_mamba_config_trains_scaled_down(tmp_path, tiny_data, capsys):
     run = tmp_path / "run"
     local = {
         "data_path": str(tiny_data),
@@ -61,6 +61,10 @@ def test_gpt_neox_mamba_config_trains_scaled_down(tmp_path, tiny_data):
     config = Path(__file__).parent / "neox_mamba" / "mamba-130M.yml"
     args = ["train", str(config), str(tmp_path / "local.yml")]
     assert main(args + [a for s in settings for a in ("--set", s)]) == 0
+    out = capsys.readouterr()
+    # the config asks for mamba-ssm's fused kernels: what runs instead, in one line
+    said = [line for line in (out.out + out.err).splitlines() if line.startswith("mamba: ")]
+    assert len(said) == 1 and "run instead" in said[0], said
     losses = [r["lm_loss"] for r in metric_rows(run) if "lm_loss" in r and "iteration" in r]
     assert len(losses) == 20
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5

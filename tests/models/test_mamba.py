@@ -10,8 +10,8 @@ import torch
 
 from tests.helpers import build
 from torchneox.inference.generate import Sampling, generate
-from torchneox.models.mixers.attention import KVCache
-from torchneox.models.mixers.mamba import selective_scan
+from torchneox.models.mixers.attention import AttentionBias, KVCache
+from torchneox.models.mixers.mamba import kernels_installed, selective_scan
 from torchneox.train.optim import param_groups
 
 
@@ -171,3 +171,22 @@ def test_a_decode_step_is_undone_before_a_cuda_graph_is_captured():
     assert cache.slot.item() == 5 and cache.states[0]["ssm"] is ssm
     for name, value in before.items():
         assert torch.equal(cache.states[0][name], value), name
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and kernels_installed()),
+    reason="mamba-ssm / causal-conv1d's kernels run on CUDA where they are installed",
+)
+@pytest.mark.parametrize("fusion", [("scan",), ("conv",), ("scan", "conv"), ("inner",)])
+def test_kernels_equal_the_pytorch_path(fusion):
+    import dataclasses
+
+    _, model = build("mamba")
+    mixer = model.layers["0"].mamba.cuda()
+    x = torch.randn(2, 40, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    bias = AttentionBias(None, is_causal=True)
+    with torch.no_grad():
+        ours = mixer(x, None, bias)
+        mixer.fusion = dataclasses.replace(model.args, mamba_fusion=fusion).mamba_fusion
+        fused = mixer(x, None, bias)
+    torch.testing.assert_close(fused, ours, atol=1e-4, rtol=1e-4)

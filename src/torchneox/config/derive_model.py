@@ -132,8 +132,9 @@ def _mamba(cfg: NeoXConfig, out: Derived, layers: int) -> None:
     )
 
 
-def mamba_kernels(m: ModelConfig) -> str:
-    """What runs mamba's convolution and scan, in one line."""
+def mamba_kernels(m: ModelConfig, device_type: str | None = None) -> str:
+    """What runs mamba's convolution and scan, in one line (on ``device_type``, or wherever
+    the run lands)."""
     asked = [
         k
         for k in (
@@ -143,17 +144,18 @@ def mamba_kernels(m: ModelConfig) -> str:
         )
         if getattr(m, k)
     ]
+    ours = "torchneox's parallel scan and torch's conv1d"
     if not asked:
-        return "torchneox's parallel scan and torch's conv1d on every device (no fusion key set)"
-    here = all(importlib.util.find_spec(p) for p in ("mamba_ssm", "causal_conv1d"))
-    if not here:
+        return f"{ours} on every device (no fusion key set)"
+    if not all(importlib.util.find_spec(p) for p in ("mamba_ssm", "causal_conv1d")):
         return (
-            f"{asked[0]} is set but mamba-ssm / causal-conv1d are not installed: torchneox's "
-            "parallel scan and torch's conv1d run instead"
+            f"{asked[0]} is set but mamba-ssm / causal-conv1d are not installed: {ours} run instead"
         )
+    if device_type not in (None, "cuda"):
+        return f"{asked[0]} is set but the kernels are CUDA's: on {device_type} {ours} run instead"
     return (
         f"{', '.join(asked)}: mamba-ssm / causal-conv1d's kernels on CUDA for training forwards; "
-        "torchneox's parallel scan on CPUs and when decoding"
+        f"{ours} on CPUs and when decoding"
     )
 
 
