@@ -30,7 +30,12 @@ def test_gpt_neox_mamba_config_explains(path, capsys):
     assert "mamba_inner_func_fusion" in out
 
 
-def test_gpt_neox_mamba_config_trains_scaled_down(tmp_path, tiny_data, capsys):
+@pytest.mark.parametrize(
+    "layers",
+    ["[[[mamba], 2]]", "[[[mamba, global], 2]]"],  # a mix: its attention needs heads dividing 64
+    ids=["mamba", "mamba-global"],
+)
+def test_gpt_neox_mamba_config_trains_scaled_down(tmp_path, tiny_data, capsys, layers):
     run = tmp_path / "run"
     local = {
         "data_path": str(tiny_data),
@@ -43,8 +48,9 @@ def test_gpt_neox_mamba_config_trains_scaled_down(tmp_path, tiny_data, capsys):
     (tmp_path / "local.yml").write_text(json.dumps(local))
     settings = [
         "num_layers=2",
-        "attention_config=[[[mamba], 2]]",
+        f"attention_config={layers}",
         "hidden_size=64",
+        "num_attention_heads=4",
         "seq_length=64",
         "max_position_embeddings=64",
         "train_iters=20",
