@@ -365,6 +365,16 @@ CASES = [
         ["a.yml: inter_document_attention_masking: is not built for mamba layers"],
     ),
     (
+        "mamba-inner-fusion-with-biases",
+        {
+            "a.yml": "{hidden_size: 64, num_attention_heads: 4, num_layers: 2, seq_length: 64, "
+            "attention_config: [[[mamba], 2]], mamba_inner_func_fusion: true, "
+            "mamba_use_bias_in_linears: true}"
+        },
+        [],
+        ["a.yml: mamba_inner_func_fusion: cannot be set with mamba_use_bias_in_linears"],
+    ),
+    (
         "mamba-tensor-parallel",
         {
             "a.yml": "{hidden_size: 64, num_attention_heads: 4, num_layers: 2, seq_length: 64, "

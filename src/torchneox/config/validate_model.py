@@ -84,6 +84,12 @@ def _check_model(ch: Checker) -> None:
     _check_block_layout(ch)
     layer_attention_types(ch.c, ch.origin)
     mamba = "mamba" in _attention_kinds(m.attention_config)
+    if mamba and m.mamba_inner_func_fusion and m.mamba_use_bias_in_linears:
+        ch.fail(
+            "mamba_inner_func_fusion",
+            "cannot be set with mamba_use_bias_in_linears (mamba-ssm's mamba_inner_fn has no "
+            "x_proj bias; GPT-NeoX refuses the pair too); set one of them false",
+        )
     if mamba and m.inter_document_attention_masking:
         ch.fail(
             "inter_document_attention_masking",

@@ -24,6 +24,7 @@ and after the convolution, so a left-padded sequence's state is the unpadded one
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 
@@ -46,6 +47,7 @@ DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 0.1, 1e-4
 """GPT-NeoX's dt initialisation: log-uniform in [DT_MIN, DT_MAX], clamped at DT_FLOOR."""
 
 
+@functools.cache
 def kernels_installed() -> bool:
     """Whether mamba-ssm and causal-conv1d can be imported (never imported here)."""
     return all(importlib.util.find_spec(m) is not None for m in ("mamba_ssm", "causal_conv1d"))
@@ -167,7 +169,7 @@ class Mamba(nn.Module):
         A = -torch.exp(self.A_log.float())
         xz = self.in_proj(x_BTH).transpose(1, 2)  # [B, 2d, T]
         conv_w = self.conv1d.weight.squeeze(1)
-        if "inner" in self.fusion and self.x_proj.bias is None:
+        if "inner" in self.fusion:  # (validation refuses it with biases in the linears)
             return mamba_inner_fn(
                 xz, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight,
                 self.dt_proj.weight, self.out_proj.weight, self.out_proj.bias, A, None, None,
