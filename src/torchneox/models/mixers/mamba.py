@@ -13,7 +13,9 @@ ceil(hidden_size / 16). The scan runs in fp32 (A_log, D and the dt bias are read
 a parallel scan: the sequence is cut into chunks of ``CHUNK`` positions, each chunk scanned
 by recursive doubling (log2(CHUNK) steps of elementwise products, so no decay is ever divided
 or exponentiated past its own range), the state carried from chunk to chunk: a Python loop
-over chunks, never over tokens. On CUDA, where mamba-ssm and causal-conv1d are installed,
+over chunks, never over tokens. Training keeps only each chunk's inputs and recomputes its
+states in the backward (as mamba-ssm's kernel does), so the [B, T, d_inner, 16] states are
+never all held at once. On CUDA, where mamba-ssm and causal-conv1d are installed,
 the fusion keys select their kernels for training forwards (``kernels``).
 
 Decoding keeps ``conv`` (the last 3 inputs of the convolution) and ``ssm`` (the state h) in
@@ -31,6 +33,7 @@ import math
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 from torchneox.models.args import ModelArgs
 from torchneox.models.init import InitFn, init_function
@@ -85,13 +88,28 @@ def selective_scan(
     ys, h = [], h0.float()
     for start in range(0, u.shape[1], chunk):
         part = slice(start, start + chunk)
-        dt_c, u_c = dt[:, part], u[:, part]
-        decay = torch.exp(dt_c[..., None] * A)  # [B, L, d, n], in (0, 1]
-        inputs = (dt_c * u_c)[..., None] * B[:, part, None, :]
-        states = scan_chunk(decay, inputs, h)
-        ys.append(torch.einsum("bldn,bln->bld", states, C[:, part]))
-        h = states[:, -1]
+        args = (u[:, part], dt[:, part], A, B[:, part], C[:, part], h)
+        if torch.is_grad_enabled():  # keep the chunk's inputs, recompute its states backward
+            y, h = checkpoint(_scan_part, *args, use_reentrant=False)
+        else:
+            y, h = _scan_part(*args)
+        ys.append(y)
     return torch.cat(ys, 1) + u * D.float(), h
+
+
+def _scan_part(
+    u: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    h0: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk: (y without the D skip [B, L, d], its last state)."""
+    decay = torch.exp(dt[..., None] * A)  # [B, L, d, n], in (0, 1]
+    inputs = (dt * u)[..., None] * B[:, :, None, :]
+    states = scan_chunk(decay, inputs, h0)
+    return torch.einsum("bldn,bln->bld", states, C), states[:, -1]
 
 
 class Mamba(nn.Module):
