@@ -70,3 +70,18 @@ def test_bf16_gathers_keep_a_log_and_d_in_fp32(config, tmp_path):
         )  # fmt: skip
         runs.append(losses(out))
     assert runs[0] != runs[1]
+
+
+def test_stages_weigh_mamba_layers_by_their_parameters():
+    """pipe_partition_method parameters: a mamba layer (3 h d_inner + ...) weighs less than an
+    attention block with its MLP (12 h^2 at 4h): 2 attention then 6 mamba layers split 3 | 5
+    (counted as attention blocks: 4 | 4)."""
+    from tests.helpers import BASE
+    from torchneox.config.load import load_mapping
+    from torchneox.models.args import model_args
+    from torchneox.parallel.pipeline import stage_layers
+
+    mixed = {"num_layers": 8, "attention_config": [[["global"], 2], [["mamba"], 6]]}
+    args = model_args(load_mapping(BASE | mixed, "test"))
+    first, second = stage_layers(args, 2, "parameters")
+    assert (len(first), len(second)) == (3, 5)

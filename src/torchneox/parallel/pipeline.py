@@ -42,7 +42,12 @@ def layer_costs(args: ModelArgs, method: str) -> list[float]:
     if method == "parameters":
         h = args.hidden_size
         per_block = 4 * h * h + 2 * h * args.mlp_width * (3 if args.gated else 2) / 2
-        return [per_block] * args.num_layers
+        d, r = args.mamba_inner, args.mamba_dt_rank
+        mamba = 3 * h * d + d * (2 * r + 32 + 16 + 4)  # in/out_proj, x/dt_proj, A_log, conv
+        return [
+            float(mamba) if args.layer_type(i) == "mamba" else per_block
+            for i in range(args.num_layers)
+        ]
     return [1.0] * args.num_layers
 
 
