@@ -227,6 +227,15 @@ VARIANTS = {
         "dim_att": 128,
         "intermediate_size": 100,
     },
+    # Mamba (GPT-NeoX's configs/mamba: rmsnorm, no positions) and a mix with attention
+    "mamba": {"attention_config": [[["mamba"], 2]], "norm": "rmsnorm", "pos_emb": "none"},
+    "mamba-global": {
+        "attention_config": [[["mamba", "global"], 1]],
+        "pos_emb": "rotary",
+        "mamba_use_bias_in_linears": True,
+        "mamba_use_bias_in_conv": False,
+        "expansion_factor": 1.5,
+    },
     "reward-model": {
         "pos_emb": "rotary",
         "train_impl": "rm",

@@ -217,13 +217,13 @@ CASES = [
         ["a.yml: the config file is empty (no keys)"],
     ),
     (
-        "mamba-named-before-its-sizes",
+        "mamba-d-inner-twice",
         {
-            "a.yml": "{hidden_size: 2048, num_attention_heads: 12, num_layers: 2, "
-            "attention_config: [[[mamba], all]]}"
+            "a.yml": "{hidden_size: 64, num_attention_heads: 12, num_layers: 2, seq_length: 64, "
+            "attention_config: [[[mamba], all]], intermediate_size: 128, expansion_factor: 2}"
         },
         [],
-        ["attention_config: 'mamba' attention (mamba layers) is not supported"],
+        ["a.yml: expansion_factor: cannot be set with intermediate_size for mamba layers"],
     ),
     (
         "reinforce",
@@ -356,10 +356,32 @@ CASES = [
         ["train_data_weights: has 1 weights for 2 train_data_paths"],
     ),
     (
-        "unsupported-mamba",
-        {"a.yml": "{num_layers: 2, attention_config: [[[mamba], 2]]}"},
+        "mamba-document-masking",
+        {
+            "a.yml": "{hidden_size: 64, num_attention_heads: 4, num_layers: 2, seq_length: 64, "
+            "attention_config: [[[mamba], 2]], inter_document_attention_masking: true}"
+        },
         [],
-        ["'mamba' attention (mamba layers) is not supported"],
+        ["a.yml: inter_document_attention_masking: is not built for mamba layers"],
+    ),
+    (
+        "mamba-inner-fusion-with-biases",
+        {
+            "a.yml": "{hidden_size: 64, num_attention_heads: 4, num_layers: 2, seq_length: 64, "
+            "attention_config: [[[mamba], 2]], mamba_inner_func_fusion: true, "
+            "mamba_use_bias_in_linears: true}"
+        },
+        [],
+        ["a.yml: mamba_inner_func_fusion: cannot be set with mamba_use_bias_in_linears"],
+    ),
+    (
+        "mamba-tensor-parallel",
+        {
+            "a.yml": "{hidden_size: 64, num_attention_heads: 4, num_layers: 2, seq_length: 64, "
+            "attention_config: [[[mamba, global], 2]], model_parallel_size: 2}"
+        },
+        [],
+        ["a.yml: attention_config: mamba layers with model_parallel_size > 1 are not built"],
     ),
     (
         "attention-count",

@@ -3,13 +3,15 @@ the residual form, the attention, and the parameter and FLOP counts (config/size
 
 from __future__ import annotations
 
+import importlib.util
+import math
 from decimal import Decimal
 
 from torchneox.base.errors import ConfigError
 from torchneox.config import sizes
 from torchneox.config.derived import Derived
 from torchneox.config.load import LoadedConfig
-from torchneox.config.schema import NeoXConfig
+from torchneox.config.schema import ModelConfig, NeoXConfig
 from torchneox.config.sparsity import SPARSE_TYPES, sparsity
 from torchneox.config.validate_model import layer_attention_types
 from torchneox.config.vocab import GPT2_VOCAB, tokenizer_vocab_size
@@ -147,6 +149,53 @@ def _gmlp(cfg: NeoXConfig, kinds: list[str], out: Derived) -> None:
         f"gating width {ff} (4 x hidden_size), a causal {m.seq_length} x {m.seq_length} "
         "spatial projection, no MLP",
     )
+    if "mamba" in kinds:
+        _mamba(cfg, out, kinds.count("mamba"))
+
+
+def _mamba(cfg: NeoXConfig, out: Derived, layers: int) -> None:
+    """The mamba layers' shapes and which kernels run them (the fusion keys ask for CUDA
+    kernels that may not be installed)."""
+    m = cfg.model
+    d = sizes.mamba_inner(m)
+    source = (
+        f"intermediate_size {d}"
+        if m.intermediate_size
+        else f"expansion_factor {m.expansion_factor or 2} x hidden_size {m.hidden_size}"
+    )
+    out.put(
+        "mamba",
+        f"{layers} layers, d_inner {d}",
+        f"{layers} mamba layers: d_inner {d} ({source}), dt_rank {math.ceil(m.hidden_size / 16)}, "
+        f"state {sizes.MAMBA_STATE}, conv {sizes.MAMBA_CONV}; {mamba_kernels(m)}",
+    )
+
+
+def mamba_kernels(m: ModelConfig, device_type: str | None = None) -> str:
+    """What runs mamba's convolution and scan, in one line (on ``device_type``, or wherever
+    the run lands)."""
+    asked = [
+        k
+        for k in (
+            "mamba_inner_func_fusion",
+            "mamba_selective_scan_fusion",
+            "mamba_causal_conv_fusion",
+        )
+        if getattr(m, k)
+    ]
+    ours = "torchneox's parallel scan and torch's conv1d"
+    if not asked:
+        return f"{ours} on every device (no fusion key set)"
+    if not all(importlib.util.find_spec(p) for p in ("mamba_ssm", "causal_conv1d")):
+        return (
+            f"{asked[0]} is set but mamba-ssm / causal-conv1d are not installed: {ours} run instead"
+        )
+    if device_type not in (None, "cuda"):
+        return f"{asked[0]} is set but the kernels are CUDA's: on {device_type} {ours} run instead"
+    return (
+        f"{', '.join(asked)}: mamba-ssm / causal-conv1d's kernels on CUDA for training forwards; "
+        f"{ours} on CPUs and when decoding"
+    )
 
 
 def _sparse_layouts(cfg: NeoXConfig, kinds: list[str], out: Derived) -> None:
@@ -226,6 +275,7 @@ def _counts(cfg: NeoXConfig, out: Derived, padded: int) -> None:
         "positions"
     ] * any(k in ("global", "flash") for k in kinds)
     mixing += ["the RWKV recurrence's state read-out and update"] * ("rwkv" in kinds)
+    mixing += ["mamba's scans: 7 per channel and state"] * ("mamba" in kinds)
     out.put(
         "flops_per_token",
         counts.flops_per_token,

@@ -465,8 +465,23 @@ def _compile_model(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     )
 
 
+def _mamba_layers(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
+    """Mamba layers split over neither tensor ranks (GPT-NeoX's split pairs the wrong halves
+    of in_proj) nor context ranks (the scan runs along the whole sequence)."""
+    if max(lay.tp, lay.cp) < 2 or "mamba" not in layer_attention_types(cfg):
+        return None
+    axis = "model_parallel_size" if lay.tp > 1 else "context_parallel_size"
+    return _refuse(
+        f"mamba layers with {axis} > 1 are not built; train mamba models with data "
+        "parallelism, ZeRO or pipeline stages",
+        key="attention_config",
+        cause=axis,
+    )
+
+
 RULES = (
     _rwkv,
+    _mamba_layers,
     _whole_heads,
     _pipeline,
     _experts,

@@ -49,6 +49,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "gmlp",
         "rwkv",
         "sparse_layouts",
+        "mamba",
         "num_parameters",
         "num_active_parameters",
         "flops_per_token",

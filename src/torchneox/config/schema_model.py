@@ -10,9 +10,6 @@ from torchneox.config.fields import derived, extension, key, no_effect, unsuppor
 FUSED = (
     "a fused-kernel switch; torchneox needs no custom kernels (SDPA and torch.compile do this work)"
 )
-MAMBA = (
-    "configures mamba layers, which torchneox does not build (attention_config 'mamba' is refused)"
-)
 TE_LAYER = (
     "selects TransformerEngine's fused module for the same layer; torchneox computes that "
     "layer with torch's own kernels (the same numbers in fp32/bf16)"
@@ -276,12 +273,30 @@ class ModelConfig:
     fused_kernels_build_path: str | None = no_effect(
         None, "Where GPT-NeoX builds its fused kernels.", FUSED
     )
-    mamba_selective_scan_fusion: bool = no_effect(False, "Fused mamba selective scan.", MAMBA)
-    mamba_causal_conv_fusion: bool = no_effect(False, "Fused mamba causal conv1d.", MAMBA)
-    mamba_inner_func_fusion: bool = no_effect(False, "Fused mamba inner function.", MAMBA)
-    mamba_selective_fp32_params: bool = no_effect(True, "Keep mamba's A and D in fp32.", MAMBA)
-    mamba_use_bias_in_conv: bool = no_effect(True, "Bias in mamba's conv1d.", MAMBA)
-    mamba_use_bias_in_linears: bool = no_effect(False, "Bias in mamba's projections.", MAMBA)
+    mamba_selective_scan_fusion: bool = key(
+        False,
+        "Mamba: run the selective scan on mamba-ssm's CUDA kernel where it is installed "
+        "(otherwise, and on CPUs, torchneox's parallel scan in PyTorch).",
+    )
+    mamba_causal_conv_fusion: bool = key(
+        False,
+        "Mamba: run the causal convolution on causal-conv1d's CUDA kernel where it is "
+        "installed (otherwise PyTorch's conv1d).",
+    )
+    mamba_inner_func_fusion: bool = key(
+        False,
+        "Mamba: run the whole mixer after in_proj as mamba-ssm's mamba_inner_fn where it is "
+        "installed (supersedes the other two; not with mamba_use_bias_in_linears).",
+    )
+    mamba_selective_fp32_params: bool = key(
+        True,
+        "Mamba: A_log and D stay fp32 when ZeRO gathers weights in bf16 (the mixer's "
+        "weights are gathered in fp32); the scan always computes in fp32.",
+    )
+    mamba_use_bias_in_conv: bool = key(True, "Mamba: a bias in the depthwise conv1d.")
+    mamba_use_bias_in_linears: bool = key(
+        False, "Mamba: biases in in_proj, x_proj and out_proj (dt_proj always has one)."
+    )
     te_columnparallel: bool = no_effect(
         False, "TransformerEngine's column-parallel linear.", TE_LAYER
     )

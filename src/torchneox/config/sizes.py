@@ -5,6 +5,7 @@ model (torchneox.models) builds exactly these shapes, and a test holds the two t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -30,6 +31,13 @@ class MLPWidths:
     up: int
     down: int
     gated: bool
+
+
+def mamba_inner(m: ModelConfig) -> int:
+    """Mamba's d_inner as GPT-NeoX sizes it: intermediate_size, else expansion_factor (2)
+    times hidden_size."""
+    assert m.hidden_size
+    return m.intermediate_size or int((m.expansion_factor or 2) * m.hidden_size)
 
 
 def mlp_widths(m: ModelConfig) -> MLPWidths:
@@ -226,6 +234,30 @@ def layout_density(spec: Sparsity, heads: int, seq_length: int, layer: int) -> f
 
 
 LAYER_COUNTS |= dict.fromkeys(SPARSE_TYPES, sparse_attention_layer)
+
+
+MAMBA_STATE, MAMBA_CONV = 16, 4
+"""Mamba's state size per channel and convolution width (GPT-NeoX's fixed d_state, d_conv)."""
+
+
+def mamba_layer(config: NeoXConfig, layer: int) -> LayerCounts:
+    """A mamba layer: its norm and mixer (in_proj, conv1d, x_proj, dt_proj, A_log, D,
+    out_proj). Forward FLOPs per token: 2 per weight of the four linears and the
+    convolution, and the scan's elementwise work, 7 per channel and state (dt x A, its exp,
+    decay x h + input, (dt u) x B, C . h) plus 4 per channel (dt x u, D x u and its sum, the
+    gate's product); softplus and silu are not counted, as attention's softmax is not."""
+    m = config.model
+    assert m.hidden_size
+    h, d, r, n = m.hidden_size, mamba_inner(m), math.ceil(m.hidden_size / 16), MAMBA_STATE
+    matmul = h * 2 * d + d * (r + 2 * n) + r * d + d * h
+    biases = (2 * d + (r + 2 * n) + h) if m.mamba_use_bias_in_linears else 0
+    conv = d * MAMBA_CONV + (d if m.mamba_use_bias_in_conv else 0)
+    params = norm_params(m) + matmul + biases + conv + d + d * n + d  # dt bias, A_log, D
+    forward = 2 * (matmul + d * MAMBA_CONV) + d * (7 * n + 4)
+    return LayerCounts(params, params, forward)
+
+
+LAYER_COUNTS |= {"mamba": mamba_layer}
 """Each attention_config layer type's counts (models/block.py's FAMILIES builds them)."""
 
 

@@ -21,9 +21,8 @@ ROPE_SCALING_FIELDS = {
 ROPE_SCALING_OPTIONAL = {
     "yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
 }
-ATTENTION_TYPES_OK = ("global", "flash", "gmlp", "amlp", "rwkv", *SPARSE_TYPES)
+ATTENTION_TYPES_OK = ("global", "flash", "mamba", "gmlp", "amlp", "rwkv", *SPARSE_TYPES)
 ATTENTION_TYPES_REFUSED = {
-    "mamba": "mamba layers",
     "ring": "ring attention",
 }
 
@@ -52,6 +51,7 @@ def _check_model(ch: Checker) -> None:
         and m.hidden_size
         and m.num_attention_heads
         and m.hidden_size % m.num_attention_heads
+        and not _attention_free(m.attention_config)
     ):
         ch.fail(
             "num_attention_heads",
@@ -78,6 +78,7 @@ def _check_model(ch: Checker) -> None:
     types = layer_attention_types(ch.c, ch.origin)
     _check_gmlp(ch, types)
     _check_sparsity(ch, types)
+    _check_mamba(ch, types)
     if "rwkv" in types:
         _check_rwkv(ch)
 
@@ -148,13 +149,44 @@ def _check_sparsity(ch: Checker, kinds: list[str]) -> None:
         )
 
 
+def _check_mamba(ch: Checker, types: list[str]) -> None:
+    """mamba layers: what GPT-NeoX's mamba asserts, and what torchneox's does not build."""
+    m = ch.c.model
+    mamba = "mamba" in types
+    if mamba and m.mamba_inner_func_fusion and m.mamba_use_bias_in_linears:
+        ch.fail(
+            "mamba_inner_func_fusion",
+            "cannot be set with mamba_use_bias_in_linears (mamba-ssm's mamba_inner_fn has no "
+            "x_proj bias; GPT-NeoX refuses the pair too); set one of them false",
+        )
+    if mamba and m.inter_document_attention_masking:
+        ch.fail(
+            "inter_document_attention_masking",
+            "is not built for mamba layers (their scan would have to restart at every "
+            "document); leave it false: mamba layers read a packed sample as one sequence, as "
+            "GPT-NeoX's do",
+        )
+    if mamba and m.intermediate_size and m.expansion_factor:
+        ch.fail(
+            "expansion_factor",
+            "cannot be set with intermediate_size for mamba layers (d_inner is one or the "
+            "other, as GPT-NeoX asserts); remove one",
+        )
+
+
+def _attention_free(attention_config: Any) -> bool:
+    """Whether every layer is a mamba layer (GPT-NeoX then ignores num_attention_heads)."""
+    kinds = _attention_kinds(attention_config)
+    return bool(kinds) and set(kinds) == {"mamba"}
+
+
 def _check_positions(ch: Checker) -> None:
     m = ch.c.model
     if m.pos_emb == "rpe":
         ch.fail(
             "pos_emb", "'rpe' (T5 relative position buckets) is not supported; use rotary or alibi"
         )
-    if m.pos_emb == "rotary":
+    if m.pos_emb == "rotary" and not _attention_free(m.attention_config):
         if not 0.0 < m.rotary_pct <= 1.0:
             ch.fail("rotary_pct", f"must be in (0, 1], got {m.rotary_pct}")
         if (

@@ -195,29 +195,38 @@ def _cuda_graph(step, cache: StaticKVCache):
     buffers (its inputs are copied into them beforehand) without launching each one.
     Warm-up runs on a side stream first, as capture asks; each writes the keys the real
     step writes and the slot is put back after it."""
-    slot = cache.slot.clone()
-    # a recurrent layer's state (updated in place) is put back after the warm-up runs too
-    states = {layer: {k: v.clone() for k, v in s.items()} for layer, s in cache.states.items()}
+    put_back = snapshot(cache)  # the slot, and the states a recurrent layer's step advances
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
             step()
-            cache.slot.copy_(slot)
-            for layer, saved in states.items():
-                for name, value in saved.items():
-                    cache.states[layer][name].copy_(value)
+            put_back()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         logits = step()
-    cache.slot.copy_(slot)
+    put_back()
 
     def replay() -> torch.Tensor:
         graph.replay()
         return logits
 
     return replay
+
+
+def snapshot(cache: StaticKVCache):
+    """A function that puts the cache's slot and its recurrent states back as they are now
+    (in place: a captured graph reads them where they are)."""
+    slot = cache.slot.clone()
+    states = {(layer, k): v.clone() for layer, s in cache.states.items() for k, v in s.items()}
+
+    def put_back() -> None:
+        cache.slot.copy_(slot)
+        for (layer, name), value in states.items():
+            cache.states[layer][name].copy_(value)
+
+    return put_back
 
 
 def _left_padded(

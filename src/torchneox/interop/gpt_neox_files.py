@@ -207,6 +207,12 @@ def merge_shards(name: str, shards: list[torch.Tensor], args: ModelArgs) -> torc
     """One tensor from its tensor-parallel shards, joined along the dimension GPT-NeoX split."""
     if len(shards) == 1:
         return shards[0]
+    if name.startswith("mixer."):
+        raise NeoXCheckpointError(
+            f"{name}: mamba layers saved with model_parallel_size {len(shards)} are not read "
+            "(GPT-NeoX's split of in_proj pairs other channels than one rank's model); convert "
+            "a run saved with model_parallel_size 1"
+        )
     if args.gated and name.startswith("mlp.linear1"):  # each rank: [its up part, its gate part]
         halves = [s.chunk(2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
@@ -292,11 +298,35 @@ def _gmlp_tensors(dst: str, src: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return out
 
 
+MAMBA_MIXER = ("A_log", "D", "in_proj", "conv1d", "x_proj", "dt_proj", "out_proj")
+"""GPT-NeoX's ParallelMambaBlock's parameters and modules, in its module order (the mixer's
+own A_log and D first, then its linears and conv1d as registered; its layer's ``norm`` before
+it all): torchneox's mamba mixer has the same names."""
+
+
+def _mamba_tensors(dst: str, src: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """ParallelMambaResidualLayer's tensors: ``norm.*`` and ``mixer.*`` -> ``mamba_norm.*`` and
+    ``mamba.*`` (rmsnorm's scale is the weight, its offset the bias)."""
+    kinds = {"scale": "weight", "weight": "weight", "offset": "bias", "bias": "bias"}
+    out = {}
+    for name, tensor in src.items():
+        module, _, kind = name.partition(".")
+        if module == "norm":
+            out[f"{dst}mamba_norm.{kinds[kind]}"] = tensor
+        elif module == "mixer":
+            out[f"{dst}mamba.{kind}"] = tensor
+    return out
+
+
 def block_tensors(
     dst: str, src: dict[str, torch.Tensor], args: ModelArgs, bias_factor: float
 ) -> dict[str, torch.Tensor]:
     if args.layer_type(int(dst.split(".")[1])) in GMLP_TYPES:
         return _gmlp_tensors(dst, src)
+    if any(name.startswith("mixer.") for name in src) or (
+        args.layer_type(int(dst.split(".")[1])) == "mamba"
+    ):
+        return _mamba_tensors(dst, src)
     out: dict[str, torch.Tensor] = {}
     names = {
         "input_layernorm": "attention_norm",

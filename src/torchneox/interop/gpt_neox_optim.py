@@ -9,7 +9,13 @@ from typing import Any
 import torch
 
 from torchneox.base.errors import NeoXCheckpointError
-from torchneox.interop.gpt_neox_files import NeoXLayout, block_tensors, load_file, merge_shards
+from torchneox.interop.gpt_neox_files import (
+    MAMBA_MIXER,
+    NeoXLayout,
+    block_tensors,
+    load_file,
+    merge_shards,
+)
 from torchneox.models.args import ModelArgs
 
 
@@ -28,13 +34,22 @@ def optimizer_order(
         "mlp.linear1",
         "mlp.linear2",
     )
+    mamba_order = ("norm", *(f"mixer.{p}" for p in MAMBA_MIXER))
     decay, plain = [], []
     for layer in order:
         names = list(layers.get(layer, {}))
-        if 2 <= layer < n + 2:
+        if 2 <= layer < n + 2 and args.layer_type(layer - 2) == "mamba":
+            own = ("mixer.A_log", "mixer.D")  # the mixer's own parameters, not a module's
+            names.sort(
+                key=lambda x: (
+                    mamba_order.index(x if x in own else x.rsplit(".", 1)[0]),
+                    x.endswith("bias"),
+                )
+            )
+        elif 2 <= layer < n + 2:
             names.sort(key=lambda x: (block_order.index(x.rsplit(".", 1)[0]), x.endswith("bias")))
         for name in names:
-            is_norm = "norm" in name
+            is_norm = "norm" in name or name.endswith(("mixer.A_log", "mixer.D"))  # no decay
             target = plain if (is_norm or name.endswith("bias")) else decay
             target.append((layer, name))
     return decay + plain

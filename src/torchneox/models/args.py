@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -9,7 +10,14 @@ from torchneox.base.errors import ConfigError
 from torchneox.config.derive import derive
 from torchneox.config.load import LoadedConfig
 from torchneox.config.schema import NeoXConfig
-from torchneox.config.sizes import head_dim, kv_heads, mlp_widths, rotary_dims, rwkv_widths
+from torchneox.config.sizes import (
+    head_dim,
+    kv_heads,
+    mamba_inner,
+    mlp_widths,
+    rotary_dims,
+    rwkv_widths,
+)
 from torchneox.config.sparsity import SPARSE_TYPES, Sparsity, sparsity
 from torchneox.config.validate_model import layer_attention_types
 
@@ -83,6 +91,17 @@ class ModelArgs:
     """RWKV's channel-mix width."""
     sparsity_config: tuple[tuple[str, Any], ...] = ()
     """sparsity_config's fields (lists as tuples): the block-sparse layers' layouts."""
+    mamba_inner: int = 0
+    """Mamba: d_inner (intermediate_size, else expansion_factor (2) x hidden_size)."""
+    mamba_dt_rank: int = 0
+    """Mamba: dt_proj's rank, ceil(hidden_size / 16)."""
+    mamba_conv_bias: bool = True
+    mamba_linear_bias: bool = False
+    """Mamba: biases of in_proj, x_proj and out_proj (mamba_use_bias_in_linears)."""
+    mamba_fp32_params: bool = True
+    """Mamba: A_log and D stay fp32 when ZeRO gathers weights in bf16."""
+    mamba_fusion: tuple[str, ...] = ()
+    """Mamba: the CUDA kernels the fusion keys ask for (scan, conv, inner)."""
 
     def layer_type(self, layer: int) -> str:
         return self.layer_types[layer] if self.layer_types else "global"
@@ -174,6 +193,7 @@ class ModelArgs:
 
 def _layer_families(cfg: NeoXConfig) -> dict:
     """The layer types and what their families read (ModelArgs' fields by name)."""
+    m = cfg.model
     types = tuple(layer_attention_types(cfg))
     out = {"layer_types": types, "seq_length": cfg.model.seq_length}
     if "rwkv" in types:
@@ -184,7 +204,19 @@ def _layer_families(cfg: NeoXConfig) -> dict:
     out["sparsity_config"] = tuple(
         (k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(sparse.items())
     )
-    return out
+    fusion = {
+        "scan": m.mamba_selective_scan_fusion,
+        "conv": m.mamba_causal_conv_fusion,
+        "inner": m.mamba_inner_func_fusion,
+    }
+    return out | {
+        "mamba_inner": mamba_inner(m) if m.hidden_size else 0,
+        "mamba_dt_rank": math.ceil(m.hidden_size / 16) if m.hidden_size else 0,
+        "mamba_conv_bias": m.mamba_use_bias_in_conv,
+        "mamba_linear_bias": m.mamba_use_bias_in_linears,
+        "mamba_fp32_params": m.mamba_selective_fp32_params,
+        "mamba_fusion": tuple(k for k, on in fusion.items() if on),
+    }
 
 
 def _rope_scaling(spec: dict | None) -> tuple[tuple[str, float], ...]:

@@ -11,6 +11,7 @@ selects it per layer; each family names its sublayers, and those names are the p
     gmlp       gmlp, amlp (mixers/gmlp.py)              gmlp_norm gmlp (no MLP)
     rwkv       rwkv                                     time_mix_norm time_mix channel_mix_norm
                                                         channel_mix
+    mamba      mamba                                    mamba_norm mamba (no MLP)
 
 Every mixer is called as ``mixer(x, rope, bias, cache)`` and returns a tensor shaped like
 ``x``: attention reads the rotary tables, the mask and the KV cache; a recurrent mixer keeps
@@ -28,7 +29,7 @@ from torch import nn
 from torchneox.config.sparsity import SPARSE_TYPES
 from torchneox.models.args import ModelArgs
 from torchneox.models.init import InitFn
-from torchneox.models.mixers import rwkv
+from torchneox.models.mixers import mamba, rwkv
 from torchneox.models.mixers.attention import Attention, AttentionBias, KVCache
 from torchneox.models.mixers.gmlp import GMLP, gmlp_init
 from torchneox.models.mixers.sparse import SparseAttention
@@ -88,6 +89,9 @@ RWKV = Family(
 )  # fmt: skip
 
 FAMILIES |= {"rwkv": RWKV}
+MAMBA = Family("mamba_norm", "mamba", mamba.Mamba, init_rule=mamba.init_rule)
+
+FAMILIES |= {"mamba": MAMBA}
 """The family of each attention_config layer type torchneox builds."""
 FAMILIES |= dict.fromkeys(SPARSE_TYPES, ATTENTION)  # block-sparse: attention with a layout
 

@@ -1,4 +1,4 @@
-"""Hugging Face interop: configs of GPTNeoX, Llama, Mistral, Qwen2/3, OLMo 2 and Mixtral as
+"""Hugging Face interop: configs of GPTNeoX, Llama, Mistral, Qwen2/3, OLMo 2, Mixtral and Mamba as
 GPT-NeoX keys and back, and the weight files of a local folder (models/hf_weights.py maps the
 tensors' names).
 
@@ -18,6 +18,7 @@ import torch
 
 from torchneox.base.errors import HFError, first_line
 from torchneox.config.sparsity import SPARSE_TYPES
+from torchneox.models import hf_mamba
 from torchneox.models.args import ModelArgs
 from torchneox.models.hf_defaults import DEFAULTS, rope, with_defaults
 
@@ -29,6 +30,7 @@ ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Olmo2ForCausalLM",
     "MixtralForCausalLM",
+    hf_mamba.MAMBA,
 )
 # Hugging Face hidden_act -> GPT-NeoX config keys. The tanh gelus (gelu_new, gelu_fast,
 # gelu_pytorch_tanh: the same function) are GPT-NeoX's gelu under bias_gelu_fusion.
@@ -125,6 +127,8 @@ def neox_config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
             key="architectures",
         )
     reward = _reward_model_keys(hf, named)
+    if arch == hf_mamba.MAMBA:
+        return hf_mamba.neox_keys(hf) | reward
     hf = with_defaults(hf, arch)  # what transformers assumes where config.json says nothing
     theta, pct, scaling = rope(hf, arch)
     h, heads = hf["hidden_size"], hf["num_attention_heads"]
@@ -279,6 +283,14 @@ def architecture_of(hf: dict[str, Any]) -> str:
 
 def export_architecture(args: ModelArgs) -> str:
     """The HF architecture that expresses ``args`` exactly, or an HFError naming what cannot."""
+    if hf_mamba.has_mamba(args):
+        problems = hf_mamba.problems(args)
+        if problems:
+            raise HFError(
+                "cannot be exported to Hugging Face without changing the model: "
+                + "; ".join(problems)
+            )
+        return hf_mamba.MAMBA
     llama_like = args.norm == "rmsnorm" and args.activation == "swiglu"
     problems = _common_problems(args)
     problems += _llama_problems(args) if llama_like else _gpt_neox_problems(args)
@@ -411,6 +423,8 @@ def causal_family(arch: str) -> str:
 def hf_config(
     arch: str, args: ModelArgs, eod_id: int | None = None, pad_id: int | None = None
 ) -> dict[str, Any]:
+    if arch == hf_mamba.MAMBA:
+        return hf_mamba.hf_config(args, eod_id)
     out = _hf_config(causal_family(arch), args, eod_id)
     out["architectures"] = [arch]
     if arch.endswith(SEQUENCE_CLASSIFICATION):

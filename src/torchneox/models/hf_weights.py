@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import torch
 
 from torchneox.base.errors import HFError
+from torchneox.models import hf_mamba
 from torchneox.models.args import ModelArgs
 
 GPT_NEOX = "GPTNeoXForCausalLM"
@@ -53,17 +54,21 @@ GPT_NEOX_LAYER = {
 EXPERT_MATRICES = {"w1": "experts_gate", "w3": "experts_up", "w2": "experts_down"}
 IGNORED = re.compile(r".*(rotary_emb\.inv_freq|attention\.bias|attention\.masked_bias)$")
 """Buffers older GPTNeoX checkpoints saved; torchneox recomputes them."""
-LAYER = re.compile(r"(?:model|gpt_neox)\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+LAYER = re.compile(r"(?:model|gpt_neox|backbone)\.layers\.(\d+)\.(.+)\.(weight|bias|A_log|D)$")
 
 
 def layer_names(arch: str) -> dict[str, str]:
     if arch == GPT_NEOX:
         return GPT_NEOX_LAYER
+    if arch == hf_mamba.MAMBA:
+        return hf_mamba.LAYER
     return {OLMO2: OLMO2_LAYER, MIXTRAL: MIXTRAL_LAYER}.get(arch, LLAMA_LAYER)
 
 
 def top_names(arch: str) -> dict[str, str]:
     """The tensors outside the blocks (weights and biases alike)."""
+    if arch == hf_mamba.MAMBA:
+        return dict(hf_mamba.TOP)
     if arch == GPT_NEOX:
         return {
             "gpt_neox.embed_in": "embed",
@@ -210,7 +215,8 @@ def hf_tensors(
     theirs_of_layer = {ours: theirs for theirs, ours in layer_names(arch).items()}
     if arch == MIXTRAL:
         theirs_of_layer["mlp.router"] = "block_sparse_moe.gate"
-    prefix = "gpt_neox." if arch == GPT_NEOX else "model."
+    prefixes = {GPT_NEOX: "gpt_neox.", hf_mamba.MAMBA: "backbone."}
+    prefix = prefixes.get(arch, "model.")
     expert_of = {ours: theirs for theirs, ours in EXPERT_MATRICES.items()}
     for name, tensor in sd.items():
         module, _, kind = name.rpartition(".")

@@ -47,6 +47,8 @@ def apply_data_parallel(
     skip = {model.get_parameter(n) for n in ignored or []}
     for block in model.layers.values():
         own = {p for p in block.parameters() if p in skip} or None
+        if gather != torch.float32:
+            _shard_fp32_mixers(block, mesh, reshard, REDUCE_DTYPES[reduce_dtype])
         fully_shard(
             block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=own
         )
@@ -58,6 +60,17 @@ def apply_data_parallel(
         ignored_params=skip or None,
     )
     return model
+
+
+def _shard_fp32_mixers(
+    block: torch.nn.Module, mesh: DeviceMesh, reshard: bool, reduce: torch.dtype
+) -> None:
+    """mamba_selective_fp32_params: a mixer that asks (``gather_fp32``) is sharded on its own
+    and gathered in fp32, so A_log and D reach the scan unrounded while the rest of the block
+    is gathered in bf16 (its linears compute in bf16 under autocast either way)."""
+    for mixer in (m for m in block.modules() if getattr(m, "gather_fp32", False)):
+        policy = MixedPrecisionPolicy(reduce_dtype=reduce)
+        fully_shard(mixer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
 
 
 def set_gradient_sync(module: torch.nn.Module, sync: bool) -> None:

@@ -39,12 +39,18 @@ class Lion(torch.optim.Optimizer):
         return loss
 
 
+NO_DECAY = ("A_log",)
+"""Matrices that never decay (GPT-NeoX marks them _no_weight_decay)."""
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Matrices (weights, embeddings) decay; biases and norm parameters (1-D) do not."""
+    """Matrices (weights, embeddings) decay; biases and norm parameters (1-D) do not, nor
+    mamba's A_log (GPT-NeoX's _no_weight_decay)."""
     decay, no_decay = [], []
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         if p.requires_grad:
-            (decay if p.ndim >= 2 and weight_decay > 0 else no_decay).append(p)
+            matrix = p.ndim >= 2 and not name.endswith(NO_DECAY)
+            (decay if matrix and weight_decay > 0 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}]
     return [*groups, {"params": no_decay, "weight_decay": 0.0}]
 

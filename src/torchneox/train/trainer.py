@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torchneox.base.errors import TrainingStopped
 from torchneox.base.faults import fault_point
 from torchneox.config.derive import derive
+from torchneox.config.derive_model import mamba_kernels
 from torchneox.config.fp8_plan import FP8Plan, fp8_plan
 from torchneox.config.layout import require
 from torchneox.config.load import LoadedConfig, with_absolute_paths
@@ -370,6 +371,8 @@ class Trainer:
         slow = hardware.cpu_precision_warning(self.precision) if self.device.type == "cpu" else None
         if slow:
             self.logger.line(slow)
+        if "mamba" in self.args.layer_types:  # which kernels run the mamba layers
+            self.logger.line(f"mamba: {mamba_kernels(self.cfg.model, self.device.type)}")
         if self.dims.dp_shard is not None:
             groups = self.dims.dp // self.dims.dp_shard
             self.logger.line(

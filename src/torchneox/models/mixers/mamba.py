@@ -1,0 +1,276 @@
+"""Mamba-1's mixer as GPT-NeoX computes it (megatron/model/mamba/mamba.py), on any device.
+
+    xz = in_proj(x)                   h -> 2 d_inner, split into x and the gate z
+    x = silu(conv1d(x))               depthwise, kernel 4, causal (3 positions of left padding)
+    dt, B, C = x_proj(x)              d_inner -> dt_rank + 2 * 16
+    dt = softplus(dt_proj(dt))        dt_rank -> d_inner, with its bias
+    h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t,   A = -exp(A_log)   [d_inner, 16] per sequence
+    y_t = C_t . h_t + D x_t
+    out = out_proj(y * silu(z))
+
+d_inner is ``intermediate_size``, else ``expansion_factor`` (2) x hidden_size; dt_rank is
+ceil(hidden_size / 16). The scan runs in fp32 (A_log, D and the dt bias are read in fp32) as
+a parallel scan: the sequence is cut into chunks of ``CHUNK`` positions, each chunk scanned
+by recursive doubling (log2(CHUNK) steps of elementwise products, so no decay is ever divided
+or exponentiated past its own range), the state carried from chunk to chunk: a Python loop
+over chunks, never over tokens. Training keeps only each chunk's inputs and recomputes its
+states in the backward (as mamba-ssm's kernel does), so the [B, T, d_inner, 16] states are
+never all held at once. On CUDA, where mamba-ssm and causal-conv1d are installed,
+the fusion keys select their kernels for training forwards (``kernels``).
+
+Decoding keeps ``conv`` (the last 3 inputs of the convolution) and ``ssm`` (the state h) in
+``cache.state(layer)``; a forward with a cache continues from them, so generation runs one
+token at a time without recomputing the prefix. Padding (``bias.valid_BS``) is zeroed before
+and after the convolution, so a left-padded sequence's state is the unpadded one's.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+
+from torchneox.models.args import ModelArgs
+from torchneox.models.init import InitFn, init_function
+from torchneox.models.linear import Linear
+from torchneox.models.mixers.attention import AttentionBias, KVCache, StaticKVCache
+
+D_STATE = 16
+"""The state's size per channel (GPT-NeoX's d_state)."""
+D_CONV = 4
+"""The convolution's width (GPT-NeoX's d_conv)."""
+CHUNK = 64
+"""Positions scanned together by recursive doubling."""
+DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 0.1, 1e-4
+"""GPT-NeoX's dt initialisation: log-uniform in [DT_MIN, DT_MAX], clamped at DT_FLOOR."""
+
+
+@functools.cache
+def kernels_installed() -> bool:
+    """Whether mamba-ssm and causal-conv1d can be imported (never imported here)."""
+    return all(importlib.util.find_spec(m) is not None for m in ("mamba_ssm", "causal_conv1d"))
+
+
+def scan_chunk(
+    decay: torch.Tensor, inputs: torch.Tensor, h0: torch.Tensor
+) -> torch.Tensor:  # fmt: skip
+    """The states h_t = decay_t * h_{t-1} + inputs_t of one chunk ([B, L, d, n] each; h0:
+    [B, d, n]) by recursive doubling: after the step of span k every position holds the
+    composition of the k (then 2k) steps that end there."""
+    first = decay[:, :1] * h0[:, None] + inputs[:, :1]
+    h = torch.cat([first, inputs[:, 1:]], 1)
+    a, k, length = decay, 1, decay.shape[1]
+    while k < length:
+        h = torch.cat([h[:, :k], a[:, k:] * h[:, :-k] + h[:, k:]], 1)
+        a = torch.cat([a[:, :k], a[:, k:] * a[:, :-k]], 1)
+        k *= 2
+    return h
+
+
+def selective_scan(
+    u: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    h0: torch.Tensor,
+    chunk: int = CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y [B, T, d], last state [B, d, n]) of the selective scan in fp32: u and dt (already
+    through softplus) [B, T, d], A [d, n], B and C [B, T, n], D [d], h0 [B, d, n]."""
+    u, dt, B, C = u.float(), dt.float(), B.float(), C.float()
+    ys, h = [], h0.float()
+    for start in range(0, u.shape[1], chunk):
+        part = slice(start, start + chunk)
+        args = (u[:, part], dt[:, part], A, B[:, part], C[:, part], h)
+        if torch.is_grad_enabled():  # keep the chunk's inputs, recompute its states backward
+            y, h = checkpoint(_scan_part, *args, use_reentrant=False)
+        else:
+            y, h = _scan_part(*args)
+        ys.append(y)
+    return torch.cat(ys, 1) + u * D.float(), h
+
+
+def _scan_part(
+    u: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    h0: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk: (y without the D skip [B, L, d], its last state)."""
+    decay = torch.exp(dt[..., None] * A)  # [B, L, d, n], in (0, 1]
+    inputs = (dt * u)[..., None] * B[:, :, None, :]
+    states = scan_chunk(decay, inputs, h0)
+    return torch.einsum("bldn,bln->bld", states, C), states[:, -1]
+
+
+class Mamba(nn.Module):
+    """GPT-NeoX's ParallelMambaBlock: parameters in_proj, conv1d, x_proj, dt_proj, A_log, D,
+    out_proj (transformers' MambaMixer's names)."""
+
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.layer = layer
+        h, d, r = args.hidden_size, args.mamba_inner, args.mamba_dt_rank
+        self.dt_rank = r
+        self.fusion = args.mamba_fusion
+        self.gather_fp32 = args.mamba_fp32_params
+        """ZeRO gathers this mixer's weights in fp32 (A_log and D stay fp32)."""
+        bias = args.mamba_linear_bias
+        self.in_proj = Linear(h, 2 * d, bias=bias)
+        self.conv1d = nn.Conv1d(d, d, D_CONV, groups=d, bias=args.mamba_conv_bias)
+        self.x_proj = Linear(d, r + 2 * D_STATE, bias=bias)
+        self.dt_proj = Linear(r, d, bias=True)
+        self.A_log = nn.Parameter(torch.empty(d, D_STATE))
+        self.D = nn.Parameter(torch.empty(d))
+        self.out_proj = Linear(d, h, bias=bias)
+
+    def forward(
+        self,
+        x_BTH: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        bias: AttentionBias,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        t = x_BTH.shape[1]
+        valid = _valid_here(bias.valid_BS, cache, t)
+        if cache is None and valid is None and self._kernel_ready(x_BTH):
+            return self._fused(x_BTH)
+        state = cache.state(self.layer) if cache is not None else None
+        x, z = self.in_proj(x_BTH).chunk(2, dim=-1)
+        x = self._conv(_masked(x, valid), state)
+        x = _masked(x, valid)
+        dt, B, C = self.x_proj(x).split([self.dt_rank, D_STATE, D_STATE], dim=-1)
+        with torch.autocast(x.device.type, enabled=False):
+            w, b = self.dt_proj.weight.float(), self.dt_proj.bias.float()
+            dt = F.softplus(F.linear(dt.float(), w, b))
+            A = -torch.exp(self.A_log.float())
+            h0 = state.get("ssm") if state is not None else None
+            if h0 is None:
+                h0 = x.new_zeros(x.shape[0], *A.shape, dtype=torch.float32)
+            y, h = selective_scan(x, dt, A, B, C, self.D, h0)
+            y = y * F.silu(z.float())
+        if state is not None:
+            _keep(state, "ssm", h)
+        return self.out_proj(y.to(x.dtype))
+
+    def _conv(self, x_BTD: torch.Tensor, state: dict | None) -> torch.Tensor:
+        """silu(causal depthwise conv) of x, continuing from the state's last inputs."""
+        x = x_BTD.transpose(1, 2)
+        if state:
+            before = state["conv"].to(x.dtype)
+        else:
+            before = x.new_zeros(x.shape[0], x.shape[1], D_CONV - 1)
+        x = torch.cat([before, x], dim=-1)
+        if state is not None:
+            _keep(state, "conv", x[..., -(D_CONV - 1) :])
+        w, b = self.conv1d.weight, self.conv1d.bias
+        return F.silu(F.conv1d(x, w, b, groups=w.shape[0])).transpose(1, 2)
+
+    def _kernel_ready(self, x: torch.Tensor) -> bool:
+        return bool(self.fusion) and x.is_cuda and kernels_installed()
+
+    def _fused(self, x_BTH: torch.Tensor) -> torch.Tensor:
+        """The forward through mamba-ssm's and causal-conv1d's kernels, as the fusion keys
+        select them (mamba_inner_func_fusion: the whole mixer in one)."""
+        from causal_conv1d import causal_conv1d_fn
+        from mamba_ssm.ops.selective_scan_interface import mamba_inner_fn, selective_scan_fn
+
+        A = -torch.exp(self.A_log.float())
+        xz = self.in_proj(x_BTH).transpose(1, 2)  # [B, 2d, T]
+        conv_w = self.conv1d.weight.squeeze(1)
+        if "inner" in self.fusion:  # (validation refuses it with biases in the linears)
+            return mamba_inner_fn(
+                xz, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight,
+                self.dt_proj.weight, self.out_proj.weight, self.out_proj.bias, A, None, None,
+                self.D.float(), delta_bias=self.dt_proj.bias.float(), delta_softplus=True,
+            )  # fmt: skip
+        x, z = xz.chunk(2, dim=1)
+        if "conv" in self.fusion or "inner" in self.fusion:
+            x = causal_conv1d_fn(x, conv_w, self.conv1d.bias, activation="silu")
+        else:
+            x = self._conv(x.transpose(1, 2), None).transpose(1, 2)
+        dt, B, C = self.x_proj(x.transpose(1, 2)).split([self.dt_rank, D_STATE, D_STATE], -1)
+        dt = (dt @ self.dt_proj.weight.t().to(dt.dtype)).transpose(1, 2)
+        B, C = B.transpose(1, 2).contiguous(), C.transpose(1, 2).contiguous()
+        if "scan" in self.fusion or "inner" in self.fusion:
+            y = selective_scan_fn(
+                x, dt.contiguous(), A, B, C, self.D.float(), z=z,
+                delta_bias=self.dt_proj.bias.float(), delta_softplus=True,
+            )  # fmt: skip
+        else:
+            with torch.autocast("cuda", enabled=False):
+                dt = F.softplus(dt.float() + self.dt_proj.bias.float()[:, None])
+                h0 = x.new_zeros(x.shape[0], *A.shape, dtype=torch.float32)
+                y, _ = selective_scan(
+                    x.transpose(1, 2), dt.transpose(1, 2), A, B.transpose(1, 2),
+                    C.transpose(1, 2), self.D, h0,
+                )  # fmt: skip
+                y = (y * F.silu(z.transpose(1, 2).float())).transpose(1, 2)
+        return self.out_proj(y.transpose(1, 2).to(x_BTH.dtype))
+
+
+def _valid_here(valid_BS: torch.Tensor | None, cache: KVCache | None, t: int):
+    """[B, T] which of this forward's tokens are real (None: all)."""
+    if valid_BS is None:
+        return None
+    if isinstance(cache, StaticKVCache):
+        return valid_BS.index_select(1, cache.queries(t))
+    return valid_BS[:, -t:]
+
+
+def _masked(x_BTD: torch.Tensor, valid_BT: torch.Tensor | None) -> torch.Tensor:
+    return x_BTD if valid_BT is None else x_BTD * valid_BT[..., None].to(x_BTD.dtype)
+
+
+def _keep(state: dict, name: str, value: torch.Tensor) -> None:
+    """Store a decoding state in place once it exists (a captured CUDA graph reads it there)."""
+    value = value.detach()
+    if name in state and state[name].shape == value.shape:
+        state[name].copy_(value)
+    else:
+        state[name] = value.clone()
+
+
+def init_rule(args: ModelArgs, name: str) -> InitFn | None:
+    """GPT-NeoX's initialisations of a mamba layer's parameters (``name`` after
+    ``layers.{i}.``): A_log = log(1..16) per channel, D = 1, dt_proj's weight uniform in
+    +-dt_rank^-0.5 and its bias the inverse softplus of a log-uniform dt, conv1d PyTorch's
+    default (uniform in +-1/sqrt(4)), out_proj output_layer_init_method; the rest (in_proj,
+    x_proj: init_method; biases zero) the model's rule."""
+    rules = {
+        "mamba.A_log": _a_log,
+        "mamba.D": lambda t, g=None: t.fill_(1.0),
+        "mamba.dt_proj.weight": _uniform(args.mamba_dt_rank**-0.5),
+        "mamba.dt_proj.bias": _dt_bias,
+        "mamba.conv1d.weight": _uniform(1 / math.sqrt(D_CONV)),
+        "mamba.conv1d.bias": _uniform(1 / math.sqrt(D_CONV)),
+    }
+    if name == "mamba.out_proj.weight":
+        m = args.output_init_method
+        return init_function(m, args.init_std, args.num_layers, args.hidden_size)
+    return rules.get(name)
+
+
+def _a_log(t: torch.Tensor, g: torch.Generator | None = None) -> None:
+    n = torch.arange(1, t.shape[-1] + 1, dtype=torch.float32, device=t.device)
+    t.copy_(torch.log(n).expand_as(t))
+
+
+def _uniform(bound: float) -> InitFn:
+    return lambda t, g=None: nn.init.uniform_(t, -bound, bound, generator=g)
+
+
+def _dt_bias(t: torch.Tensor, g: torch.Generator | None = None) -> None:
+    r = torch.rand(t.shape, generator=g, dtype=torch.float32, device=t.device)
+    dt = torch.exp(r * (math.log(DT_MAX) - math.log(DT_MIN)) + math.log(DT_MIN))
+    dt = dt.clamp(min=DT_FLOOR)
+    t.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus's inverse
