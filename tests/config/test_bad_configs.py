@@ -378,7 +378,7 @@ CASES = [
         "mamba-tensor-parallel",
         {
             "a.yml": "{hidden_size: 64, num_attention_heads: 4, num_layers: 2, seq_length: 64, "
-            "attention_config: [[[mamba, global], 2]], model_parallel_size: 2}"
+            "attention_config: [[[mamba, global], 1]], model_parallel_size: 2}"
         },
         [],
         ["a.yml: attention_config: mamba layers with model_parallel_size > 1 are not built"],

@@ -8,7 +8,7 @@ from torchneox.estimate.dry_run import dry_run
 
 
 def test_a_mamba_mix_rehearses_under_pipeline_and_zero3():
-    mix = "attention_config=[[[mamba, global], 4]]"
+    mix = "attention_config=[[[mamba, global], 2]]"
     loaded = _loaded(mix, "pipe_parallel_size=2", "zero_optimization.stage=3")
     run = dry_run(loaded, 4, ranks="all", workers=2)
     assert [r.rank for r in run.ranks] == [0, 1, 2, 3]

@@ -107,7 +107,7 @@ def test_what_gpt_neox_mamba_cannot_compute_is_refused(keys, key, fragment):
         ({"pos_emb": "learned"}, "pos_emb 'learned' (MambaForCausalLM has no positions"),
         ({"norm": "layernorm"}, "norm 'layernorm' (MambaForCausalLM's norms are rmsnorm)"),
         ({"mamba_use_bias_in_linears": True}, "mamba_use_bias_in_linears"),
-        ({"attention_config": [[["mamba", "global"], 2]]}, "mixes mamba with other layers"),
+        ({"attention_config": [[["mamba", "global"], 1]]}, "mixes mamba with other layers"),
     ],
 )
 def test_export_refuses_in_one_line(keys, fragment):

@@ -16,7 +16,7 @@ from tests.helpers import (
     train,
 )
 
-MIXED = {"attention_config": [[["mamba", "global"], 2]], "no_weight_tying": True}
+MIXED = {"attention_config": [[["mamba", "global"], 1]], "no_weight_tying": True}
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def test_two_zero_processes_equal_one(config, tmp_path, baseline, stage):
 
 def test_two_pipeline_stages_equal_one(make_config, tmp_path):
     keys = {k: v for k, v in DP_KEYS.items() if k != "train_batch_size"} | MIXED
-    keys |= {"attention_config": [[["mamba", "global"], 4]], "num_layers": 4}
+    keys |= {"attention_config": [[["mamba", "global"], 2]], "num_layers": 4}
     keys |= {"gradient_accumulation_steps": 4, "train_micro_batch_size_per_gpu": 2}
     cfg = make_config("pp.yml", train_iters=3, **keys)
     train(cfg, f"save={tmp_path / 'one'}", "load=null")

@@ -131,6 +131,8 @@ def _layers(cfg: NeoXConfig, kinds: list[str], out: Derived) -> None:
         )
     _gmlp(cfg, kinds, out)
     _sparse_layouts(cfg, kinds, out)
+    if "mamba" in kinds:
+        _mamba(cfg, out, kinds.count("mamba"))
     if "rwkv" in kinds:
         _rwkv(cfg, kinds.count("rwkv"), out)
 
@@ -149,8 +151,6 @@ def _gmlp(cfg: NeoXConfig, kinds: list[str], out: Derived) -> None:
         f"gating width {ff} (4 x hidden_size), a causal {m.seq_length} x {m.seq_length} "
         "spatial projection, no MLP",
     )
-    if "mamba" in kinds:
-        _mamba(cfg, out, kinds.count("mamba"))
 
 
 def _mamba(cfg: NeoXConfig, out: Derived, layers: int) -> None:
