@@ -2,11 +2,13 @@
 GPT-NeoX's formulas (run over the sequence) and start from its initialisation, and decoding
 with the recurrent state equals recomputing the whole prefix, left padding included.
 
-flash-linear-attention (whose ``naive_recurrent_rwkv6`` is the issue's reference) imports
-triton at the top and so cannot load on a CPU-only machine: the reference here is the
-recurrence written out from the formula, as that function computes it."""
+The WKV is held both to the recurrence written out here from the formula and to
+flash-linear-attention's ``naive_recurrent_rwkv6`` (fla-core, a dev extra; read from its own
+file, since importing the fla package needs triton)."""
 
 from __future__ import annotations
+
+from importlib import metadata, util
 
 import pytest
 import torch
@@ -55,6 +57,40 @@ def test_chunked_wkv_equals_the_recurrence(t):
     ((y_ref * weights).sum() + final_ref.sum()).backward()
     for ours, ref in zip(inputs, ref_inputs, strict=True):
         torch.testing.assert_close(ours.grad.double(), ref.grad, rtol=1e-3, atol=1e-3)
+
+
+def fla_naive_rwkv6():
+    """flash-linear-attention's naive_recurrent_rwkv6 (fla-core, the dev extra), read from its
+    own file: importing the fla package needs triton, that file only torch."""
+    try:
+        dist = metadata.distribution("fla-core")
+    except metadata.PackageNotFoundError:
+        pytest.skip("fla-core (pip install -e .[dev]) is not installed")
+    spec = util.spec_from_file_location(
+        "fla_naive_rwkv6", dist.locate_file("fla/ops/rwkv6/recurrent_naive.py")
+    )
+    module = util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.naive_recurrent_rwkv6
+
+
+@pytest.mark.parametrize("t", [5, 37])
+def test_wkv_equals_flash_linear_attention_s_naive_reference(t):
+    """The chunked WKV (what trains) and flash-linear-attention's reference recurrence give the
+    same outputs and final state from random inputs and a random initial state."""
+    naive = fla_naive_rwkv6()
+    g = torch.Generator().manual_seed(100 + t)
+    b, h, n = 2, 3, 8
+    r, k, v = (torch.randn(b, h, t, n, generator=g) for _ in range(3))
+    log_decay = -(torch.rand(b, h, t, n, generator=g) * 6 - 5).exp()  # fla's w: log of the decay
+    u = torch.randn(h, n, generator=g)
+    state = torch.randn(b, h, n, n, generator=g)
+    y, final = wkv(r, k, v, log_decay, u, state)
+    y_ref, final_ref = naive(
+        r, k, v, log_decay, u, scale=1.0, initial_state=state, output_final_state=True
+    )
+    torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(final, final_ref, rtol=1e-4, atol=1e-4)
 
 
 def neox_time_mix(m, x):
