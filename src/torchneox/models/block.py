@@ -7,11 +7,12 @@ selects it per layer; each family names its sublayers, and those names are the p
 (``layers.{i}.attention.wq.weight``, ``layers.{i}.mamba.in_proj.weight``, ...):
 
     family     layer types                              sublayers (norm, mixer, norm, mlp)
-    attention  global, flash (and the sparse types)     attention_norm attention mlp_norm mlp
-    gmlp       gmlp, amlp (mixers/gmlp.py)              gmlp_norm gmlp (no MLP)
-    rwkv       rwkv                                     time_mix_norm time_mix channel_mix_norm
+    attention  global, flash, and the block-sparse     attention_norm attention mlp_norm mlp
+               types (mixers/attention.py, sparse.py)
+    mamba      mamba (mixers/mamba.py)                  mamba_norm mamba (no MLP)
+    rwkv       rwkv (mixers/rwkv.py)                    time_mix_norm time_mix channel_mix_norm
                                                         channel_mix
-    mamba      mamba                                    mamba_norm mamba (no MLP)
+    gmlp       gmlp, amlp (mixers/gmlp.py)              gmlp_norm gmlp (no MLP)
 
 Every mixer is called as ``mixer(x, rope, bias, cache)`` and returns a tensor shaped like
 ``x``: attention reads the rotary tables, the mask and the KV cache; a recurrent mixer keeps
@@ -77,23 +78,24 @@ def _attention(args: ModelArgs, layer: int) -> nn.Module:
 ATTENTION = Family(
     "attention_norm", "attention", _attention, "mlp_norm", "mlp", _mlp_or_moe
 )  # fmt: skip
-
-GMLP_FAMILY = Family("gmlp_norm", "gmlp", GMLP, init_rule=gmlp_init)
-
-FAMILIES: dict[str, Family] = {"global": ATTENTION, "flash": ATTENTION}
-FAMILIES |= {"gmlp": GMLP_FAMILY, "amlp": GMLP_FAMILY}
+MAMBA = Family("mamba_norm", "mamba", mamba.Mamba, init_rule=mamba.init_rule)
 RWKV = Family(
     "time_mix_norm", "time_mix", rwkv.TimeMix, "channel_mix_norm", "channel_mix",
     rwkv.ChannelMix, mlp_is_mixer=True, layer_init_rule=rwkv.init_rule,
     build_norm=rwkv.layer_norm, norm_first_input=True,
 )  # fmt: skip
+GMLP_FAMILY = Family("gmlp_norm", "gmlp", GMLP, init_rule=gmlp_init)
 
-FAMILIES |= {"rwkv": RWKV}
-MAMBA = Family("mamba_norm", "mamba", mamba.Mamba, init_rule=mamba.init_rule)
-
-FAMILIES |= {"mamba": MAMBA}
-"""The family of each attention_config layer type torchneox builds."""
-FAMILIES |= dict.fromkeys(SPARSE_TYPES, ATTENTION)  # block-sparse: attention with a layout
+FAMILIES: dict[str, Family] = {
+    "global": ATTENTION,
+    "flash": ATTENTION,
+    **dict.fromkeys(SPARSE_TYPES, ATTENTION),  # block-sparse: attention with a layout
+    "mamba": MAMBA,
+    "rwkv": RWKV,
+    "gmlp": GMLP_FAMILY,
+    "amlp": GMLP_FAMILY,
+}
+"""The family of each attention_config layer type."""
 
 
 def family_of(args: ModelArgs, layer: int) -> Family:
