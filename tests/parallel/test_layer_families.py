@@ -1,6 +1,7 @@
-"""A model that mixes every layer family (mamba, RWKV-6, gMLP, block-sparse and dense
-attention) trains under pipeline stages and sharded data parallelism as one process does,
-resumes bit for bit, explains its layers and estimates its size exactly."""
+"""A model that mixes every layer family (mamba, RWKV-6, gMLP and aMLP, block-sparse and dense
+attention) trains as one process does under ZeRO-1, ZeRO-3, pipeline stages and both,
+resumes bit for bit and across layouts, decodes from its states as recomputing does, explains
+its layers and counts what it builds."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from tests.helpers import (
+    assert_resumes_like_whole,
     assert_same_training,
     losses,
     reference,
@@ -77,13 +79,15 @@ def test_decoding_the_mix_from_its_states_equals_recomputing(config, loop):
 @pytest.mark.parametrize(
     "nproc,overrides",
     [
+        (2, ["zero_optimization.stage=1", "train_micro_batch_size_per_gpu=1"]),
+        (2, ["zero_optimization.stage=3", "train_micro_batch_size_per_gpu=1"]),
         (2, ["pipe_parallel_size=2"]),
         (4, ["pipe_parallel_size=2", "train_micro_batch_size_per_gpu=1",
              "zero_optimization.stage=3"]),
     ],
-    ids=["pp2", "dp2-pp2-zero3"],
+    ids=["zero1", "zero3", "pp2", "dp2-pp2-zero3"],
 )  # fmt: skip
-def test_a_mixed_model_in_pipeline_stages_equals_one_process(
+def test_a_mixed_model_in_every_layout_equals_one_process(
     config, tmp_path, baseline, nproc, overrides
 ):
     out = tmp_path / "run"
@@ -104,3 +108,12 @@ def test_a_mixed_model_resumes_bit_for_bit(make_config, tmp_path):
     resumed = weights(moved)
     for name, tensor in weights(whole).items():
         assert torch.equal(tensor, resumed[name]), name
+
+
+def test_a_zero3_checkpoint_of_the_mix_resumes_in_one_process(make_config, tmp_path):
+    """Stopped at step 3 as two ZeRO-3 ranks, resumed as one process: steps 4-6 are those of
+    a run never stopped (every family's sharded state gathers back whole)."""
+    cfg = make_config("mix6z.yml", train_iters=6, **MIX_KEYS)
+    one = ["train_micro_batch_size_per_gpu=2"]
+    zero3 = ["zero_optimization.stage=3", "train_micro_batch_size_per_gpu=1"]
+    assert_resumes_like_whole(cfg, tmp_path, one, zero3, 2, one)

@@ -1,6 +1,7 @@
-"""Mamba under every layout it takes: 2 processes equal 1 under ZeRO-1 and ZeRO-3 and as two
-pipeline stages (a model mixing mamba and attention layers), a ZeRO-3 checkpoint resumes in
-one process bitwise, and tensor parallelism is refused in one line."""
+"""Mamba under ZeRO-3's bf16 gathers (A_log and D stay fp32) and pipeline stages weighed by
+its own parameters (2 processes equal 1 under ZeRO-1, ZeRO-3 and pipeline stages, and resuming
+bit for bit: tests/parallel/test_layer_families.py, whose model has a mamba layer among every
+other family)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,7 @@ import pytest
 
 from tests.helpers import (
     DP_KEYS,
-    assert_resumes_like_whole,
-    assert_same_training,
     losses,
-    one_process,
-    reference,
     train,
 )
 
@@ -24,37 +21,6 @@ def config(make_module_config):
     return make_module_config(
         "mamba.yml", train_micro_batch_size_per_gpu=2, train_iters=4, **DP_KEYS, **MIXED
     )
-
-
-@pytest.fixture(scope="module")
-def baseline(config, tmp_path_factory):
-    return one_process(config, tmp_path_factory)
-
-
-@pytest.mark.parametrize("stage", [1, 3])
-def test_two_zero_processes_equal_one(config, tmp_path, baseline, stage):
-    out = tmp_path / f"zero{stage}"
-    train(config, f"save={out}", "load=null", f"zero_optimization.stage={stage}", nproc=2)
-    assert sorted(losses(out)) == [1, 2, 3, 4]
-    assert_same_training(out, baseline)
-
-
-def test_two_pipeline_stages_equal_one(make_config, tmp_path):
-    keys = {k: v for k, v in DP_KEYS.items() if k != "train_batch_size"} | MIXED
-    keys |= {"attention_config": [[["mamba", "global"], 2]], "num_layers": 4}
-    keys |= {"gradient_accumulation_steps": 4, "train_micro_batch_size_per_gpu": 2}
-    cfg = make_config("pp.yml", train_iters=3, **keys)
-    train(cfg, f"save={tmp_path / 'one'}", "load=null")
-    train(cfg, f"save={tmp_path / 'pp'}", "load=null", "pipe_parallel_size=2", nproc=2)
-    assert_same_training(tmp_path / "pp", reference(tmp_path / "one"))
-
-
-def test_zero3_checkpoint_resumes_in_one_process(make_config, tmp_path):
-    cfg = make_config(
-        "long.yml", train_micro_batch_size_per_gpu=2, train_iters=6, **DP_KEYS, **MIXED
-    )
-    one = ["train_micro_batch_size_per_gpu=4"]
-    assert_resumes_like_whole(cfg, tmp_path, one, ["zero_optimization.stage=3"], 2, one)
 
 
 def test_bf16_gathers_keep_a_log_and_d_in_fp32(config, tmp_path):
