@@ -56,6 +56,8 @@ def test_the_mix_explains_each_layer_and_counts_what_it_builds(config):
     loaded = load_config([config])
     derived = derive(loaded)
     assert derived["layers"] == "0 mamba, 1 rwkv, 2 gmlp, 3 local, 4 global, 5 amlp"
+    attention = derived.reasons["attention"]  # the block-sparse layer is attention too
+    assert "on 2 of 6 layers" in attention and "1 of them block-sparse" in attention
     model = build_model(model_args(loaded))
     assert derived["num_parameters"] == sum(p.numel() for p in model.parameters())
 

@@ -105,7 +105,8 @@ def _shapes(loaded: LoadedConfig, out: Derived) -> None:
 def _layers(cfg: NeoXConfig, kinds: list[str], out: Derived) -> None:
     """The attention line, the layer types as runs, and each family's own line."""
     m = cfg.model
-    attention = sum(k in ("global", "flash") for k in kinds)
+    attention = sum(k in ("global", "flash", *SPARSE_TYPES) for k in kinds)
+    sparse = sum(k in SPARSE_TYPES for k in kinds)
     if attention:
         out.put(
             "attention",
@@ -113,7 +114,8 @@ def _layers(cfg: NeoXConfig, kinds: list[str], out: Derived) -> None:
             "causal scaled_dot_product_attention on "
             + (f"all {attention}" if attention == len(kinds) else f"{attention} of {len(kinds)}")
             + " layers"
-            + (" ('flash' and 'global' alike)" if m.attention_config else ""),
+            + (" ('flash' and 'global' alike)" if m.attention_config else "")
+            + (f", {sparse} of them block-sparse (sparse_layouts)" if sparse else ""),
         )
     else:
         out.put("attention", "none", "no layer of attention_config is an attention layer")
@@ -165,8 +167,8 @@ def _mamba(cfg: NeoXConfig, out: Derived, layers: int) -> None:
     )
     out.put(
         "mamba",
-        f"{layers} layers, d_inner {d}",
-        f"{layers} mamba layers: d_inner {d} ({source}), dt_rank {math.ceil(m.hidden_size / 16)}, "
+        f"{layers} layer{'s' * (layers > 1)}, d_inner {d}",
+        f"{layers} mamba layer{'s' * (layers > 1)}: d_inner {d} ({source}), dt_rank {math.ceil(m.hidden_size / 16)}, "
         f"state {sizes.MAMBA_STATE}, conv {sizes.MAMBA_CONV}; {mamba_kernels(m)}",
     )
 
@@ -224,8 +226,8 @@ def _rwkv(cfg: NeoXConfig, layers: int, out: Derived) -> None:
     w = sizes.rwkv_widths(cfg.model)
     out.put(
         "rwkv",
-        f"{layers} layers",
-        f"{layers} RWKV-6 layers: dim_att {w.dim_att} ({cfg.model.num_attention_heads} heads of "
+        f"{layers} layer{'s' * (layers > 1)}",
+        f"{layers} RWKV-6 layer{'s' * (layers > 1)}: dim_att {w.dim_att} ({cfg.model.num_attention_heads} heads of "
         f"{w.head_size}), channel mix {w.ffn_dim} (GPT-NeoX's rules), ln1/ln2 LayerNorm eps 1e-5",
     )
 
@@ -273,7 +275,7 @@ def _counts(cfg: NeoXConfig, out: Derived, padded: int) -> None:
     mixing = [
         f"attention scores over {min(m.seq_length, m.sliding_window_width or m.seq_length)} "
         "positions"
-    ] * any(k in ("global", "flash") for k in kinds)
+    ] * any(k in ("global", "flash", *SPARSE_TYPES) for k in kinds)
     mixing += ["the RWKV recurrence's state read-out and update"] * ("rwkv" in kinds)
     mixing += ["mamba's scans: 7 per channel and state"] * ("mamba" in kinds)
     out.put(
