@@ -59,3 +59,33 @@ def test_rates_equal_the_ones_gpt_neox_logged():
     s = Schedule(6e-4, 6e-5, warmup_iters=0.1 * 20, decay_iters=20, style="cosine")
     for row in losses["pp1"]["train"]:
         assert s.lr_at(row["iteration"]) == pytest.approx(row["lr"], rel=1e-3), row
+
+
+def test_wsd_holds_the_peak_then_decays_as_gpt_neox_pr_1375_writes_it():
+    """Warmup 10, 100 steps after it, ratio 0.2: D = int(100 x 0.2) = 20 decay steps and
+    S = 80 stable ones; n steps after warmup the rate is the peak while n <= S, then
+    min_lr + (peak - min_lr) / 2 x (1 + cos(pi (n - S) / D))."""
+    peak, low = 1e-3, 1e-4
+    wsd = Schedule(peak, low, warmup_iters=10, decay_iters=110, style="wsd", wsd_ratio=0.2)
+    assert wsd.lr_at(5) == pytest.approx(5e-4)  # the same warmup as every style
+    assert [wsd.lr_at(s) for s in (10, 50, 90)] == [peak, peak, peak]
+    for n in (81, 85, 90, 99, 100):
+        want = low + (peak - low) / 2 * (1 + math.cos(math.pi * (n - 80) / 20))
+        assert wsd.lr_at(10 + n) == pytest.approx(want)
+    assert wsd.lr_at(110) == pytest.approx(low)
+    # ratio 0: no decay step, the peak held to the end (GPT-NeoX's max(D, 1))
+    assert Schedule(peak, low, 0, 100, "wsd", wsd_ratio=0.0).lr_at(100) == peak
+
+
+def test_wsd_from_the_config_and_its_explanation(tmp_path):
+    from torchneox.config.derive import derive
+    from torchneox.config.load import load_config
+
+    path = tmp_path / "a.yml"
+    keys = {"train_iters": 200, "lr_decay_style": "wsd", "wsd_decay_ratio": 0.25, "warmup": 0.0}
+    path.write_text(json.dumps(keys | {"optimizer": {"type": "Adam", "params": {"lr": 0.01}}}))
+    loaded = load_config([path])
+    derived = derive(loaded)
+    schedule = Schedule.from_config(loaded.config.lr, derived)
+    assert schedule.lr_at(150) == 0.01 and schedule.lr_at(175) == pytest.approx(0.005)
+    assert "holds the peak, then (the last 0.25 of the steps" in derived.reasons["lr_schedule"]

@@ -470,6 +470,10 @@ def _schedule(cfg: NeoXConfig, out: Derived) -> None:
         "linear": "falls linearly",
         "cosine": "follows a half cosine",
         "exponential": "decays exponentially",
+        "wsd": (
+            f"holds the peak, then (the last {lr.wsd_decay_ratio:g} of the steps after "
+            "warmup) follows a half cosine"
+        ),
     }[lr.lr_decay_style]
     out.put(
         "lr_schedule",

@@ -119,8 +119,17 @@ class OptimizerConfig:
 class LRConfig:
     """The learning-rate schedule."""
 
-    lr_decay_style: Literal["constant", "linear", "cosine", "exponential"] = key(
-        "linear", "Shape of the decay after warmup."
+    lr_decay_style: Literal["constant", "linear", "cosine", "exponential", "wsd"] = key(
+        "linear",
+        "Shape of the decay after warmup; wsd (GPT-NeoX PR #1375): hold the peak, then a half "
+        "cosine to min_lr over the last wsd_decay_ratio of the steps.",
+    )
+    wsd_decay_ratio: float = extension(
+        0.1,
+        "lr_decay_style wsd (GPT-NeoX PR #1375): the share of the steps after warmup that "
+        "decay to min_lr; the others hold the peak.",
+        ge=0,
+        le=1,
     )
     lr_decay_iters: int | None = key(None, "Steps the decay spans; defaults to train_iters.", ge=1)
     lr_decay_fraction: float | None = key(

@@ -1,5 +1,7 @@
 """GPT-NeoX's learning-rate schedule (its AnnealingLR): linear warmup, then constant, linear,
-cosine or exponential decay, never below min_lr.
+cosine or exponential decay, never below min_lr; and ``wsd`` (warmup-stable-decay, GPT-NeoX's
+pending PR #1375): the peak held, then a half cosine to min_lr over the last
+``wsd_decay_ratio`` of the steps after warmup.
 
 Past ``lr_decay_iters`` GPT-NeoX keeps evaluating the formula (its cosine climbs back up, its
 exponential keeps falling to min_lr); so does torchneox by default, and ``hold_lr_after_decay``
@@ -27,6 +29,8 @@ class Schedule:
     style: str
     hold: bool = False
     """Past decay_iters, stay at the rate the decay ended on (GPT-NeoX: False)."""
+    wsd_ratio: float = 0.1
+    """wsd: the share of the steps after warmup that decay (the rest hold the peak)."""
 
     @classmethod
     def from_config(cls, lr: Any, derived: Any) -> Schedule:
@@ -39,6 +43,7 @@ class Schedule:
             derived["lr_decay_iters"],
             lr.lr_decay_style,
             lr.hold_lr_after_decay,
+            lr.wsd_decay_ratio,
         )
 
     def lr_at(self, step: int) -> float:
@@ -54,6 +59,15 @@ class Schedule:
             )
         elif self.style == "exponential":
             lr = self.peak * math.exp(-0.693 * done / span)  # halves over the span
+        elif self.style == "wsd":
+            decay = int(span * self.wsd_ratio)
+            stable = span - decay
+            lr = self.peak
+            if done > stable:  # as cosine, over the decay steps alone
+                progress = (done - stable) / max(decay, 1)
+                lr = self.min_lr + (self.peak - self.min_lr) / 2.0 * (
+                    math.cos(math.pi * progress) + 1
+                )
         else:
             lr = self.peak
         return max(lr, self.min_lr)
