@@ -89,3 +89,62 @@ def test_wsd_from_the_config_and_its_explanation(tmp_path):
     schedule = Schedule.from_config(loaded.config.lr, derived)
     assert schedule.lr_at(150) == 0.01 and schedule.lr_at(175) == pytest.approx(0.005)
     assert "holds the peak, then (the last 0.25 of the steps" in derived.reasons["lr_schedule"]
+
+
+def test_infinite_schedules_as_gpt_neox_pr_1194_writes_them():
+    """Warmup 10 of 110 steps, cooldown 20 and a hold of 30 (n counts the steps after warmup):
+    cooldown to constant_lr c, c held, then c x exp(-log(min_lr / c)... ) reaching min_lr at
+    the end: c x exp(log(min_lr / c) / E x m), E = 100 - 20 - 30, m the steps past the hold."""
+    from torchneox.train.lr import Infinite
+
+    peak, c, low, ts = 1e-3, 4e-4, 1e-5, 2.0
+
+    def schedule(style):
+        return Schedule(peak, low, 10, 110, style, infinite=Infinite(c, 20, 30, ts))
+
+    cos, inv = schedule("infinite_cosine"), schedule("infinite_inv_sqrt")
+    assert cos.lr_at(5) == inv.lr_at(5) == pytest.approx(5e-4)  # the usual warmup
+    for n in (0, 5, 10, 20):
+        assert cos.lr_at(10 + n) == pytest.approx(
+            c + (peak - c) / 2 * (math.cos(math.pi * n / 20) + 1)
+        )
+
+        def f(t):
+            return 1 / math.sqrt(1 + ts * t) - 1
+
+        assert inv.lr_at(10 + n) == pytest.approx(peak + (c - peak) / f(1) * f(n / 20))
+    for s in (cos, inv):
+        assert s.lr_at(10 + 21) == s.lr_at(10 + 50) == pytest.approx(c)
+        for m in (1, 25, 50):
+            want = c * math.exp(math.log(low / c) / 50 * m)
+            assert s.lr_at(10 + 50 + m) == pytest.approx(want)
+        assert s.lr_at(110) == pytest.approx(low)
+
+
+def test_infinite_schedules_need_rates_to_decay_between(tmp_path, capsys):
+    from torchneox.cli import main
+
+    path = tmp_path / "a.yml"
+    path.write_text(json.dumps({"lr_decay_style": "infinite_cosine", "min_lr": 1e-5}))
+    assert main(["config", "explain", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "constant_lr: must be above 0 for lr_decay_style infinite_cosine" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_infinite_schedule_from_the_config(tmp_path):
+    from torchneox.config.derive import derive
+    from torchneox.config.load import load_config
+    from torchneox.train.lr import Infinite
+
+    path = tmp_path / "a.yml"
+    keys = {"train_iters": 100, "warmup": 0.0, "lr_decay_style": "infinite_inv_sqrt"}
+    keys |= {"constant_lr": 0.005, "min_lr": 1e-4, "timescale": 3.0}
+    keys |= {"cooldown_iters_perc": 0.2, "constant_iters_perc": 0.3}
+    path.write_text(json.dumps(keys | {"optimizer": {"type": "Adam", "params": {"lr": 0.01}}}))
+    loaded = load_config([path])
+    derived = derive(loaded)
+    schedule = Schedule.from_config(loaded.config.lr, derived)
+    assert schedule.infinite == Infinite(0.005, 20, 30, 3.0)
+    assert schedule.lr_at(35) == 0.005 and schedule.lr_at(100) == pytest.approx(1e-4)
+    assert "cools down as 1/sqrt(1 + 3 t) to constant_lr 0.005" in derived.reasons["lr_schedule"]

@@ -474,6 +474,16 @@ def _schedule(cfg: NeoXConfig, out: Derived) -> None:
             f"holds the peak, then (the last {lr.wsd_decay_ratio:g} of the steps after "
             "warmup) follows a half cosine"
         ),
+        "infinite_cosine": (
+            f"cools down along a half cosine to constant_lr {lr.constant_lr:g} over "
+            f"{lr.cooldown_iters_perc:g} of the steps, holds it for {lr.constant_iters_perc:g}, "
+            "then decays exponentially"
+        ),
+        "infinite_inv_sqrt": (
+            f"cools down as 1/sqrt(1 + {lr.timescale:g} t) to constant_lr {lr.constant_lr:g} "
+            f"over {lr.cooldown_iters_perc:g} of the steps, holds it for "
+            f"{lr.constant_iters_perc:g}, then decays exponentially"
+        ),
     }[lr.lr_decay_style]
     out.put(
         "lr_schedule",

@@ -119,11 +119,16 @@ class OptimizerConfig:
 class LRConfig:
     """The learning-rate schedule."""
 
-    lr_decay_style: Literal["constant", "linear", "cosine", "exponential", "wsd"] = key(
+    lr_decay_style: Literal[
+        "constant", "linear", "cosine", "exponential", "wsd", "infinite_cosine",
+        "infinite_inv_sqrt",
+    ] = key(
         "linear",
         "Shape of the decay after warmup; wsd (GPT-NeoX PR #1375): hold the peak, then a half "
-        "cosine to min_lr over the last wsd_decay_ratio of the steps.",
-    )
+        "cosine to min_lr over the last wsd_decay_ratio of the steps; infinite_cosine and "
+        "infinite_inv_sqrt (GPT-NeoX PR #1194): cool down to constant_lr, hold, then decay "
+        "exponentially to min_lr.",
+    )  # fmt: skip
     wsd_decay_ratio: float = extension(
         0.1,
         "lr_decay_style wsd (GPT-NeoX PR #1375): the share of the steps after warmup that "
@@ -139,6 +144,29 @@ class LRConfig:
         le=1,
     )
     min_lr: float = key(0.0, "Floor of the learning rate.", ge=0)
+    constant_lr: float = extension(
+        0.0,
+        "infinite_cosine/infinite_inv_sqrt (GPT-NeoX PR #1194): the rate the cooldown reaches "
+        "and holds.",
+        ge=0,
+    )
+    cooldown_iters_perc: float = extension(
+        0.0,
+        "infinite_* (GPT-NeoX PR #1194): the cooldown's share of lr_decay_iters.",
+        ge=0,
+        le=1,
+    )
+    constant_iters_perc: float = extension(
+        0.0,
+        "infinite_* (GPT-NeoX PR #1194): the share of lr_decay_iters held at constant_lr.",
+        ge=0,
+        le=1,
+    )
+    timescale: float = extension(
+        1.0,
+        "infinite_inv_sqrt (GPT-NeoX PR #1194): the steepness of the inverse square root cooldown.",
+        gt=0,
+    )
     warmup: float = key(0.01, "Linear warmup over this fraction of the decay steps.", ge=0, le=1)
     override_lr_scheduler: bool = key(
         False,

@@ -374,6 +374,20 @@ def _check_lr(ch: Checker) -> None:
     peak = (opt.get("params") or {}).get("lr", ch.c.optimizer.lr)
     if peak is not None and lr.min_lr > peak:
         ch.fail("min_lr", f"{lr.min_lr} is above the peak learning rate {peak}")
+    if lr.lr_decay_style.startswith("infinite_"):
+        for name in ("constant_lr", "min_lr"):
+            if getattr(lr, name) <= 0:
+                ch.fail(
+                    name,
+                    f"must be above 0 for lr_decay_style {lr.lr_decay_style}: its last phase "
+                    "decays exponentially from constant_lr to min_lr (GPT-NeoX PR #1194)",
+                )
+        if lr.cooldown_iters_perc + lr.constant_iters_perc + lr.warmup >= 1:
+            ch.fail(
+                "constant_iters_perc",
+                "warmup, cooldown_iters_perc and constant_iters_perc leave no step for the "
+                "exponential decay to min_lr; make their sum less than 1",
+            )
 
 
 def _check_precision(ch: Checker) -> None:

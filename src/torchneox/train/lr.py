@@ -1,7 +1,10 @@
 """GPT-NeoX's learning-rate schedule (its AnnealingLR): linear warmup, then constant, linear,
 cosine or exponential decay, never below min_lr; and ``wsd`` (warmup-stable-decay, GPT-NeoX's
 pending PR #1375): the peak held, then a half cosine to min_lr over the last
-``wsd_decay_ratio`` of the steps after warmup.
+``wsd_decay_ratio`` of the steps after warmup; ``infinite_cosine`` and ``infinite_inv_sqrt``
+(its pending PR #1194): a cooldown to ``constant_lr`` (a half cosine, or the inverse square
+root 1/sqrt(1 + timescale t) - 1 scaled to reach it), held there, then an exponential decay
+that reaches min_lr at ``lr_decay_iters``.
 
 Past ``lr_decay_iters`` GPT-NeoX keeps evaluating the formula (its cosine climbs back up, its
 exponential keeps falling to min_lr); so does torchneox by default, and ``hold_lr_after_decay``
@@ -21,6 +24,35 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class Infinite:
+    """GPT-NeoX PR #1194's phases after warmup: ``cooldown`` steps to the rate ``constant``,
+    held for ``hold`` steps, then exponential to min_lr at lr_decay_iters (the steps are
+    cooldown_iters_perc and constant_iters_perc of lr_decay_iters)."""
+
+    constant: float
+    cooldown: float
+    hold: float
+    timescale: float
+
+    def lr(self, style: str, peak: float, floor: float, done: float, end: float) -> float:
+        if done <= self.cooldown and self.cooldown > 0:
+            t = done / self.cooldown
+            if style == "infinite_cosine":
+                return self.constant + (peak - self.constant) / 2.0 * (math.cos(math.pi * t) + 1)
+
+            def inv(t: float) -> float:
+                return 1 / math.sqrt(1 + self.timescale * t) - 1
+
+            # (GPT-NeoX returns this one without the min_lr floor)
+            return peak + (self.constant - peak) / inv(1) * inv(t)
+        done = max(0.0, done - self.cooldown)
+        if done <= self.hold:
+            return self.constant
+        span = end - self.cooldown - self.hold
+        return self.constant * math.exp(math.log(floor / self.constant) / span * (done - self.hold))
+
+
+@dataclass(frozen=True)
 class Schedule:
     peak: float
     min_lr: float
@@ -31,6 +63,8 @@ class Schedule:
     """Past decay_iters, stay at the rate the decay ended on (GPT-NeoX: False)."""
     wsd_ratio: float = 0.1
     """wsd: the share of the steps after warmup that decay (the rest hold the peak)."""
+    infinite: Infinite | None = None
+    """infinite_cosine / infinite_inv_sqrt: the phases after warmup."""
 
     @classmethod
     def from_config(cls, lr: Any, derived: Any) -> Schedule:
@@ -44,6 +78,14 @@ class Schedule:
             lr.lr_decay_style,
             lr.hold_lr_after_decay,
             lr.wsd_decay_ratio,
+            Infinite(
+                lr.constant_lr,
+                lr.cooldown_iters_perc * derived["lr_decay_iters"],
+                lr.constant_iters_perc * derived["lr_decay_iters"],
+                lr.timescale,
+            )
+            if lr.lr_decay_style.startswith("infinite_")
+            else None,
         )
 
     def lr_at(self, step: int) -> float:
@@ -51,6 +93,10 @@ class Schedule:
             return self.peak * max(1, step) / self.warmup_iters
         done = (min(step, self.decay_iters) if self.hold else step) - self.warmup_iters
         span = self.decay_iters - self.warmup_iters
+        if self.infinite is not None:
+            lr = self.infinite.lr(self.style, self.peak, self.min_lr, done, span)
+            cooling = self.style == "infinite_inv_sqrt" and done <= self.infinite.cooldown
+            return lr if cooling and self.infinite.cooldown > 0 else max(lr, self.min_lr)
         if self.style == "linear":
             lr = self.peak * (span - done) / span
         elif self.style == "cosine":
