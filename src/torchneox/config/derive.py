@@ -488,8 +488,13 @@ def _schedule(cfg: NeoXConfig, out: Derived) -> None:
     out.put(
         "lr_schedule",
         lr.lr_decay_style,
-        f"after warmup the rate {shape} from {peak if peak is not None else 'the peak'} "
-        f"to min_lr {lr.min_lr:g} by step {iters}",
+        f"after warmup the rate {shape} "
+        + (
+            ""
+            if lr.lr_decay_style.startswith("infinite_")
+            else f"from {peak if peak is not None else 'the peak'} "
+        )
+        + f"to min_lr {lr.min_lr:g} by step {iters}",
     )
 
 
