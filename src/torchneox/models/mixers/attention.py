@@ -121,6 +121,10 @@ class KVCache:
         self.v[row, :, :, self.length : end] = v_BHTD
         return self.k[row, :, :, :end], self.v[row, :, :, :end]
 
+    def new_tokens(self, valid_BS: torch.Tensor, t: int) -> torch.Tensor:
+        """[B, t] the columns of ``valid_BS`` (cache and new tokens) of this forward's tokens."""
+        return valid_BS[:, -t:]
+
     def state(self, layer: int) -> dict[str, torch.Tensor]:
         """Recurrent layer ``layer``'s state (a dict its mixer fills on its first forward)."""
         return self.states.setdefault(layer, {})
@@ -149,8 +153,19 @@ class StaticKVCache(KVCache):
         self.v[row].index_copy_(2, index, v_BHTD)
         return self.k[row], self.v[row]
 
+    def new_tokens(self, valid_BS: torch.Tensor, t: int) -> torch.Tensor:
+        return valid_BS.index_select(1, self.queries(t))  # every slot of the buffer
+
     def advance(self, t: int) -> None:
         self.slot += t
+
+
+def valid_tokens(bias: AttentionBias, cache: KVCache | None, t: int) -> torch.Tensor | None:
+    """[B, t] which of this forward's ``t`` tokens are real, not padding (None: all): what a
+    recurrent mixer zeroes before it reads them."""
+    if bias.valid_BS is None:
+        return None
+    return bias.valid_BS[:, -t:] if cache is None else cache.new_tokens(bias.valid_BS, t)
 
 
 class Attention(nn.Module):

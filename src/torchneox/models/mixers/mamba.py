@@ -38,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from torchneox.models.args import ModelArgs
 from torchneox.models.init import InitFn, init_function
 from torchneox.models.linear import Linear
-from torchneox.models.mixers.attention import AttentionBias, KVCache, StaticKVCache
+from torchneox.models.mixers.attention import AttentionBias, KVCache, valid_tokens
 
 D_STATE = 16
 """The state's size per channel (GPT-NeoX's d_state)."""
@@ -141,7 +141,7 @@ class Mamba(nn.Module):
         cache: KVCache | None = None,
     ) -> torch.Tensor:
         t = x_BTH.shape[1]
-        valid = _valid_here(bias.valid_BS, cache, t)
+        valid = valid_tokens(bias, cache, t)
         if cache is None and valid is None and self._kernel_ready(x_BTH):
             return self._fused(x_BTH)
         state = cache.state(self.layer) if cache is not None else None
@@ -216,15 +216,6 @@ class Mamba(nn.Module):
                 )  # fmt: skip
                 y = (y * F.silu(z.transpose(1, 2).float())).transpose(1, 2)
         return self.out_proj(y.transpose(1, 2).to(x_BTH.dtype))
-
-
-def _valid_here(valid_BS: torch.Tensor | None, cache: KVCache | None, t: int):
-    """[B, T] which of this forward's tokens are real (None: all)."""
-    if valid_BS is None:
-        return None
-    if isinstance(cache, StaticKVCache):
-        return valid_BS.index_select(1, cache.queries(t))
-    return valid_BS[:, -t:]
 
 
 def _masked(x_BTD: torch.Tensor, valid_BT: torch.Tensor | None) -> torch.Tensor:

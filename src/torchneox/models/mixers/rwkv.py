@@ -39,6 +39,7 @@ from torch.nn import functional as F
 from torchneox.models.args import ModelArgs
 from torchneox.models.init import InitFn
 from torchneox.models.linear import Linear
+from torchneox.models.mixers.attention import valid_tokens
 
 TIME_MIX_EXTRA_DIM = 32
 """The rank of each of the five token-shift mixes (W1: hidden x 5*32, W2: 5 x 32 x hidden)."""
@@ -133,17 +134,9 @@ def _keep(state: dict, name: str, value: torch.Tensor) -> None:
 
 
 def zero_padding(x_BTH: torch.Tensor, bias, cache) -> torch.Tensor:
-    """``x`` with its padded positions zeroed (``bias.valid_BS`` covers the cache and this
-    forward's tokens: these are its last T columns, or a static cache's slots)."""
-    valid = getattr(bias, "valid_BS", None)
-    if valid is None:
-        return x_BTH
-    t = x_BTH.shape[1]
-    if hasattr(cache, "queries"):  # StaticKVCache: every slot of the buffer
-        valid = valid.index_select(1, cache.queries(t))
-    else:
-        valid = valid[:, -t:]
-    return x_BTH * valid[..., None].to(x_BTH.dtype)
+    """``x`` with its padded positions zeroed."""
+    valid = valid_tokens(bias, cache, x_BTH.shape[1])
+    return x_BTH if valid is None else x_BTH * valid[..., None].to(x_BTH.dtype)
 
 
 def _ratios(args: ModelArgs, layer: int) -> tuple[float, float]:
