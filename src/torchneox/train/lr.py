@@ -23,6 +23,11 @@ from dataclasses import dataclass
 from typing import Any
 
 
+def half_cosine(high: float, low: float, done: float, span: float) -> float:
+    """From ``high`` to ``low`` along a half cosine, ``done`` of ``span`` steps in."""
+    return low + (high - low) / 2.0 * (math.cos(math.pi * done / span) + 1)
+
+
 @dataclass(frozen=True)
 class Infinite:
     """GPT-NeoX PR #1194's phases after warmup: ``cooldown`` steps to the rate ``constant``,
@@ -35,21 +40,25 @@ class Infinite:
     timescale: float
 
     def lr(self, style: str, peak: float, floor: float, done: float, end: float) -> float:
+        """The rate ``done`` steps after warmup (of ``end``), never below ``floor`` but in
+        the inverse square root cooldown, which GPT-NeoX returns unfloored."""
         if done <= self.cooldown and self.cooldown > 0:
             t = done / self.cooldown
             if style == "infinite_cosine":
-                return self.constant + (peak - self.constant) / 2.0 * (math.cos(math.pi * t) + 1)
+                return max(half_cosine(peak, self.constant, done, self.cooldown), floor)
 
             def inv(t: float) -> float:
                 return 1 / math.sqrt(1 + self.timescale * t) - 1
 
-            # (GPT-NeoX returns this one without the min_lr floor)
             return peak + (self.constant - peak) / inv(1) * inv(t)
         done = max(0.0, done - self.cooldown)
         if done <= self.hold:
-            return self.constant
+            return max(self.constant, floor)
         span = end - self.cooldown - self.hold
-        return self.constant * math.exp(math.log(floor / self.constant) / span * (done - self.hold))
+        decayed = self.constant * math.exp(
+            math.log(floor / self.constant) / span * (done - self.hold)
+        )
+        return max(decayed, floor)
 
 
 @dataclass(frozen=True)
@@ -94,15 +103,11 @@ class Schedule:
         done = (min(step, self.decay_iters) if self.hold else step) - self.warmup_iters
         span = self.decay_iters - self.warmup_iters
         if self.infinite is not None:
-            lr = self.infinite.lr(self.style, self.peak, self.min_lr, done, span)
-            cooling = self.style == "infinite_inv_sqrt" and done <= self.infinite.cooldown
-            return lr if cooling and self.infinite.cooldown > 0 else max(lr, self.min_lr)
+            return self.infinite.lr(self.style, self.peak, self.min_lr, done, span)
         if self.style == "linear":
             lr = self.peak * (span - done) / span
         elif self.style == "cosine":
-            lr = self.min_lr + (self.peak - self.min_lr) / 2.0 * (
-                math.cos(math.pi * done / span) + 1
-            )
+            lr = half_cosine(self.peak, self.min_lr, done, span)
         elif self.style == "exponential":
             lr = self.peak * math.exp(-0.693 * done / span)  # halves over the span
         elif self.style == "wsd":
@@ -110,10 +115,7 @@ class Schedule:
             stable = span - decay
             lr = self.peak
             if done > stable:  # as cosine, over the decay steps alone
-                progress = (done - stable) / max(decay, 1)
-                lr = self.min_lr + (self.peak - self.min_lr) / 2.0 * (
-                    math.cos(math.pi * progress) + 1
-                )
+                lr = half_cosine(self.peak, self.min_lr, done - stable, max(decay, 1))
         else:
             lr = self.peak
         return max(lr, self.min_lr)
