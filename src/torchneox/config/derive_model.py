@@ -12,7 +12,7 @@ from torchneox.config import sizes
 from torchneox.config.derived import Derived
 from torchneox.config.load import LoadedConfig
 from torchneox.config.schema import ModelConfig, NeoXConfig
-from torchneox.config.sparsity import SPARSE_TYPES, sparsity
+from torchneox.config.sparsity import ATTENTION_LAYER_TYPES, SPARSE_TYPES, sparsity
 from torchneox.config.validate_model import layer_attention_types
 from torchneox.config.vocab import GPT2_VOCAB, tokenizer_vocab_size
 
@@ -105,7 +105,7 @@ def _shapes(loaded: LoadedConfig, out: Derived) -> None:
 def _layers(cfg: NeoXConfig, kinds: list[str], out: Derived) -> None:
     """The attention line, the layer types as runs, and each family's own line."""
     m = cfg.model
-    attention = sum(k in ("global", "flash", *SPARSE_TYPES) for k in kinds)
+    attention = sum(k in ATTENTION_LAYER_TYPES for k in kinds)
     sparse = sum(k in SPARSE_TYPES for k in kinds)
     if attention:
         out.put(
@@ -275,7 +275,7 @@ def _counts(cfg: NeoXConfig, out: Derived, padded: int) -> None:
     mixing = [
         f"attention scores over {min(m.seq_length, m.sliding_window_width or m.seq_length)} "
         "positions"
-    ] * any(k in ("global", "flash", *SPARSE_TYPES) for k in kinds)
+    ] * any(k in ATTENTION_LAYER_TYPES for k in kinds)
     mixing += ["the RWKV recurrence's state read-out and update"] * ("rwkv" in kinds)
     mixing += ["mamba's scans: 7 per channel and state"] * ("mamba" in kinds)
     out.put(

@@ -29,6 +29,8 @@ import numpy as np
 from torchneox.base.errors import did_you_mean
 
 SPARSE_TYPES = ("local", "sparse_fixed", "sparse_variable", "bigbird", "bslongformer")
+ATTENTION_LAYER_TYPES = ("global", "flash", *SPARSE_TYPES)
+"""The attention_config types that are attention (dense or block-sparse)."""
 
 FIELDS: dict[str, Any] = {
     "block": 16,

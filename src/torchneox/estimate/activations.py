@@ -9,9 +9,9 @@ from typing import Any
 import torch
 
 from torchneox.config.load import LoadedConfig
+from torchneox.config.sparsity import ATTENTION_LAYER_TYPES
 from torchneox.config.validate_model import layer_attention_types
 from torchneox.estimate.parameters import PARAM_BYTES, meta_model
-from torchneox.models.args import ATTENTION_LAYER_TYPES
 from torchneox.models.moe import LocalTokenDispatcher
 
 

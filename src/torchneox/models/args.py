@@ -18,13 +18,8 @@ from torchneox.config.sizes import (
     rotary_dims,
     rwkv_widths,
 )
-from torchneox.config.sparsity import SPARSE_TYPES, Sparsity, sparsity
+from torchneox.config.sparsity import ATTENTION_LAYER_TYPES, SPARSE_TYPES, Sparsity, sparsity
 from torchneox.config.validate_model import layer_attention_types
-
-ATTENTION_LAYER_TYPES = (
-    "global", "flash", "local", "sparse_fixed", "sparse_variable", "bigbird", "bslongformer"
-)  # fmt: skip
-"""The attention_config types that are attention (dense or block-sparse)."""
 
 
 @dataclass(frozen=True)
