@@ -229,9 +229,7 @@ CASES = [
         "reinforce",
         {"a.yml": "{train_impl: reinforce, serve_model_weights: true}"},
         [],
-        [
-            "train_impl: 'reinforce' (online REINFORCE) is not supported: it needs a generation server"
-        ],
+        ["a.yml: train_impl: reinforce trains on rollouts: set rollout_prompts"],
     ),
     (
         "fp8-delayed-scaling",

@@ -25,11 +25,6 @@ ALL_CONFIGS = (
 # The shipped configs that ask for something torchneox does not build, and the line it says.
 REFUSED = {
     "bnb_125M.yml": ("use_bnb_optimizer", "bitsandbytes 8-bit optimizers are not supported"),
-    # post-training configs load and explain; online REINFORCE is the one refused
-    "post-training/llama3-8b-reinforce.yml": (
-        "train_impl",
-        "'reinforce' (online REINFORCE) is not supported: it needs a generation server",
-    ),
 }
 
 needs_shared = pytest.mark.skipif(SHARED is None, reason="../shared is not on this machine")

@@ -1,6 +1,7 @@
 """GPT-NeoX's own post-training configs (neox_configs/post-training: Llama-3-8B SFT, DPO, KTO,
 reward model), scaled down with --set to a tiny model, each train end to end on the CPU from
-chat data made by `torchneox preprocess`; REINFORCE stops with one line saying what it needs."""
+chat data made by `torchneox preprocess`; REINFORCE explains, and trains against GPT-NeoX's
+data-server protocol."""
 
 from __future__ import annotations
 
@@ -83,8 +84,14 @@ def test_a_post_training_run_whose_load_does_not_exist_is_refused_before_anythin
     assert list(tmp_path.iterdir()) == []  # no save folder, no logs
 
 
-def test_reinforce_stops_with_one_line_saying_what_it_needs(capsys):
-    assert main(["config", "explain", str(CONFIGS / "llama3-8b-reinforce.yml")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "train_impl" in err
-    assert "it needs a generation server that samples from the policy" in err
+def test_the_reinforce_config_explains_its_rollouts(capsys):
+    """GPT-NeoX's online REINFORCE config: rollouts from its two data servers, RLOO advantages,
+    the abs KL penalty against a frozen reference (kl_div_beta's default 0.1)."""
+    assert main(["config", "explain", str(CONFIGS / "llama3-8b-reinforce.yml")]) == 0
+    out = capsys.readouterr().out
+    assert "asked of GPT-NeoX data servers (dataset_impl online)" in out
+    assert "rank 0: localhost:10000" in out
+    assert "A = r minus the mean reward of the prompt's other completions" in out
+    assert "0.1 x |log pi - log pi_ref| (kl_impl abs)" in out
+    assert "a frozen copy of the starting policy" in out
+    assert "serve_model_weights: torchneox does not send CUDA IPC handles" in out

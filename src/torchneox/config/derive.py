@@ -13,6 +13,7 @@ from pathlib import Path
 
 from torchneox.base.errors import ConfigError
 from torchneox.config.derive_model import derive_model
+from torchneox.config.derive_rl import derive_rollouts
 from torchneox.config.derived import Derived
 from torchneox.config.fields import Status
 from torchneox.config.fp8_plan import fp8_plan
@@ -45,6 +46,7 @@ def derive(
     _schedule(cfg, out)
     derive_model(loaded, out)
     _data(cfg, out)
+    derive_rollouts(loaded, out)
     _launch(loaded, out)
     _no_effect(loaded, out)
     return out
@@ -500,7 +502,9 @@ def _schedule(cfg: NeoXConfig, out: Derived) -> None:
 
 def _data(cfg: NeoXConfig, out: Derived) -> None:
     d = cfg.data
-    if d.data_path:
+    if cfg.training.train_impl == "reinforce":
+        out.put("data", "rollouts", "none read: reinforce trains on its rollouts (below)")
+    elif d.data_path:
         fractions = split_fractions(d.split)
         parts = ", ".join(
             f"{name} {f:.1%}" for name, f in zip(("train", "valid", "test"), fractions, strict=True)

@@ -22,7 +22,7 @@ import yaml
 from torchneox.base.errors import ConfigError, did_you_mean
 from torchneox.config.fields import Status
 from torchneox.config.schema import KEYS, NeoXConfig
-from torchneox.config.validate import REINFORCE_NEEDS, validate
+from torchneox.config.validate import validate
 
 OVERRIDE = "--set"
 
@@ -347,9 +347,6 @@ def build(values: dict[str, Any], origin: dict[str, str]) -> NeoXConfig:
         if spec.info.status is Status.UNSUPPORTED and not _is_unset(converted, spec.default):
             refused = refused or ConfigError(spec.info.why, source=source, key=name)
         config.set(name, converted)
-    if config.training.train_impl == "reinforce":  # the feature, not one of its keys, is named
-        source = origin.get("train_impl", OVERRIDE)
-        raise ConfigError(REINFORCE_NEEDS, source=source, key="train_impl")
     if refused is not None:
         raise refused
     return config
@@ -384,6 +381,8 @@ PATH_KEYS = (
     "tensorboard_dir",
     "memory_profiling_path",
     "sample_input_file",
+    "rollout_prompts",
+    "reward_model",
     "sample_output_file",
     "eval_tasks_include_path",
     "hostfile",

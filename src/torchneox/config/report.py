@@ -9,6 +9,7 @@ from typing import Any
 import yaml
 
 from torchneox.config.derive import Derived
+from torchneox.config.derive_rl import SECTION
 from torchneox.config.fields import Status
 from torchneox.config.load import LoadedConfig, describe_type
 from torchneox.config.schema import GROUP_TITLES, KEYS, NeoXConfig
@@ -55,6 +56,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "flops_per_token",
     ),
     "Data": ("data",),
+    "Rollouts": SECTION,
     "Launch": ("launch",),
 }
 

@@ -22,6 +22,7 @@ from torchneox.config.schema_io import (
     TokenizerConfig,
 )
 from torchneox.config.schema_model import ModelConfig, MoEConfig
+from torchneox.config.schema_rl import RolloutConfig
 from torchneox.config.schema_train import (
     CheckpointConfig,
     LRConfig,
@@ -43,6 +44,7 @@ class NeoXConfig:
     lr: LRConfig = dataclasses.field(default_factory=LRConfig)
     precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
     training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = dataclasses.field(default_factory=TokenizerConfig)

@@ -41,7 +41,8 @@ class DataConfig:
     dataset_impl: Literal["gpt2", "pairwise", "online"] = key(
         "gpt2",
         "Dataset kind: gpt2 (documents, with label and reward datasets) or pairwise (chosen "
-        "and rejected documents, for dpo and rm); online (REINFORCE) is refused.",
+        "and rejected documents, for dpo and rm) or online (REINFORCE's rollouts from data "
+        "servers, online_dataserver_ips/ports).",
     )
     allow_chopped: bool = key(
         True,

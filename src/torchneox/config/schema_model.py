@@ -14,11 +14,6 @@ TE_LAYER = (
     "selects TransformerEngine's fused module for the same layer; torchneox computes that "
     "layer with torch's own kernels (the same numbers in fp32/bf16)"
 )
-ONLINE = (
-    "only used by GPT-NeoX's online REINFORCE setup (serve_model_weights, dataset_impl "
-    "'online'), which torchneox does not build"
-)
-
 INIT_METHODS = (
     "normal",
     "scaled_normal",
@@ -328,21 +323,6 @@ class ModelConfig:
         "(torchao's current scaling).",
     )
     te_fp8_margin: int = key(0, "With te_fp8_mha: margin of the fp8 scale; only 0 (torchao).", ge=0)
-    serve_model_weights: bool = unsupported(
-        False,
-        "Serve the weights over a socket to an online data server (GPT-NeoX's online REINFORCE).",
-        "serving weights to an online generation server (serve_model_weights) is not built: "
-        "torchneox has no online RL; remove serve_model_weights",
-    )
-    weight_server_port: int | list[int] = no_effect(
-        6000, "Port(s) the weights are served on.", ONLINE
-    )
-    online_dataserver_ips: str | list[str] = no_effect(
-        "localhost", "Addresses of the online data servers.", ONLINE
-    )
-    online_dataserver_ports: int | list[int] = no_effect(
-        10000, "Ports of the online data servers.", ONLINE
-    )
     dim_att: int | None = key(
         None,
         "RWKV's time-mix width (receptance, key, value, gate, decay); unset: hidden_size. "

@@ -7,8 +7,6 @@ from typing import Any, Literal
 
 from torchneox.config.fields import derived, extension, key, no_effect, unsupported
 
-REINFORCE = "only used by train_impl 'reinforce', which is refused (it needs online generation)"
-
 CKPT_SAME = "torch's activation checkpointing needs no such tuning"
 DEEPSPEED_ZERO = "DeepSpeed ZeRO tuning; the ZeRO stage comes from zero_optimization.stage"
 
@@ -332,7 +330,7 @@ class TrainingConfig:
     train_impl: Literal["normal", "dpo", "rm", "kto", "reinforce"] = key(
         "normal",
         "Training objective: normal (language modelling; with label datasets, SFT), dpo, kto, "
-        "rm (a reward model); reinforce is refused.",
+        "rm (a reward model), reinforce (online REINFORCE, RLOO, GRPO; the rollout keys).",
     )
     z_loss: float = key(
         0.0,
@@ -345,14 +343,6 @@ class TrainingConfig:
         "Weight of PaLM's logit z-loss (mean over tokens of logsumexp(logits)^2) added to the "
         "language-model loss and logged as z_loss; 0 adds nothing (GPT-NeoX has no such term).",
         ge=0,
-    )
-    fp32_reinforce: bool = no_effect(True, "REINFORCE loss in fp32.", REINFORCE)
-    kl_impl: Literal["abs", "mse", "kl", "full"] = no_effect(
-        "mse", "KL estimate of REINFORCE's penalty: abs, mse, kl or full.", REINFORCE
-    )
-    kl_div_beta: float = no_effect(0.1, "Weight of REINFORCE's KL penalty.", REINFORCE)
-    reinforce_leave_one_out: bool = no_effect(
-        False, "REINFORCE leave-one-out baseline (RLOO).", REINFORCE
     )
     dpo_fp32: bool = key(True, "DPO: the log-probabilities in fp32.")
     dpo_reference_free: bool = key(

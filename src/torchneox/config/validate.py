@@ -22,6 +22,7 @@ from torchneox.config.validate_model import (
     _check_moe,
     _check_rope_scaling,
 )
+from torchneox.config.validate_rl import check_reinforce
 
 SUPPORTED_OPTIMIZERS = ("adam", "adamw", "sgd", "lion")
 REFUSED_OPTIMIZERS = {
@@ -103,13 +104,7 @@ def validate(config: NeoXConfig, origin: dict[str, str]) -> None:
     _check_data(check)
     _check_textgen(check)
     _check_post_training(check)
-
-
-REINFORCE_NEEDS = (
-    "'reinforce' (online REINFORCE) is not supported: it needs a generation server that "
-    "samples from the policy while it trains (serve_model_weights, dataset_impl 'online'), "
-    "which torchneox does not build; use train_impl 'normal'"
-)
+    check_reinforce(check)
 
 
 def _check_refused(ch: Checker) -> None:
@@ -124,18 +119,10 @@ def _check_refused(ch: Checker) -> None:
                 f"'{kind}' attention ({ATTENTION_TYPES_REFUSED[kind]}) is not supported; "
                 f"use one of {', '.join(ATTENTION_TYPES_OK)}",
             )
-    t, d = c.training, c.data
-    if t.train_impl == "reinforce":
-        ch.fail("train_impl", REINFORCE_NEEDS)
+    d = c.data
     if d.data_impl == "cached":
         ch.fail(
             "data_impl", "'cached' datasets (Megatron's old format) are not supported; use mmap"
-        )
-    if d.dataset_impl == "online":
-        ch.fail(
-            "dataset_impl",
-            "'online' datasets (samples streamed from a generation server, for REINFORCE) are "
-            "not supported; use gpt2",
         )
     _optimizer_type(ch)
 

@@ -8,6 +8,7 @@ component (the loop calls ``prepare``, the model, and ``terms``; it knows no obj
 - ``DPO`` (dpo): ``-logsigmoid(beta * ((pi_c - pi_r) - (ref_c - ref_r)))``, the summed
   log-probabilities of the chosen and rejected answers under the policy and a frozen reference.
 - ``KTO`` (kto): the batch's two halves, each half's KL estimate the other's reference point.
+- ``Reinforce`` (reinforce): GPT-NeoX's online REINFORCE on rollouts (train/reinforce.py).
 - ``RewardModel`` (rm): Bradley-Terry, ``-logsigmoid(v_chosen - v_rejected)`` on the value at
   each sample's one labelled position, plus ``z_loss`` times the squared values.
 
@@ -26,6 +27,7 @@ from torch.nn import functional as F
 from torchneox.base.errors import DataError
 from torchneox.models.moe import RouterStats, balancing_loss
 from torchneox.train.loss import lm_loss, lm_loss_and_z, token_logp
+from torchneox.train.reinforce import Reinforce
 
 
 @dataclass
@@ -54,6 +56,9 @@ class Prepared:
     segments: torch.Tensor | None = None  # ... and each token's document
     context: Any = None  # context parallelism: this rank's part of the sequence (ContextShard)
     counted: torch.Tensor | None = None  # ... and the whole micro-batch's tokens in the loss
+    advantages: torch.Tensor | None = None  # reinforce: each row's advantage [B]
+    raw_rewards: torch.Tensor | None = None  # ... its reward [B]
+    old_logp: torch.Tensor | None = None  # ... the sampling policy's log-probabilities [B, T]
 
     @property
     def context_ranks(self) -> int:
@@ -338,7 +343,7 @@ class RewardModel(_Pairs):
         return Terms(loss, loss, metrics={k: v.detach() for k, v in m.items()})
 
 
-Objective = LanguageModeling | DPO | KTO | RewardModel
+Objective = LanguageModeling | DPO | KTO | RewardModel | Reinforce
 
 
 @dataclass
@@ -366,12 +371,13 @@ def build_objective(
     eod_id: int | None,
     precomputed: bool = False,
     document_eod: int | None = None,
+    rollout: Any = None,
 ) -> Objective:
     """The objective of ``training.train_impl`` from the training config group (``eod_id``:
     the end-of-document token when eod_mask_loss is set; ``precomputed``: the reference's
     log-probabilities come with the data; ``document_eod``: the end-of-document token when
-    inter_document_attention_masking is set)."""
-    objective = _objective(training, moe_aux_loss_coeff, eod_id, precomputed)
+    inter_document_attention_masking is set; ``rollout``: the rollout group, for reinforce)."""
+    objective = _objective(training, moe_aux_loss_coeff, eod_id, precomputed, rollout)
     return objective if document_eod is None else DocumentMasked(objective, document_eod)
 
 
@@ -382,11 +388,12 @@ def objective_for(cfg: Any, eod_id: int | None) -> Objective:
     eod = eod_id if t.eod_mask_loss else None
     documents = eod_id if cfg.model.inter_document_attention_masking else None
     precomputed = bool(cfg.textgen.precompute_model_name)
-    return build_objective(t, cfg.moe.moe_aux_loss_coeff, eod, precomputed, documents)
+    moe = cfg.moe.moe_aux_loss_coeff
+    return build_objective(t, moe, eod, precomputed, documents, cfg.rollout)
 
 
 def _objective(
-    training: Any, moe_aux_loss_coeff: float, eod_id: int | None, precomputed: bool
+    training: Any, moe_aux_loss_coeff: float, eod_id: int | None, precomputed: bool, rollout: Any
 ) -> Objective:
     t = training
     if t.train_impl == "dpo":
@@ -396,4 +403,6 @@ def _objective(
         return KTO(t.kto_beta, *weights, t.kto_fp32, eod_id, precomputed)
     if t.train_impl == "rm":
         return RewardModel(t.z_loss, eod_id)
+    if t.train_impl == "reinforce":
+        return Reinforce.from_config(rollout, eod_id)
     return LanguageModeling(eod_id, t.lm_z_loss, moe_aux_loss_coeff)

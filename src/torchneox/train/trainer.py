@@ -196,6 +196,14 @@ class Trainer:
 
     def _build_loaders(self) -> None:
         d, cfg, lay = self.derived, self.cfg, self.layout
+        if cfg.training.train_impl == "reinforce":  # rollouts, not datasets
+            from torchneox.train.rollout_sources import build_rollouts
+
+            self.data_notes = []
+            loaders = build_rollouts(self, self.parts.module, self.logger.line)
+            self.train_loader = loaders["train"]
+            self.valid_loader, self.test_loader = loaders.get("valid"), loaders.get("test")
+            return
         splits = build_splits(cfg, d["train_batch_size"], d["padded_vocab_size"])
         self.data_notes = splits.notes
         share = {"dp_rank": self.dims.dp_rank, "dp_size": self.dims.dp}
@@ -454,11 +462,18 @@ class Trainer:
         if "z_loss" in out:
             row["z_loss"] = out["z_loss"]
         row |= {k: out[k] for k in self.objective_metrics(out)}
+        row |= self.loader_metrics
         if "moe_aux_loss" in out:
             row["moe_aux_loss"] = out["moe_aux_loss"]
             counts = sum_over_dp(torch.stack(self.step.gradients.moe_counts), self.dims)
             row["moe_tokens_per_expert"] = counts.tolist()  # [MoE layer][expert], this step
         return row
+
+    @property
+    def loader_metrics(self) -> dict[str, float]:
+        """What the train loader says of its last batch (a reinforce run's rollouts: completion
+        length, sampling time and tokens/s)."""
+        return dict(getattr(self.train_loader, "stats", {}))
 
     @staticmethod
     def objective_metrics(out: Mapping[str, float]) -> tuple[str, ...]:
@@ -488,7 +503,7 @@ class _Progress:
         seconds = (time.perf_counter() - self.window_start) / self.window_steps
         self.last_row = tr.step_row(out, seconds, self.tokens_per_step)
         tr.logger.record(self.last_row)
-        shown = tr.objective_metrics(out)
+        shown = tr.objective_metrics(out) + tuple(tr.loader_metrics)
         tr.logger.line(tr.logger.step_text(self.last_row, tr.train_iters, eta, shown))
         if lg.wall_clock_breakdown:
             tr.logger.line("  " + tr.timers.report(self.window_steps))

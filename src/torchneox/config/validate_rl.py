@@ -1,0 +1,87 @@
+"""Checks of online reinforcement learning (train_impl reinforce): where the rollouts come
+from, where their rewards come from, and the layouts the sampler runs in."""
+
+from __future__ import annotations
+
+from torchneox.config.checker import Checker
+
+
+def rollouts_in_run(c) -> bool:
+    """Whether the rollouts are sampled in the run (rollout_prompts), else asked of data servers."""
+    return c.training.train_impl == "reinforce" and bool(c.rollout.rollout_prompts)
+
+
+def check_reinforce(ch: Checker) -> None:
+    c = ch.c
+    r, impl = c.rollout, c.training.train_impl
+    if impl != "reinforce":
+        if c.data.dataset_impl == "online":
+            ch.fail(
+                "dataset_impl",
+                f"online datasets hold REINFORCE's rollouts; train_impl {impl!r} reads "
+                "train_data_paths (use gpt2, or train_impl reinforce)",
+            )
+        return
+    if not r.rollout_prompts and c.data.dataset_impl != "online":
+        ch.fail(
+            "train_impl",
+            "reinforce trains on rollouts: set rollout_prompts (a JSON-lines prompt file, sampled "
+            "in the run) with reward_function or reward_model, or dataset_impl: online (GPT-NeoX's "
+            "data servers, online_dataserver_ips/ports)",
+        )
+    if r.reinforce_leave_one_out and r.advantage_normalization == "group":
+        ch.fail(
+            "advantage_normalization",
+            "group (GRPO) and reinforce_leave_one_out (RLOO) are two baselines; choose one",
+        )
+    if c.parallel.pipe_parallel_size > 1:
+        ch.fail(
+            "pipe_parallel_size",
+            "reinforce does not run through a pipeline here; use pipe_parallel_size 1 (ZeRO, "
+            "tensor parallelism and hybrid sharding run it)",
+        )
+    if c.parallel.context_parallel_size > 1:
+        ch.fail("context_parallel_size", "reinforce does not run with context parallelism here")
+    if r.rollout_prompts:
+        _check_sampling(ch)
+
+
+def _check_sampling(ch: Checker) -> None:
+    c = ch.c
+    r = c.rollout
+    if bool(r.reward_function) == bool(r.reward_model):
+        ch.fail(
+            "reward_function" if r.reward_function else "rollout_prompts",
+            "rollouts sampled in the run need one source of rewards: set reward_function "
+            "('module:function' or 'file.py:function') or reward_model (a reward-model "
+            "checkpoint), not both",
+        )
+    n = r.rollout_generations
+    if n < 2 and (r.reinforce_leave_one_out or r.advantage_normalization == "group"):
+        key = "reinforce_leave_one_out" if r.reinforce_leave_one_out else "advantage_normalization"
+        ch.fail(
+            "rollout_generations",
+            f"{key} compares the completions of a prompt with each other: sample at least 2 "
+            "per prompt",
+        )
+    t = c.training
+    mb = t.train_micro_batch_size_per_gpu or t.batch_size
+    if mb is not None and (mb * t.gradient_accumulation_steps) % n:
+        ch.fail(
+            "rollout_generations",
+            f"each rank's samples per step (micro-batch {mb} x {t.gradient_accumulation_steps} "
+            f"accumulation steps) hold whole prompts' groups of {n} completions; make them a "
+            "multiple of rollout_generations",
+        )
+    if c.parallel.sequence_parallel:
+        ch.fail(
+            "sequence_parallel",
+            "rollouts sampled in the run decode one token at a time, which sequence_parallel "
+            "cannot split; turn it off",
+        )
+    if r.rollout_max_new_tokens >= c.model.seq_length:
+        ch.fail(
+            "rollout_max_new_tokens",
+            f"a completion of up to {r.rollout_max_new_tokens} tokens leaves no room for a "
+            f"prompt in seq_length {c.model.seq_length}; lower it",
+        )
