@@ -52,3 +52,20 @@ def test_a_partly_unreadable_metrics_file_plots_the_rest_with_one_warning(tmp_pa
         f"warning: {tmp_path / 'run' / 'metrics.jsonl'}: skipped 2 unreadable lines (the first "
         "is line 4); plotted the other 5 points"
     ]
+
+
+def test_plot_draws_another_metric_such_as_a_reinforce_runs_reward(tmp_path, capsys):
+    from torchneox.train.plot import read_metrics
+
+    (tmp_path / "run").mkdir()
+    rows = [{"iteration": i, "lm_loss": 1.0, "reward": i / 10} for i in (1, 2, 3)]
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    (tmp_path / "run" / "metrics.jsonl").write_text(text)
+    assert read_metrics(tmp_path / "run", "reward") == ([(1, 0.1), (2, 0.2), (3, 0.3)], [])
+    out = tmp_path / "reward.png"
+    assert main(["plot", str(tmp_path / "run"), "--metric", "reward", "--out", str(out)]) == 0
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    assert (
+        main(["plot", str(tmp_path / "run"), "--metric", "kl", "--out", str(out), "--force"]) == 2
+    )
+    assert "metrics.jsonl: no kl or valid_kl in it, nothing to plot" in capsys.readouterr().err

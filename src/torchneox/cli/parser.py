@@ -407,6 +407,12 @@ def _tool_verbs(verbs: argparse._SubParsersAction) -> None:
     plot = verbs.add_parser("plot", help="draw loss curves of runs to a PNG")
     plot.add_argument("runs", nargs="+", metavar="RUN_DIR", help="folders with a metrics.jsonl")
     plot.add_argument("--out", default="loss.png")
+    plot.add_argument(
+        "--metric",
+        default="lm_loss",
+        help="the logged value to draw (and its valid_ twin): lm_loss, or e.g. reward, kl, "
+        "completion_length of a reinforce run",
+    )
     plot.add_argument("--force", action="store_true", help="replace an existing --out file")
 
     demo = verbs.add_parser("demo", help="what `make demo` shows: preprocess, train, generate")

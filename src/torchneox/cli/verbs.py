@@ -449,7 +449,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
     read = [metrics_file(Path(r)) for r in args.runs]  # a PNG beside them is fine
     refuse_existing([Path(args.out)], args.force, "plot", inputs=read)
-    plot_runs([Path(r) for r in args.runs], Path(args.out))
+    plot_runs([Path(r) for r in args.runs], Path(args.out), args.metric)
     print(f"wrote {args.out}")
     return 0
 

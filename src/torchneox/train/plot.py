@@ -1,4 +1,5 @@
-"""``torchneox plot``: training and validation loss of one or more runs, as a PNG."""
+"""``torchneox plot``: training and validation loss (or another logged metric: a reinforce
+run's reward, KL, completion length) of one or more runs, as a PNG."""
 
 from __future__ import annotations
 
@@ -12,16 +13,16 @@ from torchneox.config.paths import atomic_output
 Point = tuple[int, float]
 
 
-def _row(raw: bytes) -> dict | None:
+def _row(raw: bytes, metric: str = "lm_loss") -> dict | None:
     """A metrics record, or None when the line is not one (not UTF-8, not JSON, not an object
-    with an integer iteration and numeric losses)."""
+    with an integer iteration and numeric values of ``metric`` and valid_``metric``)."""
     try:
         row = json.loads(raw.decode("utf-8"))
     except ValueError:  # UnicodeDecodeError and JSONDecodeError both
         return None
     if not isinstance(row, dict) or type(row.get("iteration")) is not int:
         return None
-    for key in ("lm_loss", "valid_lm_loss"):
+    for key in (metric, f"valid_{metric}"):
         value = row.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
             return None
@@ -33,8 +34,8 @@ def metrics_file(run: Path) -> Path:
     return run / "metrics.jsonl" if run.is_dir() else run
 
 
-def read_metrics(run: Path) -> tuple[list[Point], list[Point]]:
-    """The training and validation losses of a run's metrics.jsonl. Lines that are no record
+def read_metrics(run: Path, metric: str = "lm_loss") -> tuple[list[Point], list[Point]]:
+    """The training and validation values of ``metric`` in a run's metrics.jsonl. Lines that are no record
     (a line cut by a kill, damage) are skipped with one warning saying how many and where the
     first is; a file with nothing to plot is refused."""
     path = metrics_file(run)
@@ -50,18 +51,18 @@ def read_metrics(run: Path) -> tuple[list[Point], list[Point]]:
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        row = _row(line)
+        row = _row(line, metric)
         if row is None:
             bad.append(number)
             continue
-        if row.get("lm_loss") is not None:
-            train.append((row["iteration"], row["lm_loss"]))
-        if row.get("valid_lm_loss") is not None:
-            valid.append((row["iteration"], row["valid_lm_loss"]))
+        if row.get(metric) is not None:
+            train.append((row["iteration"], row[metric]))
+        if row.get(f"valid_{metric}") is not None:
+            valid.append((row["iteration"], row[f"valid_{metric}"]))
     if not train and not valid:
         records = sum(1 for line in lines if line.strip()) - len(bad)
         if records:
-            why = "no lm_loss or valid_lm_loss in it, nothing to plot"
+            why = f"no {metric} or valid_{metric} in it, nothing to plot"
         elif bad:
             why = (
                 f"no line of it is a metrics record ({len(bad)} unreadable, the first is line "
@@ -79,8 +80,10 @@ def read_metrics(run: Path) -> tuple[list[Point], list[Point]]:
     return train, valid
 
 
-def plot_runs(runs: list[Path], out: Path) -> None:
-    curves = [(run, *read_metrics(run)) for run in runs]  # every file checked before drawing
+def plot_runs(runs: list[Path], out: Path, metric: str = "lm_loss") -> None:
+    curves = [
+        (run, *read_metrics(run, metric)) for run in runs
+    ]  # every file checked before drawing
     try:
         import matplotlib
 
@@ -97,7 +100,7 @@ def plot_runs(runs: list[Path], out: Path) -> None:
         if valid:
             ax.plot(*zip(*valid, strict=True), "o--", color=color, label=f"{name} valid")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats per token)")
+    ax.set_ylabel("loss (nats per token)" if metric == "lm_loss" else metric)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
