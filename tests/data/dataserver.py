@@ -12,6 +12,9 @@ sends ``pickle.dumps`` of the records of FILE.json (a list of {"prefix", "comple
     drop       the first half of the pickle, then a clean close
     reset      the first half of the pickle, then a reset (RST) instead of a close
     silent     reads the split and never answers (the connection stays open)
+    trickle    sends the pickle one byte every 0.1 s
+
+It exits when its parent process is gone.
 
 ``--log FILE`` appends each request's split name to FILE, one a line. ``start_server`` runs it
 for a test: ``with start_server(tmp_path, groups, mode) as (process, port): ...``.
@@ -30,10 +33,11 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
-MODES = ("ok", "malicious", "drop", "reset", "silent")
+MODES = ("ok", "malicious", "drop", "reset", "silent", "trickle")
 
 
 class _RunsCode:
@@ -54,11 +58,23 @@ def answer(records: list, mode: str, marker: str) -> bytes:
     return pickle.dumps(records)
 
 
+def trickle(conn: socket.socket, body: bytes) -> None:
+    for i in range(len(body)):
+        conn.sendall(body[i : i + 1])
+        time.sleep(0.1)
+
+
 def serve(server: socket.socket, records: list, args: argparse.Namespace) -> None:
     held = []  # the silent mode's connections, kept open
     body = answer(records, args.mode, args.marker)
-    while True:
-        conn, _ = server.accept()
+    parent = os.getppid()
+    server.settimeout(1.0)
+    while os.getppid() == parent:
+        try:
+            conn, _ = server.accept()
+        except TimeoutError:
+            continue
+        conn.settimeout(None)
         split = conn.recv(4096).decode()
         if args.log:
             with open(args.log, "a") as f:
@@ -66,7 +82,9 @@ def serve(server: socket.socket, records: list, args: argparse.Namespace) -> Non
         if args.mode == "silent":
             held.append(conn)
             continue
-        if args.mode in ("drop", "reset"):
+        if args.mode == "trickle":
+            trickle(conn, body)
+        elif args.mode in ("drop", "reset"):
             conn.sendall(body[: len(body) // 2])
             if args.mode == "reset":
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

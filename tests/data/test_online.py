@@ -123,9 +123,22 @@ def test_a_silent_server_times_out(tmp_path):
     with start_server(tmp_path, RECORDS, mode="silent") as (_, port), pytest.raises(DataError) as e:
         DataServer("127.0.0.1", port, 0, timeout_s=0.5).fetch("train")
     assert one_line(e) == (
-        f"data server 127.0.0.1:{port}: no answer to 'train' within 0.5 s (0 bytes came); "
+        f"data server 127.0.0.1:{port}: no whole answer to 'train' within 0.5 s (0 bytes came); "
         "check that the server is up and answering"
     )
+
+
+def test_a_trickling_server_times_out_too(tmp_path):
+    with (
+        start_server(tmp_path, RECORDS, mode="trickle") as (_, port),
+        pytest.raises(DataError) as e,
+    ):
+        DataServer("127.0.0.1", port, 0, timeout_s=0.5).fetch("valid")
+    text = one_line(e)
+    assert text.startswith(
+        f"data server 127.0.0.1:{port}: no whole answer to 'valid' within 0.5 s ("
+    )
+    assert int(text.split("(")[1].split(" ")[0]) < len(pickle.dumps(RECORDS))
 
 
 def test_a_dropped_connection_says_how_many_bytes_came(tmp_path):

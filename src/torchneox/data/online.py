@@ -10,8 +10,10 @@ GPT-NeoX unpickles the answer as it comes, so anything on the network path can r
 trainer. Here the answer is read by ``safe_loads``: its opcodes are checked first (only those
 that build lists, dicts, tuples, ints, floats, strings, bools and None; sets, bytes, globals,
 persistent ids, extension codes and out-of-band buffers are refused), then it is unpickled with
-an unpickler whose ``find_class`` and ``persistent_load`` always refuse. Every socket operation
-has a timeout, and each failure is one line naming the server's address.
+an unpickler whose ``find_class`` and ``persistent_load`` always refuse (the opcode check is
+needed too: an extension code already in copyreg's cache reaches the unpickler without
+``find_class``). The connection must open, and then the whole answer arrive, each within the
+timeout; each failure is one line naming the server's address.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import math
 import pickle
 import pickletools
 import socket
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -306,18 +309,23 @@ class DataServer:
             raise DataError(f"{source}: cannot connect ({first_line(e)}); {keys}") from None
 
     def _exchange(self, split: str, source: str) -> bytes:
-        """Send ``split``, then read until the server closes; each operation under the timeout."""
+        """Send ``split``, then read until the server closes: the whole answer within the
+        timeout (a server that sends a byte now and then does not hold the run forever)."""
         chunks: list[bytes] = []
         received = 0
         with self._connect(source) as sock:
+            deadline = time.monotonic() + self.timeout_s
             try:
                 sock.sendall(split.encode())
-                while chunk := sock.recv(CHUNK):
+                while True:
+                    sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+                    if not (chunk := sock.recv(CHUNK)):
+                        break
                     chunks.append(chunk)
                     received += len(chunk)
             except TimeoutError:
                 raise DataError(
-                    f"{source}: no answer to '{split}' within {self.timeout_s:g} s "
+                    f"{source}: no whole answer to '{split}' within {self.timeout_s:g} s "
                     f"({received} bytes came); check that the server is up and answering"
                 ) from None
             except ConnectionResetError:
