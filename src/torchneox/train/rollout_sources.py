@@ -140,10 +140,11 @@ def build_rollouts(run: Any, module: torch.nn.Module, line: Callable[[str], None
             line("reinforce: rollouts sampled in the run have no valid or test split; "
                  "eval_iters is not used (the reward of each step is logged)")  # fmt: skip
         return {"train": train}
-    check_addresses(r.online_dataserver_ips, r.online_dataserver_ports, dims.dp)
+    source = run.loaded.source("online_dataserver_ports")
+    check_addresses(r.online_dataserver_ips, r.online_dataserver_ports, dims.dp, source)
     server = DataServer(
         r.online_dataserver_ips, r.online_dataserver_ports, dims.dp_rank,
-        r.online_dataserver_timeout,
+        r.online_dataserver_timeout, run.derived["padded_vocab_size"],
     )  # fmt: skip
     if cfg.rollout.serve_model_weights:
         line("serve_model_weights: torchneox sends no weights to the data server, which "
