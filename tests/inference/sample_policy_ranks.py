@@ -1,5 +1,5 @@
 """Run under torchrun by tests/inference/test_sample_policy.py: the model of MODEL_JSON built
-as a run lays it out on gloo (LAYOUT: zero3, or tp2), rollouts sampled from it with
+as a run lays it out on gloo (LAYOUT: one of LAYOUTS), rollouts sampled from it with
 ``sample_policy`` under a lockstep over the world, written to OUT/rank{R}.json."""
 
 from __future__ import annotations
@@ -19,6 +19,14 @@ from torchneox.models.args import model_args
 from torchneox.parallel.dims import ParallelDims, init_distributed, shutdown
 from torchneox.parallel.parallelize import BuildOptions, build_parallel_model
 
+# name -> (tensor-parallel ranks, ZeRO stage, sequence parallelism)
+LAYOUTS = {
+    "zero0": (1, 0, False),
+    "zero3": (1, 3, False),
+    "tp2": (2, 1, False),
+    "tp2-sp": (2, 1, True),
+}
+
 
 def all_done(local_done: bool) -> bool:
     flag = torch.tensor(float(local_done))
@@ -30,8 +38,10 @@ def main() -> None:
     spec, layout_name, out = json.loads(Path(sys.argv[1]).read_text()), sys.argv[2], sys.argv[3]
     world = init_distributed("cpu", None, 5)
     rank = dist.get_rank()
-    tp = 2 if layout_name == "tp2" else 1
-    layout = Layout(world, world // tp, tp, 1, 3 if layout_name == "zero3" else 1, 1, 1, "none")
+    tp, zero, sequence_parallel = LAYOUTS[layout_name]
+    layout = Layout(
+        world, world // tp, tp, 1, zero, 1, 1, "none", sequence_parallel=sequence_parallel
+    )
     dims = ParallelDims.from_layout(layout, "cpu")
     dims.build_mesh()
     args = model_args(load_mapping(spec["model"], "model"))

@@ -1,6 +1,6 @@
 """Rollouts sampled from the training model: in one process they equal ``generate``'s
-continuations with the stop token kept; under ZeRO-3 and tensor parallelism over 2 gloo
-processes they equal one process's for the same weights (the ranks kept in lockstep)."""
+continuations with the stop token kept; under DDP (ZeRO 0), ZeRO-3 and tensor parallelism
+over 2 gloo processes they equal one process's for the same weights (the ranks kept in lockstep)."""
 
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ SAMPLINGS = {
 }
 
 
-@pytest.mark.parametrize("layout", ["zero3", "tp2"])
+@pytest.mark.parametrize("layout", ["zero0", "zero3", "tp2"])
 def test_two_processes_equal_one(layout, tmp_path):
     spec = {"model": TINY, "prompts": RANK_PROMPTS, "samplings": SAMPLINGS, "seed": 11}
     (tmp_path / "spec.json").write_text(json.dumps(spec))

@@ -97,7 +97,8 @@ def sample_policy(
     lockstep: Callable[[bool], bool] | None = None,
 ) -> list[list[int]]:
     """Completions of ``prompts`` sampled from the model a training run calls (a Transformer,
-    or one under DDP, ZeRO's ``fully_shard`` or tensor parallelism over ``tp`` ranks), in eval
+    or one under DDP, ZeRO's ``fully_shard`` or tensor parallelism over ``tp`` ranks, not
+    sequence parallelism: a decode step's one token cannot be split over the ranks), in eval
     mode and without autograd; its train/eval mode is restored afterwards. ``generator`` (None:
     ``s.seed``'s, or torch's default) draws the tokens; the ranks of a tensor-parallel group
     are given the same prompts and the same generator state, and sample the same tokens.
