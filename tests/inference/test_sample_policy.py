@@ -30,12 +30,14 @@ def _with_stop(generated: list[list[int]], cut: list[list[int]], stop: set[int])
     ]
 
 
+@pytest.mark.parametrize("loop", ["dynamic", "static"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_one_process_equals_generate_with_the_stop_kept(temperature):
+def test_one_process_equals_generate_with_the_stop_kept(temperature, loop):
     _, model = build("neox-rotary")
-    full = generate(model, PROMPTS, Sampling(temperature=temperature, maximum_tokens=12, seed=3))
+    s = Sampling(temperature=temperature, maximum_tokens=12, seed=3, decode_loop=loop)
+    full = generate(model, PROMPTS, s)
     stop = {full[0][4], full[1][2]}  # rows 0 and 1 stop there, row 2 perhaps too
-    s = Sampling(temperature=temperature, maximum_tokens=12, stop_ids=stop, seed=3)
+    s.stop_ids = stop
     cut = generate(model, PROMPTS, s)
     model.train()
     rollouts = sample_policy(model, PROMPTS, s, 0, torch.Generator().manual_seed(3))
