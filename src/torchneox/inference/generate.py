@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from torchneox.base.errors import ConfigError
@@ -16,6 +18,7 @@ from torchneox.config.schema_io import TextGenConfig
 from torchneox.data.tokenizers import Tokenizer
 from torchneox.models.mixers.attention import KVCache, StaticKVCache
 from torchneox.models.transformer import Transformer
+from torchneox.parallel.collectives import plain
 
 
 @dataclass
@@ -72,15 +75,88 @@ def generate(
 ) -> list[list[int]]:
     """The continuation of each prompt (stop token excluded). Prompts may differ in length:
     they are left-padded, and padding is masked out and excluded from positions."""
+    model.eval()
+    rows = _decode(model, model, prompts, s, pad_id, _seeded(s, model.embed.weight.device))
+    return _cut_at_stops(rows, s.stop_ids, keep_stop=False)
+
+
+# How many tokens sample_policy generates between two calls of its ``lockstep`` (each one a
+# collective over the world, and a read back to the host).
+LOCKSTEP_INTERVAL = 8
+
+
+@torch.no_grad()
+@sdpa_kernel(DECODE_BACKENDS)
+def sample_policy(
+    model: nn.Module,
+    prompts: list[list[int]],
+    s: Sampling,
+    pad_id: int,
+    generator: torch.Generator | None,
+    tp: int = 1,
+    lockstep: Callable[[bool], bool] | None = None,
+) -> list[list[int]]:
+    """Completions of ``prompts`` sampled from the model a training run calls (a Transformer,
+    or one under DDP, ZeRO's ``fully_shard`` or tensor parallelism over ``tp`` ranks, not
+    sequence parallelism: a decode step's one token cannot be split over the ranks), in eval
+    mode and without autograd; its train/eval mode is restored afterwards. ``generator`` (None:
+    ``s.seed``'s, or torch's default) draws the tokens; the ranks of a tensor-parallel group
+    are given the same prompts and the same generator state, and sample the same tokens.
+
+    Unlike ``generate``, a completion ends WITH its first stop token (included): a rollout
+    must end with its end-of-text so that the policy learns to stop. A completion without one
+    ran to ``s.maximum_tokens`` (or the model's last position).
+
+    ``lockstep`` (None in one process): ``all_done(local_done) -> bool``, true once every rank
+    is done (an all-reduce over the world). Every rank then makes the same number of forwards,
+    as ZeRO's all-gathers and DDP's broadcasts ask: it is called every LOCKSTEP_INTERVAL
+    tokens, and a rank that is done early (or whose cache is full) makes idle forwards of one
+    token until it returns True. The static loop (CUDA graphs) runs only for a plain model in
+    one process; every other layout decodes with the dynamic KV cache."""
+    core = model.module if isinstance(getattr(model, "module", None), Transformer) else model
+    device = core.embed.weight.device
+    was_training = model.training
+    model.eval()
+    try:
+        generator = generator if generator is not None else _seeded(s, device)
+        static = lockstep is None and tp == 1 and _plain_parameters(model)
+        rows = _decode(model, core, prompts, s, pad_id, generator, tp, lockstep, static)
+    finally:
+        model.train(was_training)
+    return _cut_at_stops(rows, s.stop_ids, keep_stop=True)
+
+
+def _seeded(s: Sampling, device: torch.device) -> torch.Generator | None:
+    if s.seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(s.seed)
+
+
+def _plain_parameters(model: nn.Module) -> bool:
+    """Whether no parameter of ``model`` is a DTensor (no ZeRO shards, no tensor split)."""
+    from torch.distributed.tensor import DTensor
+
+    return not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _decode(
+    call: nn.Module,
+    core: Transformer,
+    prompts: list[list[int]],
+    s: Sampling,
+    pad_id: int,
+    generator: torch.Generator | None,
+    tp: int = 1,
+    lockstep: Callable[[bool], bool] | None = None,
+    static: bool = True,
+) -> list[list[int]]:
+    """Each prompt's generated tokens (pad after a row's stop token): ``call`` is the module
+    to run (``core``, or a wrapper of it), ``core`` the Transformer (its args and weights)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    model.eval()
-    device = model.embed.weight.device
-    generator = None
-    if s.seed is not None:
-        generator = torch.Generator(device=device).manual_seed(s.seed)
+    device = core.embed.weight.device
     longest = max(len(p) for p in prompts)
-    limit = model.args.max_positions
+    limit = core.args.max_positions
     if longest >= limit:
         raise ConfigError(
             f"a prompt of {longest} tokens leaves no room in the model's {limit} positions; "
@@ -89,45 +165,80 @@ def generate(
         )
     # as GPT-NeoX: never past the model's last position, whatever maximum_tokens asks
     steps = min(s.maximum_tokens, limit - longest)
-    b = len(prompts)
     tokens, positions, valid, padded = _left_padded(prompts, longest + steps, pad_id, device)
-    if s.use_cache and static_decoding(s.decode_loop, device):
-        mask = valid if padded else None
-        out_BN = _static_loop(model, tokens, positions, mask, longest, s, pad_id, generator)
-        return _cut_at_stops(out_BN.tolist(), s.stop_ids)
-    cache = (
-        KVCache(model.args, b, tokens.shape[1], model.embed.weight.dtype, device)
-        if s.use_cache
-        else None
+    mask = valid if padded else None
+    if static and s.use_cache and static_decoding(s.decode_loop, device):
+        return _static_loop(core, tokens, positions, mask, longest, s, pad_id, generator).tolist()
+    return _dynamic_loop(
+        call, core, tokens, positions, mask, longest, s, pad_id, generator, tp, lockstep
     )
+
+
+def _dynamic_loop(
+    call: nn.Module,
+    core: Transformer,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    valid: torch.Tensor | None,
+    longest: int,
+    s: Sampling,
+    pad_id: int,
+    generator: torch.Generator | None,
+    tp: int,
+    lockstep: Callable[[bool], bool] | None,
+) -> list[list[int]]:
+    """The tokens after the prompts, one forward per token into a KVCache (or over the whole
+    sequence without one); with ``lockstep``, idle forwards once this rank is done, until every
+    rank is."""
+    b, width = tokens.shape
+    device = tokens.device
+    cache = None
+    if s.use_cache:
+        cache = KVCache(core.args, b, width, _cache_dtype(core, device), device, tp)
     done = torch.zeros(b, dtype=torch.bool, device=device)
     stop = torch.tensor(sorted(s.stop_ids), dtype=torch.long, device=device)
-    end = longest
-    begin = 0
-    for _ in range(steps):
-        logits = model(
-            tokens[:, begin:end],
-            positions_BT=positions[:, begin:end],
-            key_valid_BS=valid[:, :end] if padded else None,
-            cache=cache,
-        )[:, -1]
-        new = next_tokens(logits, s, generator)
-        new = torch.where(done, torch.full_like(new, pad_id), new)
-        tokens[:, end] = new
-        done |= torch.isin(new, stop)
-        end += 1
-        if cache is not None:
-            begin = end - 1
-        if bool(done.all()):
+    end, begin, forwards = longest, 0, 0
+    while True:
+        if end < width:
+            out = call(
+                tokens[:, begin:end],
+                positions_BT=positions[:, begin:end],
+                key_valid_BS=valid[:, :end] if valid is not None else None,
+                cache=cache,
+            )
+            new = torch.where(done, pad_id, next_tokens(_last_logits(out), s, generator))
+            tokens[:, end] = new
+            done |= torch.isin(new, stop)
+            end += 1
+            begin = end - 1 if cache is not None else 0
+        else:  # idle: this rank is done, another is not
+            call(tokens[:, :1], positions_BT=positions[:, :1])
+        forwards += 1
+        look = lockstep is None or forwards % LOCKSTEP_INTERVAL == 0
+        finished = end == width or (look and bool(done.all()))
+        if look and (lockstep(finished) if lockstep is not None else finished):
             break
-    return _cut_at_stops(tokens[:, longest:end].tolist(), s.stop_ids)
+    return tokens[:, longest:end].tolist()
 
 
-def _cut_at_stops(rows: list[list[int]], stop_ids: set[int]) -> list[list[int]]:
+def _cache_dtype(core: Transformer, device: torch.device) -> torch.dtype:
+    """What the keys arrive in: autocast's dtype under autocast, else the weights'."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return core.embed.weight.dtype
+
+
+def _last_logits(out: torch.Tensor) -> torch.Tensor:
+    """[B, vocab] the logits of each row's last token, whole (tensor parallelism splits the
+    vocabulary over its ranks)."""
+    return plain(out[:, -1])
+
+
+def _cut_at_stops(rows: list[list[int]], stop_ids: set[int], keep_stop: bool) -> list[list[int]]:
     out = []
     for row in rows:
-        cut = next((i for i, t in enumerate(row) if t in stop_ids), len(row))
-        out.append(row[:cut])
+        cut = next((i for i, t in enumerate(row) if t in stop_ids), None)
+        out.append(row if cut is None else row[: cut + 1 if keep_stop else cut])
     return out
 
 

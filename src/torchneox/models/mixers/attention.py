@@ -89,7 +89,9 @@ def documents(tokens_BT: torch.Tensor, eod_id: int) -> tuple[torch.Tensor, torch
 class KVCache:
     """What decoding keeps between forwards: the keys and values of every attention layer,
     preallocated for ``max_len`` positions, and each recurrent layer's state (a mamba or RWKV
-    mixer's, kept in ``states[layer]`` by the mixer itself and updated in place)."""
+    mixer's, kept in ``states[layer]`` by the mixer itself and updated in place). Under
+    tensor parallelism over ``tp`` ranks each rank's attention holds ``num_kv_heads // tp``
+    of the heads, and so does its cache."""
 
     def __init__(
         self,
@@ -98,11 +100,12 @@ class KVCache:
         max_len: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        tp: int = 1,
     ):
         attention = [i for i in range(args.num_layers) if args.is_attention_layer(i)]
         self.slot_of = {layer: j for j, layer in enumerate(attention)}
         """Each attention layer's row of ``k`` and ``v``."""
-        shape = (len(attention), batch, args.num_kv_heads, max_len, args.head_dim)
+        shape = (len(attention), batch, args.num_kv_heads // tp, max_len, args.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.states: dict[int, dict[str, torch.Tensor]] = {}
@@ -136,8 +139,8 @@ class StaticKVCache(KVCache):
     device position ``slot`` and attends over all ``max_len`` positions, the unwritten ones
     masked (``Transformer`` builds that mask from ``queries`` and ``keys``)."""
 
-    def __init__(self, args, batch, max_len, dtype, device):
-        super().__init__(args, batch, max_len, dtype, device)
+    def __init__(self, args, batch, max_len, dtype, device, tp: int = 1):
+        super().__init__(args, batch, max_len, dtype, device, tp)
         self.slot = torch.zeros((), dtype=torch.long, device=device)
         self.keys = torch.arange(max_len, device=device)
 
