@@ -16,7 +16,9 @@ sends ``pickle.dumps`` of the records of FILE.json (a list of {"prefix", "comple
 
 It exits when its parent process is gone.
 
-``--log FILE`` appends each request's split name to FILE, one a line. ``start_server`` runs it
+``--log FILE`` appends each request's split name to FILE, one a line. ``--sequence``: FILE.json
+is a list of answers, request k of a split getting answer k (the last once they run out), as a
+server sampling from a changing policy answers. ``start_server`` runs it
 for a test: ``with start_server(tmp_path, groups, mode) as (process, port): ...``.
 """
 
@@ -66,7 +68,9 @@ def trickle(conn: socket.socket, body: bytes) -> None:
 
 def serve(server: socket.socket, records: list, args: argparse.Namespace) -> None:
     held = []  # the silent mode's connections, kept open
-    body = answer(records, args.mode, args.marker)
+    answers = records if args.sequence else [records]
+    bodies = [answer(a, args.mode, args.marker) for a in answers]
+    asked: dict[str, int] = {}  # requests so far per split
     parent = os.getppid()
     server.settimeout(1.0)
     while os.getppid() == parent:
@@ -76,6 +80,8 @@ def serve(server: socket.socket, records: list, args: argparse.Namespace) -> Non
             continue
         conn.settimeout(None)
         split = conn.recv(4096).decode()
+        body = bodies[min(asked.get(split, 0), len(bodies) - 1)]
+        asked[split] = asked.get(split, 0) + 1
         if args.log:
             with open(args.log, "a") as f:
                 f.write(split + "\n")
@@ -100,6 +106,9 @@ def main() -> None:
     parser.add_argument("--mode", choices=MODES, default="ok")
     parser.add_argument("--log")
     parser.add_argument("--marker", help="the file the malicious answer would create")
+    parser.add_argument(
+        "--sequence", action="store_true", help="FILE.json holds an answer a request"
+    )
     args = parser.parse_args()
     if args.mode == "malicious" and not args.marker:
         parser.error("--mode malicious needs --marker")
@@ -129,18 +138,20 @@ def start_server(
     mode: str = "ok",
     log: Path | None = None,
     marker: Path | None = None,
+    sequence: bool = False,
 ) -> Iterator[tuple[subprocess.Popen, int]]:
     """A server process answering every request with ``groups``; yields (process, port) and
     stops it on exit. ``log``: the file each request's split name is appended to; ``marker``:
-    the file the malicious answer would create."""
+    the file the malicious answer would create; ``sequence``: ``groups`` is a list of answers,
+    one per request of a split."""
     tmp_path = Path(tmp_path)
     if mode == "malicious" and marker is None:
         marker = tmp_path / "marker"
     with tempfile.NamedTemporaryFile("w", dir=tmp_path, suffix=".json", delete=False) as f:
-        json.dump(records_of(groups), f)
+        json.dump([records_of(a) for a in groups] if sequence else records_of(groups), f)
     groups_file = f.name
     command = [sys.executable, __file__, "--port", "0", "--groups", groups_file]
-    command += ["--mode", mode]
+    command += ["--mode", mode] + (["--sequence"] if sequence else [])
     if log is not None:
         command += ["--log", str(log)]
     if marker is not None:

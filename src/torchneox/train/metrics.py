@@ -187,7 +187,9 @@ class MetricsLogger:
                 f"moe aux {row['moe_aux_loss']:.3f}, busiest expert {max(counts) / max(mean, 1):.2f}x mean"
             )
         # the objective's own metrics (DPO's rewards, KTO's KL, a reward model's accuracy)
-        parts += [f"{k} {row[k]:.4g}" for k in metrics]
+        parts += [
+            f"{k} {row[k]:,.0f}" if abs(row[k]) >= 1e4 else f"{k} {row[k]:.4g}" for k in metrics
+        ]
         parts += [
             f"{row['tokens_per_sec']:,.0f} tok/s",
             f"{row['tflops']:.3g} TFLOP/s",

@@ -117,6 +117,9 @@ class Reinforce:
         r = rollout
         return cls(r.kl_impl, r.kl_div_beta, r.fp32_reinforce, r.clip_ratio, eod_id)
 
+    console = ("reward", "reward_std", "kl", "clip_fraction")
+    """The metrics the console line shows (every one is in metrics.jsonl and the trackers)."""
+
     @property
     def needs_reference(self) -> bool:
         return self.beta > 0

@@ -69,6 +69,9 @@ class RolloutBatches:
     data server); ``old_logp(micro_batches)``: the sampling policy's log-probabilities of each
     micro-batch's tokens, needed when a batch trains more than one step."""
 
+    console = ("completion_length", "rollout_tokens_per_sec")
+    """The batch's statistics the console line shows (all of ``stats`` are logged)."""
+
     def __init__(
         self,
         source: Any,

@@ -475,6 +475,15 @@ class Trainer:
         length, sampling time and tokens/s)."""
         return dict(getattr(self.train_loader, "stats", {}))
 
+    def console_metrics(self, out: Mapping[str, float]) -> tuple[str, ...]:
+        """What the console line shows beside the loss: the objective's metrics (those it names
+        for the console, when it does) and the loader's."""
+        names = self.objective_metrics(out)
+        console = getattr(self.objective, "console", None)
+        if console is not None:
+            names = tuple(n for n in names if n in console)
+        return names + tuple(getattr(self.train_loader, "console", ()))
+
     @staticmethod
     def objective_metrics(out: Mapping[str, float]) -> tuple[str, ...]:
         """The names of the objective's own metrics in a step's values."""
@@ -503,7 +512,7 @@ class _Progress:
         seconds = (time.perf_counter() - self.window_start) / self.window_steps
         self.last_row = tr.step_row(out, seconds, self.tokens_per_step)
         tr.logger.record(self.last_row)
-        shown = tr.objective_metrics(out) + tuple(tr.loader_metrics)
+        shown = tr.console_metrics(out)
         tr.logger.line(tr.logger.step_text(self.last_row, tr.train_iters, eta, shown))
         if lg.wall_clock_breakdown:
             tr.logger.line("  " + tr.timers.report(self.window_steps))
