@@ -167,6 +167,7 @@ class RolloutBatches:
             "pending": rows(self.pending),
             "cycle": rows(self.cycle),
             "cycle_logp": self.cycle_logp,
+            "stats": dict(self.stats),
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -198,6 +199,7 @@ class RolloutBatches:
         self.pending = [Row(*r) for r in mine["pending"]]
         self.cycle = [Row(*r) for r in mine["cycle"]]
         self.cycle_logp = mine["cycle_logp"]
+        self.stats = dict(mine.get("stats", {}))
         self.batches = None
 
     def close(self) -> None:

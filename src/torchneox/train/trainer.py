@@ -482,7 +482,8 @@ class Trainer:
         console = getattr(self.objective, "console", None)
         if console is not None:
             names = tuple(n for n in names if n in console)
-        return names + tuple(getattr(self.train_loader, "console", ()))
+        stats = self.loader_metrics
+        return names + tuple(k for k in getattr(self.train_loader, "console", ()) if k in stats)
 
     @staticmethod
     def objective_metrics(out: Mapping[str, float]) -> tuple[str, ...]:
