@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.nn import functional as F
 
 from torchneox.parallel.collectives import plain
 from torchneox.train.loss import token_logp
@@ -81,8 +80,7 @@ def kl_penalty(
     distributions (vocabulary-parallel logits included: the sum is gathered over the ranks)."""
     if kind == "full":
         assert logits is not None and ref_logits is not None
-        own = F.log_softmax(logits.float() if fp32 else logits, dim=-1)
-        ref = F.log_softmax(ref_logits.float() if fp32 else ref_logits, dim=-1)
+        own, ref = _log_softmax(logits, fp32), _log_softmax(ref_logits, fp32)
         return plain((own.exp() * (own - ref)).sum(-1))
     d = logp - ref_logp
     if kind == "abs":
@@ -90,6 +88,14 @@ def kl_penalty(
     if kind == "mse":
         return 0.5 * d.square()
     return d
+
+
+def _log_softmax(logits: torch.Tensor, fp32: bool) -> torch.Tensor:
+    """log_softmax as x - logsumexp(x): on vocabulary-sharded logits under loss_parallel,
+    torch's log_softmax has the backward of its cross-entropy pairing only (wrong gradients
+    for any other use); this form's are right."""
+    x = logits.float() if fp32 else logits
+    return x - x.logsumexp(dim=-1, keepdim=True)
 
 
 def surrogate(
