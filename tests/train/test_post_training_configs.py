@@ -95,3 +95,32 @@ def test_the_reinforce_config_explains_its_rollouts(capsys):
     assert "0.1 x |log pi - log pi_ref| (kl_impl abs)" in out
     assert "a frozen copy of the starting policy" in out
     assert "serve_model_weights: torchneox does not send CUDA IPC handles" in out
+
+
+def test_the_reinforce_config_scaled_down_trains_against_a_data_server(tmp_path):
+    """GPT-NeoX's llama3-8b-reinforce.yml, scaled down, trains on what a server speaking its
+    online protocol sends (train, then valid and test for the evaluations), RLOO advantages
+    and the abs KL penalty logged."""
+    from tests.data.dataserver import start_server
+    from tests.helpers import make_chat_tokenizer
+    from torchneox.data.online import Group
+
+    tok = make_chat_tokenizer(tmp_path / "tokenizer")
+    group = Group([5, 6, 7, 8], [[9, 10, 11], [12, 13]], [1.0, 0.0])
+    log = tmp_path / "requests.log"
+    with start_server(tmp_path, [group], log=log) as (_, port):
+        sets = [*TINY, f"save={tmp_path / 'run'}", "load=null", f"log_dir={tmp_path / 'run'}"]
+        sets += [f"vocab_file={tok / 'tokenizer.json'}", f"online_dataserver_ports=[{port}]"]
+        args = ["train", str(CONFIGS / "llama3-8b-reinforce.yml")]
+        for o in sets:
+            args += ["--set", o]
+        assert main(args) == 0
+    assert log.read_text().split() == ["train"] * 3 + ["valid", "valid", "test"]
+    rows = metric_rows(tmp_path / "run")
+    steps = [r for r in rows if "lm_loss" in r]
+    assert [r["iteration"] for r in steps] == [1, 2, 3]
+    # RLOO of rewards 1 and 0: advantages +1 and -1, the raw rewards' mean 0.5
+    assert all(r["reward"] == 0.5 and r["advantage"] == 0.0 for r in steps)
+    # the reference starts as the policy (bf16 rounding apart), which then moves away
+    assert steps[0]["kl"] < 1e-3 < steps[-1]["kl"]
+    assert any("test_lm_loss" in r for r in rows) and any("valid_reward" in r for r in rows)
