@@ -130,3 +130,23 @@ def test_a_malicious_answer_stops_the_run_in_one_line_and_runs_nothing(tmp_path,
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert f"data server localhost:{port}: the answer holds a posix.system" in err, err
     assert not marker.exists()
+
+
+def test_a_reward_model_scores_the_rollouts(tmp_path, monkeypatch):
+    """reward_model: a train_impl rm checkpoint's value of each sampled completion is its
+    reward (the scorer of train/rewards.py, tested where it reads the value)."""
+    from tests.train.test_rewards import _saved
+    from torchneox.train.rewards import RewardModelScorer
+
+    _saved(tmp_path / "rm", "rm")
+    sampled = _recorded(monkeypatch)
+    sets = tiny(reward_function=None, reward_model=str(tmp_path / "rm"), train_iters=2)
+    assert cli(*sets, f"save={tmp_path / 'run'}") == 0
+    scorer = RewardModelScorer(str(tmp_path / "rm"), "cpu")
+    for step, groups in enumerate(sampled, 1):
+        prompts = [g.prompt for g in groups for _ in g.completions]
+        want = scorer(prompts, [c for g in groups for c in g.completions])
+        got = [r for g in groups for r in g.rewards]
+        assert got == pytest.approx(want, abs=1e-6)
+        assert losses(tmp_path / "run", "reward")[step] == pytest.approx(sum(want) / len(want))
+    assert len({r for g in sampled[0] for r in g.rewards}) > 1
