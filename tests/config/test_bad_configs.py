@@ -232,6 +232,54 @@ CASES = [
         ["a.yml: train_impl: reinforce trains on rollouts: set rollout_prompts"],
     ),
     (
+        "reinforce-without-rewards",
+        {"a.yml": "{train_impl: reinforce, rollout_prompts: p.jsonl}"},
+        [],
+        ["a.yml: rollout_prompts: rollouts sampled in the run need one source of rewards"],
+    ),
+    (
+        "reinforce-two-baselines",
+        {
+            "a.yml": "{train_impl: reinforce, dataset_impl: online, reinforce_leave_one_out: true, "
+            "advantage_normalization: group}"
+        },
+        [],
+        ["a.yml: advantage_normalization: group (GRPO) and reinforce_leave_one_out (RLOO)"],
+    ),
+    (
+        "reinforce-one-generation-rloo",
+        {
+            "a.yml": "{train_impl: reinforce, rollout_prompts: p.jsonl, reward_function: 'r:f', "
+            "rollout_generations: 1, reinforce_leave_one_out: true}"
+        },
+        [],
+        ["a.yml: rollout_generations: reinforce_leave_one_out compares the completions"],
+    ),
+    (
+        "reinforce-sampled-through-a-pipeline",
+        {
+            "a.yml": "{train_impl: reinforce, rollout_prompts: p.jsonl, reward_function: 'r:f', "
+            "pipe_parallel_size: 2}"
+        },
+        [],
+        ["a.yml: pipe_parallel_size: rollouts are not sampled through a pipeline"],
+    ),
+    (
+        "reinforce-full-kl-through-a-pipeline",
+        {
+            "a.yml": "{train_impl: reinforce, dataset_impl: online, pipe_parallel_size: 2, "
+            "kl_impl: full}"
+        },
+        [],
+        ["a.yml: kl_impl: full reads the reference's whole distributions"],
+    ),
+    (
+        "online-data-without-reinforce",
+        {"a.yml": "{dataset_impl: online}"},
+        [],
+        ["a.yml: dataset_impl: online datasets hold REINFORCE's rollouts"],
+    ),
+    (
         "fp8-delayed-scaling",
         {"a.yml": "{te_fp8_mha: true, te_fp8_amax_compute_algo: max}"},
         [],

@@ -110,3 +110,19 @@ def test_rollouts_sampled_under_tensor_parallelism_equal_one_process(tmp_path):
 
 LAYOUT_KEYS = ("no_weight_tying", "padded_vocab_size", "min_lr", "optimizer.params.lr",
                "optimizer.params.eps")  # fmt: skip
+
+
+def test_two_pipeline_stages_equal_one_process_given_the_same_rollouts(tmp_path):
+    """Through a pipeline of 2 stages the served rollouts (asked once, by the first stage, and
+    sent to the other) train as in one process, the reference's log-probabilities of the
+    labels computed by its own pipeline pass for the abs penalty."""
+    sets = [*COMMON, "kl_impl=abs", "gradient_accumulation_steps=2"]
+    with servers(tmp_path, per_rank=False) as ports:
+        train(str(EXAMPLE), *sets, f"save={tmp_path / 'one'}", ports)
+    with servers(tmp_path, per_rank=False) as ports:
+        train(str(EXAMPLE), *sets, "pipe_parallel_size=2", f"save={tmp_path / 'pp'}", ports,
+              nproc=2)  # fmt: skip
+    for key in ("reward", "kl", "advantage"):
+        one, pp = losses(tmp_path / "one", key), losses(tmp_path / "pp", key)
+        assert pp == pytest.approx(one, rel=1e-4), key
+    assert_same_training(tmp_path / "pp", reference(tmp_path / "one"))

@@ -135,7 +135,7 @@ def test_the_loss_has_the_gradient_of_the_formula():
 
 def test_clipping_takes_the_smaller_of_the_ratio_and_its_clip():
     old = torch.tensor([[0.0, 0.0, -1.5, -0.6], [0.0, 0.0, -1.0, -2.5]])
-    terms = Reinforce(beta=0.0, clip=0.2).terms(LOGITS, _prep(old))
+    terms = Reinforce(beta=0.0, clip=0.2, updates=2).terms(LOGITS, _prep(old))
     total, count, clipped = 0.0, 4, 0
     for b in range(2):
         for t in (2, 3):
@@ -156,5 +156,5 @@ def test_one_step_of_the_clipped_loss_has_reinforces_gradient():
     plain_grad = logits.grad.clone()
     logits.grad = None
     logp = torch.log_softmax(LOGITS, -1).gather(-1, LABELS[..., None]).squeeze(-1)
-    Reinforce(beta=0.0).terms(logits, _prep(logp.detach())).objective.backward()
+    Reinforce(beta=0.0, updates=2).terms(logits, _prep(logp.detach())).objective.backward()
     torch.testing.assert_close(logits.grad, plain_grad)

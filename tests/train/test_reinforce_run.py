@@ -150,3 +150,15 @@ def test_a_reward_model_scores_the_rollouts(tmp_path, monkeypatch):
         assert got == pytest.approx(want, abs=1e-6)
         assert losses(tmp_path / "run", "reward")[step] == pytest.approx(sum(want) / len(want))
     assert len({r for g in sampled[0] for r in g.rewards}) > 1
+
+
+def test_prompts_longer_than_the_room_keep_their_last_tokens(tmp_path, capsys):
+    """seq_length 32 and 20 new tokens leave a prompt 13 tokens: the longer prompts of the
+    example keep their last 13 (one note says how many), and the run trains in bfloat16."""
+    sets = tiny(rollout_max_new_tokens=20, train_iters=1, precision="bfloat16")
+    assert cli(*sets, f"save={tmp_path / 'run'}") == 0
+    long = sum(len(json.loads(x)["prompt"]) > 13 for x in (HERE / "prompts.jsonl").open())
+    assert long > 0
+    note = f"rollout_prompts: {long} prompt(s) longer than seq_length + 1 - "
+    assert note + "rollout_max_new_tokens = 13 tokens keep their last 13" in capsys.readouterr().out
+    assert 0 <= losses(tmp_path / "run", "reward")[1] <= 1

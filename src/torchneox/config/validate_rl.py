@@ -35,15 +35,36 @@ def check_reinforce(ch: Checker) -> None:
             "group (GRPO) and reinforce_leave_one_out (RLOO) are two baselines; choose one",
         )
     if c.parallel.pipe_parallel_size > 1:
-        ch.fail(
-            "pipe_parallel_size",
-            "reinforce does not run through a pipeline here; use pipe_parallel_size 1 (ZeRO, "
-            "tensor parallelism and hybrid sharding run it)",
-        )
+        _check_pipeline(ch)
     if c.parallel.context_parallel_size > 1:
         ch.fail("context_parallel_size", "reinforce does not run with context parallelism here")
     if r.rollout_prompts:
         _check_sampling(ch)
+
+
+def _check_pipeline(ch: Checker) -> None:
+    """Through a pipeline, reinforce trains on served rollouts, with the reference's
+    log-probabilities of the labels (a pipeline pass of its own)."""
+    r = ch.c.rollout
+    if r.rollout_prompts:
+        ch.fail(
+            "pipe_parallel_size",
+            "rollouts are not sampled through a pipeline: use pipe_parallel_size 1 (ZeRO and "
+            "tensor parallelism sample in the run) or the data-server source (dataset_impl "
+            "online, no rollout_prompts)",
+        )
+    if r.kl_impl == "full" and r.kl_div_beta > 0:
+        ch.fail(
+            "kl_impl",
+            "full reads the reference's whole distributions, which a pipeline does not pass "
+            "between its stages; use kl, abs or mse, or pipe_parallel_size 1",
+        )
+    if r.rollout_updates > 1:
+        ch.fail(
+            "rollout_updates",
+            "more than one step per rollout batch does not run through a pipeline here; use 1, "
+            "or pipe_parallel_size 1",
+        )
 
 
 def _check_sampling(ch: Checker) -> None:

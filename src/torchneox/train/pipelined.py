@@ -4,8 +4,9 @@ A pipeline schedule splits its input and its target along the batch into micro-b
 calls the loss with one micro-batch's output and target. A post-training micro-batch is
 prepared as the loop prepares it (for pairs: its chosen rows, then its rejected ones), the
 micro-batches concatenated in order, so each chunk the schedule cuts is one micro-batch; the
-target carries, per position, the label, the loss mask, KTO's reward and the reference's
-log-probability (computed first by a forward-only pass of the reference's own pipeline).
+target carries, per position, the label, the loss mask, KTO's reward (reinforce's advantage),
+the reference's log-probability (computed first by a forward-only pass of the reference's own
+pipeline), reinforce's raw reward and its sampling policy's log-probability.
 The objective's metrics are kept on the last stage, then shared with the other stages.
 """
 
@@ -21,12 +22,21 @@ from torchneox.train.objectives import Objective, Prepared
 
 
 def encode_target(prep: Prepared) -> torch.Tensor:
-    """[B, T, 4] float32: labels are exact in float32 below 2^24 (every vocabulary)."""
+    """[B, T, 6] float32: labels are exact in float32 below 2^24 (every vocabulary). The
+    channels: label, loss mask, KTO's reward (or reinforce's advantage, on every position),
+    the reference's log-probability, reinforce's raw reward (every position) and the sampling
+    policy's log-probability."""
     zeros = torch.zeros_like(prep.labels, dtype=torch.float32)
+
+    def per_row(values: torch.Tensor | None) -> torch.Tensor:
+        return zeros if values is None else values.float()[:, None].expand_as(zeros)
+
     mask = prep.mask.float() if prep.mask is not None else torch.ones_like(zeros)
-    parts = [prep.labels.float(), mask]
-    parts.append(prep.rewards.float() if prep.rewards is not None else zeros)
+    rewards = prep.rewards.float() if prep.rewards is not None else per_row(prep.advantages)
+    parts = [prep.labels.float(), mask, rewards]
     parts.append(prep.reference_logp.float() if prep.reference_logp is not None else zeros)
+    parts.append(per_row(prep.raw_rewards))
+    parts.append(prep.old_logp.float() if prep.old_logp is not None else zeros)
     return torch.stack(parts, dim=-1)
 
 
@@ -34,7 +44,10 @@ def decode_target(target: torch.Tensor) -> Prepared:
     """The micro-batch as the objective reads it (rewards are 0 where there are none)."""
     labels = target[..., 0].round().long()
     mask = target[..., 1] > 0.5
-    return Prepared(labels, labels, mask, rewards=target[..., 2], reference_logp=target[..., 3])
+    out = Prepared(labels, labels, mask, rewards=target[..., 2], reference_logp=target[..., 3])
+    out.advantages, out.raw_rewards = target[:, 0, 2], target[:, 0, 4]
+    out.old_logp = target[..., 5]
+    return out
 
 
 class PipelinedObjective:

@@ -117,11 +117,14 @@ class Reinforce:
     fp32: bool = True  # fp32_reinforce
     clip: float = 0.2  # clip_ratio (with rollout_updates above 1)
     eod_id: int | None = None
+    updates: int = 1  # rollout_updates: above 1, the ratio to the sampling policy is clipped
 
     @classmethod
     def from_config(cls, rollout: Any, eod_id: int | None) -> Reinforce:
         r = rollout
-        return cls(r.kl_impl, r.kl_div_beta, r.fp32_reinforce, r.clip_ratio, eod_id)
+        return cls(
+            r.kl_impl, r.kl_div_beta, r.fp32_reinforce, r.clip_ratio, eod_id, r.rollout_updates
+        )
 
     console = ("reward", "reward_std", "kl", "clip_fraction")
     """The metrics the console line shows (every one is in metrics.jsonl and the trackers)."""
@@ -133,7 +136,8 @@ class Reinforce:
     @property
     def metric_names(self) -> tuple[str, ...]:
         names = ("logp", "reward", "reward_std", "advantage")
-        return names + (("ref_logp", "kl") if self.needs_reference else ())
+        names += ("ref_logp", "kl") if self.needs_reference else ()
+        return names + (("clip_fraction",) if self.updates > 1 else ())
 
     def prepare(self, batch: dict[str, torch.Tensor]) -> Any:
         from torchneox.train.objectives import shifted
@@ -158,13 +162,16 @@ class Reinforce:
         assert prep.mask is not None and prep.advantages is not None
         logp = token_logp(logits, prep.labels, self.fp32)
         adv = prep.advantages[:, None]
-        pg, clipped = surrogate(logp, adv, prep.old_logp, self.clip)
+        old = prep.old_logp if self.updates > 1 else None  # (a pipeline's target has zeros)
+        pg, clipped = surrogate(logp, adv, old, self.clip)
         m: dict[str, torch.Tensor] = {}
         per_token = pg
         if self.needs_reference:
-            assert reference is not None
-            with torch.no_grad():
-                ref_logp = token_logp(reference, prep.labels, self.fp32)
+            with torch.no_grad():  # (a pipeline's target carries it)
+                ref_logp = prep.reference_logp
+                if ref_logp is None:
+                    assert reference is not None
+                    ref_logp = token_logp(reference, prep.labels, self.fp32)
             kl = kl_penalty(self.kl_impl, logp, ref_logp, logits, reference, self.fp32)
             per_token = pg + self.beta * kl
             m["ref_logp"], m["kl"] = ref_logp.mean(), kl.detach().mean()

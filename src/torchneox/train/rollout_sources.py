@@ -3,10 +3,12 @@
 - ``SampledRollouts`` (rollout_prompts): each rollout batch samples ``rollout_generations``
   completions of the rank's next prompts from the policy as it is now (the module the run
   trains, in its layout: ZeRO shards and tensor-parallel heads included), scores them with the
-  reward function or reward model, on the rank's first tensor-parallel rank (broadcast to the
-  others, so a reward that is not deterministic cannot split them).
-- ``ServedRollouts`` (dataset_impl online): GPT-NeoX's data server of the rank answers (on the
-  first tensor-parallel rank, broadcast to the others, as GPT-NeoX's loader runs only there).
+  reward function or reward model on the first tensor-parallel rank (the rewards broadcast to
+  the others, so a reward that is not deterministic cannot split them).
+- ``ServedRollouts`` (dataset_impl online): GPT-NeoX's data server of the rank answers the
+  first of the ranks that share the data-parallel rank (its pipeline stages and tensor ranks:
+  ``model_group``), which sends the answer to the others; GPT-NeoX's loader too runs on one
+  model-parallel rank.
 
 The prompts of rollout batch k on rank r are the prompt stream's [(k dp + r) P, ... + P), P
 prompts per batch, the stream a fresh permutation of the prompt file per pass (from the seed);
@@ -16,6 +18,7 @@ samples what an unstopped one would.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -51,14 +54,14 @@ class SampledRollouts:
         dp_rank: int,
         dp_size: int,
         device: torch.device,
-        tp_group: Any = None,
+        group: Any = None,
     ):
         """``sample(prompt_ids, generator)``: one completion per prompt row; ``score(prompts,
         completions)``: their rewards; ``per_batch``: prompts per rollout batch of this rank."""
         self.sample, self.prompts, self.score = sample, prompts, score
         self.per_batch, self.n = per_batch, generations
         self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
-        self.device, self.tp_group = device, tp_group
+        self.device, self.group = device, group
 
     def prompt_indices(self, index: int) -> list[int]:
         """The prompt file's records of rollout batch ``index`` on this rank."""
@@ -80,9 +83,9 @@ class SampledRollouts:
         generator.manual_seed(stream_seed(self.seed, index, self.dp_rank))
         completions = self.sample(rows, generator)
         rewards = None
-        if self.tp_group is None or dist.get_rank(self.tp_group) == 0:
+        if self.group is None or dist.get_rank(self.group) == 0:
             rewards = self.score([p for p in chosen for _ in range(self.n)], completions)
-        rewards = _broadcast(rewards, self.tp_group)
+        rewards = _broadcast(rewards, self.group)
         groups = []
         for j, p in enumerate(chosen):
             part = slice(j * self.n, (j + 1) * self.n)
@@ -91,14 +94,14 @@ class SampledRollouts:
 
 
 class ServedRollouts:
-    def __init__(self, server: Any, split: str, mode: str, tp_group: Any = None):
-        self.server, self.split, self.mode, self.tp_group = server, split, mode, tp_group
+    def __init__(self, server: Any, split: str, mode: str, group: Any = None):
+        self.server, self.split, self.mode, self.group = server, split, mode, group
 
     def make(self, index: int) -> list[Any]:
         groups = None
-        if self.tp_group is None or dist.get_rank(self.tp_group) == 0:
+        if self.group is None or dist.get_rank(self.group) == 0:
             groups = self.server.fetch(self.split)
-        groups = _broadcast(groups, self.tp_group)
+        groups = _broadcast(groups, self.group)
         if self.mode == "rloo":
             for i, g in enumerate(groups):
                 if len(g.completions) < 2:
@@ -113,6 +116,17 @@ class ServedRollouts:
 # ------------------------------------------------------------------------------ building
 
 
+def model_group(dims: Any) -> Any:
+    """The process group of the ranks that share this rank's data-parallel rank (its pipeline
+    stages and tensor ranks), which make and use one rollout batch; None when it is alone."""
+    names = tuple(n for n in ("pp", "tp") if getattr(dims, n) > 1)
+    if not names:
+        return None
+    if len(names) == 1:
+        return dims.mesh[names[0]].get_group()
+    return dims.mesh[names]._flatten("pp_tp").get_group()
+
+
 def build_rollouts(run: Any, module: torch.nn.Module, line: Callable[[str], None]) -> dict:
     """The reinforce run's loaders by split (``run``: the trainer), from its config: sampled in
     the run when rollout_prompts is set, else from the data servers (valid and test too)."""
@@ -122,7 +136,7 @@ def build_rollouts(run: Any, module: torch.nn.Module, line: Callable[[str], None
 
     cfg, lay, dims = run.cfg, run.layout, run.dims
     r = cfg.rollout
-    tp_group = dims.mesh["tp"].get_group() if dims.tp > 1 else None
+    group = model_group(dims)
     common = dict(
         rollout=r,
         micro_batch=lay.micro_batch,
@@ -134,7 +148,7 @@ def build_rollouts(run: Any, module: torch.nn.Module, line: Callable[[str], None
     mode = advantage_mode(r)
     old = _old_logp(run, module) if r.rollout_updates > 1 else None
     if r.rollout_prompts:
-        source = _sampled(run, module, line, tp_group)
+        source = _sampled(run, module, line, group)
         train = RolloutBatches(source, **common, old_logp=old, updates=r.rollout_updates)
         if cfg.training.eval_iters:
             line("reinforce: rollouts sampled in the run have no valid or test split; "
@@ -149,19 +163,20 @@ def build_rollouts(run: Any, module: torch.nn.Module, line: Callable[[str], None
     if cfg.rollout.serve_model_weights:
         line("serve_model_weights: torchneox sends no weights to the data server, which "
              "samples with its own; set rollout_prompts to sample from the policy in the run")  # fmt: skip
-    out = {"train": RolloutBatches(ServedRollouts(server, "train", mode, tp_group), **common,
+    out = {"train": RolloutBatches(ServedRollouts(server, "train", mode, group), **common,
                                    old_logp=old, updates=r.rollout_updates)}  # fmt: skip
     if cfg.training.eval_iters:
         for split in ("valid", "test"):
-            out[split] = RolloutBatches(ServedRollouts(server, split, mode, tp_group), **common)
+            out[split] = RolloutBatches(ServedRollouts(server, split, mode, group), **common)
     return out
 
 
-def _sampled(run: Any, module: torch.nn.Module, line: Callable[[str], None], tp_group: Any):
+def _sampled(run: Any, module: torch.nn.Module, line: Callable[[str], None], group: Any):
     from torchneox.data.prompts import read_prompts
     from torchneox.data.tokenizers import build_tokenizer
     from torchneox.inference.generate import Sampling, generation_stop_ids, sample_policy
     from torchneox.parallel.collectives import any_rank
+    from torchneox.train.precision import autocast
 
     cfg, dims = run.cfg, run.dims
     r, tok = cfg.rollout, build_tokenizer(cfg.tokenizer)
@@ -170,11 +185,11 @@ def _sampled(run: Any, module: torch.nn.Module, line: Callable[[str], None], tp_
     )
     prompts = read_prompts(r.rollout_prompts, tok, chat)
     room = cfg.model.seq_length + 1 - r.rollout_max_new_tokens
-    long = [p for p in prompts if len(p.ids) > room]
-    for p in long:
-        p.ids = p.ids[-room:]
+    long = sum(len(p.ids) > room for p in prompts)
+    prompts = [dataclasses.replace(p, ids=p.ids[-room:]) if len(p.ids) > room else p
+               for p in prompts]  # fmt: skip
     if long:
-        line(f"rollout_prompts: {len(long)} prompt(s) longer than seq_length + 1 - "
+        line(f"rollout_prompts: {long} prompt(s) longer than seq_length + 1 - "
              f"rollout_max_new_tokens = {room} tokens keep their last {room}")  # fmt: skip
     stops = {tok.eod_id} | generation_stop_ids(cfg.tokenizer.vocab_file)
     s = Sampling(r.rollout_temperature, r.rollout_top_k, r.rollout_top_p,
@@ -185,7 +200,8 @@ def _sampled(run: Any, module: torch.nn.Module, line: Callable[[str], None], tp_
         lockstep = lambda done: not any_rank(not done, dims, run.device)  # noqa: E731
 
     def sample(rows: list[list[int]], generator: torch.Generator) -> list[list[int]]:
-        return sample_policy(module, rows, s, pad, generator, dims.tp, lockstep)
+        with autocast(run.precision, run.device.type):  # the cache in the forward's dtype
+            return sample_policy(module, rows, s, pad, generator, dims.tp, lockstep)
 
     score = _scorer(cfg, run.loaded.origin, tok, stops, run.device)
     per_rank = run.layout.micro_batch * run.layout.gas
@@ -196,7 +212,7 @@ def _sampled(run: Any, module: torch.nn.Module, line: Callable[[str], None], tp_
         )
     per_batch = per_rank // r.rollout_generations
     return SampledRollouts(sample, prompts, score, per_batch, r.rollout_generations,
-                           cfg.training.seed, dims.dp_rank, dims.dp, run.device, tp_group)  # fmt: skip
+                           cfg.training.seed, dims.dp_rank, dims.dp, run.device, group)  # fmt: skip
 
 
 def _scorer(cfg: Any, origin: dict, tok: Any, stops: set[int], device: torch.device):
