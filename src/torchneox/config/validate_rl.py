@@ -36,8 +36,6 @@ def check_reinforce(ch: Checker) -> None:
         )
     if c.parallel.pipe_parallel_size > 1:
         _check_pipeline(ch)
-    if c.parallel.context_parallel_size > 1:
-        ch.fail("context_parallel_size", "reinforce does not run with context parallelism here")
     if r.rollout_prompts:
         _check_sampling(ch)
 
