@@ -90,7 +90,7 @@ def test_two_processes_equal_one_given_the_same_rollouts(tmp_path, baseline, lay
     with servers(tmp_path, per_rank) as ports:
         train(str(EXAMPLE), *COMMON, *layout, f"save={out}", ports, nproc=2)
     assert sorted(losses(out)) == list(range(1, STEPS + 1))
-    for key in ("reward", "kl"):
+    for key in ("reward", "kl", "completion_length"):  # (the last a mean over the ranks)
         assert losses(out, key) == pytest.approx(losses(baseline, key), rel=1e-4), key
     assert_same_training(out, reference(baseline))
 

@@ -462,7 +462,7 @@ class Trainer:
         if "z_loss" in out:
             row["z_loss"] = out["z_loss"]
         row |= {k: out[k] for k in self.objective_metrics(out)}
-        row |= self.loader_metrics
+        row |= self._loader_row()
         if "moe_aux_loss" in out:
             row["moe_aux_loss"] = out["moe_aux_loss"]
             counts = sum_over_dp(torch.stack(self.step.gradients.moe_counts), self.dims)
@@ -474,6 +474,21 @@ class Trainer:
         """What the train loader says of its last batch (a reinforce run's rollouts: completion
         length, sampling time and tokens/s)."""
         return dict(getattr(self.train_loader, "stats", {}))
+
+    def _loader_row(self) -> dict[str, float]:
+        """The loader's statistics over the whole run: each a mean over the data-parallel ranks
+        (a reinforce run's rollouts: completion length, sampling seconds), its tokens/s their
+        sum (collective when distributed)."""
+        stats = self.loader_metrics
+        if not stats or self.dims.dp == 1:
+            return stats
+        names = sorted(stats)
+        local = torch.tensor([stats[n] for n in names], dtype=torch.float64, device=self.device)
+        out = dict(zip(names, mean_over_dp(local, self.dims).tolist(), strict=True))
+        for name in names:
+            if name.endswith("tokens_per_sec"):
+                out[name] *= self.dims.dp
+        return out
 
     def console_metrics(self, out: Mapping[str, float]) -> tuple[str, ...]:
         """What the console line shows beside the loss: the objective's metrics (those it names
