@@ -18,8 +18,9 @@ def cmd_config_explain(args: argparse.Namespace) -> int:
     from torchneox.config.layout import Layout, check_layout
     from torchneox.config.load import load_config
     from torchneox.config.report import render_json, render_text, render_yaml
+    from torchneox.data.epochs import explained_epochs
 
-    loaded = load_config(args.files, args.overrides)
+    loaded = explained_epochs(load_config(args.files, args.overrides), args.world_size)
     derived = derive(loaded, world_size=args.world_size)
     check_layout(loaded, Layout.from_derived(loaded.config, derived))
     fmt = "json" if args.json else args.format

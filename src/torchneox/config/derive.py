@@ -272,6 +272,9 @@ def _batch(loaded: LoadedConfig, out: Derived) -> None:
             tbs * seq,
             f"{tbs * seq:,} = train_batch_size {tbs} x seq_length {seq}",
         )
+    if t.train_epochs is not None:  # counted from the data by data/epochs.py
+        how = loaded.source("train_iters") if t.train_iters else "counted from the data at train"
+        out.put("train_iters", t.train_iters, how)
 
 
 def _batch_triple(

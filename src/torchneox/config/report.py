@@ -33,6 +33,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "train_micro_batch_size_per_gpu",
         "gradient_accumulation_steps",
         "tokens_per_step",
+        "train_iters",
     ),
     "Precision": ("precision", "loss_scale", "gradient_reduce_dtype", "zero_param_dtype", "fp8"),
     "Optimizer": ("optimizer_type", "lr", "weight_decay", "gradient_clipping"),
@@ -131,6 +132,8 @@ def resolved_config(loaded: LoadedConfig, derived: Derived) -> NeoXConfig:
     if derived.get("train_batch_size") is not None:
         config.training.gradient_accumulation_steps = KEYS["gradient_accumulation_steps"].default
     config.training.batch_size = None
+    if config.training.train_epochs is not None:  # train_iters follows from the epochs
+        config.training.train_iters = None
     config.precision.precision = derived["precision"]
     config.tokenizer.padded_vocab_size = derived["padded_vocab_size"]
     return config

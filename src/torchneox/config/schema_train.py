@@ -258,10 +258,12 @@ class TrainingConfig:
     gradient_accumulation_steps: int = key(1, "Micro-batches accumulated per optimizer step.", ge=1)
     batch_size: int | None = key(None, "Megatron's name for train_micro_batch_size_per_gpu.", ge=1)
     train_iters: int | None = key(None, "Optimizer steps to train for.", ge=1)
-    train_epochs: int | None = unsupported(
+    train_epochs: int | None = key(
         None,
-        "Train for this many passes over the data.",
-        "epoch-based training is not supported; give train_iters instead",
+        "Train for this many passes over data_path's train split (instead of train_iters): "
+        "(one epoch's micro-batches x epochs) // gradient_accumulation_steps steps, every "
+        "epoch in the same order.",
+        ge=1,
     )
     seed: int = key(1234, "Seed for initialisation, dropout and data order.", ge=0)
     exit_interval: int | None = key(

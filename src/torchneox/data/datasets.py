@@ -13,6 +13,7 @@ from torchneox.config.schema import DataConfig, NeoXConfig
 from torchneox.config.validate import split_shares
 from torchneox.data.blend import BlendedDataset, samples_per_dataset, weights_by_num_documents
 from torchneox.data.documents import Column, check_aligned, document_samples
+from torchneox.data.epochs import apply_train_epochs, cycle_epochs, epoch_samples
 from torchneox.data.gpt_dataset import GPTDataset, split_ranges
 from torchneox.data.indexed import IndexedDataset
 
@@ -47,7 +48,8 @@ def num_samples(cfg: NeoXConfig, train_batch_size: int) -> dict[str, int]:
         raise DataError("train_iters is not set, so the number of samples is unknown")
     evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters
     return {
-        "train": t.train_iters * train_batch_size,
+        # train_epochs: exactly one epoch, read again each epoch (data/epochs.py)
+        "train": epoch_samples(cfg) if t.train_epochs else t.train_iters * train_batch_size,
         "valid": evals * train_batch_size,
         "test": t.eval_iters * train_batch_size,
     }
@@ -242,7 +244,10 @@ def step_batch(
     post-training data a dict of such arrays: text/label/reward or pos/neg and their labels)."""
     from torchneox.config.derive import derive
 
-    tbs = derive(loaded, world_size=1)["train_batch_size"]
+    if loaded.config.training.train_epochs and derive(loaded)["train_batch_size"] is not None:
+        loaded = apply_train_epochs(loaded, world_size=1)
+    d = derive(loaded, world_size=1)
+    tbs = d["train_batch_size"]
     if tbs is None:
         raise ConfigError(
             "needs train_micro_batch_size_per_gpu or train_batch_size", key="train_batch_size"
@@ -250,7 +255,7 @@ def step_batch(
     train_iters = loaded.config.training.train_iters
     if iteration < 1 or (train_iters and iteration > train_iters):
         raise ConfigError(f"--iteration must be between 1 and train_iters ({train_iters})")
-    samples = build_splits(loaded.config, tbs).train
+    samples = cycle_epochs(loaded.config, build_splits(loaded.config, tbs).train, d)
     assert samples is not None
     start = (iteration - 1) * tbs
     rows = [samples[i] for i in range(start, start + tbs)]

@@ -23,6 +23,7 @@ from torchneox.config.layout import require
 from torchneox.config.load import LoadedConfig, with_absolute_paths
 from torchneox.config.report import render_yaml
 from torchneox.data.datasets import build_splits
+from torchneox.data.epochs import apply_train_epochs, cycle_epochs
 from torchneox.data.loader import BatchLoader
 from torchneox.data.tokenizers import build_tokenizer
 from torchneox.models import cpu_kernels
@@ -77,6 +78,8 @@ class Trainer:
             cfg.parallel.distributed_backend,
             cfg.parallel.distributed_timeout_minutes,
         )
+        self.loaded = loaded = apply_train_epochs(loaded, world)  # train_epochs -> train_iters
+        self.cfg = cfg = loaded.config
         self.derived = d = derive(loaded, world_size=world)
         self.layout = require(loaded, d)
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # (before the mesh is made)
@@ -205,6 +208,7 @@ class Trainer:
             self.valid_loader, self.test_loader = loaders.get("valid"), loaders.get("test")
             return
         splits = build_splits(cfg, d["train_batch_size"], d["padded_vocab_size"])
+        splits.train = cycle_epochs(cfg, splits.train, d)
         self.data_notes = splits.notes
         share = {"dp_rank": self.dims.dp_rank, "dp_size": self.dims.dp}
 
