@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from torchneox.base.errors import ConfigError
+from torchneox.config.curriculum import curriculum
 from torchneox.config.derive_model import derive_model
 from torchneox.config.derive_rl import derive_rollouts
 from torchneox.config.derived import Derived
@@ -275,6 +276,9 @@ def _batch(loaded: LoadedConfig, out: Derived) -> None:
     if t.train_epochs is not None:  # counted from the data by data/epochs.py
         how = loaded.source("train_iters") if t.train_iters else "counted from the data at train"
         out.put("train_iters", t.train_iters, how)
+    if (cur := curriculum(loaded.config)) is not None:
+        why = "each training step's samples cut to it, from step 1; evaluation sees seq_length"
+        out.put("curriculum", cur.describe(), why)
 
 
 def _batch_triple(

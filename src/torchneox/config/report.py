@@ -34,6 +34,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "gradient_accumulation_steps",
         "tokens_per_step",
         "train_iters",
+        "curriculum",
     ),
     "Precision": ("precision", "loss_scale", "gradient_reduce_dtype", "zero_param_dtype", "fp8"),
     "Optimizer": ("optimizer_type", "lr", "weight_decay", "gradient_clipping"),

@@ -376,12 +376,15 @@ class TrainingConfig:
         "Also report perplexity per character.",
         "only token-level perplexity is reported so far",
     )
-    curriculum_learning: dict[str, Any] | None = unsupported(
+    curriculum_learning: dict[str, Any] | None = key(
         None,
-        "DeepSpeed sequence-length curriculum.",
-        "curriculum learning is not supported; remove curriculum_learning",
+        "DeepSpeed's sequence-length curriculum: {enabled, curriculum_type: seqlen, "
+        "min_difficulty, max_difficulty, schedule_type: fixed_linear | fixed_root | "
+        "fixed_discrete, schedule_config}; each training step's samples cut to its length.",
     )
-    curriculum_seqlen: int = derived(0, "Current curriculum sequence length.")
+    curriculum_seqlen: int = derived(
+        0, "The curriculum's length at the current step (logged in the metrics)."
+    )
     adlr_autoresume: bool = no_effect(
         False,
         "NVIDIA ADLR cluster auto-resume.",

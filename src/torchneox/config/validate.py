@@ -13,6 +13,7 @@ from typing import Any
 
 from torchneox.base.errors import did_you_mean
 from torchneox.config.checker import Checker
+from torchneox.config.curriculum import check_curriculum
 from torchneox.config.epochs import check_train_epochs
 from torchneox.config.schema import NeoXConfig
 from torchneox.config.validate_model import (
@@ -104,6 +105,7 @@ def validate(config: NeoXConfig, origin: dict[str, str]) -> None:
     _check_training(check)
     _check_data(check)
     check_train_epochs(check)
+    check_curriculum(check)
     _check_textgen(check)
     _check_post_training(check)
     check_reinforce(check)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from torchneox.config.curriculum import curriculum
 from torchneox.config.derived import Derived
 from torchneox.config.fp8_plan import FP8Plan
 from torchneox.config.layout import Layout
@@ -135,6 +136,7 @@ def add_step(
         timers,
         lambda: run.scaler.scale,
     )
+    gradients.curriculum = curriculum(cfg)
     pp_group: Any = run.dims.mesh["pp"].get_group() if run.parts.pipeline is not None else None
     update = Update(
         run.parts.model,

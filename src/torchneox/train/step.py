@@ -20,6 +20,7 @@ import torch
 
 from torchneox.base.errors import TrainingStopped
 from torchneox.base.faults import fault_point
+from torchneox.config.curriculum import Curriculum
 from torchneox.data.loader import Batch
 from torchneox.models.moe import MoE
 from torchneox.parallel.collectives import mean_over_dp, plain, sum_over_pp, sum_router_stats
@@ -101,6 +102,7 @@ class Gradients:
         self.pipelined = PipelinedObjective(objective, scale)
         self.pipeline_metrics: dict[str, torch.Tensor] = {}
         self.moe_counts: list[torch.Tensor] = []  # this step's tokens per expert, per MoE layer
+        self.curriculum: Curriculum | None = None  # curriculum_learning: each step's length
 
     def __call__(
         self, iteration: int, micro_batches: list[Batch]
@@ -109,6 +111,8 @@ class Gradients:
         over the micro-batches and the data-parallel ranks) and its other logged values, each
         averaged the same way."""
         sums: dict[str, torch.Tensor] = {}
+        if self.curriculum is not None:  # GPT-NeoX's forward_step: tokens, labels, mask cut
+            micro_batches = [cut(b, self.curriculum.length(iteration)) for b in micro_batches]
         self.moe_counts = [
             torch.zeros(m.num_experts, dtype=torch.long, device=self.device)
             for m in self.moe_layers
@@ -421,6 +425,8 @@ class TrainStep:
         loss, metrics = self.gradients(iteration, micro_batches)
         with self.gradients.timers("optimizer"):
             known, lazy = self.update(iteration, lr, loss)
+        if self.gradients.curriculum is not None:
+            known = known | {"curriculum_seqlen": self.gradients.curriculum.length(iteration)}
         return StepValues(known, metrics | lazy, self.update.settle)
 
     def settle(self) -> None:
@@ -440,6 +446,15 @@ def _nonfinite(loss: float = 0.0, norm: float = 0.0) -> str | None:
     if not math.isfinite(norm):
         return f"the gradient norm is {norm}"
     return None
+
+
+def cut(batch: Batch, length: int) -> Batch:
+    """A training micro-batch's samples cut to ``length`` inputs (their first length + 1
+    tokens: the inputs, positions, labels and loss mask of the first ``length`` positions);
+    as GPT-NeoX, a length at or beyond the samples' leaves them whole."""
+    if isinstance(batch, dict):
+        return {k: v[:, : length + 1] for k, v in batch.items()}
+    return batch[:, : length + 1]
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:

@@ -1,0 +1,91 @@
+"""curriculum_learning: DeepSpeed's sequence-length curriculum, its lengths per step against
+the formula computed by hand, a run that trains on only that many tokens, and exact resume."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.helpers import losses, metric_rows
+from torchneox.config.curriculum import curriculum
+from torchneox.config.load import load_config
+from torchneox.train.trainer import Trainer
+
+
+def spec(kind: str, low: int, high: int, **schedule) -> dict:
+    return {
+        "enabled": True,
+        "curriculum_type": "seqlen",
+        "min_difficulty": low,
+        "max_difficulty": high,
+        "schedule_type": kind,
+        "schedule_config": schedule,
+    }
+
+
+def lengths(make_config, value: dict, steps) -> list[int]:
+    cur = curriculum(load_config([make_config(curriculum_learning=value)]).config)
+    assert cur is not None
+    return [cur.length(k) for k in steps]
+
+
+def test_fixed_linear_lengths(make_config):
+    # floor(k/10 x (32 - 8) + 8) down to a multiple of 8: k=1 10.4 -> 8, k=3 15.2 -> 8,
+    # k=4 17.6 -> 16, k=6 22.4 -> 16, k=7 24.8 -> 24, k=10 32, k=11 34.4 -> 32 (the cap)
+    value = spec("fixed_linear", 8, 32, total_curriculum_step=10, difficulty_step=8)
+    assert lengths(make_config, value, [1, 3, 4, 6, 7, 10, 11]) == [8, 8, 16, 16, 24, 32, 32]
+
+
+def test_fixed_root_lengths(make_config):
+    # floor(sqrt(k/100) x 1984 + 64) down to a multiple of 8: k=1 262.4 -> 256,
+    # k=7 588.9 -> 584, k=25 1056, k=50 1466.9 -> 1464, k=100 2048, k=400 4032 -> 2048
+    value = spec(
+        "fixed_root", 64, 2048, total_curriculum_step=100, difficulty_step=8, root_degree=2
+    )
+    steps = [1, 7, 25, 50, 100, 400]
+    assert lengths(make_config, value, steps) == [256, 584, 1056, 1464, 2048, 2048]
+
+
+def test_fixed_discrete_lengths(make_config):
+    value = spec("fixed_discrete", 8, 32, difficulty=[8, 16, 32], max_step=[2, 5])
+    assert lengths(make_config, value, range(1, 8)) == [8, 8, 16, 16, 16, 32, 32]
+    # DeepSpeed updates no more once the length reached max_difficulty: a list that comes
+    # back down stays at the top
+    value = spec("fixed_discrete", 8, 32, difficulty=[8, 32, 16], max_step=[2, 4])
+    assert lengths(make_config, value, range(1, 8)) == [8, 8, 32, 32, 32, 32, 32]
+
+
+DISCRETE = spec("fixed_discrete", 8, 32, difficulty=[8, 16, 32], max_step=[2, 4])
+
+
+def test_a_run_trains_on_the_scheduled_length_only(make_config, tmp_path):
+    cfg = make_config(curriculum_learning=DISCRETE, cpu_matmul="default", load=None)
+    trainer = Trainer(load_config([cfg]), device="cpu")
+    # step 1's loss, by hand: the untrained model on the first 8 inputs of the first batch
+    batch = torch.stack([torch.from_numpy(trainer.train_loader.samples[i]) for i in range(4)])
+    with torch.no_grad():
+        logits = trainer.model(batch[:, :8])
+        by_hand = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:9].flatten()).item()
+        whole = trainer.model(batch[:, :-1])
+        full = F.cross_entropy(whole.flatten(0, 1).float(), batch[:, 1:].flatten()).item()
+    trainer.run()
+    rows = [r for r in metric_rows(tmp_path / "run") if "lm_loss" in r]
+    assert [r["curriculum_seqlen"] for r in rows] == [8, 8, 16, 16, 32, 32]
+    assert rows[0]["lm_loss"] == pytest.approx(by_hand, rel=1e-5)
+    assert abs(by_hand - full) > 1e-3  # (the whole samples would give another loss)
+
+
+def test_resume_mid_curriculum_is_bitwise(make_config, tmp_path):
+    keys = {"curriculum_learning": DISCRETE, "cpu_matmul": "default", "train_iters": 6}
+    whole = make_config("w.yml", save=str(tmp_path / "w"), load=str(tmp_path / "w"), **keys)
+    Trainer(load_config([whole]), device="cpu").run()
+    cfg = make_config(
+        "s.yml", save=str(tmp_path / "s"), load=str(tmp_path / "s"), exit_interval=3, **keys
+    )
+    assert Trainer(load_config([cfg]), device="cpu").run() is not None
+    Trainer(load_config([cfg]), device="cpu").run()
+    lw, ls = losses(tmp_path / "w"), losses(tmp_path / "s")
+    assert {k: lw[k] for k in range(4, 7)} == {k: ls[k] for k in range(4, 7)}
+    seqlen = losses(tmp_path / "s", "curriculum_seqlen")
+    assert [seqlen[k] for k in range(4, 7)] == [16, 32, 32]
