@@ -77,3 +77,10 @@ def test_two_epochs_train_that_many_steps_in_the_same_order(
     first, second = seen[:per_epoch], seen[per_epoch : 2 * per_epoch]
     assert all(np.array_equal(a, b) for a, b in zip(first, second, strict=True))
     assert not np.array_equal(first[0], first[1])
+
+
+def test_a_dry_run_rehearses_the_epochs_steps(make_config, tiny_data, capsys):
+    cfg = make_config(train_iters=None, train_epochs=2, load=None)
+    assert main(["train", cfg, "--dry-run", "--world-size", "2", "--json"]) == 0
+    expected = gpt_neox_iterations(tiny_data, 32, 4, 2, 1, 2)
+    assert f"global_step{expected}" in capsys.readouterr().out

@@ -209,6 +209,7 @@ def _dry_run(args: argparse.Namespace) -> int:
 
     from torchneox.config.derive import derive
     from torchneox.config.load import load_config
+    from torchneox.data.epochs import apply_train_epochs
     from torchneox.estimate.dry_run import dry_run, render
 
     if args.nproc:
@@ -217,6 +218,7 @@ def _dry_run(args: argparse.Namespace) -> int:
     world = args.world_size or derive(loaded)["world_size"]
     if not world:
         raise ConfigError("a dry run needs the ranks in all: give --world-size N", key="num_gpus")
+    loaded = apply_train_epochs(loaded, world)  # train_epochs: the steps the data makes
 
     def progress(done: int, total: int, report) -> None:
         if not args.json:

@@ -504,7 +504,7 @@ def require(loaded: LoadedConfig, derived: Derived) -> Layout:
     runs it before it starts any process)."""
     cfg = loaded.config
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "train_iters"):
-        if cfg.get(name) is None:
+        if cfg.get(name) is None and not (name == "train_iters" and cfg.training.train_epochs):
             raise ConfigError("training needs it; add it to a config file or --set it", key=name)
     if derived["train_batch_size"] is None:
         raise ConfigError(
