@@ -89,3 +89,17 @@ def test_resume_mid_curriculum_is_bitwise(make_config, tmp_path):
     assert {k: lw[k] for k in range(4, 7)} == {k: ls[k] for k in range(4, 7)}
     seqlen = losses(tmp_path / "s", "curriculum_seqlen")
     assert [seqlen[k] for k in range(4, 7)] == [16, 32, 32]
+
+
+def test_tokens_per_second_counts_the_tokens_trained(make_config, monkeypatch):
+    cfg = make_config(curriculum_learning=DISCRETE, cpu_matmul="default", load=None)
+    tokens = []
+    real = Trainer.step_row
+
+    def recording(self, out, seconds, step_tokens):
+        tokens.append(step_tokens)
+        return real(self, out, seconds, step_tokens)
+
+    monkeypatch.setattr(Trainer, "step_row", recording)
+    Trainer(load_config([cfg]), device="cpu").run()
+    assert tokens == [4 * n for n in (8, 8, 16, 16, 32, 32)]  # micro-batch 4 x the length
