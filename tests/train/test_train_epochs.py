@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 
-from tests.helpers import metric_rows
+from tests.helpers import losses, metric_rows
 from torchneox.cli import main
 from torchneox.data import loader as loader_module
 from torchneox.data.indexed import IndexedDataset
@@ -84,3 +84,32 @@ def test_a_dry_run_rehearses_the_epochs_steps(make_config, tiny_data, capsys):
     assert main(["train", cfg, "--dry-run", "--world-size", "2", "--json"]) == 0
     expected = gpt_neox_iterations(tiny_data, 32, 4, 2, 1, 2)
     assert f"global_step{expected}" in capsys.readouterr().out
+
+
+def test_the_resolved_config_gives_the_steps_the_epochs_made(make_config, tiny_data, capsys):
+    cfg = make_config(train_iters=None, train_epochs=2)
+    assert main(["config", "explain", cfg, "--format", "yaml"]) == 0
+    text = capsys.readouterr().out
+    assert f"train_iters: {gpt_neox_iterations(tiny_data, 32, 4, 1, 1, 2)}" in text
+    assert "train_epochs" not in text  # (a checkpoint's config resumes without counting again)
+
+
+def test_an_epochs_run_resumes_like_the_whole_run(make_config, tmp_path):
+    keys = {
+        "train_iters": None,
+        "train_epochs": 2,
+        "seq_length": 128,
+        "train_micro_batch_size_per_gpu": 8,
+        "use_checkpoint_lr_scheduler": True,
+        "cpu_matmul": "default",
+        "eval_iters": 0,
+    }
+    whole = make_config("w.yml", save=str(tmp_path / "w"), load=str(tmp_path / "w"), **keys)
+    assert main(["train", whole]) == 0
+    cut = make_config(
+        "s.yml", save=str(tmp_path / "s"), load=str(tmp_path / "s"), exit_interval=5, **keys
+    )
+    assert main(["train", cut]) == 0
+    assert main(["train", cut, "--set", "exit_interval=null"]) == 0  # resumed at 6
+    lw, ls = losses(tmp_path / "w"), losses(tmp_path / "s")
+    assert max(lw) > 5 and {k: lw[k] for k in lw if k > 5} == {k: ls[k] for k in ls if k > 5}

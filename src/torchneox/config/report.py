@@ -133,8 +133,8 @@ def resolved_config(loaded: LoadedConfig, derived: Derived) -> NeoXConfig:
     if derived.get("train_batch_size") is not None:
         config.training.gradient_accumulation_steps = KEYS["gradient_accumulation_steps"].default
     config.training.batch_size = None
-    if config.training.train_epochs is not None:  # train_iters follows from the epochs
-        config.training.train_iters = None
+    if config.training.train_iters is not None:  # counted from train_epochs: the steps it made
+        config.training.train_epochs = None
     config.precision.precision = derived["precision"]
     config.tokenizer.padded_vocab_size = derived["padded_vocab_size"]
     return config
