@@ -150,14 +150,14 @@ class Lamb(_PerTensor):
         update = m / denom
         if group["weight_decay"]:
             update.add_(p, alpha=group["weight_decay"])
-        w_norm, u_norm = _full_norm(p).item(), _full_norm(update).item()
-        coeff = 1.0
-        if w_norm != 0 and u_norm != 0:
-            coeff = min(max(w_norm / u_norm, group["min_coeff"]), group["max_coeff"])
+        # the trust ratio stays on the device (no read-back per tensor)
+        w_norm, u_norm = _full_norm(p), _full_norm(update)
+        ratio = (w_norm / u_norm).clamp(group["min_coeff"], group["max_coeff"])
+        ratio = torch.where((w_norm != 0) & (u_norm != 0), ratio, torch.ones_like(ratio))
         step_size = group["lr"]
         if group["bias_correction"]:
             step_size *= math.sqrt(1 - beta2**t) / (1 - beta1**t)
-        p.add_(update, alpha=-step_size * coeff)
+        p.sub_(update.mul_(ratio * step_size))
 
 
 class SM3(_PerTensor):
@@ -220,12 +220,16 @@ def _accumulators(p: torch.Tensor) -> list[torch.Tensor]:
     out = []
     for i, shape in enumerate(shapes):
         placements = [
-            q if q.is_shard() and getattr(q, "dim", None) == i else Replicate()
+            q if _shards(q) and q.dim == i else Replicate()  # FSDP's _StridedShard too
             for q in p.placements
         ]
         zeros = torch.zeros(shape, dtype=p.dtype, device=p.to_local().device)
         out.append(distribute_tensor(zeros, p.device_mesh, placements, src_data_rank=None))
     return out
+
+
+def _shards(placement) -> bool:
+    return not placement.is_replicate() and not placement.is_partial()
 
 
 def _max_except(t: torch.Tensor, dim: int) -> torch.Tensor:
