@@ -171,3 +171,62 @@ def test_sm3_keeps_one_accumulator_per_dimension():
     assert tuple(opt.state[b]["accumulator_0"].shape) == (5,)
     # g / sqrt(g^2) = 1: every entry moved by lr (0.1)
     torch.testing.assert_close(p.detach(), torch.full_like(p, 0.9))
+
+
+def _sharded_steps(rank: int, store: str, kind: str, placement: str, out: str) -> None:
+    """One of 2 gloo ranks: the parameter and its gradients as DTensors sharded over both,
+    three steps of ``kind``, the whole parameter written by rank 0."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        placements = [Shard(int(placement[-1]))]
+        p = torch.nn.Parameter(distribute_tensor(UNEVEN.clone(), mesh, placements))
+        opt = OTHERS[kind][0]([p], **OTHERS[kind][1])
+        for g in UNEVEN_GRADS:
+            p.grad = distribute_tensor(g.clone(), mesh, placements)
+            opt.step()
+        whole = p.detach().full_tensor()
+        if rank == 0:
+            torch.save(whole, out)
+    finally:
+        dist.destroy_process_group()
+
+
+# rows (and columns) of very different sizes: a norm or a max taken over one shard is not the
+# whole tensor's
+UNEVEN = torch.cat([torch.full((2, 4), 3.0), torch.full((2, 4), 0.01)]) * torch.tensor(
+    [1.0, -2.0, 0.5, 4.0]
+)
+UNEVEN_GRADS = [UNEVEN.flip(0) * s + 0.1 * k for k, s in enumerate((1.0, -0.5, 2.0))]
+OTHERS = {
+    "sm3": (SM3, {"lr": 0.1, "momentum": 0.5, "beta": 0.5}),
+    "madgrad_wd": (MadgradWD, {"lr": 0.01, "weight_decay": 0.1}),
+    "lamb": (Lamb, {"lr": 0.01, "weight_decay": 0.1}),
+}
+
+
+@pytest.mark.parametrize("placement", ["shard0", "shard1"])
+@pytest.mark.parametrize("kind", list(OTHERS))
+def test_a_sharded_parameter_steps_as_the_whole_one(tmp_path, kind, placement):
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    out = tmp_path / "whole.pt"
+    args = (str(tmp_path / "store"), kind, placement, str(out))
+    ranks = [context.Process(target=_sharded_steps, args=(r, *args)) for r in range(2)]
+    for r in ranks:
+        r.start()
+    for r in ranks:
+        r.join(120)
+    assert [r.exitcode for r in ranks] == [0, 0]
+    p = torch.nn.Parameter(UNEVEN.clone())
+    opt = OTHERS[kind][0]([p], **OTHERS[kind][1])
+    for g in UNEVEN_GRADS:
+        p.grad = g.clone()
+        opt.step()
+    assert not torch.equal(p.detach(), UNEVEN)
+    torch.testing.assert_close(torch.load(out), p.detach(), rtol=1e-6, atol=1e-7)
