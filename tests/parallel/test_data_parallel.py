@@ -117,3 +117,13 @@ def test_two_sharded_processes_equal_one_with_the_other_optimizers(
     out = tmp_path / optimizer
     train(config, f"save={out}", "load=null", f"zero_optimization.stage={stage}", chosen, nproc=2)
     assert_same_training(out, baseline)
+
+
+def test_sm3s_state_moves_from_two_sharded_processes_to_one(tmp_path, make_config):
+    """SM3's accumulators (DTensors sharded along their own dimension only) and momentum saved
+    by 2 ZeRO-3 ranks and read by one process: steps 4-6 are the unstopped run's."""
+    cfg = make_config("long.yml", train_micro_batch_size_per_gpu=2, train_iters=6, **DP_KEYS)
+    chosen = f"optimizer={OTHER_OPTIMIZERS['sm3']}"
+    one = ["train_micro_batch_size_per_gpu=4", chosen]
+    zero3 = ["zero_optimization.stage=3", chosen]
+    assert_resumes_like_whole(cfg, tmp_path, one, zero3, 2, one)
