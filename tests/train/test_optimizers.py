@@ -230,3 +230,34 @@ def test_a_sharded_parameter_steps_as_the_whole_one(tmp_path, kind, placement):
         opt.step()
     assert not torch.equal(p.detach(), UNEVEN)
     torch.testing.assert_close(torch.load(out), p.detach(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "optimizer,shown",
+    [
+        (
+            "{type: SM3, params: {lr: 0.1, momentum: 0.5}}",
+            [
+                "sm3  from optimizer.type 'SM3'; SM3 (GPT-NeoX's): momentum 0.5, beta 0, eps 1e-30",
+                "0.1, unused: SM3 takes no weight decay",
+            ],
+        ),
+        (
+            "{type: madgrad_wd, params: {lr: 0.01, eps: 1.0e-7}}",
+            ["p *= 1 - (lr + eps) * weight_decay", "momentum 0.9, eps 1e-07"],
+        ),
+        (
+            "{type: Lamb, params: {lr: 0.01, max_coeff: 3, eps_inside_sqrt: true}}",
+            ["LAMB (DeepSpeed's FusedLamb", "eps 1e-08 inside the square root", "[0.01, 3]"],
+        ),
+    ],
+)
+def test_explain_names_the_optimizer_and_its_settings(tmp_path, capsys, optimizer, shown):
+    from torchneox.cli import main
+
+    cfg = tmp_path / "c.yml"
+    cfg.write_text(f"{{optimizer: {optimizer}, weight_decay: 0.1}}\n")
+    assert main(["config", "explain", str(cfg)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for text in shown:
+        assert " ".join(text.split()) in out, text
