@@ -196,7 +196,31 @@ CASES = [
         "optimizer-refused",
         {"a.yml": "{optimizer: {type: OneBitAdam, params: {lr: 0.1}}}"},
         [],
-        ["1-bit Adam", "is not supported; use Adam, AdamW, SGD or Lion"],
+        ["1-bit Adam", "is not supported; use Adam, AdamW, SGD, Lion, SM3, madgrad_wd or LAMB"],
+    ),
+    (
+        "sm3-momentum",
+        {"a.yml": "{optimizer: {type: sm3, params: {lr: 0.1, momentum: 1.0}}}"},
+        [],
+        ["optimizer: params.momentum must be in [0, 1), got 1.0"],
+    ),
+    (
+        "sm3-weight-decay",
+        {"a.yml": "{optimizer: {type: sm3, params: {lr: 0.1, weight_decay: 0.1}}}"},
+        [],
+        ["params.weight_decay is not a parameter of sm3"],
+    ),
+    (
+        "lamb-amsgrad",
+        {"a.yml": "{optimizer: {type: lamb, params: {lr: 0.1, amsgrad: true}}}"},
+        [],
+        ["params.amsgrad: true is not a LAMB variant"],
+    ),
+    (
+        "lamb-coeffs",
+        {"a.yml": "{optimizer: {type: lamb, params: {lr: 0.1, min_coeff: 2, max_coeff: 1}}}"},
+        [],
+        ["params.min_coeff 2.0 is above params.max_coeff 1.0"],
     ),
     (
         "optimizer-param",

@@ -204,3 +204,21 @@ def test_the_rehearsed_step_calls_the_collectives_a_real_step_calls(keys, make_c
         real = [(name.split(":")[-1], tuple(sizes[0]) if sizes else ()) for name, sizes in real]
         assert [_as_gloo_runs_it(c) for c in r.collectives] == real
         assert len(real) > 4
+
+
+@pytest.mark.parametrize(
+    "optimizer,world,sets",
+    [
+        ("{type: sm3, params: {lr: 0.1, momentum: 0.5}}", 4, ["model_parallel_size=2"]),
+        ("{type: madgrad_wd, params: {lr: 0.01}}", 2, []),
+        ("{type: lamb, params: {lr: 0.01}}", 2, []),
+    ],
+    ids=["sm3-tp2-dp2", "madgrad_wd-dp2", "lamb-dp2"],
+)
+def test_the_other_optimizers_hold_estimates_bytes(optimizer, world, sets):
+    """SM3's accumulators (one number per row, column, ... of each shard) and momentum buffer,
+    MADGRAD's three tensors with momentum, LAMB's two moments: each rank's state after a step
+    on its ZeRO-3 shards is what estimate counts."""
+    loaded = _loaded(*sets, "zero_optimization.stage=3", f"optimizer={optimizer}")
+    run = dry_run(loaded, world, ranks="all", workers=2)
+    _assert_holds_estimate(run)

@@ -132,6 +132,18 @@ def test_tensor_parallel_shards_merge_with_the_bias_quirk(tmp_path):
     assert_golden_logits(tmp_path / "ckpt")
 
 
+@pytest.mark.parametrize("kind", ["sm3", "madgrad_wd", "lamb", "lion"])
+def test_the_state_of_an_optimizer_without_adams_moments_is_refused(tmp_path, capsys, kind):
+    args = ["convert", "from-gpt-neox", str(G / "pp1"), str(tmp_path / "c"), "--with-optimizer"]
+    args += ["--set", f"optimizer={{type: {kind}, params: {{lr: 0.0006}}}}"]
+    for t in TOKENIZER:
+        args += ["--set", t]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"the state of a {kind} run does not import yet" in err[0], err
+    assert not (tmp_path / "c").exists()
+
+
 def test_continuing_the_gpt_neox_run_gives_its_losses(tmp_path):
     convert(G / "pp1", tmp_path / "ckpt", "--step", "10", "--with-optimizer")
     settings = [

@@ -96,3 +96,34 @@ def test_bf16_gathered_weights_train_like_fp32_gathered_ones(config, tmp_path):
     assert runs["auto"] != runs["fp32"]  # the weights were gathered in another dtype
     for step, loss in runs["fp32"].items():
         assert runs["auto"][step] == pytest.approx(loss, rel=2e-2)
+
+
+OTHER_OPTIMIZERS = {
+    # SM3's and LAMB's eps keep a float-noise gradient (a key bias's) from a unit-size step
+    "sm3": "{type: sm3, params: {lr: 0.01, momentum: 0.5, beta: 0.5, eps: 1.0e-6}}",
+    "madgrad_wd": "{type: madgrad_wd, params: {lr: 0.01}}",
+    "lamb": "{type: lamb, params: {lr: 0.003, eps: 1.0e-6, weight_decay: 0.1}}",
+}
+
+
+@pytest.mark.parametrize("optimizer,stage", [("sm3", 1), ("madgrad_wd", 1), ("lamb", 3)])
+def test_two_sharded_processes_equal_one_with_the_other_optimizers(
+    config, tmp_path, tmp_path_factory, optimizer, stage
+):
+    """Each rank steps its ZeRO shards (DTensors): SM3's accumulators reduced over the
+    shards, LAMB's norms taken over the whole tensors, MADGRAD's elementwise update."""
+    chosen = f"optimizer={OTHER_OPTIMIZERS[optimizer]}"
+    baseline = one_process(config, tmp_path_factory, chosen)
+    out = tmp_path / optimizer
+    train(config, f"save={out}", "load=null", f"zero_optimization.stage={stage}", chosen, nproc=2)
+    assert_same_training(out, baseline)
+
+
+def test_sm3s_state_moves_from_two_sharded_processes_to_one(tmp_path, make_config):
+    """SM3's accumulators (DTensors sharded along their own dimension only) and momentum saved
+    by 2 ZeRO-3 ranks and read by one process: steps 4-6 are the unstopped run's."""
+    cfg = make_config("long.yml", train_micro_batch_size_per_gpu=2, train_iters=6, **DP_KEYS)
+    chosen = f"optimizer={OTHER_OPTIMIZERS['sm3']}"
+    one = ["train_micro_batch_size_per_gpu=4", chosen]
+    zero3 = ["zero_optimization.stage=3", chosen]
+    assert_resumes_like_whole(cfg, tmp_path, one, zero3, 2, one)

@@ -115,9 +115,9 @@ def test_weight_decay_skips_biases_and_norms(make_config):
     }
 
 
-@pytest.mark.parametrize("opt", ["AdamW", "SGD", "Lion"])
+@pytest.mark.parametrize("opt", ["AdamW", "SGD", "Lion", "SM3", "madgrad_wd", "LAMB"])
 def test_every_optimizer_trains(make_config, tmp_path, opt):
-    params = {"lr": 0.003} if opt != "SGD" else {"lr": 0.3, "momentum": 0.9}
+    params = {"SGD": {"lr": 0.3, "momentum": 0.9}, "SM3": {"lr": 0.03}}.get(opt, {"lr": 0.003})
     run(
         make_config(
             optimizer={"type": opt, "params": params}, train_iters=10, save=str(tmp_path / opt)
@@ -132,6 +132,9 @@ OPTIMIZERS = {
     "AdamW": {"lr": 0.003},
     "SGD": {"lr": 0.3, "momentum": 0.9, "dampening": 0.1},
     "Lion": {"lr": 0.0003},
+    "SM3": {"lr": 0.01, "momentum": 0.5, "beta": 0.9},
+    "madgrad_wd": {"lr": 0.003, "momentum": 0.9},
+    "LAMB": {"lr": 0.003, "betas": [0.9, 0.95], "max_coeff": 5.0},
 }
 
 
@@ -156,6 +159,24 @@ def test_saving_never_changes_what_is_trained(make_config, tmp_path, opt):
     for p, q in zip(
         trained["saves"].model.parameters(), trained["end"].model.parameters(), strict=True
     ):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("opt", ["SM3", "madgrad_wd", "LAMB"])
+def test_a_run_resumed_mid_way_equals_the_whole_run(make_config, tmp_path, opt):
+    """The optimizer's state (SM3's accumulators, MADGRAD's sums and x0, LAMB's moments and
+    every step counter) saved at step 3 and read back: steps 4-6 are bitwise the whole run's."""
+    given = {"optimizer": {"type": opt, "params": OPTIMIZERS[opt]}, "load": None}
+    whole = make_config("whole.yml", extra_save_iters=[3], save=str(tmp_path / "w"), **given)
+    whole_run = run(whole)
+    resumed = make_config(
+        "resumed.yml", save=str(tmp_path / "r"), **{**given, "load": str(tmp_path / "w")}
+    )
+    trainer = Trainer(load_config([resumed]), device="cpu", load_step=3)
+    assert trainer.iteration == 3
+    trainer.run()
+    assert losses(tmp_path / "r") == {k: v for k, v in losses(tmp_path / "w").items() if k > 3}
+    for p, q in zip(trainer.model.parameters(), whole_run.model.parameters(), strict=True):
         assert torch.equal(p, q)
 
 

@@ -21,7 +21,7 @@ from torchneox.config.fp8_plan import fp8_plan
 from torchneox.config.layout import Layout, compile_scope
 from torchneox.config.load import LoadedConfig
 from torchneox.config.loss_scale import loss_scale_spec
-from torchneox.config.optimizer import optimizer_spec
+from torchneox.config.optimizer import describe_optimizer, optimizer_spec
 from torchneox.config.schema import KEYS, NeoXConfig
 from torchneox.config.validate import (
     BF16_IGNORED,
@@ -441,6 +441,10 @@ def _optimizer(loaded: LoadedConfig, out: Derived) -> None:
         out.reasons["optimizer_type"] += (
             "; runs as AdamW (decoupled weight decay), as GPT-NeoX does"
         )
+    elif spec.kind in ("sm3", "madgrad_wd", "lamb"):
+        out.reasons["optimizer_type"] += "; " + describe_optimizer(spec)
+        if spec.kind == "sm3":
+            out.reasons["weight_decay"] = f"{decay:g}, unused: SM3 takes no weight decay"
     clip = o.gradient_clipping
     if loaded.given("clip_grad") and not loaded.given("gradient_clipping"):
         clip = o.clip_grad

@@ -11,13 +11,18 @@ from typing import Any
 from torchneox.config.schema import OptimizerConfig
 
 # not keyword arguments of the torch optimizers: clipping comes from gradient_clipping, the
-# top-level weight_decay wins (as in GPT-NeoX), bias correction is always on (false is refused)
-NOT_TORCH_PARAMS = ("lr", "max_grad_norm", "weight_decay", "bias_correction")
+# top-level weight_decay wins (as in GPT-NeoX), Adam's bias correction is always on (false is
+# refused; LAMB takes it), amsgrad is false for LAMB (true is refused)
+NOT_TORCH_PARAMS = ("lr", "max_grad_norm", "weight_decay", "bias_correction", "amsgrad")
+KEPT_PARAMS = {"adam": ("amsgrad",), "adamw": ("amsgrad",), "lamb": ("bias_correction",)}
+# Tensors of a parameter's size each optimizer keeps (SM3's accumulators are one number per
+# row, column, ... of a tensor: none of its size)
+STATE_TENSORS = {"adam": 2, "adamw": 2, "lamb": 2, "lion": 1, "sm3": 0}
 
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    kind: str  # adam | adamw | sgd | lion
+    kind: str  # adam | adamw | sgd | lion | sm3 | madgrad_wd | lamb
     type_name: str | None  # as the config spells it (None: no optimizer dict, Adam)
     lr: float | None  # optimizer.params.lr, else lr
     weight_decay: float
@@ -26,11 +31,15 @@ class OptimizerSpec:
 
     @property
     def state_tensors(self) -> int:
-        """Tensors of a parameter's size the optimizer keeps: Adam's two moments, Lion's one,
-        SGD's momentum buffer when it has momentum."""
-        if self.kind == "sgd":
-            return 1 if float(self.params.get("momentum", 0.0) or 0.0) else 0
-        return 1 if self.kind == "lion" else 2
+        """Tensors of a parameter's size the optimizer keeps: Adam's and LAMB's two moments,
+        Lion's one, SGD's and SM3's momentum buffer when they have momentum, MADGRAD's sums of
+        gradients and of their squares and, with momentum (0.9 unless given), its x0."""
+        momentum = float(self.params.get("momentum", 0.0) or 0.0)
+        if self.kind in ("sgd", "sm3"):
+            return 1 if momentum else 0
+        if self.kind == "madgrad_wd":
+            return 3 if float(self.params.get("momentum", 0.9)) else 2
+        return STATE_TENSORS[self.kind]
 
 
 def optimizer_spec(o: OptimizerConfig) -> OptimizerSpec:
@@ -38,11 +47,41 @@ def optimizer_spec(o: OptimizerConfig) -> OptimizerSpec:
     opt = o.optimizer
     params = dict((opt or {}).get("params") or {})
     lr = params.get("lr", o.lr)
+    kind = str(opt["type"]).lower() if opt is not None else "adam"
     return OptimizerSpec(
-        kind=str(opt["type"]).lower() if opt is not None else "adam",
+        kind=kind,
         type_name=str(opt["type"]) if opt is not None else None,
         lr=lr,
         weight_decay=o.weight_decay,
         params=params,
-        torch_params={k: v for k, v in params.items() if k not in NOT_TORCH_PARAMS},
+        torch_params={k: v for k, v in params.items() if _torch_param(kind, k)},
+    )
+
+
+def _torch_param(kind: str, name: str) -> bool:
+    return name not in NOT_TORCH_PARAMS or name in KEPT_PARAMS.get(kind, ())
+
+
+def describe_optimizer(spec: OptimizerSpec) -> str:
+    """What SM3, madgrad_wd and LAMB run with, their defaults filled in (config explain)."""
+    p = spec.params
+    if spec.kind == "sm3":
+        return (
+            f"SM3 (GPT-NeoX's): momentum {p.get('momentum', 0.0):g}, beta "
+            f"{p.get('beta', 0.0):g}, eps {p.get('eps', 1e-30):g}, no weight decay"
+        )
+    if spec.kind == "madgrad_wd":
+        return (
+            f"MADGRAD with decoupled weight decay p *= 1 - (lr + eps) * weight_decay "
+            f"(GPT-NeoX's madgrad_wd): momentum {p.get('momentum', 0.9):g}, "
+            f"eps {p.get('eps', 1e-6):g}"
+        )
+    betas = p.get("betas", (0.9, 0.999))
+    eps = f"eps {p.get('eps', 1e-8):g} " + (
+        "inside the square root" if p.get("eps_inside_sqrt") else "outside the square root"
+    )
+    return (
+        f"LAMB (DeepSpeed's FusedLamb, in torch): betas ({betas[0]:g}, {betas[1]:g}), {eps}, "
+        f"trust ratio clamped to [{p.get('min_coeff', 0.01):g}, {p.get('max_coeff', 10.0):g}], "
+        f"bias correction {'on' if p.get('bias_correction', True) else 'off'}"
     )

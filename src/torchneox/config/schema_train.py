@@ -72,7 +72,9 @@ class OptimizerConfig:
     """The optimizer, weight decay, clipping and ZeRO sharding."""
 
     optimizer: dict[str, Any] | None = key(
-        None, "{type: Adam|AdamW|SGD|Lion, params: {lr, betas, eps, weight_decay, momentum}}."
+        None,
+        "{type: Adam|AdamW|SGD|Lion|SM3|madgrad_wd|LAMB, params: {lr, betas, eps, momentum, "
+        "...}} (docs/training.md lists each one's params).",
     )
     weight_decay: float = key(
         0.1, "Decoupled weight decay on weight matrices (never on biases and norms).", ge=0
@@ -85,7 +87,15 @@ class OptimizerConfig:
         None, "ZeRO settings; only 'stage' (0-3) matters here."
     )
     optimizer_type: Literal[
-        "adam", "onebitadam", "cpu_adam", "cpu_torch_adam", "sm3", "madgrad_wd", "sgd", "lion"
+        "adam",
+        "onebitadam",
+        "cpu_adam",
+        "cpu_torch_adam",
+        "sm3",
+        "madgrad_wd",
+        "sgd",
+        "lion",
+        "lamb",
     ] = derived("adam", "Optimizer name, taken from optimizer.type.")
     lr: float | None = derived(None, "Peak learning rate, taken from optimizer.params.lr.", gt=0)
     zero_stage: int | list[int] | str | None = derived(

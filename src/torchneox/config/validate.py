@@ -26,23 +26,35 @@ from torchneox.config.validate_model import (
 )
 from torchneox.config.validate_rl import check_reinforce
 
-SUPPORTED_OPTIMIZERS = ("adam", "adamw", "sgd", "lion")
+SUPPORTED_OPTIMIZERS = ("adam", "adamw", "sgd", "lion", "sm3", "madgrad_wd", "lamb")
 REFUSED_OPTIMIZERS = {
     "onebitadam": "1-bit Adam (a DeepSpeed communication-compressed optimizer)",
     "onebitlamb": "1-bit LAMB (a DeepSpeed communication-compressed optimizer)",
     "zerooneadam": "0/1 Adam (a DeepSpeed communication-compressed optimizer)",
-    "lamb": "LAMB",
     "cpu_adam": "DeepSpeed's CPU Adam (optimizer offload)",
     "cpu_torch_adam": "CPU-offloaded torch Adam",
-    "sm3": "SM3",
-    "madgrad_wd": "MADGRAD",
 }
 OPTIMIZER_PARAMS: dict[str, tuple[str, ...]] = {
     "adam": ("lr", "betas", "eps", "weight_decay", "amsgrad", "max_grad_norm", "bias_correction"),
     "adamw": ("lr", "betas", "eps", "weight_decay", "amsgrad", "max_grad_norm", "bias_correction"),
     "sgd": ("lr", "momentum", "dampening", "nesterov", "weight_decay"),
     "lion": ("lr", "betas", "weight_decay"),
+    "sm3": ("lr", "momentum", "beta", "eps"),
+    "madgrad_wd": ("lr", "momentum", "eps", "weight_decay"),
+    "lamb": (
+        "lr",
+        "betas",
+        "eps",
+        "eps_inside_sqrt",
+        "weight_decay",
+        "bias_correction",
+        "max_grad_norm",
+        "max_coeff",
+        "min_coeff",
+        "amsgrad",
+    ),
 }
+OPTIMIZER_NAMES = "Adam, AdamW, SGD, Lion, SM3, madgrad_wd or LAMB"
 ZERO_KEYS = (
     "stage",
     "allgather_partitions",
@@ -216,19 +228,19 @@ def _optimizer_type(ch: Checker) -> str | None:
     if opt is None:
         return None
     if "type" not in opt:
-        ch.fail("optimizer", "has no 'type' (Adam, AdamW, SGD or Lion)")
+        ch.fail("optimizer", f"has no 'type' ({OPTIMIZER_NAMES})")
     kind = str(opt["type"]).lower()
     if kind in REFUSED_OPTIMIZERS:
         ch.fail(
             "optimizer",
             f"type {opt['type']!r} ({REFUSED_OPTIMIZERS[kind]}) is not supported; "
-            "use Adam, AdamW, SGD or Lion",
+            f"use {OPTIMIZER_NAMES}",
         )
     if kind not in SUPPORTED_OPTIMIZERS:
         ch.fail(
             "optimizer",
             f"unknown type {opt['type']!r}{did_you_mean(kind, SUPPORTED_OPTIMIZERS)} "
-            "(Adam, AdamW, SGD or Lion)",
+            f"({OPTIMIZER_NAMES})",
         )
     return kind
 
@@ -255,8 +267,15 @@ def _check_optimizer(ch: Checker) -> None:
                     f"{did_you_mean(name, OPTIMIZER_PARAMS[kind])}",
                     path=f"params.{name}",
                 )
-            params[name] = _optimizer_param(ch, name, value)
+            params[name] = _optimizer_param(ch, name, value, kind)
         opt["params"] = params
+        if params.get("min_coeff", 0.01) > params.get("max_coeff", 10.0):
+            ch.fail(
+                "optimizer",
+                f"params.min_coeff {params.get('min_coeff', 0.01)} is above params.max_coeff "
+                f"{params.get('max_coeff', 10.0)}; LAMB's trust ratio is clamped between them",
+                path="params.min_coeff",
+            )
         lr = params.get("lr")
         if o.lr is not None and lr is not None and o.lr != lr:
             ch.fail("lr", f"{o.lr} contradicts optimizer.params.lr {lr}; give one of them")
@@ -269,7 +288,7 @@ def _check_optimizer(ch: Checker) -> None:
         ch.fail(
             "optimizer_type",
             f"{o.optimizer_type!r} ({REFUSED_OPTIMIZERS.get(o.optimizer_type, 'this optimizer')}) "
-            "is not supported; use adam, sgd or lion",
+            "is not supported; use adam, sgd, lion, sm3, madgrad_wd or lamb",
         )
     if (
         "gradient_clipping" in ch.origin
@@ -283,7 +302,7 @@ def _check_optimizer(ch: Checker) -> None:
     _check_zero(ch)
 
 
-def _optimizer_param(ch: Checker, name: str, value: Any) -> Any:
+def _optimizer_param(ch: Checker, name: str, value: Any, kind: str) -> Any:
     def fail(message: str) -> None:
         ch.fail("optimizer", message, path=f"params.{name}")
 
@@ -307,10 +326,12 @@ def _optimizer_param(ch: Checker, name: str, value: Any) -> Any:
         if not all(0.0 <= b < 1.0 for b in betas):
             fail(f"params.betas must be in [0, 1), got {value!r}")
         return betas
-    if name in ("amsgrad", "nesterov", "bias_correction"):
+    if name in ("amsgrad", "nesterov", "bias_correction", "eps_inside_sqrt"):
         if not isinstance(value, bool):
             fail(f"params.{name} must be true or false, got {value!r}")
-        if name == "bias_correction" and not value:
+        if name == "amsgrad" and value and kind == "lamb":
+            fail("params.amsgrad: true is not a LAMB variant (DeepSpeed's FusedLamb refuses it)")
+        if name == "bias_correction" and not value and kind != "lamb":
             fail(
                 "params.bias_correction: false (Adam without bias correction) is not built: "
                 "torch's Adam always corrects its moments; remove it or set it to true",
@@ -319,6 +340,8 @@ def _optimizer_param(ch: Checker, name: str, value: Any) -> Any:
     result = number(value)
     if not math.isfinite(result) or result < 0 or (name == "lr" and result == 0):
         fail(f"params.{name} must be {'> 0' if name == 'lr' else '>= 0'}, got {value!r}")
+    if name in ("momentum", "beta") and kind in ("sm3", "madgrad_wd") and result >= 1:
+        fail(f"params.{name} must be in [0, 1), got {value!r}")
     return result
 
 

@@ -12,7 +12,7 @@ from torchneox.config.optimizer import optimizer_spec
 from torchneox.config.sizes import is_moe_layer
 from torchneox.config.validate_model import layer_attention_types
 from torchneox.estimate.activations import Trace
-from torchneox.estimate.parameters import PARAM_BYTES, expert_sharded, local_numel
+from torchneox.estimate.parameters import PARAM_BYTES, expert_sharded, local_dims, local_numel
 from torchneox.models.transformer import is_drawn
 
 GIB = 2**30
@@ -22,6 +22,12 @@ USABLE = 0.95  # of the rest: the allocator's fragmentation
 
 def optimizer_bytes_per_param(loaded: LoadedConfig) -> int:
     return optimizer_spec(loaded.config.optimizer).state_tensors * PARAM_BYTES
+
+
+def optimizer_bytes_per_dim(loaded: LoadedConfig) -> int:
+    """Bytes per row, column, ... of each tensor shard: SM3's accumulators, one number for
+    each index of each dimension (one for a scalar)."""
+    return PARAM_BYTES if optimizer_spec(loaded.config.optimizer).kind == "sm3" else 0
 
 
 def fsdp_ranks(layout: Layout) -> int:
@@ -41,10 +47,11 @@ def memory_per_rank(
 ) -> dict[str, Any]:
     """Bytes on the most loaded rank, by part, and which stage that is."""
     opt_per_param = optimizer_bytes_per_param(loaded)
+    per_dim = optimizer_bytes_per_dim(loaded)
     fsdp = fsdp_ranks(layout)
     worst: dict[str, Any] | None = None
     for k, params in enumerate(stages):
-        state = state_bytes(params, layout, fsdp, opt_per_param)
+        state = state_bytes(params, layout, fsdp, opt_per_param, per_dim)
         parts, temporary = state["parts"], state["temporary"]
         last = k == len(stages) - 1
         acts = _activation_bytes(loaded, layout, trace, params, k, last)
@@ -68,13 +75,19 @@ def memory_per_rank(
 
 
 def state_bytes(
-    params: list[tuple[str, tuple]], layout: Layout, fsdp: int, opt_per_param: int
+    params: list[tuple[str, tuple]],
+    layout: Layout,
+    fsdp: int,
+    opt_per_param: int,
+    per_dim: int = 0,
 ) -> dict[str, Any]:
     """A stage's parameters, gradients and optimizer state on one rank, and the temporary
-    bytes ZeRO-3's gathered blocks and a whole embedding gradient add."""
+    bytes ZeRO-3's gathered blocks and a whole embedding gradient add. ``per_dim``: optimizer
+    bytes per index of each dimension of a shard (SM3's accumulators)."""
     tp, ep = layout.tp, layout.ep
     local = sum(local_numel(s, n, tp, 1, ep) for n, s in params)
     shard = sum(local_numel(s, n, tp, fsdp, ep) for n, s in params)
+    indices = sum(sum(local_dims(s, n, tp, fsdp, ep)) or 1 for n, s in params)
     # what ZeRO/DDP gather or bucket: all but the expert-parallel experts
     gathered = sum(local_numel(s, n, tp, 1) for n, s in params if not expert_sharded(n, ep))
     layers = sorted({int(n.split(".")[1]) for n, _ in params if n.startswith("layers.")})
@@ -92,7 +105,7 @@ def state_bytes(
     resident = {
         "parameter_shard": shard * PARAM_BYTES,
         "gradient_shard": shard * PARAM_BYTES,
-        "optimizer": shard * opt_per_param,
+        "optimizer": shard * opt_per_param + indices * per_dim,
     }
     parts = {
         "parameters": resident["parameter_shard"],

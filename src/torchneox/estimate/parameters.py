@@ -25,15 +25,20 @@ def local_numel(shape: tuple[int, ...], name: str, tp: int, fsdp: int, ep: int =
     """Elements rank 0 holds: the tensor-parallel shard, then FSDP's dim-0 chunk of it (torch
     chunks give rank 0 the rounded-up share); with expert parallelism, its share of the
     experts instead."""
+    return math.prod(local_dims(shape, name, tp, fsdp, ep))
+
+
+def local_dims(shape: tuple[int, ...], name: str, tp: int, fsdp: int, ep: int = 1) -> list[int]:
+    """The shape of rank 0's shard (see local_numel)."""
     dims = list(shape)
     if expert_sharded(name, ep):
-        return math.prod(dims) // dims[0] * math.ceil(dims[0] / ep)
+        return [math.ceil(dims[0] / ep), *dims[1:]]
     dim = split_dim(name)
     if tp > 1 and dim is not None and dim < len(dims):
         dims[dim] = math.ceil(dims[dim] / tp)
     if fsdp > 1 and dims:
         dims[0] = math.ceil(dims[0] / fsdp)
-    return math.prod(dims)
+    return dims
 
 
 def meta_model(loaded: LoadedConfig, vocab: int, layers: int | None = None, **changes):

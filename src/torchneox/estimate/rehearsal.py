@@ -18,7 +18,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torchneox.config.derive import derive
 from torchneox.config.layout import Layout
 from torchneox.config.load import LoadedConfig
-from torchneox.estimate.memory import build_bytes, optimizer_bytes_per_param, state_bytes
+from torchneox.estimate.memory import (
+    build_bytes,
+    optimizer_bytes_per_dim,
+    optimizer_bytes_per_param,
+    state_bytes,
+)
 from torchneox.estimate.parameters import stage_params
 
 if TYPE_CHECKING:
@@ -395,7 +400,8 @@ def expected_bytes(loaded: LoadedConfig, built: Run, stages: list[int]) -> dict[
     reference = built.parts.reference is not None
     whole = [p for k in stages for p in params[k]]
     for k in stages:
-        resident = state_bytes(params[k], lay, fsdp_ranks(lay), opt)["resident"]
+        per_dim = optimizer_bytes_per_dim(loaded)
+        resident = state_bytes(params[k], lay, fsdp_ranks(lay), opt, per_dim)["resident"]
         out["parameters"] += resident["parameter_shard"]
         out["gradients"] += resident["gradient_shard"]
         out["optimizer"] += resident["optimizer"]

@@ -14,6 +14,7 @@ import torch
 from torchneox.base.errors import NeoXCheckpointError
 from torchneox.config.derive import derive
 from torchneox.config.load import LoadedConfig, load_config, with_absolute_paths
+from torchneox.config.optimizer import optimizer_spec
 from torchneox.config.paths import new_output_dir, refuse_non_empty
 from torchneox.config.report import render_yaml
 from torchneox.config.validate_model import layer_attention_types
@@ -96,7 +97,7 @@ def convert(
     derived = derive(loaded, world_size=world)
     args = ModelArgs.from_config(cfg, derived["padded_vocab_size"])
     if with_optimizer:
-        _optimizer_readable(args, step_dir)
+        _optimizer_readable(args, step_dir, cfg)
     layers = merged_layers(layout, states, args, progress)
     if _vocab_from_weights(loaded, layers):  # the tokenizer's file is not here
         derived = derive(loaded, world_size=world)
@@ -148,7 +149,14 @@ def _check_gmlp(cfg: Any, layout: NeoXLayout, with_optimizer: bool) -> None:
         )
 
 
-def _optimizer_readable(args: ModelArgs, step_dir: Path) -> None:
+def _optimizer_readable(args: ModelArgs, step_dir: Path, cfg: Any) -> None:
+    kind = optimizer_spec(cfg.optimizer).kind
+    if kind not in ("adam", "adamw"):
+        raise NeoXCheckpointError(
+            f"--with-optimizer reads Adam's moments; the state of a {kind} run does not import "
+            "yet: convert the weights without it (the run continues with a fresh optimizer)",
+            source=str(step_dir),
+        )
     if "rwkv" in args.layer_types:
         raise NeoXCheckpointError(
             "--with-optimizer does not read the optimizer state of RWKV layers yet; convert "

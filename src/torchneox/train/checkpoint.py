@@ -187,6 +187,8 @@ class CheckpointManager:
         ck, loaded_reference = self.ck, False
         tensors: dict[str, Any] = {}
         if not ck.no_load_optim and meta.get("has_optimizer", False):
+            if hasattr(state.optimizer, "init_state"):  # SM3, madgrad_wd, LAMB (see there)
+                state.optimizer.init_state()
             tensors["optimizer"] = get_optimizer_state_dict(state.model, state.optimizer)
         if not ck.no_load_rng and meta.get("has_rng", False):
             tensors["rng"] = {"torch": torch.get_rng_state()}

@@ -10,6 +10,9 @@ from torch import nn
 
 from torchneox.config.optimizer import optimizer_spec
 from torchneox.config.schema import OptimizerConfig
+from torchneox.train.optimizers import SM3, Lamb, MadgradWD
+
+OTHER_OPTIMIZERS = {"sm3": SM3, "madgrad_wd": MadgradWD, "lamb": Lamb}
 
 
 class Lion(torch.optim.Optimizer):
@@ -82,6 +85,8 @@ def build_optimizer(
         return torch.optim.SGD(groups, lr=lr, **params, foreach=fast.get("foreach", True))
     if kind == "lion":
         return Lion(groups, lr=lr, **params)
+    if kind in OTHER_OPTIMIZERS:
+        return OTHER_OPTIMIZERS[kind](groups, lr=lr, **params)
     raise AssertionError(f"unvalidated optimizer {kind}")
 
 
