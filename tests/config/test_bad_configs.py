@@ -280,6 +280,18 @@ CASES = [
         ["a.yml: rollout_generations: reinforce_leave_one_out compares the completions"],
     ),
     (
+        "reinforce-groups-split-over-steps",
+        {
+            "a.yml": "{train_impl: reinforce, rollout_prompts: p.jsonl, reward_function: 'r:f', "
+            "train_micro_batch_size_per_gpu: 6, rollout_generations: 4}"
+        },
+        [],
+        [
+            "a.yml: rollout_generations: each rank's samples per step (micro-batch 6 x 1 "
+            "accumulation steps) hold whole prompts' groups of 4 completions"
+        ],
+    ),
+    (
         "reinforce-sampled-through-a-pipeline",
         {
             "a.yml": "{train_impl: reinforce, rollout_prompts: p.jsonl, reward_function: 'r:f', "

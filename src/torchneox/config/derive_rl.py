@@ -4,6 +4,7 @@ reference model is kept."""
 
 from __future__ import annotations
 
+from torchneox.base.errors import ConfigError
 from torchneox.config.derived import Derived
 from torchneox.config.load import LoadedConfig
 from torchneox.config.validate_rl import rollouts_in_run
@@ -18,14 +19,20 @@ KL_FORMS = {
 SECTION = ("rollouts", "rewards", "advantage", "rl_loss", "reference_model", "rollout_updates")
 
 
+def for_rank(value, rank: int):
+    """GPT-NeoX's addressing of the data servers: a list is indexed by the data-parallel rank;
+    one host or port serves every rank."""
+    return value[rank] if isinstance(value, list | tuple) else value
+
+
 def addresses(ips, ports, dp: int) -> list[str]:
-    """Each data-parallel rank's data server, host:port (GPT-NeoX: a string or a number serves
-    every rank; a list is indexed by the rank)."""
+    """Each data-parallel rank's data server, host:port ('?' where a list is too short)."""
     out = []
     for rank in range(dp):
-        host = ips if isinstance(ips, str) else ips[rank] if rank < len(ips) else "?"
-        port = ports if isinstance(ports, int) else ports[rank] if rank < len(ports) else "?"
-        out.append(f"{host}:{port}")
+        try:
+            out.append(f"{for_rank(ips, rank)}:{for_rank(ports, rank)}")
+        except IndexError:
+            out.append("?")
     return out
 
 
@@ -35,6 +42,7 @@ def derive_rollouts(loaded: LoadedConfig, out: Derived) -> None:
         return
     r, dp = cfg.rollout, out["data_parallel_size"]
     if rollouts_in_run(cfg):
+        _whole_groups(loaded, out)
         out.put(
             "rollouts",
             r.rollout_prompts,
@@ -57,6 +65,20 @@ def derive_rollouts(loaded: LoadedConfig, out: Derived) -> None:
         )
         out.put("rewards", "data server", "as the data server sends them")
     _advantage(cfg, out)
+
+
+def _whole_groups(loaded: LoadedConfig, out: Derived) -> None:
+    """Each rank's rows of a step hold whole prompts' groups of completions."""
+    mb, gas = out["train_micro_batch_size_per_gpu"], out["gradient_accumulation_steps"]
+    n = loaded.config.rollout.rollout_generations
+    if mb is not None and (mb * gas) % n:
+        raise ConfigError(
+            f"each rank's samples per step (micro-batch {mb} x {gas} accumulation steps) hold "
+            f"whole prompts' groups of {n} completions; make them a multiple of "
+            "rollout_generations",
+            source=loaded.source("rollout_generations"),
+            key="rollout_generations",
+        )
 
 
 def _advantage(cfg, out: Derived) -> None:

@@ -83,22 +83,13 @@ def _check_sampling(ch: Checker) -> None:
             f"{key} compares the completions of a prompt with each other: sample at least 2 "
             "per prompt",
         )
-    t = c.training
-    mb = t.train_micro_batch_size_per_gpu or t.batch_size
-    if mb is not None and (mb * t.gradient_accumulation_steps) % n:
-        ch.fail(
-            "rollout_generations",
-            f"each rank's samples per step (micro-batch {mb} x {t.gradient_accumulation_steps} "
-            f"accumulation steps) hold whole prompts' groups of {n} completions; make them a "
-            "multiple of rollout_generations",
-        )
     if c.parallel.sequence_parallel:
         ch.fail(
             "sequence_parallel",
             "rollouts sampled in the run decode one token at a time, which sequence_parallel "
             "cannot split; turn it off",
         )
-    if r.rollout_max_new_tokens >= c.model.seq_length:
+    if c.model.seq_length and r.rollout_max_new_tokens >= c.model.seq_length:
         ch.fail(
             "rollout_max_new_tokens",
             f"a completion of up to {r.rollout_max_new_tokens} tokens leaves no room for a "

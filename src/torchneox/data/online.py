@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchneox.base.errors import ConfigError, DataError, first_line
+from torchneox.config.derive_rl import for_rank
 
 IPS_KEY = "online_dataserver_ips"
 PORTS_KEY = "online_dataserver_ports"
@@ -214,10 +215,6 @@ def groups_from_answer(obj: Any, source: str, vocab_size: int | None = None) -> 
     return groups
 
 
-def _pick(value: Any, rank: int) -> Any:
-    return value[rank] if isinstance(value, (list, tuple)) else value
-
-
 def check_addresses(
     ips: str | Sequence[str], ports: int | Sequence[int], dp_size: int, source: str | None = None
 ) -> None:
@@ -257,8 +254,8 @@ class DataServer:
         vocab_size: int | None = None,
     ):
         check_addresses(ips, ports, dp_rank + 1)
-        self.host: str = _pick(ips, dp_rank)
-        self.port: int = _pick(ports, dp_rank)
+        self.host: str = for_rank(ips, dp_rank)
+        self.port: int = for_rank(ports, dp_rank)
         self.timeout_s = float(timeout_s)
         self.vocab_size = vocab_size
 

@@ -267,7 +267,7 @@ def _static_loop(
     STOP_CHECK_INTERVAL tokens."""
     b, width = tokens.shape
     device, steps = tokens.device, width - longest
-    cache = StaticKVCache(model.args, b, width, model.embed.weight.dtype, device)
+    cache = StaticKVCache(model.args, b, width, _cache_dtype(model, device), device)
     logits = model(
         tokens[:, :longest], positions_BT=positions[:, :longest], key_valid_BS=valid, cache=cache
     )[:, -1]

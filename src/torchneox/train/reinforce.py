@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from torchneox.parallel.collectives import plain
@@ -46,7 +47,7 @@ def advantages(rewards: list[float], mode: str, history: list[float]) -> list[fl
         return [r - _mean(rewards[:i] + rewards[i + 1 :]) for i, r in enumerate(rewards)]
     if mode == "group":
         mean = _mean(rewards)
-        std = float(torch.tensor(rewards, dtype=torch.float64).std()) if n > 1 else 0.0
+        std = float(np.std(np.asarray(rewards, dtype=np.float64), ddof=1)) if n > 1 else 0.0
         return [(r - mean) / (std + GROUP_EPS) for r in rewards]
     baseline = _mean(history) if history else 0.0
     history.append(_mean(rewards))
@@ -57,8 +58,6 @@ def advantages(rewards: list[float], mode: str, history: list[float]) -> list[fl
 
 def _mean(values: list[float]) -> float:
     """numpy's mean of float64 values (pairwise summation), as GPT-NeoX's np.mean."""
-    import numpy as np
-
     return float(np.mean(np.asarray(values, dtype=np.float64)))
 
 

@@ -204,13 +204,7 @@ def _sampled(run: Any, module: torch.nn.Module, line: Callable[[str], None], gro
             return sample_policy(module, rows, s, pad, generator, dims.tp, lockstep)
 
     score = _scorer(cfg, run.loaded.origin, tok, stops, run.device)
-    per_rank = run.layout.micro_batch * run.layout.gas
-    if per_rank % r.rollout_generations:
-        raise DataError(
-            f"each rank's {per_rank} rows per step hold whole groups of rollout_generations "
-            f"{r.rollout_generations} completions; make it divide the micro-batch x accumulation"
-        )
-    per_batch = per_rank // r.rollout_generations
+    per_batch = run.layout.micro_batch * run.layout.gas // r.rollout_generations  # (derive checked)
     return SampledRollouts(sample, prompts, score, per_batch, r.rollout_generations,
                            cfg.training.seed, dims.dp_rank, dims.dp, run.device, group)  # fmt: skip
 

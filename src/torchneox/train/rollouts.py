@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from torchneox.base.errors import DataError
+from torchneox.data.loader import stack
 from torchneox.train.reinforce import advantage_mode, advantages
 
 IGNORE = -100
@@ -54,11 +55,6 @@ def row_arrays(row: Row, seq_length: int) -> dict[str, np.ndarray]:
         "advantage": np.asarray([row.advantage], dtype=np.float32),
         "raw_reward": np.asarray([row.reward], dtype=np.float32),
     }
-
-
-def stack_rows(rows: list[Row], seq_length: int) -> dict[str, torch.Tensor]:
-    arrays = [row_arrays(r, seq_length) for r in rows]
-    return {k: torch.from_numpy(np.stack([a[k] for a in arrays])) for k in arrays[0]}
 
 
 class RolloutBatches:
@@ -104,9 +100,10 @@ class RolloutBatches:
         return self.micro_batch * self.gas
 
     def next(self) -> list[dict[str, torch.Tensor]]:
-        if self.steps % self.updates == 0 or self.batches is None:
-            if self.steps % self.updates == 0:
-                self._new_cycle()
+        if self.steps % self.updates == 0:  # a new rollout batch
+            self._new_cycle()
+            self.batches = None
+        if self.batches is None:  # (or the current one, resumed)
             self.batches = self._micro_batches()
         self.steps += 1
         return self.batches
@@ -144,8 +141,8 @@ class RolloutBatches:
 
     def _micro_batches(self) -> list[dict[str, torch.Tensor]]:
         mb = self.micro_batch
-        out = [stack_rows(self.cycle[m * mb : (m + 1) * mb], self.seq_length) for m in
-               range(self.gas)]  # fmt: skip
+        rows = [row_arrays(r, self.seq_length) for r in self.cycle]
+        out = [stack(rows[m * mb : (m + 1) * mb]) for m in range(self.gas)]
         if self.updates > 1:
             if self.cycle_logp is None:
                 logps = self.old_logp(out)
