@@ -24,6 +24,7 @@ $(STAMP): pyproject.toml
 	fi
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q --no-deps "mup>=1.0"
 	@touch $(STAMP)
 
 demo: $(STAMP)
