@@ -177,6 +177,7 @@ VARIANTS = {
     "learned": {"pos_emb": "learned", "opt_pos_emb_offset": 2},
     "sinusoidal": {"pos_emb": "sinusoidal"},
     "alibi": {"pos_emb": "alibi"},
+    "rpe": {"pos_emb": "rpe", "rpe_num_buckets": 8, "rpe_max_distance": 16},
     "none": {"pos_emb": "none"},
     "rmsnorm-swiglu-gqa": {
         "pos_emb": "rotary",

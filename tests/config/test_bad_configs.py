@@ -504,10 +504,10 @@ CASES = [
     ),
     ("unsupported-mup", {"a.yml": "{use_mup: true}"}, [], ["use_mup: muP is not supported"]),
     (
-        "unsupported-rpe",
-        {"a.yml": "{pos_emb: rpe}"},
+        "rpe-max-distance-inside-the-exact-buckets",
+        {"a.yml": "{pos_emb: rpe, rpe_num_buckets: 32, rpe_max_distance: 16}"},
         [],
-        ["pos_emb: 'rpe' (T5 relative position buckets) is not supported"],
+        ["a.yml: rpe_max_distance: 16 must exceed rpe_num_buckets / 2 = 16"],
     ),
     (
         "dpo-without-pairs",

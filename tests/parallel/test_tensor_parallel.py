@@ -106,3 +106,33 @@ def test_moe_under_tensor_parallelism_equals_one_process(moe_config, tmp_path):
     baseline = reference(tmp_path / "one")
     train(moe_config, f"save={tmp_path / 'tp'}", "load=null", "model_parallel_size=2", nproc=2)
     assert_same_training(tmp_path / "tp", baseline)
+
+
+POSITIONS = {
+    # ALiBi's slopes and T5's relative table are cut to each rank's heads; learned positions
+    # are whole on every rank
+    "alibi": ["pos_emb=alibi"],
+    "rpe-sequence-parallel": [
+        "pos_emb=rpe",
+        "rpe_num_buckets=8",
+        "rpe_max_distance=16",
+        "sequence_parallel=true",
+    ],
+    "learned": ["pos_emb=learned"],
+}
+
+
+@pytest.mark.parametrize("positions", list(POSITIONS))
+def test_position_schemes_under_tensor_parallelism_equal_one_process(untied, tmp_path, positions):
+    keys = [k for k in POSITIONS[positions] if not k.startswith("sequence")]
+    train(untied, f"save={tmp_path / 'one'}", "load=null", *keys)
+    out = tmp_path / "tp"
+    train(
+        untied, f"save={out}", "load=null", "model_parallel_size=2", *POSITIONS[positions], nproc=2
+    )
+    assert_same_training(out, reference(tmp_path / "one"))
+
+
+def test_relative_positions_resume_from_tensor_parallel_into_one_process(untied, tmp_path):
+    rpe = ["pos_emb=rpe", "rpe_num_buckets=8", "rpe_max_distance=16", "train_iters=6"]
+    assert_resumes_like_whole(untied, tmp_path, rpe, ["model_parallel_size=2", *rpe], 2, rpe, 1)

@@ -184,11 +184,20 @@ def _tied_embeddings(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
 
 def _tensor_parallel_positions(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     pos = cfg.model.pos_emb
-    if lay.tp > 1 and pos not in ("rotary", "none"):
+    if lay.sequence_parallel and pos in ("learned", "sinusoidal"):
         return _refuse(
-            f"pos_emb {pos!r} with model_parallel_size > 1 is not built yet; use rotary or none",
+            f"pos_emb {pos!r} with sequence_parallel is not built yet (each rank would add its "
+            "slice of the positions); use it without sequence_parallel, or rotary, alibi or rpe",
             key="pos_emb",
-            cause="model_parallel_size",
+            cause="sequence_parallel",
+        )
+    if lay.pp > 1 and pos == "rpe":
+        return _refuse(
+            "pos_emb 'rpe' with pipe_parallel_size >= 2 is not built (every layer reads one "
+            "table; GPT-NeoX's stages would each train their own copy); use data, ZeRO or "
+            "tensor parallelism",
+            key="pos_emb",
+            cause="pipe_parallel_size",
         )
     return None
 

@@ -123,7 +123,9 @@ class ModelConfig:
     )
     use_bias_in_mlp: bool = key(True, "Give the MLP projections biases.")
     pos_emb: Literal["learned", "rotary", "sinusoidal", "rpe", "alibi", "none"] = key(
-        "learned", "Position scheme: learned, rotary, sinusoidal, alibi or none (rpe is refused)."
+        "learned",
+        "Position scheme: learned, rotary, sinusoidal, rpe (T5's relative position buckets), "
+        "alibi or none.",
     )
     rotary_pct: float = key(
         1.0, "Fraction of each head's dimensions that rotary embeddings rotate."
@@ -144,15 +146,14 @@ class ModelConfig:
         "Store rotary inverse frequencies in checkpoints.",
         "rotary frequencies are recomputed from rotary_emb_base, never stored",
     )
-    rpe_num_buckets: int = no_effect(
+    rpe_num_buckets: int = key(
         32,
-        "Buckets of T5-style relative positions.",
-        "only used by pos_emb 'rpe', which is refused",
+        "Buckets of T5-style relative positions (pos_emb rpe): half exact distances, half "
+        "logarithmic up to rpe_max_distance.",
+        ge=2,
     )
-    rpe_max_distance: int = no_effect(
-        128,
-        "Largest distance of T5-style relative positions.",
-        "only used by pos_emb 'rpe', which is refused",
+    rpe_max_distance: int = key(
+        128, "Distance from which T5-style relative positions share the last bucket.", ge=1
     )
     opt_pos_emb_offset: int = key(
         0, "Offset added to positions of learned embeddings (2 for OPT checkpoints).", ge=0

@@ -182,9 +182,11 @@ def _attention_free(attention_config: Any) -> bool:
 
 def _check_positions(ch: Checker) -> None:
     m = ch.c.model
-    if m.pos_emb == "rpe":
+    if m.pos_emb == "rpe" and m.rpe_max_distance <= m.rpe_num_buckets // 2:
         ch.fail(
-            "pos_emb", "'rpe' (T5 relative position buckets) is not supported; use rotary or alibi"
+            "rpe_max_distance",
+            f"{m.rpe_max_distance} must exceed rpe_num_buckets / 2 = {m.rpe_num_buckets // 2} "
+            "(the exact buckets; the logarithmic ones reach up to rpe_max_distance)",
         )
     if m.pos_emb == "rotary" and not _attention_free(m.attention_config):
         if not 0.0 < m.rotary_pct <= 1.0:

@@ -157,12 +157,16 @@ def _optimizer_readable(args: ModelArgs, step_dir: Path, cfg: Any) -> None:
             "yet: convert the weights without it (the run continues with a fresh optimizer)",
             source=str(step_dir),
         )
-    if "rwkv" in args.layer_types:
-        raise NeoXCheckpointError(
-            "--with-optimizer does not read the optimizer state of RWKV layers yet; convert "
-            "the weights without it",
-            source=str(step_dir),
-        )
+    for what, unread in (
+        ("RWKV layers", "rwkv" in args.layer_types),
+        ("pos_emb rpe", args.pos_emb == "rpe"),
+    ):
+        if unread:
+            raise NeoXCheckpointError(
+                f"--with-optimizer does not read the optimizer state of {what} yet; convert "
+                "the weights without it",
+                source=str(step_dir),
+            )
 
 
 def _vocab_from_weights(loaded: LoadedConfig, layers: dict) -> bool:

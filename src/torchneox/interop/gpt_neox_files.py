@@ -53,7 +53,7 @@ SPLIT_ROWS = (
 )
 
 
-SPLIT_COLUMNS = ("attention.dense.weight", "mlp.linear2.weight")
+SPLIT_COLUMNS = ("attention.dense.weight", "mlp.linear2.weight", "attention.rpe.weight")
 
 
 class Foreign:
@@ -417,6 +417,8 @@ def model_state(
     out = {"embed.weight": layers[0]["word_embeddings.weight"]}
     if "position_embeddings.weight" in layers[0]:
         out["pos_embed.weight"] = layers[0]["position_embeddings.weight"]
+    if "attention.rpe.weight" in layers.get(2, {}):  # one table, saved with every layer
+        out["rpe.weight"] = layers[2]["attention.rpe.weight"]
     for i in range(n):
         if args.layer_type(i) == "rwkv":
             out |= rwkv_tensors(f"layers.{i}.", layers[i + 2])

@@ -57,6 +57,9 @@ class ModelArgs:
     """The attention output projection's bias (Qwen2: none, while q, k, v have one)."""
     rope_scaling: tuple[tuple[str, float], ...] = ()
     """(("type", ...), (field, value), ...): rotary frequency scaling, empty for none."""
+    rpe_buckets: int = 32
+    rpe_max_distance: int = 128
+    """pos_emb rpe: T5's relative position buckets (rpe_num_buckets, rpe_max_distance)."""
     moe_num_experts: int = 1
     moe_top_k: int = 1
     moe_interval: int = 1
@@ -157,12 +160,7 @@ class ModelArgs:
                 else m.attention_output_bias
             ),
             mlp_bias=m.use_bias_in_mlp,
-            pos_emb=m.pos_emb,
-            rotary_dims=rotary_dims(cfg.model),
-            rotary_base=float(m.rotary_emb_base),
-            rope_scaling=_rope_scaling(m.rope_scaling),
-            max_positions=m.max_position_embeddings or m.seq_length,
-            pos_offset=m.opt_pos_emb_offset,
+            **_positions(cfg),
             tied_embeddings=not m.no_weight_tying,
             parallel_residual=m.gpt_j_residual,
             shared_norm=m.gpt_j_tied,
@@ -184,6 +182,21 @@ class ModelArgs:
             cpu_matmul=cfg.precision.cpu_matmul,
             **_layer_families(cfg),
         )
+
+
+def _positions(cfg: NeoXConfig) -> dict:
+    """The position scheme and what it reads (ModelArgs' fields by name)."""
+    m = cfg.model
+    return {
+        "pos_emb": m.pos_emb,
+        "rotary_dims": rotary_dims(cfg.model),
+        "rotary_base": float(m.rotary_emb_base),
+        "rope_scaling": _rope_scaling(m.rope_scaling),
+        "max_positions": m.max_position_embeddings or m.seq_length,
+        "pos_offset": m.opt_pos_emb_offset,
+        "rpe_buckets": m.rpe_num_buckets,
+        "rpe_max_distance": m.rpe_max_distance,
+    }
 
 
 def _layer_families(cfg: NeoXConfig) -> dict:

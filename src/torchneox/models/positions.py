@@ -133,6 +133,27 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
+def relative_position_buckets(
+    distance: torch.Tensor, num_buckets: int, max_distance: int
+) -> torch.Tensor:
+    """T5's causal buckets of ``distance`` (query position - key position, >= 0 where a key
+    may be seen): the first num_buckets / 2 distances exact, then logarithmic up to
+    max_distance, every longer distance in the last bucket (GPT-NeoX's
+    ParallelRelativePositionBias with causal=True)."""
+    n = distance.clamp(min=0)
+    exact = num_buckets // 2
+    far = (
+        exact
+        + (
+            torch.log(n.float().clamp(min=1) / exact)
+            / math.log(max_distance / exact)
+            * (num_buckets - exact)
+        ).long()
+    )
+    far = far.clamp(max=num_buckets - 1)
+    return torch.where(n < exact, n, far)
+
+
 def sinusoidal_table(dim: int, length: int) -> torch.Tensor:
     """[length, dim]: sin of every frequency, then cos of every frequency."""
     inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))

@@ -3,6 +3,7 @@
 Parallelism is applied from outside. Parameter names are stable:
 
     embed.weight                      pos_embed.weight (learned positions)
+    rpe.weight (pos_emb rpe: [buckets, heads], shared by every layer, as in GPT-NeoX)
     layers.{i}.attention_norm.*       layers.{i}.attention.{wq,wk,wv,wo}.{weight,bias}
     layers.{i}.attention.{qk_norm,q_norm,k_norm}.* (use_qk_layernorm, by qk_norm_scope)
     layers.{i}.mlp_norm.*             layers.{i}.mlp.{up,gate,down}.{weight,bias}
@@ -34,7 +35,12 @@ from torchneox.models.mixers.attention import (
 )
 from torchneox.models.moe import RouterStats
 from torchneox.models.norms import build_norm
-from torchneox.models.positions import alibi_slopes, rotary_tables, sinusoidal_table
+from torchneox.models.positions import (
+    alibi_slopes,
+    relative_position_buckets,
+    rotary_tables,
+    sinusoidal_table,
+)
 
 
 def _param_seed(seed: int, name: str) -> int:
@@ -81,6 +87,8 @@ def init_parameter(args: ModelArgs, name: str, param: torch.Tensor, seed: int) -
     module, _, leaf = name.rpartition(".")
     local, where = local_part(param)
     init = special_init(args, name)
+    if name == "rpe.weight":  # GPT-NeoX's ParallelRelativePositionBias: xavier normal
+        init = init_function("xavier_normal", args.init_std, args.num_layers, args.hidden_size)
     if init is None and not is_drawn(name):
         scale = module.endswith("norm") and leaf in ("weight", "g")
         local.fill_(1.0 if scale else 0.0)
@@ -111,6 +119,11 @@ class Transformer(nn.Module):
             else None
         )
         self.embed_dropout = nn.Dropout(args.hidden_dropout)
+        # T5's relative position bias, one table for every layer (GPT-NeoX hands each layer
+        # the same module); a lookup by bucket, so tensor parallelism splits its heads
+        self.rpe = nn.Embedding(args.rpe_buckets, args.num_heads) if args.pos_emb == "rpe" else None
+        self.tp_heads: tuple[int, int] | None = None
+        """The heads this tensor rank holds (ALiBi's slopes are cut to them)."""
         # a ModuleDict keyed by layer index keeps names stable when pipeline stages drop layers
         self.layers = nn.ModuleDict({str(i): Block(args, i) for i in range(args.num_layers)})
         self.final_norm = build_norm(args.norm, h, args.norm_eps, args.norm_bias)
@@ -141,7 +154,10 @@ class Transformer(nn.Module):
             table = sinusoidal_table(a.hidden_size, a.max_positions)
             self.register_buffer("sin_table", table.to(device), persistent=False)
         elif a.pos_emb == "alibi":
-            self.register_buffer("alibi", alibi_slopes(a.num_heads).to(device), persistent=False)
+            slopes = alibi_slopes(a.num_heads)
+            if self.tp_heads is not None:
+                slopes = slopes[self.tp_heads[0] : self.tp_heads[1]]
+            self.register_buffer("alibi", slopes.to(device), persistent=False)
 
     def init_buffers(self, device: torch.device | str) -> None:
         """Recompute the position tables on ``device`` (after ``to_empty``), and the layers'
@@ -193,7 +209,8 @@ class Transformer(nn.Module):
         static: StaticKVCache | None = None,
     ) -> AttentionBias:
         a = self.args
-        extras = key_valid_BS is not None or a.sliding_window is not None or a.pos_emb == "alibi"
+        extras = key_valid_BS is not None or a.sliding_window is not None
+        extras = extras or a.pos_emb in ("alibi", "rpe")
         extras = extras or segments_BT is not None or context is not None or static is not None
         if not extras and start == 0:
             return AttentionBias(None, is_causal=True)
@@ -219,12 +236,22 @@ class Transformer(nn.Module):
             allowed = (allowed & key_valid_BS[:, None, None, :]) | (k == q)[None, None]
         gather = context.gather if context is not None else None
         positions = (q[:, 0], k[0]) if context is not None or static is not None else None
-        if a.pos_emb != "alibi":
+        if a.pos_emb not in ("alibi", "rpe"):
             return AttentionBias(allowed, False, gather, key_valid_BS, positions)
-        distance = (q - k).clamp(min=0).float()
-        scores = -self.alibi[:, None, None] * distance[None]  # [H, T, S]
-        mask = scores[None].masked_fill(~allowed, float("-inf"))
+        mask = self._position_scores(q - k)[None].masked_fill(~allowed, float("-inf"))
         return AttentionBias(mask, False, gather, key_valid_BS, positions)
+
+    def _position_scores(self, distance: torch.Tensor) -> torch.Tensor:
+        """[heads, T, S] what ALiBi or T5's relative positions add to the attention scores
+        at ``distance`` (query position - key position), for the heads this rank holds. The
+        relative bias is scaled by sqrt(head_dim), as GPT-NeoX scales it: added to scores
+        already divided by that."""
+        a = self.args
+        if a.pos_emb == "alibi":
+            return -self.alibi[:, None, None] * distance.clamp(min=0).float()[None]
+        buckets = relative_position_buckets(distance, a.rpe_buckets, a.rpe_max_distance)
+        bias = self.rpe(buckets).float().permute(2, 0, 1)  # [T, S, heads] -> [heads, T, S]
+        return bias * a.head_dim**0.5
 
     def _rope(
         self, positions_BT: torch.Tensor | None, start: int, t: int, length: int | None = None

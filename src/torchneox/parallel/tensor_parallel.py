@@ -42,6 +42,8 @@ def split_dim(name: str) -> int | None:
     module, _, leaf = name.rpartition(".")
     if module in VOCAB_SPLIT and leaf == "weight":
         return 0
+    if name == "rpe.weight":  # [buckets, heads]: each rank its heads
+        return 1
     if module.endswith(COLUMN_SPLIT):
         return 0
     if module.endswith(ROW_SPLIT) and leaf == "weight":
@@ -51,7 +53,7 @@ def split_dim(name: str) -> int | None:
 
 def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """Split every layer over ``mesh`` (a layout ``config.layout.check_layout`` accepted:
-    untied embeddings, rotary or no positions, no sequence parallelism with MoE layers)."""
+    untied embeddings, no sequence parallelism with MoE layers)."""
     seq = Shard(1) if sequence_parallel else Replicate()
     top = {}
     # a pipeline stage may hold neither end; with sequence parallelism the hidden states pass
@@ -64,8 +66,11 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
         )
         if sequence_parallel:
             top["final_norm"] = SequenceParallel()
+    if model.rpe is not None:  # the relative position table, split by heads
+        top["rpe"] = ColwiseParallel(input_layouts=Replicate())
     if top:
         parallelize_module(model, mesh, top)
+    _keep_heads(model, mesh)
     for block in model.layers.values():
         # (an MoE layer's experts are whole on every tensor rank, as the tokens are without
         # sequence parallelism: each rank computes the same expert outputs)
@@ -87,6 +92,15 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
         if isinstance(getattr(block, "attention", None), SparseAttention):
             # its layout per head follows the heads this rank holds
             block.attention.keep_heads(mesh.get_local_rank(), mesh.size())
+
+
+def _keep_heads(model: Transformer, mesh: DeviceMesh) -> None:
+    """ALiBi's slopes cut to the heads this rank holds (whole heads per rank, in order)."""
+    per_rank = model.args.num_heads // mesh.size()
+    first = mesh.get_local_rank() * per_rank
+    model.tp_heads = (first, first + per_rank)
+    if model.args.pos_emb == "alibi":
+        model.init_buffers(model.alibi.device)
 
 
 def _linear(block: nn.Module, name: str) -> bool:

@@ -97,7 +97,7 @@ def choose_cpu_attention(
     if device.type != "cpu" or precision == "fp32" or (dims.cp > 1 and mode == "auto"):
         return
     micro_batch, length = shape
-    masked = masked or args.sliding_window is not None or args.pos_emb == "alibi"
+    masked = masked or args.sliding_window is not None or args.pos_emb in ("alibi", "rpe")
     fp32 = cpu_attention_in_fp32(
         mode, DTYPES[precision], micro_batch, args, length, masked, dims.tp
     )
