@@ -22,10 +22,12 @@ from torchneox.train.checkpoint_format import (
     read_meta,
     resolve,
     save_checkpoint,
+    step_dir_name,
     step_dirs,
 )
 from torchneox.train.fine_tuning import no_weights_to_fine_tune
 from torchneox.train.optim import load_optimizer_state
+from torchneox.train.s3_upload import S3Uploads
 from torchneox.train.weights import load_model_weights
 
 
@@ -85,6 +87,9 @@ class CheckpointManager:
             self.background = BackgroundSaves(
                 self.save_dir, config_yaml, line, ck.async_checkpoint_writer
             )
+        self.uploads = None  # s3_path: rank 0 copies each committed checkpoint to S3
+        if self.save_dir is not None and ck.s3_path and is_rank0:
+            self.uploads = S3Uploads(ck.s3_path, ck.s3_chunk_size, self.save_dir, line)
 
     def last_good(self) -> str:
         latest = self.save_dir / "latest" if self.save_dir is not None else None
@@ -122,20 +127,37 @@ class CheckpointManager:
             path = save_checkpoint(self.save_dir, iteration, tensors, self.config_yaml, meta)
         except CheckpointWriteError as e:
             raise TrainingStopped(str(e)) from None
-        self._rotate()
+        self._committed(iteration)
         return path
 
     def poll(self) -> None:
         """Finish a background save whose files every rank has written (at a step boundary)."""
-        if self.background is not None and self.background.finish(wait=False):
-            self._rotate()
+        iteration = self._in_flight()
+        if iteration is not None and self.background.finish(wait=False):
+            self._committed(iteration)
 
     def finish(self) -> None:
-        """Wait for a background save and finish it (before the run ends)."""
+        """Wait for a background save and finish it, then for the last upload (before the
+        run ends)."""
         if self.background is not None:
-            if self.background.finish(wait=True):
-                self._rotate()
+            iteration = self._in_flight()
+            if iteration is not None and self.background.finish(wait=True):
+                self._committed(iteration)
             self.background.close()
+        if self.uploads is not None:
+            self.uploads.finish()
+
+    def _in_flight(self) -> int | None:
+        """The step of the background save being written, if any."""
+        pending = self.background.pending if self.background is not None else None
+        return pending[0] if pending is not None else None
+
+    def _committed(self, iteration: int) -> None:
+        """A checkpoint is complete: upload it (after the previous upload, so that rotation
+        never deletes a directory being uploaded), then rotate."""
+        if self.uploads is not None:
+            self.uploads.start(self.save_dir / step_dir_name(iteration))
+        self._rotate()
 
     def _rotate(self) -> None:
         keep = self.ck.keep_last_n_checkpoints
