@@ -56,8 +56,9 @@ def _files(folder: Path) -> dict[str, bytes]:
     }
 
 
+@pytest.mark.parametrize("background", [False, True], ids=["saved_in_step", "async_save"])
 def test_each_save_is_uploaded_byte_for_byte_under_gpt_neox_keys(
-    s3_server, make_config, tmp_path, capsys
+    s3_server, make_config, tmp_path, capsys, background
 ):
     client = boto3.client("s3")
     client.create_bucket(Bucket="ckpts")
@@ -69,6 +70,8 @@ def test_each_save_is_uploaded_byte_for_byte_under_gpt_neox_keys(
         load=str(save),
         s3_path="s3://ckpts/runs/",
         s3_chunk_size=5 * 2**20,
+        async_checkpointing=background,
+        async_checkpoint_writer="thread",  # (only read with async_checkpointing)
     )
     assert main(["train", cfg, "--device", "cpu"]) == 0
     out = capsys.readouterr().out

@@ -121,6 +121,7 @@ class CheckpointManager:
             "has_reference": "reference" in tensors,
         }
         if self.background is not None:  # async_checkpointing: finished at a later step
+            self._finish_background(wait=True)  # the previous one first (uploaded, rotated)
             self.background.start(iteration, tensors, meta)
             return None
         try:
@@ -132,25 +133,22 @@ class CheckpointManager:
 
     def poll(self) -> None:
         """Finish a background save whose files every rank has written (at a step boundary)."""
-        iteration = self._in_flight()
-        if iteration is not None and self.background.finish(wait=False):
-            self._committed(iteration)
+        self._finish_background(wait=False)
 
     def finish(self) -> None:
         """Wait for a background save and finish it, then for the last upload (before the
         run ends)."""
         if self.background is not None:
-            iteration = self._in_flight()
-            if iteration is not None and self.background.finish(wait=True):
-                self._committed(iteration)
+            self._finish_background(wait=True)
             self.background.close()
         if self.uploads is not None:
             self.uploads.finish()
 
-    def _in_flight(self) -> int | None:
-        """The step of the background save being written, if any."""
+    def _finish_background(self, wait: bool) -> None:
+        """Finish the background save in flight, if any (``wait``: until it is written)."""
         pending = self.background.pending if self.background is not None else None
-        return pending[0] if pending is not None else None
+        if pending is not None and self.background.finish(wait=wait):
+            self._committed(pending[0])
 
     def _committed(self, iteration: int) -> None:
         """A checkpoint is complete: upload it (after the previous upload, so that rotation
