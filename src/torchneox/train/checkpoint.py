@@ -27,7 +27,7 @@ from torchneox.train.checkpoint_format import (
 )
 from torchneox.train.fine_tuning import no_weights_to_fine_tune
 from torchneox.train.optim import load_optimizer_state
-from torchneox.train.s3_upload import S3Uploads
+from torchneox.train.s3_upload import S3Uploads, require_boto3
 from torchneox.train.weights import load_model_weights
 
 
@@ -88,8 +88,10 @@ class CheckpointManager:
                 self.save_dir, config_yaml, line, ck.async_checkpoint_writer
             )
         self.uploads = None  # s3_path: rank 0 copies each committed checkpoint to S3
-        if self.save_dir is not None and ck.s3_path and is_rank0:
-            self.uploads = S3Uploads(ck.s3_path, ck.s3_chunk_size, self.save_dir, line)
+        if self.save_dir is not None and ck.s3_path:
+            require_boto3()
+            if is_rank0:
+                self.uploads = S3Uploads(ck.s3_path, ck.s3_chunk_size, self.save_dir, line)
 
     def last_good(self) -> str:
         latest = self.save_dir / "latest" if self.save_dir is not None else None

@@ -34,9 +34,9 @@ def remote_dir(s3_path: str, save: str | Path, step_dir_name: str) -> str:
     return f"{s3_path.rstrip('/')}/{name}/{step_dir_name}"
 
 
-def boto3_client() -> Any:
-    """An S3 client from the usual AWS settings (credentials, region and AWS_ENDPOINT_URL from
-    the environment or ~/.aws); boto3 missing is a one-line ConfigError."""
+def require_boto3() -> Any:
+    """boto3, or a one-line ConfigError saying what to install (asked on every rank, so that
+    all of them stop, not rank 0 alone)."""
     try:
         import boto3
     except ImportError:
@@ -45,7 +45,7 @@ def boto3_client() -> Any:
             "pip install torchneox[s3] (or remove s3_path)",
             key="s3_path",
         ) from None
-    return boto3.client("s3")
+    return boto3
 
 
 class S3Uploads:
@@ -54,7 +54,8 @@ class S3Uploads:
     def __init__(self, s3_path: str, chunk_size: int, save: Path, line: Any) -> None:
         self.s3_path, self.chunk_size, self.save, self.line = s3_path, chunk_size, save, line
         self.bucket, self.prefix = split_s3_path(s3_path)
-        self.client = boto3_client()
+        # credentials, region and AWS_ENDPOINT_URL from the environment or ~/.aws
+        self.client = require_boto3().client("s3")
         self.thread: threading.Thread | None = None
         self.done: list[str] = []
         self.failed: list[str] = []
