@@ -120,6 +120,10 @@ SEQLEN = {
 def test_data_efficiency_seqlen_is_the_sequence_length_curriculum(make_config):
     cfg = make_config(data_efficiency=_data_efficiency({"seqlen_truncate": SEQLEN}))
     cur = curriculum(load_config([cfg]).config)
+    assert (
+        "from data_efficiency's seqlen_truncate metric"
+        in derive(load_config([cfg])).reasons["curriculum"]
+    )
     # floor(k/10 x (32 - 8) + 8) down to a multiple of 8 (DeepSpeed's fixed_linear)
     assert [cur.length(k) for k in (1, 3, 4, 6, 7, 10, 11)] == [8, 8, 16, 16, 24, 32, 32]
     off = _data_efficiency({"seqlen_truncate": SEQLEN})
@@ -165,3 +169,13 @@ def test_two_curricula_are_refused(make_config, capsys):
     )
     err = _one_line_error(capsys, ["config", "explain", cfg])
     assert "its seqlen curriculum and curriculum_learning are both enabled; keep one" in err
+
+
+def test_a_run_with_data_efficiency_trains_on_the_scheduled_lengths(make_config, tmp_path):
+    cfg = make_config(
+        data_efficiency=_data_efficiency({"seqlen_truncate": SEQLEN}), train_iters=4, load=None
+    )
+    Trainer(load_config([cfg]), device="cpu").run()
+    rows = [r for r in metric_rows(tmp_path / "run") if "lm_loss" in r]
+    # floor(k/10 x 24 + 8) down to a multiple of 8: 10.4, 12.8, 15.2, 17.6 -> 8, 8, 8, 16
+    assert [r["curriculum_seqlen"] for r in rows] == [8, 8, 8, 16]

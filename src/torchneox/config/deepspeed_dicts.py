@@ -207,6 +207,10 @@ def derive_deepspeed_dicts(cfg: Any, out: Derived) -> None:
             "the run waits for the last upload at its end; a failed upload is reported and "
             "training goes on",
         )
+    if "curriculum" in out.values and not (cfg.training.curriculum_learning or {}).get("enabled"):
+        out.reasons["curriculum"] = (
+            f"from data_efficiency's {SEQLEN_METRIC} metric; " + out.reasons["curriculum"]
+        )
     level = amp_level(cfg.precision)
     if level is not None:
         why = AMP_LEVELS.get(level, level)
