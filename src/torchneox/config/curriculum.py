@@ -79,8 +79,11 @@ class Curriculum:
 
 
 def curriculum(cfg: Any) -> Curriculum | None:
-    """The curriculum of a checked config; None when curriculum_learning is off."""
+    """The curriculum of a checked config (curriculum_learning, or data_efficiency's seqlen
+    metric); None when neither is on."""
     c = cfg.training.curriculum_learning
+    if not c or not c.get("enabled", False):
+        c = seqlen_metric(cfg.deepspeed.data_efficiency)
     if not c or not c.get("enabled", False):
         return None
     return Curriculum(
@@ -89,13 +92,55 @@ def curriculum(cfg: Any) -> Curriculum | None:
 
 
 NAME = "curriculum_learning"
+DE_CURRICULUM = "data_sampling.curriculum_learning"
+SEQLEN_METRIC = "seqlen_truncate"
+"""DeepSpeed's data_efficiency metric that cuts each sample to the scheduled length (as
+Megatron-DeepSpeed applies it): the one that is the same as curriculum_learning's seqlen."""
+METRIC_KEYS = ("index_to_sample_path", "index_to_metric_path", "difficulty_type", "clustering_type")
+"""Entries of a data_efficiency metric that only DeepSpeed's data analyzer and sampler read."""
+
+
+def seqlen_metric(de: Any) -> dict[str, Any] | None:
+    """data_efficiency's seqlen_truncate metric as a curriculum_learning dict (enabled when
+    data_efficiency, its data_sampling and its curriculum_learning all are); None without it."""
+    if not isinstance(de, dict):
+        return None
+    sampling = de.get("data_sampling") or {}
+    cur = sampling.get("curriculum_learning") or {} if isinstance(sampling, dict) else {}
+    metrics = cur.get("curriculum_metrics") if isinstance(cur, dict) else None
+    if not isinstance(metrics, dict) or not isinstance(metrics.get(SEQLEN_METRIC), dict):
+        return None
+    on = all(bool(d.get("enabled", False)) for d in (de, sampling, cur))
+    given = {k: v for k, v in metrics[SEQLEN_METRIC].items() if k not in METRIC_KEYS}
+    return {"enabled": on, "curriculum_type": "seqlen", **given}
+
+
+class _Scoped:
+    """A Checker whose failures name the data_efficiency entry the curriculum came from."""
+
+    def __init__(self, ch: Checker, where: str) -> None:
+        self.ch, self.c, self.where = ch, ch.c, where
+
+    def fail(self, key: str, message: str, *, path: str | None = None) -> None:
+        self.ch.fail("data_efficiency", f"{self.where}: {message}", path=self.where)
 
 
 def check_curriculum(ch: Checker) -> None:
     """Each mistake in the dict, and the layouts the cut is not built for, in one line."""
     c = ch.c.training.curriculum_learning
-    if c is None:
-        return
+    metric = seqlen_metric(ch.c.deepspeed.data_efficiency)
+    if metric is not None:
+        if c and c.get("enabled", False):
+            ch.fail(
+                "data_efficiency",
+                "its seqlen curriculum and curriculum_learning are both enabled; keep one",
+            )
+        _check_dict(_Scoped(ch, f"{DE_CURRICULUM}.curriculum_metrics.{SEQLEN_METRIC}"), metric)
+    if c is not None:
+        _check_dict(ch, c)
+
+
+def _check_dict(ch: Any, c: Any) -> None:
     _known(ch, c, (*KEYS, "schedule_config"), "")
     if not c.get("enabled", False):
         return

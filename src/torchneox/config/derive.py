@@ -13,6 +13,7 @@ from pathlib import Path
 
 from torchneox.base.errors import ConfigError
 from torchneox.config.curriculum import curriculum
+from torchneox.config.deepspeed_dicts import amp_fp16, amp_level, derive_deepspeed_dicts
 from torchneox.config.derive_model import derive_model
 from torchneox.config.derive_rl import derive_rollouts
 from torchneox.config.derived import Derived
@@ -49,6 +50,7 @@ def derive(
     _data(cfg, out)
     derive_rollouts(loaded, out)
     _launch(loaded, out)
+    derive_deepspeed_dicts(cfg, out)
     _no_effect(loaded, out)
     return out
 
@@ -355,6 +357,8 @@ def _precision(cfg: NeoXConfig, out: Derived) -> None:
         precision, why = "fp16", "fp16, because fp16.enabled is true"
     elif bf16_on:
         precision, why = "bfloat16", "bfloat16, because bf16.enabled is true"
+    elif amp_fp16(pr):  # apex AMP at O1/O2 (config/deepspeed_dicts.py)
+        precision, why = "fp16", f"fp16, because amp.enabled is true ({amp_level(pr)})"
     else:
         precision, why = "fp32", "fp32: neither precision nor an enabled fp16/bf16 dict is given"
     if precision == "bfloat16":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torchneox.config.deepspeed_dicts import amp_loss_scale
 from torchneox.config.schema import PrecisionConfig
 
 
@@ -23,7 +24,7 @@ class LossScaleSpec:
 
 def loss_scale_spec(pr: PrecisionConfig) -> LossScaleSpec:
     """fp16's loss scale as the ``precision`` config group sets it."""
-    fp16 = pr.fp16 or {}
+    fp16 = pr.fp16 or amp_loss_scale(pr) or {}  # apex's loss scaling when amp makes it fp16
     return LossScaleSpec(
         static=fp16.get("loss_scale", pr.loss_scale) or 0,
         initial_scale_power=fp16.get("initial_scale_power", 16),

@@ -36,7 +36,14 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "train_iters",
         "curriculum",
     ),
-    "Precision": ("precision", "loss_scale", "gradient_reduce_dtype", "zero_param_dtype", "fp8"),
+    "Precision": (
+        "precision",
+        "amp",
+        "loss_scale",
+        "gradient_reduce_dtype",
+        "zero_param_dtype",
+        "fp8",
+    ),
     "Optimizer": ("optimizer_type", "lr", "weight_decay", "gradient_clipping"),
     "Learning-rate schedule": ("lr_schedule", "lr_decay_iters", "warmup_iters"),
     "Model": (
@@ -58,6 +65,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "flops_per_token",
     ),
     "Data": ("data",),
+    "Checkpoints": ("s3_upload",),
     "Rollouts": SECTION,
     "Launch": ("launch",),
 }

@@ -336,11 +336,17 @@ class DeepSpeedConfig:
         "DeepSpeed elastic training.",
         "DeepSpeed elasticity is not supported; use torchrun --nnodes MIN:MAX",
     )
-    sparse_attention: dict[str, Any] | None = unsupported(
-        None, "DeepSpeed sparse attention.", "sparse attention is not supported"
+    sparse_attention: dict[str, Any] | None = no_effect(
+        None,
+        "DeepSpeed sparse attention.",
+        "DeepSpeed only parses it; block-sparse layers come from attention_config and "
+        "sparsity_config",
     )
-    data_efficiency: dict[str, Any] | None = unsupported(
-        None, "DeepSpeed data efficiency.", "DeepSpeed data efficiency is not supported"
+    data_efficiency: dict[str, Any] | None = key(
+        None,
+        "DeepSpeed data efficiency: data_sampling.curriculum_learning's seqlen_truncate metric "
+        "is the sequence-length curriculum (as curriculum_learning); other metrics and "
+        "data_routing (random-LTD) are DeepSpeed-only and refused.",
     )
     compression_training: dict[str, Any] | None = unsupported(
         None, "DeepSpeed compression.", "DeepSpeed compression training is not supported"

@@ -116,10 +116,11 @@ class OptimizerConfig:
         "Use bitsandbytes 8-bit optimizers.",
         "bitsandbytes 8-bit optimizers are not supported; remove use_bnb_optimizer",
     )
-    scheduler: dict[str, Any] | None = unsupported(
+    scheduler: dict[str, Any] | None = no_effect(
         None,
         "A DeepSpeed LR scheduler.",
-        "DeepSpeed schedulers are not supported; use lr_decay_style, warmup and min_lr",
+        "GPT-NeoX hands DeepSpeed its own schedule, which wins over this dict; the schedule "
+        "comes from lr_decay_style, warmup and min_lr",
     )
 
 
@@ -203,8 +204,11 @@ class PrecisionConfig:
         "loss_scale_window, hysteresis, min_loss_scale.",
     )
     bf16: dict[str, Any] | None = key(None, "DeepSpeed bf16 dict: enabled.")
-    amp: dict[str, Any] | None = unsupported(
-        None, "Apex AMP settings.", "apex AMP is not used; set precision instead"
+    amp: dict[str, Any] | None = key(
+        None,
+        "Apex AMP dict (DeepSpeed runs it without fp16/bf16 and ZeRO): enabled with opt_level "
+        "O1/O2 trains in fp16 with fp32 master weights and apex's dynamic loss scale "
+        "(loss_scale, min_loss_scale); O0 is fp32; O3 is refused.",
     )
     loss_scale: float | None = key(
         None, "Static fp16 loss scale; unset (or 0) means dynamic scaling.", ge=0
@@ -442,13 +446,16 @@ class CheckpointConfig:
         "Store a forward pass with the checkpoint and check it on load.",
         "checkpoints carry a manifest that is checked on load instead",
     )
-    s3_path: str | None = unsupported(
+    s3_path: str | None = key(
         None,
-        "Upload checkpoints to S3.",
-        "S3 upload is not supported; sync the save directory yourself",
+        "s3://BUCKET/PREFIX: after each save rank 0 uploads the checkpoint to "
+        "PREFIX/<save's basename>/global_stepN/ in the background (boto3: pip install "
+        "torchneox[s3]; AWS credentials and AWS_ENDPOINT_URL from the environment).",
     )
-    s3_chunk_size: int = no_effect(
-        104857600, "Bytes per S3 upload part.", "S3 upload is not supported"
+    s3_chunk_size: int = key(
+        104857600,
+        "Bytes per part of the S3 multipart uploads (S3 takes parts of 5 MiB or more).",
+        gt=0,
     )
     config_files: dict[str, Any] | None = derived(
         None, "The original config files, stored by GPT-NeoX with each checkpoint."

@@ -14,6 +14,7 @@ from typing import Any
 from torchneox.base.errors import did_you_mean
 from torchneox.config.checker import Checker
 from torchneox.config.curriculum import check_curriculum
+from torchneox.config.deepspeed_dicts import check_deepspeed_dicts
 from torchneox.config.epochs import check_train_epochs
 from torchneox.config.schema import NeoXConfig
 from torchneox.config.validate_model import (
@@ -118,6 +119,7 @@ def validate(config: NeoXConfig, origin: dict[str, str]) -> None:
     _check_data(check)
     check_train_epochs(check)
     check_curriculum(check)
+    check_deepspeed_dicts(check)
     _check_textgen(check)
     _check_post_training(check)
     check_reinforce(check)

@@ -22,10 +22,12 @@ from torchneox.train.checkpoint_format import (
     read_meta,
     resolve,
     save_checkpoint,
+    step_dir_name,
     step_dirs,
 )
 from torchneox.train.fine_tuning import no_weights_to_fine_tune
 from torchneox.train.optim import load_optimizer_state
+from torchneox.train.s3_upload import S3Uploads, require_boto3
 from torchneox.train.weights import load_model_weights
 
 
@@ -85,6 +87,11 @@ class CheckpointManager:
             self.background = BackgroundSaves(
                 self.save_dir, config_yaml, line, ck.async_checkpoint_writer
             )
+        self.uploads = None  # s3_path: rank 0 copies each committed checkpoint to S3
+        if self.save_dir is not None and ck.s3_path:
+            require_boto3()
+            if is_rank0:
+                self.uploads = S3Uploads(ck.s3_path, ck.s3_chunk_size, self.save_dir, line)
 
     def last_good(self) -> str:
         latest = self.save_dir / "latest" if self.save_dir is not None else None
@@ -116,26 +123,41 @@ class CheckpointManager:
             "has_reference": "reference" in tensors,
         }
         if self.background is not None:  # async_checkpointing: finished at a later step
+            self._finish_background(wait=True)  # the previous one first (uploaded, rotated)
             self.background.start(iteration, tensors, meta)
             return None
         try:
             path = save_checkpoint(self.save_dir, iteration, tensors, self.config_yaml, meta)
         except CheckpointWriteError as e:
             raise TrainingStopped(str(e)) from None
-        self._rotate()
+        self._committed(iteration)
         return path
 
     def poll(self) -> None:
         """Finish a background save whose files every rank has written (at a step boundary)."""
-        if self.background is not None and self.background.finish(wait=False):
-            self._rotate()
+        self._finish_background(wait=False)
 
     def finish(self) -> None:
-        """Wait for a background save and finish it (before the run ends)."""
+        """Wait for a background save and finish it, then for the last upload (before the
+        run ends)."""
         if self.background is not None:
-            if self.background.finish(wait=True):
-                self._rotate()
+            self._finish_background(wait=True)
             self.background.close()
+        if self.uploads is not None:
+            self.uploads.finish()
+
+    def _finish_background(self, wait: bool) -> None:
+        """Finish the background save in flight, if any (``wait``: until it is written)."""
+        pending = self.background.pending if self.background is not None else None
+        if pending is not None and self.background.finish(wait=wait):
+            self._committed(pending[0])
+
+    def _committed(self, iteration: int) -> None:
+        """A checkpoint is complete: upload it (after the previous upload, so that rotation
+        never deletes a directory being uploaded), then rotate."""
+        if self.uploads is not None:
+            self.uploads.start(self.save_dir / step_dir_name(iteration))
+        self._rotate()
 
     def _rotate(self) -> None:
         keep = self.ck.keep_last_n_checkpoints
