@@ -123,6 +123,13 @@ def test_save_hf_loads_in_transformers_with_the_trained_logits(tmp_path, tiny_da
     trained = theirs.model.layers[0].self_attn.q_proj.weight
     start = transformers.AutoModelForCausalLM.from_pretrained(folder).model.layers[0]
     assert not torch.equal(trained, start.self_attn.q_proj.weight)  # it did train
+    # the same command again, one step further: it resumes from save's checkpoint (the folder
+    # gave only the first weights), and --force lets save_hf replace the folder it wrote
+    before = (out / "model.safetensors").read_bytes()
+    assert main(["train", cfg, "--set", "train_iters=4", "--force"]) == 0
+    assert "resumed from" in capsys.readouterr().out
+    assert sorted(losses(tmp_path / "run")) == [1, 2, 3, 4]
+    assert (out / "model.safetensors").read_bytes() != before
 
 
 def test_config_explain_shows_the_folder_and_its_keys(tmp_path, tiny_data, capsys):

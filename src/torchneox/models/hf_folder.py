@@ -152,6 +152,6 @@ def explain_note(loaded: LoadedConfig) -> str | None:
     shown = ", ".join(f"{k} {_shown(loaded.config.get(k))}" for k in keys)
     arch = hf.architecture_of(hf.read_config(Path(load)))
     return (
-        f"model: the Hugging Face folder {load} ({arch}), read at step 0 with a fresh optimizer; "
-        f"from its config.json: {shown}"
+        f"model: the Hugging Face folder {load} ({arch}), whose weights a fresh run starts from "
+        f"(step 0, a fresh optimizer); from its config.json: {shown}"
     )

@@ -68,7 +68,14 @@ def load_hf_weights(
     """The folder's weights into ``model`` (whole, or this rank's shards and stages), each
     Hugging Face tensor mapped as ``convert from-hf`` maps it, checked, copied in and dropped;
     a finetune start: step 0, the optimizer fresh."""
-    arch = hf.architecture_of(hf.read_config(folder))
+    hf_cfg = hf.read_config(folder)
+    arch = hf.architecture_of(hf_cfg)
+    if hf_cfg.get("tie_word_embeddings") and not args.tied_embeddings:
+        line(
+            f"warning: {folder / 'config.json'} says tie_word_embeddings, but the folder's "
+            "stored head differs from the embedding: loaded as its own head (untied), as "
+            "transformers loads it"
+        )
     importer = WeightImporter(hf.causal_family(arch), args)
     params = {plain_name(n): p for n, p in model.named_parameters()}
     expected = _expected(args)

@@ -100,7 +100,7 @@ class Trainer:
         self.stop_requested = False
         self._open_outputs()
         # the checkpoint to load, known before building: its weights are not drawn first
-        step_dir = self._start_from(load_step)
+        step_dir = self.checkpoints.start_dir(cfg.checkpoint.load, load_step, post_training(cfg))
         # a run that continues another computes with its kernels: no verdict timed a second time
         step = step_dir.name.removeprefix("global_step") if step_dir is not None else "0"
         cpu_kernels.second_timing = not (step.isdigit() and int(step) > 0)
@@ -139,14 +139,6 @@ class Trainer:
         self.logger = MetricsLogger(
             cfg.logging, Path(log_dir) if log_dir else None, cfg.to_flat(), rank0=self.dims.is_rank0
         )
-
-    def _start_from(self, load_step: int | None) -> Path | None:
-        """The checkpoint ``load`` resumes (or fine-tunes) from, or the Hugging Face folder it
-        names (read at step 0); None to start from scratch."""
-        load = Path(self.cfg.checkpoint.load) if self.cfg.checkpoint.load else None
-        if load is None or is_hf_folder(load):
-            return load
-        return self.checkpoints.find(load, load_step, post_training(self.cfg))
 
     def _fp8(self) -> FP8Plan | None:
         plan = fp8_plan(self.cfg.precision, self.cfg.model)
