@@ -175,8 +175,8 @@ def check_save_hf(loaded: LoadedConfig, force: bool, pp: int) -> None:
 
 
 class _Gathered(Mapping):
-    """The model's tensors under their plain names, each gathered whole when read (every
-    rank reads them in the same order: a DTensor's gather is a collective)."""
+    """The model's tensors under their plain names, each gathered whole (onto the host) when
+    read; every rank reads them in the same order: a DTensor's gather is a collective."""
 
     def __init__(self, model: torch.nn.Module, args: ModelArgs):
         self.params = {plain_name(n): p for n, p in model.named_parameters()}
@@ -184,7 +184,8 @@ class _Gathered(Mapping):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         param = self.params[name].detach()
-        return param.full_tensor() if isinstance(param, DTensor) else param
+        whole = param.full_tensor() if isinstance(param, DTensor) else param
+        return whole.cpu()  # the shard being filled waits in host memory, not the GPU's
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
