@@ -171,3 +171,10 @@ def test_errors_are_one_line(tmp_path, tiny_data, capsys):
     err = one_line_error(capsys, ["train", cfg])
     assert str(taken) in err and "is not empty" in err and "--force" in err
     assert (taken / "keep.txt").read_text() == "mine"
+    # save_hf over the checkpoints, even with --force
+    cfg = write_config(
+        tmp_path / "d.yml", data_path=data, load=str(folder), save=str(taken), save_hf=str(taken)
+    )
+    err = one_line_error(capsys, ["train", cfg, "--force"])
+    assert "save_hf" in err and "would replace the checkpoints in save" in err
+    assert (taken / "keep.txt").read_text() == "mine"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -76,13 +77,20 @@ def load_hf_weights(
             "stored head differs from the embedding: loaded as its own head (untied), as "
             "transformers loads it"
         )
-    importer = WeightImporter(hf.causal_family(arch), args)
+    causal_head = args.value_head and not arch.endswith("ForSequenceClassification")
+    # a reward model from a language model's folder: its head read past, value_head drawn
+    # (as a converted checkpoint's head is, which the reward model does not load)
+    importer = WeightImporter(
+        hf.causal_family(arch), replace(args, value_head=False) if causal_head else args
+    )
     params = {plain_name(n): p for n, p in model.named_parameters()}
     expected = _expected(args)
     placed: set[str] = set()
 
     def place(ready: Mapping[str, torch.Tensor]) -> None:
         for ours, whole in ready.items():
+            if causal_head and ours == "output.weight":
+                continue
             _place(ours, whole, params, expected, folder, importer.source)
             placed.add(ours)
 
