@@ -51,7 +51,11 @@ def _refuse_before_starting(loaded: Any, args: argparse.Namespace) -> None:
     if args.load_step is None:  # as the trainer does first
         refuse_fine_tuning_nothing(loaded)
     derived = derive(loaded, world_size=args.nproc)
-    require(loaded, derived)
+    layout = require(loaded, derived)
+    if loaded.config.checkpoint.save_hf:
+        from torchneox.train.hf_io import check_save_hf  # (imports torch: only when asked)
+
+        check_save_hf(loaded, args.force, layout.pp)
     params = derived["num_parameters"]
     no_gpu = not any(Path(p).exists() for p in ("/proc/driver/nvidia", "/dev/kfd"))
     if args.device == "cpu" or (args.device is None and no_gpu):
@@ -63,8 +67,13 @@ def _refuse_before_starting(loaded: Any, args: argparse.Namespace) -> None:
 def launch_local(args: argparse.Namespace) -> int:
     """The same training command in ``--nproc`` local processes; the exit status."""
     from torchneox.config.load import load_config
+    from torchneox.models.hf_folder import is_hf_folder
 
     loaded = load_config(args.files, args.overrides)
+    if is_hf_folder(loaded.config.checkpoint.load):  # its config.json gives the model keys
+        from torchneox.models.hf_folder import with_hf_folder
+
+        loaded = with_hf_folder(loaded)
     _refuse_before_starting(loaded, args)  # config errors once, here
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     context = multiprocessing.get_context("forkserver")
@@ -86,6 +95,8 @@ def launch_local(args: argparse.Namespace) -> int:
         argv += ["--device", args.device]
     if args.load_step is not None:
         argv += ["--load-step", str(args.load_step)]
+    if args.force:
+        argv.append("--force")
     ranks = _Ranks(context, argv, args.nproc)
     stopped_by = ranks.run()
     if stopped_by is not None:

@@ -262,6 +262,9 @@ def _train_verbs(verbs: argparse._SubParsersAction) -> None:
     train.add_argument(
         "--nproc", type=POSITIVE, help="start this many local processes (torchrun --standalone)"
     )
+    train.add_argument(
+        "--force", action="store_true", help="let save_hf replace a folder that holds something"
+    )
     _dry_run_arguments(train)
 
     pre = verbs.add_parser("preprocess", help="jsonl/text -> GPT-NeoX .bin/.idx token datasets")

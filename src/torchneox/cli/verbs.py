@@ -19,9 +19,14 @@ def cmd_config_explain(args: argparse.Namespace) -> int:
     from torchneox.config.load import load_config
     from torchneox.config.report import render_json, render_text, render_yaml
     from torchneox.data.epochs import explained_epochs
+    from torchneox.models.hf_folder import explain_note, with_hf_folder
 
-    loaded = explained_epochs(load_config(args.files, args.overrides), args.world_size)
+    loaded = with_hf_folder(load_config(args.files, args.overrides))
+    loaded = explained_epochs(loaded, args.world_size)
     derived = derive(loaded, world_size=args.world_size)
+    note = explain_note(loaded)
+    if note is not None:
+        derived.notes.insert(0, note)
     check_layout(loaded, Layout.from_derived(loaded.config, derived))
     fmt = "json" if args.json else args.format
     if fmt == "json":
@@ -194,7 +199,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     loaded = load_config(args.files, args.overrides)
     try:
-        Trainer(loaded, device=args.device, load_step=args.load_step).run()
+        Trainer(loaded, device=args.device, load_step=args.load_step, force=args.force).run()
     except BaseException:
         shutdown(clean=False)
         raise
@@ -214,7 +219,9 @@ def _dry_run(args: argparse.Namespace) -> int:
 
     if args.nproc:
         raise ConfigError("--nproc starts processes; a dry run needs none (give --world-size)")
-    loaded = load_config(args.files, args.overrides)
+    from torchneox.models.hf_folder import with_hf_folder
+
+    loaded = with_hf_folder(load_config(args.files, args.overrides))
     world = args.world_size or derive(loaded)["world_size"]
     if not world:
         raise ConfigError("a dry run needs the ranks in all: give --world-size N", key="num_gpus")
@@ -399,8 +406,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_estimate(args: argparse.Namespace) -> int:
     from torchneox.config.load import load_config
     from torchneox.estimate.search import estimate, render
+    from torchneox.models.hf_folder import with_hf_folder
 
-    loaded = load_config(args.files, args.overrides)
+    loaded = with_hf_folder(load_config(args.files, args.overrides))
     est = estimate(loaded, args.gpus, args.gpu.lower(), args.nodes, args.mfu)
     print(json.dumps(est) if args.json else render(est))
     return 0

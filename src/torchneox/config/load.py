@@ -373,6 +373,7 @@ DATA_PATH_KEYS = tuple(
 PATH_KEYS = (
     "save",
     "load",
+    "save_hf",
     "data_path",
     *DATA_PATH_KEYS,
     "vocab_file",

@@ -414,7 +414,16 @@ class CheckpointConfig:
     """Where and when checkpoints are saved and loaded."""
 
     save: str | None = key(None, "Directory checkpoints are written to.")
-    load: str | None = key(None, "Directory to resume from (its 'latest' checkpoint).")
+    load: str | None = key(
+        None,
+        "Directory to resume from (its 'latest' checkpoint), or a Hugging Face model folder "
+        "to start from (its config.json gives the model keys; step 0, a fresh optimizer).",
+    )
+    save_hf: str | None = extension(
+        None,
+        "A Hugging Face folder written at the end of training (weights, config.json, the "
+        "tokenizer), as convert to-hf writes it; a non-empty one needs train --force.",
+    )
     checkpoint_factor: int | None = key(
         None, "Save every this many steps (linear), or at powers of it (log).", ge=1
     )

@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import re
 import shutil
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,14 +20,14 @@ from torchneox.models.args import ModelArgs, model_args
 from torchneox.models.hf_weights import GPT_NEOX, WeightImporter, hf_tensors
 from torchneox.models.transformer import Transformer
 from torchneox.train import checkpoint_format, weights
-
-TOKENIZER_COMPANIONS = (
-    "tokenizer_config.json",  # its chat template and special tokens
-    "special_tokens_map.json",
-    "chat_template.jinja",  # where newer transformers save the chat template
-    "generation_config.json",  # eos ids, sampling defaults
+from torchneox.train.hf_files import (
+    DEFAULT_SHARD_BYTES,
+    DTYPES,
+    TOKENIZER_COMPANIONS,
+    Progress,
+    write_companions,
+    write_shards,
 )
-"""What travels beside the tokenizer files, both ways, when the source has it."""
 
 
 def _tokenizer_keys(hf_dir: Path, write_dir: Path, out_dir: Path) -> dict[str, str]:
@@ -69,35 +65,6 @@ def _check_shapes(args: ModelArgs, sd: dict[str, torch.Tensor], source: str) -> 
             )
 
 
-class _Progress:
-    """Bytes done of a total, with rate and ETA: one line rewritten on a terminal, in a log a
-    line every two seconds and at the end (nothing for work done within two seconds)."""
-
-    def __init__(self, verb: str, total: int, show: bool):
-        self.verb, self.total, self.show = verb, max(total, 1), show
-        self.start = self.shown = time.perf_counter()
-        self.done = 0
-
-    def advance(self, nbytes: int, what: str) -> None:
-        self.done += nbytes
-        now = time.perf_counter()
-        last = self.done >= self.total
-        # quiet for what takes under two seconds; then a line every two, and the last
-        if not self.show or (now - self.shown < 2 and not (last and self.shown > self.start)):
-            return
-        self.shown = now
-        rate = self.done / max(now - self.start, 1e-9)
-        eta = (self.total - self.done) / max(rate, 1e-9)
-        text = (
-            f"{self.verb} {what}: {self.done / 2**30:.2f} of {self.total / 2**30:.2f} GiB, "
-            f"{rate / 2**20:.0f} MiB/s, ETA {eta:.0f} s"
-        )
-        if sys.stderr.isatty():
-            print("\r" + text, end="\n" if last else "", file=sys.stderr, flush=True)
-        else:
-            print(text, file=sys.stderr, flush=True)
-
-
 def _read_hf(
     hf_dir: Path, tokenizer_keys: dict[str, str], progress: bool = False
 ) -> tuple[LoadedConfig, dict[str, torch.Tensor]]:
@@ -113,7 +80,7 @@ def _read_hf(
     loaded = load_mapping(keys | tokenizer_keys, str(hf_dir / "config.json"))
     args = model_args(loaded)
     files = hf.weight_files(hf_dir)
-    meter = _Progress("read", sum(f.stat().st_size for f in files if f.is_file()), progress)
+    meter = Progress("read", sum(f.stat().st_size for f in files if f.is_file()), progress)
     importer = WeightImporter(hf.causal_family(hf.architecture_of(hf_cfg)), args)
     for path in files:
         with _naming(path):
@@ -222,12 +189,6 @@ def load_hf_model(hf_dir: str | Path, device: str = "cpu") -> tuple[LoadedConfig
     return loaded, model
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-DEFAULT_SHARD_BYTES = 5 * 10**9
-"""Hugging Face's usual shard size (5 GB): larger exports are cut into shards with an index."""
-
-
 def to_hf(
     ckpt: str | Path,
     out_dir: str | Path,
@@ -251,127 +212,7 @@ def to_hf(
     with new_output_dir(out, force, "convert to-hf", inputs=inputs) as tmp:
         tensors = hf_tensors(hf.causal_family(arch), model.state_dict(), args)
         total = sum(p.numel() for p in model.state_dict().values()) * DTYPES[dtype].itemsize
-        meter = _Progress("wrote", total, progress)
+        meter = Progress("wrote", total, progress)
         write_shards(tensors, tmp, DTYPES[dtype], max_shard_bytes, meter, str(step_dir))
-        eod, pad = _copy_tokenizer(loaded, tmp)
-        config = hf.hf_config(arch, args, eod, pad) | {"torch_dtype": HF_DTYPE_NAMES[DTYPES[dtype]]}
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        if not (tmp / "generation_config.json").is_file() and eod is not None:
-            generation = {"bos_token_id": eod, "eos_token_id": eod}
-            if pad is not None:
-                generation["pad_token_id"] = pad
-            (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        write_companions(loaded, tmp, arch, args, DTYPES[dtype])
     return out
-
-
-def write_shards(
-    tensors: Iterator[tuple[str, torch.Tensor]],
-    folder: Path,
-    dtype: torch.dtype,
-    max_shard_bytes: int,
-    meter: _Progress,
-    source: str = "",
-) -> None:
-    """Safetensors files of at most ``max_shard_bytes`` each (a larger tensor gets one of its
-    own), written as each fills: in memory, never more than one shard beside the model. One
-    shard is model.safetensors; more are model-0000i-of-0000n.safetensors with
-    model.safetensors.index.json, as transformers writes them. A tensor fp16 cannot hold is
-    refused (``source``: the checkpoint, for the message)."""
-    names: list[list[str]] = []
-    shard: dict[str, torch.Tensor] = {}
-    size = total = 0
-
-    def flush() -> None:
-        nonlocal shard, size
-        if shard:
-            _save_shard(shard, folder / f"part-{len(names)}.tmp")
-            names.append(list(shard))
-            meter.advance(size, f"shard {len(names)}")
-        shard, size = {}, 0
-
-    for name, tensor in tensors:
-        t = tensor.detach().to(dtype).contiguous()
-        if dtype == torch.float16:
-            _check_fits_fp16(name, tensor, t, source)
-        if shard and size + t.nbytes > max_shard_bytes:
-            flush()
-        shard[name] = t
-        size += t.nbytes
-        total += t.nbytes
-    flush()
-    if len(names) == 1:
-        (folder / "part-0.tmp").rename(folder / "model.safetensors")
-        return
-    weight_map = {}
-    for i, shard_names in enumerate(names):
-        final = f"model-{i + 1:05d}-of-{len(names):05d}.safetensors"
-        (folder / f"part-{i}.tmp").rename(folder / final)
-        weight_map |= dict.fromkeys(shard_names, final)
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-
-
-FP16_MAX = torch.finfo(torch.float16).max
-
-
-def _check_fits_fp16(name: str, tensor: torch.Tensor, cast: torch.Tensor, source: str) -> None:
-    """fp16 ends at 65504: a weight beyond it would be stored as inf, so it is refused."""
-    if torch.isfinite(cast).all() or not torch.isfinite(tensor).all():
-        return
-    biggest = tensor.detach().abs().max().item()
-    raise ConfigError(
-        f"--dtype fp16: tensor {name} holds values up to {biggest:.6g} in magnitude, beyond "
-        f"fp16's largest ({FP16_MAX:.0f}), which would become inf; export with --dtype bf16 "
-        "or --dtype fp32",
-        source=source or None,
-    )
-
-
-def _save_shard(shard: dict[str, torch.Tensor], path: Path) -> None:
-    """One safetensors file; its I/O failures (a full disk, a file-size limit) raised as the
-    OSError they are, which the output folder turns into one line with nothing left behind."""
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
-
-    try:
-        save_file(shard, str(path), metadata={"format": "pt"})
-    except SafetensorError as e:
-        code = re.search(r"os error (\d+)", str(e))
-        if code is None:
-            raise
-        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from None
-
-
-def _copy_tokenizer(loaded: LoadedConfig, out: Path) -> tuple[int | None, int | None]:
-    """The tokenizer files into the export, with what lies beside them (TOKENIZER_COMPANIONS:
-    the chat template and generation config travel with the model); the end-of-text and
-    padding ids."""
-    tok = loaded.config.tokenizer
-    if tok.vocab_file is None or not Path(tok.vocab_file).is_file():
-        if tok.vocab_file is not None:
-            print(
-                f"warning: the checkpoint's tokenizer file {tok.vocab_file} is not there: the "
-                "export has no tokenizer and no bos/eos ids (copy it into the export yourself)",
-                file=sys.stderr,
-            )
-        return None, None
-    if tok.tokenizer_type == "HFTokenizer":
-        shutil.copyfile(tok.vocab_file, out / "tokenizer.json")
-    elif tok.tokenizer_type in ("GPT2BPETokenizer", "HFGPT2Tokenizer") and tok.merge_file:
-        shutil.copyfile(tok.vocab_file, out / "vocab.json")
-        shutil.copyfile(tok.merge_file, out / "merges.txt")
-    else:
-        return None, None
-    from torchneox.data.tokenizers import END_OF_TEXT, PADDING, build_tokenizer
-
-    built = build_tokenizer(loaded.config.tokenizer)
-    folder = Path(tok.vocab_file).parent
-    for name in TOKENIZER_COMPANIONS:
-        if (folder / name).is_file():
-            shutil.copyfile(folder / name, out / name)
-    if not (out / "tokenizer_config.json").is_file() and tok.tokenizer_type == "HFTokenizer":
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": END_OF_TEXT}
-        if built.pad_id is not None:
-            config["pad_token"] = PADDING
-        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return built.eod_id, built.pad_id

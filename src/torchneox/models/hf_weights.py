@@ -184,6 +184,20 @@ class WeightImporter:
         self.out[name][e].copy_(matrix)
         self._experts_seen[name].add(e)
 
+    def take_ready(self) -> dict[str, torch.Tensor]:
+        """The tensors filed whole so far, handed over and forgotten (a stacked expert weight
+        once every expert is in; the embedding of a tied model is kept, for ``untied``): what
+        training streams into its shards, so the importer never holds the model."""
+        keep = {
+            n for n, seen in self._experts_seen.items() if len(seen) < self.args.moe_num_experts
+        }
+        if self.args.tied_embeddings:
+            keep.add("embed.weight")
+        ready = {n: t for n, t in self.out.items() if n not in keep}
+        for name in ready:
+            del self.out[name]
+        return ready
+
     def result(self) -> dict[str, torch.Tensor]:
         for name, seen in self._experts_seen.items():
             if len(seen) != self.args.moe_num_experts:

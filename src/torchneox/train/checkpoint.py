@@ -13,6 +13,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from torchneox.base.errors import CheckpointWriteError, TrainingStopped
+from torchneox.models.hf_folder import is_hf_folder
 from torchneox.train.async_checkpoint import BackgroundSaves
 from torchneox.train.checkpoint_format import (
     META_FILE,
@@ -25,7 +26,7 @@ from torchneox.train.checkpoint_format import (
     step_dir_name,
     step_dirs,
 )
-from torchneox.train.fine_tuning import no_weights_to_fine_tune
+from torchneox.train.fine_tuning import holds_checkpoint, no_weights_to_fine_tune
 from torchneox.train.optim import load_optimizer_state
 from torchneox.train.s3_upload import S3Uploads, require_boto3
 from torchneox.train.weights import load_model_weights
@@ -165,6 +166,21 @@ class CheckpointManager:
             return
         for _, path in step_dirs(self.save_dir)[:-keep]:
             shutil.rmtree(path, ignore_errors=True)
+
+    def start_dir(
+        self, load: str | None, step: int | None, fine_tunes: str | None = None
+    ) -> Path | None:
+        """What the run starts from: the checkpoint ``load`` resumes (or fine-tunes) from, or
+        the Hugging Face folder it names (read at step 0, unless save already holds this run's
+        checkpoints: then the run resumes from them, as rerunning the command should); None to
+        start from scratch."""
+        if load is None:
+            return None
+        if is_hf_folder(load):
+            if self.save_dir is not None and holds_checkpoint(self.save_dir):
+                return self.find(self.save_dir, step)
+            return Path(load)
+        return self.find(Path(load), step, fine_tunes)
 
     def find(self, load_dir: Path, step: int | None, fine_tunes: str | None = None) -> Path | None:
         """The checkpoint a resume from ``load_dir`` loads (its ``step``, the step directory

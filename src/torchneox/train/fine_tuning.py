@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from torchneox.base.errors import ConfigError
+from torchneox.models.hf_folder import is_hf_folder
 
 
 def holds_checkpoint(load_dir: Path) -> bool:
@@ -56,5 +57,5 @@ def refuse_fine_tuning_nothing(loaded: Any) -> None:
     if cfg.checkpoint.load is None or fine_tunes is None:
         return
     load_dir = Path(cfg.checkpoint.load)
-    if not holds_checkpoint(load_dir):
+    if not holds_checkpoint(load_dir) and not is_hf_folder(load_dir):
         raise no_weights_to_fine_tune(load_dir, fine_tunes, loaded.source("load"))

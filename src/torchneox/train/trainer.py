@@ -27,6 +27,7 @@ from torchneox.data.epochs import apply_train_epochs, cycle_epochs
 from torchneox.data.loader import BatchLoader
 from torchneox.data.tokenizers import build_tokenizer
 from torchneox.models import cpu_kernels
+from torchneox.models.hf_folder import is_hf_folder, with_hf_folder
 from torchneox.parallel import flight_recorder
 from torchneox.parallel.collectives import any_rank, mean_over_dp, sum_over_dp
 from torchneox.parallel.dims import ParallelDims, init_distributed
@@ -38,10 +39,11 @@ from torchneox.train.checkpoint import CheckpointManager, Resumed, TrainingState
 from torchneox.train.evaluation import Evaluator
 from torchneox.train.fine_tuning import post_training, refuse_fine_tuning_nothing
 from torchneox.train.fits import allocation_failure, refuse_what_cannot_fit
+from torchneox.train.hf_io import check_save_hf, fresh_heads, load_hf_weights, save_hf, save_line
 from torchneox.train.lr import Schedule
 from torchneox.train.metrics import MetricsLogger, Throughput, Timers, duration
 from torchneox.train.profiling import Profiler
-from torchneox.train.weights import copy_weights, missing_heads
+from torchneox.train.weights import copy_weights
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGHUP: the terminal went away
 STEP_KEYS = ("lm_loss", "lr", "grad_norm", "skipped", "z_loss", "moe_aux_loss")
@@ -66,9 +68,14 @@ def _is_lost_rank(error: RuntimeError) -> bool:
 
 class Trainer:
     def __init__(
-        self, loaded: LoadedConfig, device: str | None = None, load_step: int | None = None
+        self,
+        loaded: LoadedConfig,
+        device: str | None = None,
+        load_step: int | None = None,
+        force: bool = False,
     ):
-        self.loaded = loaded
+        self.loaded = loaded = with_hf_folder(loaded)  # load: a Hugging Face folder's keys
+        self.force = force  # save_hf may replace a folder that holds something
         self.cfg = cfg = loaded.config
         if load_step is None:  # (a step asked for is resolved, or refused, by find)
             refuse_fine_tuning_nothing(loaded)  # before any process group, file or model
@@ -82,6 +89,7 @@ class Trainer:
         self.cfg = cfg = loaded.config
         self.derived = d = derive(loaded, world_size=world)
         self.layout = require(loaded, d)
+        check_save_hf(loaded, force, self.layout.pp)
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # (before the mesh is made)
         refuse_what_cannot_fit(loaded, d["num_parameters"], world, local_ranks, self.device)
         self.dims = ParallelDims.from_layout(self.layout, self.device.type)
@@ -90,22 +98,9 @@ class Trainer:
         self.train_iters = cfg.training.train_iters
         self.iteration = 0
         self.stop_requested = False
-        # what every checkpoint records of the config: its paths absolute, so it loads anywhere;
-        # made first: an unwritable save directory is refused before anything is written
-        self.checkpoints = CheckpointManager(
-            cfg.checkpoint,
-            self.train_iters,
-            render_yaml(with_absolute_paths(loaded), d),
-            self.dims.is_rank0,
-            lambda text: self.logger.line(text),
-        )
-        log_dir = cfg.logging.log_dir or cfg.checkpoint.save
-        self.logger = MetricsLogger(
-            cfg.logging, Path(log_dir) if log_dir else None, cfg.to_flat(), rank0=self.dims.is_rank0
-        )
+        self._open_outputs()
         # the checkpoint to load, known before building: its weights are not drawn first
-        load = Path(cfg.checkpoint.load) if cfg.checkpoint.load else None
-        step_dir = self.checkpoints.find(load, load_step, post_training(cfg)) if load else None
+        step_dir = self.checkpoints.start_dir(cfg.checkpoint.load, load_step, post_training(cfg))
         # a run that continues another computes with its kernels: no verdict timed a second time
         step = step_dir.name.removeprefix("global_step") if step_dir is not None else "0"
         cpu_kernels.second_timing = not (step.isdigit() and int(step) > 0)
@@ -127,6 +122,23 @@ class Trainer:
             copy_weights(self.model, self.parts.reference)  # the policy as training starts
 
     # ------------------------------------------------------------------------- setup
+
+    def _open_outputs(self) -> None:
+        """The checkpoints and the metrics logger."""
+        cfg = self.cfg
+        # what every checkpoint records of the config: its paths absolute, so it loads anywhere;
+        # made first: an unwritable save directory is refused before anything is written
+        self.checkpoints = CheckpointManager(
+            cfg.checkpoint,
+            self.train_iters,
+            render_yaml(with_absolute_paths(self.loaded), self.derived),
+            self.dims.is_rank0,
+            lambda text: self.logger.line(text),
+        )
+        log_dir = cfg.logging.log_dir or cfg.checkpoint.save
+        self.logger = MetricsLogger(
+            cfg.logging, Path(log_dir) if log_dir else None, cfg.to_flat(), rank0=self.dims.is_rank0
+        )
 
     def _fp8(self) -> FP8Plan | None:
         plan = fp8_plan(self.cfg.precision, self.cfg.model)
@@ -151,7 +163,7 @@ class Trainer:
         cfg = self.cfg
         masked = cfg.training.eod_mask_loss or cfg.model.inter_document_attention_masking
         eod = build_tokenizer(cfg.tokenizer).eod_id if masked else None
-        init = EVERY_PARAMETER if step_dir is None else missing_heads(step_dir)
+        init = EVERY_PARAMETER if step_dir is None else fresh_heads(step_dir)
         self.assembly = run = build_run(
             self.loaded, self.derived, self.layout, self.dims, self.device, init, eod, self._fp8()
         )
@@ -270,6 +282,8 @@ class Trainer:
         return self.throughput.peak_tflops
 
     def _resume(self, step_dir: Path) -> Resumed:
+        if is_hf_folder(step_dir):
+            return load_hf_weights(step_dir, self.model, self.args, self.logger.line)
         resumed = self.checkpoints.resume(step_dir, self.state)
         if not resumed.training_state:
             return resumed
@@ -441,6 +455,9 @@ class Trainer:
         self.step.settle()
         self._report_kernels()  # verdicts first met by the evaluation's shapes
         self.checkpoints.finish()
+        if self.cfg.checkpoint.save_hf and self.iteration >= self.train_iters:
+            out = save_hf(self.loaded, self.model, self.args, self.force, self.dims.is_rank0)
+            self.logger.line(save_line(out, self.args))
         profiler.stop()
         return self._summary(progress.last_row)
 
