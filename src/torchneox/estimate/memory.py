@@ -12,6 +12,7 @@ from torchneox.config.optimizer import optimizer_spec
 from torchneox.config.sizes import is_moe_layer
 from torchneox.config.validate_model import layer_attention_types
 from torchneox.estimate.activations import Trace
+from torchneox.estimate.host import offload_parts
 from torchneox.estimate.parameters import PARAM_BYTES, expert_sharded, local_dims, local_numel
 from torchneox.models.transformer import is_drawn
 
@@ -53,6 +54,7 @@ def memory_per_rank(
     for k, params in enumerate(stages):
         state = state_bytes(params, layout, fsdp, opt_per_param, per_dim)
         parts, temporary = state["parts"], state["temporary"]
+        host = offload_parts(parts, state["resident"]) if layout.offload else None
         last = k == len(stages) - 1
         acts = _activation_bytes(loaded, layout, trace, params, k, last)
         parts["activations"] = acts["stored_after_forward"] + acts["recompute"]
@@ -69,6 +71,8 @@ def memory_per_rank(
                 "resident": state["resident"],
                 "parameters_on_rank": state["local"],
                 "activations_after_forward": int(acts["stored_after_forward"]),
+                "host": host,  # ZeRO-Offload: the shards in host memory
+                "shard_elements": state["resident"]["parameter_shard"] // PARAM_BYTES,
             }
     assert worst is not None
     return worst
