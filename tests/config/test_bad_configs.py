@@ -447,12 +447,6 @@ CASES = [
         ["params.amsgrad: true is not supported by DeepSpeed's CPU Adam"],
     ),
     (
-        "zero-offload-one-process",
-        {"a.yml": "{zero_optimization: {stage: 3, cpu_offload: true}}"},
-        ["--set", "num_layers=2", "--set", "hidden_size=64", "--set", "num_attention_heads=4"],
-        ["cpu_offload (ZeRO-Offload) runs through FSDP2's sharding", "--nproc 2"],
-    ),
-    (
         "zero-offload-tensor-parallel",
         {
             "a.yml": "{zero_optimization: {stage: 1, offload_optimizer: {device: cpu}}, "

@@ -33,6 +33,15 @@ def test_offloaded_zero3_on_two_processes_equals_one_without_offload(config, tmp
     assert_same_training(out, baseline)
 
 
+def test_one_offloaded_process_equals_one_without_offload(config, tmp_path, baseline):
+    """A lone process offloads too (FSDP2 over a mesh of one: ZeRO-Offload's one-GPU case)."""
+    out = tmp_path / "alone"
+    run = train(config, f"save={out}", "load=null", *OFFLOAD, "train_micro_batch_size_per_gpu=4")
+    said = re.search(r"ZeRO-Offload: (\d+) of (\d+) parameter shards", run.stdout + run.stderr)
+    assert said is not None and said[1] == said[2] and int(said[1]) > 0
+    assert_same_training(out, baseline)
+
+
 def test_a_cpu_adam_run_resumes_bit_for_bit_and_trains_as_adamw(
     tmp_path, tmp_path_factory, make_config
 ):

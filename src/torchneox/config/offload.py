@@ -227,9 +227,9 @@ NOT_WITH = (
 
 
 def offload_rule(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
-    """The layouts offload runs in (a rule of config/layout.py): ZeRO 1-3 over 2 or more
-    data-parallel ranks (hybrid sharding included), without tensor, pipeline, expert or context
-    parallelism."""
+    """The layouts offload runs in (a rule of config/layout.py): ZeRO 1-3 over the
+    data-parallel ranks (one or more; hybrid sharding included), without tensor, pipeline,
+    expert or context parallelism."""
     if not lay.offload:
         return None
     spec = offload_spec(cfg.optimizer.zero_optimization, cfg.optimizer.optimizer)
@@ -254,10 +254,4 @@ def offload_rule(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
                 "data parallelism and ZeRO only",
                 cause,
             )
-    if lay.dp < 2:
-        return refuse(
-            f"{first} (ZeRO-Offload) runs through FSDP2's sharding, which needs 2 or more "
-            "data-parallel processes here; train with --nproc 2 or more (or 2+ GPUs)",
-            "zero_optimization",
-        )
     return None

@@ -117,11 +117,12 @@ def state_bytes(
         "optimizer": resident["optimizer"],
     }
     temporary = 0.0
-    if fsdp > 1 and layout.zero in (0, 1, 2):
+    gathers = fsdp > 1 or layout.offload  # (offload: FSDP2 gathers onto the device even alone)
+    if gathers and layout.zero in (0, 1, 2):
         parts["parameters"] += gathered * PARAM_BYTES  # kept gathered from forward to backward
-    elif fsdp > 1:
+    elif gathers:
         temporary += 2 * per_block * PARAM_BYTES  # ZeRO-3: the block in use and the next
-    if fsdp > 1 and layout.gas > 1:
+    if gathers and layout.gas > 1:
         parts["gradients"] += gathered * PARAM_BYTES  # unsharded until the last micro-batch
     if fsdp == 1 and layout.dp * layout.cp > 1:
         parts["gradients"] += gathered * PARAM_BYTES  # DDP's gradient buckets

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from torchneox.config.fp8_plan import FP8Plan
 from torchneox.config.layout import Layout
@@ -121,12 +122,16 @@ def shard(
     options: BuildOptions,
     expert_params: list[str],
 ) -> nn.Module:
-    """ZeRO over the data-parallel ranks (a no-op with one); returns the module to call."""
-    if dims.batch_ranks <= 1:
+    """ZeRO over the data-parallel ranks (a no-op with one, unless it offloads: FSDP2 then
+    shards over a mesh of one); returns the module to call."""
+    alone = dims.batch_ranks <= 1
+    if alone and not offloads(options, layout):
         return model
     return apply_data_parallel(
         model,
-        dims.shard_mesh(),
+        init_device_mesh(dims.device_type, (1,), mesh_dim_names=("dp",))
+        if alone
+        else dims.shard_mesh(),
         layout.zero,
         options.reduce_dtype,
         tensor_parallel=dims.tp > 1 or dims.pp > 1,
@@ -134,6 +139,11 @@ def shard(
         param_dtype=options.param_dtype,
         offload=options.offload,
     )
+
+
+def offloads(options: BuildOptions, layout: Layout) -> bool:
+    """Whether ZeRO-Offload applies: asked for, under ZeRO 1-3 (config/offload.py)."""
+    return options.offload is not None and options.offload.enabled and layout.zero > 0
 
 
 def materialise(
@@ -197,8 +207,7 @@ def build_parallel_model(
         drawn = materialise(model, device, options.seed, init)
         return ParallelModel(model, shard(model, dims, layout, options, expert_params), drawn=drawn)
     module = shard(model, dims, layout, options, expert_params)
-    offload = options.offload is not None and options.offload.enabled and dims.batch_ranks > 1
-    drawn = materialise(model, device, options.seed, init, offload)
+    drawn = materialise(model, device, options.seed, init, offloads(options, layout))
     return ParallelModel(model, module, drawn=drawn)
 
 
