@@ -62,7 +62,7 @@ OPTIMIZER_PARAMS: dict[str, tuple[str, ...]] = {
         "amsgrad",
     ),
 }
-OPTIMIZER_NAMES = "Adam, AdamW, SGD, Lion, SM3, madgrad_wd, LAMB or cpu_adam"
+OPTIMIZER_NAMES = "Adam, AdamW, SGD, Lion, SM3, madgrad_wd or LAMB"
 BOOL_PARAMS = (
     "amsgrad", "nesterov", "bias_correction", "eps_inside_sqrt", "adamw_mode",
     "fp32_optimizer_states",
