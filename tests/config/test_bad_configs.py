@@ -405,10 +405,55 @@ CASES = [
         ["zero_optimization: stage must be 0, 1, 2 or 3, got 4"],
     ),
     (
-        "zero-offload",
-        {"a.yml": "{zero_optimization: {stage: 2, cpu_offload: true}}"},
+        "zero-offload-nvme",
+        {"a.yml": "{zero_optimization: {stage: 3, offload_param: {device: nvme}}}"},
         [],
-        ["cpu_offload: CPU/NVMe offload is not supported"],
+        ["a.yml: zero_optimization: offload_param.device nvme", "DeepSpeed-only", "device: cpu"],
+    ),
+    (
+        "zero-offload-stage-0",
+        {"a.yml": "{zero_optimization: {stage: 0, cpu_offload: true}}"},
+        [],
+        ["zero_optimization: cpu_offload offloads from ZeRO's", "stage to 1, 2 or 3"],
+    ),
+    (
+        "zero-offload-param-stage-2",
+        {"a.yml": "{zero_optimization: {stage: 2, offload_param: {device: cpu}}}"},
+        [],
+        ["offload_param needs zero_optimization.stage 3", "use offload_optimizer"],
+    ),
+    (
+        "zero-offload-ratio",
+        {"a.yml": "{zero_optimization: {stage: 3, offload_optimizer: {device: cpu, ratio: 0.5}}}"},
+        [],
+        ["offload_optimizer.ratio 0.5 (partial offload) is not built", "remove ratio"],
+    ),
+    (
+        "zero-offload-unknown-entry",
+        {"a.yml": "{zero_optimization: {stage: 3, offload_optimizer: {device: cpu, pin: true}}}"},
+        [],
+        ["offload_optimizer: unknown entry 'pin'"],
+    ),
+    (
+        "cpu-adam-stage-0",
+        {"a.yml": "{optimizer: {type: cpu_adam, params: {lr: 0.001}}}"},
+        [],
+        ["a.yml: optimizer: optimizer.type cpu_adam offloads from ZeRO's", "1, 2 or 3"],
+    ),
+    (
+        "cpu-adam-amsgrad",
+        {"a.yml": "{optimizer: {type: cpu_adam, params: {lr: 0.001, amsgrad: true}}}"},
+        [],
+        ["params.amsgrad: true is not supported by DeepSpeed's CPU Adam"],
+    ),
+    (
+        "zero-offload-tensor-parallel",
+        {
+            "a.yml": "{zero_optimization: {stage: 1, offload_optimizer: {device: cpu}}, "
+            "model_parallel_size: 2, no_weight_tying: true, pos_emb: rotary}"
+        },
+        ["--world-size", "4"],
+        ["offload_optimizer (ZeRO-Offload) with model_parallel_size > 1 is not built yet"],
     ),
     (
         "fp16-and-bf16",

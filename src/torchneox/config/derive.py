@@ -22,6 +22,7 @@ from torchneox.config.fp8_plan import fp8_plan
 from torchneox.config.layout import Layout, compile_scope
 from torchneox.config.load import LoadedConfig
 from torchneox.config.loss_scale import loss_scale_spec
+from torchneox.config.offload import PIN_KEY, derive_offload, offload_notes
 from torchneox.config.optimizer import describe_optimizer, optimizer_spec
 from torchneox.config.schema import KEYS, NeoXConfig
 from torchneox.config.validate import (
@@ -47,6 +48,7 @@ def derive(
     _optimizer(loaded, out)
     _schedule(cfg, out)
     derive_model(loaded, out)
+    derive_offload(cfg, out)
     _data(cfg, out)
     derive_rollouts(loaded, out)
     _launch(loaded, out)
@@ -445,7 +447,7 @@ def _optimizer(loaded: LoadedConfig, out: Derived) -> None:
         out.reasons["optimizer_type"] += (
             "; runs as AdamW (decoupled weight decay), as GPT-NeoX does"
         )
-    elif spec.kind in ("sm3", "madgrad_wd", "lamb"):
+    elif spec.kind in ("sm3", "madgrad_wd", "lamb", "cpu_adam", "cpu_torch_adam"):
         out.reasons["optimizer_type"] += "; " + describe_optimizer(spec)
         if spec.kind == "sm3":
             out.reasons["weight_decay"] = f"{decay:g}, unused: SM3 takes no weight decay"
@@ -557,13 +559,14 @@ def _no_effect(loaded: LoadedConfig, out: Derived) -> None:
             out.no_effect[name] = "GPT-NeoX sets this at launch; torchneox derives its own value"
     for sub in (cfg.precision.bf16 or {}).keys() & set(BF16_IGNORED):
         out.no_effect[f"bf16.{sub}"] = "DeepSpeed reads it for fp16 only; bf16 has no loss scale"
-    for sub, value in (cfg.optimizer.zero_optimization or {}).items():
-        if sub in ZERO_OFFLOAD_KEYS and not value:
-            continue  # offload switched off, as torchneox requires
+    for sub in cfg.optimizer.zero_optimization or {}:
+        if sub in (*ZERO_OFFLOAD_KEYS, PIN_KEY):
+            continue  # offload: explained by zero_offload (its NVMe-only entries noted below)
         if sub not in ("stage", "mics_shard_size") and sub in ZERO_KEYS:
             out.no_effect[f"zero_optimization.{sub}"] = (
                 "DeepSpeed ZeRO tuning; FSDP2 sizes its own communication"
             )
+    out.no_effect |= offload_notes(cfg.optimizer.zero_optimization)
     params = (cfg.optimizer.optimizer or {}).get("params") or {}
     if "max_grad_norm" in params:
         out.no_effect["optimizer.params.max_grad_norm"] = "clipping comes from gradient_clipping"

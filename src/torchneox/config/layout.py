@@ -18,6 +18,7 @@ from torchneox.config.checker import source_of
 from torchneox.config.derived import Derived
 from torchneox.config.fp8_plan import fp8_plan
 from torchneox.config.load import LoadedConfig
+from torchneox.config.offload import offload_rule
 from torchneox.config.schema import NeoXConfig
 from torchneox.config.validate_model import layer_attention_types
 
@@ -60,6 +61,8 @@ class Layout:
     """Context parallelism: the ranks that split each sample's sequence (beside dp, tp, pp)."""
     partition_method: str = "parameters"
     """How the layers are cut into pipeline stages (pipe_partition_method)."""
+    offload: bool = False
+    """ZeRO-Offload (config/offload.py): FSDP2 keeps the shards and optimizer in host memory."""
 
     @property
     def shard_ranks(self) -> int:
@@ -91,6 +94,7 @@ class Layout:
             dp_shard=(cfg.optimizer.zero_optimization or {}).get("mics_shard_size"),
             cp=cp,
             partition_method=cfg.parallel.pipe_partition_method,
+            offload=d.get("zero_offload") == "cpu",
         )
 
     @property
@@ -504,6 +508,7 @@ RULES = (
     _fp8,
     _compile_model,
     _gmlp,
+    offload_rule,
 )
 """Every layout rule, in the order they are checked."""
 

@@ -14,10 +14,15 @@ from torchneox.config.schema import OptimizerConfig
 # top-level weight_decay wins (as in GPT-NeoX), Adam's bias correction is always on (false is
 # refused; LAMB takes it), amsgrad is false for LAMB (true is refused)
 NOT_TORCH_PARAMS = ("lr", "max_grad_norm", "weight_decay", "bias_correction", "amsgrad")
+# DeepSpeedCPUAdam's switches, read here (adamw_mode picks AdamW or Adam; its states are fp32
+# either way: they follow the fp32 master weights)
+CPU_ADAM_SWITCHES = ("adamw_mode", "fp32_optimizer_states")
 KEPT_PARAMS = {"adam": ("amsgrad",), "adamw": ("amsgrad",), "lamb": ("bias_correction",)}
 # Tensors of a parameter's size each optimizer keeps (SM3's accumulators are one number per
 # row, column, ... of a tensor: none of its size)
-STATE_TENSORS = {"adam": 2, "adamw": 2, "lamb": 2, "lion": 1, "sm3": 0}
+STATE_TENSORS = {
+    "adam": 2, "adamw": 2, "lamb": 2, "lion": 1, "sm3": 0, "cpu_adam": 2, "cpu_torch_adam": 2,
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -59,12 +64,26 @@ def optimizer_spec(o: OptimizerConfig) -> OptimizerSpec:
 
 
 def _torch_param(kind: str, name: str) -> bool:
+    if name in CPU_ADAM_SWITCHES:
+        return False
     return name not in NOT_TORCH_PARAMS or name in KEPT_PARAMS.get(kind, ())
 
 
 def describe_optimizer(spec: OptimizerSpec) -> str:
-    """What SM3, madgrad_wd and LAMB run with, their defaults filled in (config explain)."""
+    """What SM3, madgrad_wd, LAMB and cpu_adam run with, their defaults filled in (config
+    explain)."""
     p = spec.params
+    if spec.kind in ("cpu_adam", "cpu_torch_adam"):
+        return (
+            "DeepSpeed's CPU Adam (GPT-NeoX builds DeepSpeedCPUAdam for both cpu_adam and "
+            "cpu_torch_adam), here torch's "
+            + (
+                "AdamW (adamw_mode true, DeepSpeed's default: decoupled weight decay)"
+                if p.get("adamw_mode", True)
+                else "Adam (adamw_mode false: weight decay added to the gradient)"
+            )
+            + ", fp32 state, stepped on the CPU"
+        )
     if spec.kind == "sm3":
         return (
             f"SM3 (GPT-NeoX's): momentum {p.get('momentum', 0.0):g}, beta "

@@ -25,6 +25,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "context_parallel_size",
         "data_parallel_size",
         "zero_stage",
+        "zero_offload",
+        "offload_host_bytes_per_rank",
         "distributed_backend",
         "compile",
     ),

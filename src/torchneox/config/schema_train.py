@@ -73,8 +73,8 @@ class OptimizerConfig:
 
     optimizer: dict[str, Any] | None = key(
         None,
-        "{type: Adam|AdamW|SGD|Lion|SM3|madgrad_wd|LAMB, params: {lr, betas, eps, momentum, "
-        "...}} (docs/training.md lists each one's params).",
+        "{type: Adam|AdamW|SGD|Lion|SM3|madgrad_wd|LAMB|cpu_adam|cpu_torch_adam, params: {lr, "
+        "betas, eps, momentum, ...}} (docs/training.md lists each one's params).",
     )
     weight_decay: float = key(
         0.1, "Decoupled weight decay on weight matrices (never on biases and norms).", ge=0
@@ -84,7 +84,9 @@ class OptimizerConfig:
     )
     clip_grad: float = key(1.0, "Megatron's name for gradient_clipping.", ge=0)
     zero_optimization: dict[str, Any] | None = key(
-        None, "ZeRO settings; only 'stage' (0-3) matters here."
+        None,
+        "ZeRO settings: 'stage' (0-3), mics_shard_size, and offload_optimizer / offload_param "
+        "{device: cpu} (or cpu_offload: true): ZeRO-Offload through FSDP2's CPU offload.",
     )
     optimizer_type: Literal[
         "adam",

@@ -16,6 +16,7 @@ from torchneox.config.checker import Checker
 from torchneox.config.curriculum import check_curriculum
 from torchneox.config.deepspeed_dicts import check_deepspeed_dicts
 from torchneox.config.epochs import check_train_epochs
+from torchneox.config.offload import OFFLOAD_KEYS, offload_problem
 from torchneox.config.schema import NeoXConfig
 from torchneox.config.validate_model import (
     ATTENTION_TYPES_OK,
@@ -27,18 +28,25 @@ from torchneox.config.validate_model import (
 )
 from torchneox.config.validate_rl import check_reinforce
 
-SUPPORTED_OPTIMIZERS = ("adam", "adamw", "sgd", "lion", "sm3", "madgrad_wd", "lamb")
+SUPPORTED_OPTIMIZERS = (
+    "adam", "adamw", "sgd", "lion", "sm3", "madgrad_wd", "lamb", "cpu_adam", "cpu_torch_adam",
+)  # fmt: skip
 REFUSED_OPTIMIZERS = {
     "onebitadam": "1-bit Adam (a DeepSpeed communication-compressed optimizer)",
     "onebitlamb": "1-bit LAMB (a DeepSpeed communication-compressed optimizer)",
     "zerooneadam": "0/1 Adam (a DeepSpeed communication-compressed optimizer)",
-    "cpu_adam": "DeepSpeed's CPU Adam (optimizer offload)",
-    "cpu_torch_adam": "CPU-offloaded torch Adam",
 }
+CPU_ADAM_PARAMS = (
+    "lr", "betas", "eps", "weight_decay", "amsgrad", "bias_correction", "adamw_mode",
+    "fp32_optimizer_states",
+)  # fmt: skip
 OPTIMIZER_PARAMS: dict[str, tuple[str, ...]] = {
     "adam": ("lr", "betas", "eps", "weight_decay", "amsgrad", "max_grad_norm", "bias_correction"),
     "adamw": ("lr", "betas", "eps", "weight_decay", "amsgrad", "max_grad_norm", "bias_correction"),
     "sgd": ("lr", "momentum", "dampening", "nesterov", "weight_decay"),
+    # DeepSpeedCPUAdam's arguments (GPT-NeoX builds it for both types)
+    "cpu_adam": CPU_ADAM_PARAMS,
+    "cpu_torch_adam": CPU_ADAM_PARAMS,
     "lion": ("lr", "betas", "weight_decay"),
     "sm3": ("lr", "momentum", "beta", "eps"),
     "madgrad_wd": ("lr", "momentum", "eps", "weight_decay"),
@@ -56,6 +64,10 @@ OPTIMIZER_PARAMS: dict[str, tuple[str, ...]] = {
     ),
 }
 OPTIMIZER_NAMES = "Adam, AdamW, SGD, Lion, SM3, madgrad_wd or LAMB"
+BOOL_PARAMS = (
+    "amsgrad", "nesterov", "bias_correction", "eps_inside_sqrt", "adamw_mode",
+    "fp32_optimizer_states",
+)  # fmt: skip
 ZERO_KEYS = (
     "stage",
     "allgather_partitions",
@@ -84,7 +96,7 @@ ZERO_KEYS = (
     "mics_shard_size",
     "mics_hierarchical_params_gather",
 )
-ZERO_OFFLOAD_KEYS = ("cpu_offload", "cpu_offload_params", "offload_optimizer", "offload_param")
+ZERO_OFFLOAD_KEYS = OFFLOAD_KEYS
 FP16_KEYS = (
     "enabled",
     "fp16",
@@ -302,6 +314,17 @@ def _check_optimizer(ch: Checker) -> None:
             f"{o.clip_grad} contradicts gradient_clipping {o.gradient_clipping}; give one of them",
         )
     _check_zero(ch)
+    _check_offload(ch)
+
+
+def _check_offload(ch: Checker) -> None:
+    """ZeRO-Offload's entries and what they need (config/offload.py)."""
+    problem = offload_problem(ch.c.optimizer.zero_optimization, ch.c.optimizer.optimizer)
+    if problem is not None:
+        where, message = problem
+        if where == "optimizer":
+            ch.fail("optimizer", message, path="type")
+        ch.fail("zero_optimization", message, path=where)
 
 
 def _optimizer_param(ch: Checker, name: str, value: Any, kind: str) -> Any:
@@ -328,9 +351,11 @@ def _optimizer_param(ch: Checker, name: str, value: Any, kind: str) -> Any:
         if not all(0.0 <= b < 1.0 for b in betas):
             fail(f"params.betas must be in [0, 1), got {value!r}")
         return betas
-    if name in ("amsgrad", "nesterov", "bias_correction", "eps_inside_sqrt"):
+    if name in BOOL_PARAMS:
         if not isinstance(value, bool):
             fail(f"params.{name} must be true or false, got {value!r}")
+        if name == "amsgrad" and value and kind in ("cpu_adam", "cpu_torch_adam"):
+            fail("params.amsgrad: true is not supported by DeepSpeed's CPU Adam; remove it")
         if name == "amsgrad" and value and kind == "lamb":
             fail("params.amsgrad: true is not a LAMB variant (DeepSpeed's FusedLamb refuses it)")
         if name == "bias_correction" and not value and kind != "lamb":
@@ -351,17 +376,11 @@ def _check_zero(ch: Checker) -> None:
     zero = ch.c.optimizer.zero_optimization
     if zero is None:
         return
-    for name, value in zero.items():
+    for name in zero:
         if name not in ZERO_KEYS:
             ch.fail(
                 "zero_optimization",
                 f"unknown entry {name!r}{did_you_mean(name, ZERO_KEYS)}",
-                path=name,
-            )
-        if name in ZERO_OFFLOAD_KEYS and value and value != {"device": "none"}:
-            ch.fail(
-                "zero_optimization",
-                f"{name}: CPU/NVMe offload is not supported; remove it or set it to false",
                 path=name,
             )
     shard = zero.get("mics_shard_size")

@@ -12,6 +12,7 @@ from torchneox.config.optimizer import optimizer_spec
 from torchneox.config.sizes import is_moe_layer
 from torchneox.config.validate_model import layer_attention_types
 from torchneox.estimate.activations import Trace
+from torchneox.estimate.host import offload_parts
 from torchneox.estimate.parameters import PARAM_BYTES, expert_sharded, local_dims, local_numel
 from torchneox.models.transformer import is_drawn
 
@@ -53,6 +54,7 @@ def memory_per_rank(
     for k, params in enumerate(stages):
         state = state_bytes(params, layout, fsdp, opt_per_param, per_dim)
         parts, temporary = state["parts"], state["temporary"]
+        host = offload_parts(parts, state["resident"]) if layout.offload else None
         last = k == len(stages) - 1
         acts = _activation_bytes(loaded, layout, trace, params, k, last)
         parts["activations"] = acts["stored_after_forward"] + acts["recompute"]
@@ -69,6 +71,8 @@ def memory_per_rank(
                 "resident": state["resident"],
                 "parameters_on_rank": state["local"],
                 "activations_after_forward": int(acts["stored_after_forward"]),
+                "host": host,  # ZeRO-Offload: the shards in host memory
+                "shard_elements": state["resident"]["parameter_shard"] // PARAM_BYTES,
             }
     assert worst is not None
     return worst
@@ -113,11 +117,12 @@ def state_bytes(
         "optimizer": resident["optimizer"],
     }
     temporary = 0.0
-    if fsdp > 1 and layout.zero in (0, 1, 2):
+    gathers = fsdp > 1 or layout.offload  # (offload: FSDP2 gathers onto the device even alone)
+    if gathers and layout.zero in (0, 1, 2):
         parts["parameters"] += gathered * PARAM_BYTES  # kept gathered from forward to backward
-    elif fsdp > 1:
+    elif gathers:
         temporary += 2 * per_block * PARAM_BYTES  # ZeRO-3: the block in use and the next
-    if fsdp > 1 and layout.gas > 1:
+    if gathers and layout.gas > 1:
         parts["gradients"] += gathered * PARAM_BYTES  # unsharded until the last micro-batch
     if fsdp == 1 and layout.dp * layout.cp > 1:
         parts["gradients"] += gathered * PARAM_BYTES  # DDP's gradient buckets

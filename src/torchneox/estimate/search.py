@@ -20,7 +20,9 @@ from torchneox.base.errors import ConfigError
 from torchneox.config.derive import derive
 from torchneox.config.layout import Layout, check_layout, layout_problem
 from torchneox.config.load import LoadedConfig
+from torchneox.config.optimizer import optimizer_spec
 from torchneox.estimate.activations import trace_activations
+from torchneox.estimate.host import host_estimate, render_host
 from torchneox.estimate.memory import (
     CUDA_RESERVE,
     GIB,
@@ -60,16 +62,15 @@ def estimate(
     check_layout(loaded, layout)
     acc, precision = ACCELERATORS[gpu], d["precision"]
     peak = peak_tflops(acc, precision)
-    method = cfg.parallel.pipe_partition_method
-    vocab = d["padded_vocab_size"]
+    method, vocab = cfg.parallel.pipe_partition_method, d["padded_vocab_size"]
     trace = trace_activations(loaded, vocab, precision, layout.cp)
     stages_for = functools.cache(lambda pp: stage_params(loaded, vocab, pp, method))
     mem = memory_per_rank(loaded, layout, stages_for(layout.pp), trace, method)
     tokens = d["train_batch_size"] * cfg.model.seq_length
     flops_step = d["flops_per_token"] * tokens
-    seconds = step_time(flops_step, layout, peak, mfu)
-    usable = _usable(acc)
-    stages = stages_for(layout.pp)
+    host = _host(loaded, layout, mem, nodes)
+    seconds = step_time(flops_step, layout, peak, mfu) + host.get("host_step_s", 0.0)
+    usable, stages = _usable(acc), stages_for(layout.pp)
     out: dict[str, Any] = _parameters(d, stages) | {
         "flops_per_token": d["flops_per_token"],
         "flops_per_step": flops_step,
@@ -97,11 +98,20 @@ def estimate(
             loaded, layout, stages, trace, method
         ),
     }
+    out |= host  # ZeRO-Offload's host memory and optimizer step
     if not out["fits"] and alternatives:
         out["alternatives"] = _alternatives(
             loaded, layout, d, trace, stages_for, method, flops_step, peak, mfu, usable, nodes
         )[:alternatives]
     return out
+
+
+def _host(loaded: LoadedConfig, layout: Layout, mem: dict[str, Any], nodes: int) -> dict:
+    """ZeRO-Offload's host memory and optimizer step (estimate/host.py); {} without it."""
+    if mem["host"] is None:
+        return {}
+    state = optimizer_spec(loaded.config.optimizer).state_tensors
+    return host_estimate(mem["host"], mem["shard_elements"], state, layout.gpus // nodes)
 
 
 def _by_checkpointing(loaded: LoadedConfig, layout: Layout, stages, trace, method) -> dict:
@@ -185,7 +195,8 @@ def _alternatives(
                     {
                         "changes": cand.changes_from(layout),
                         "memory_per_rank_bytes": mem["bytes"]["total"],
-                        "step_time_s": step_time(flops_step, cand, peak, mfu),
+                        "step_time_s": step_time(flops_step, cand, peak, mfu)
+                        + _host(loaded, cand, mem, nodes).get("host_step_s", 0.0),
                     }
                 )
     found.sort(key=lambda f: (len(f["changes"]), f["step_time_s"]))
@@ -212,12 +223,12 @@ def _build_bytes(loaded: LoadedConfig, layout: Layout, stages: list) -> int:
     return max(build_bytes(params, layout, reference) for params in stages)
 
 
+def gib(b: float) -> str:
+    return f"{b / GIB:,.1f} GiB"
+
+
 def render(est: dict[str, Any]) -> str:
     """The estimate as text."""
-
-    def gib(b: float) -> str:
-        return f"{b / GIB:,.1f} GiB"
-
     lay = est["layout"]
     mem = est["memory_per_rank_bytes"]
     lines = [
@@ -237,7 +248,9 @@ def render(est: dict[str, Any]) -> str:
         + f", ZeRO-{lay['zero']}, "
         f"micro-batch {lay['micro_batch']} x {lay['gas']} accumulation steps, "
         f"activation checkpointing {lay['checkpoint']}, {est['precision']}",
-        f"memory on the most loaded rank (pipeline stage {est['heaviest_stage']}):",
+        f"memory on the most loaded rank (pipeline stage {est['heaviest_stage']})"
+        + (", on the device: its shards are offloaded" if "host_step_s" in est else "")
+        + ":",
     ]
     for part in ("parameters", "gradients", "optimizer", "activations", "temporary"):
         lines.append(f"  {part:<12} {gib(mem[part]):>12}")
@@ -254,9 +267,11 @@ def render(est: dict[str, Any]) -> str:
         "  activations with checkpointing none / selective / full: "
         + " / ".join(gib(acts[m]) for m in ("none", "selective", "full"))
     )
+    host, host_time = render_host(est, gib)
+    lines += host
     lines.append(
         f"time: {est['step_time_s']:,.2f} s per step, {est['tokens_per_day'] / 1e9:,.2f}B tokens "
-        f"per day at {est['mfu']:.0%} MFU"
+        f"per day at {est['mfu']:.0%} MFU{host_time}"
     )
     if "alternatives" in est:
         if not est["alternatives"]:

@@ -78,12 +78,16 @@ def local_part(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...] | N
     return param.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
 
 
-def init_parameter(args: ModelArgs, name: str, param: torch.Tensor, seed: int) -> None:
+def init_parameter(
+    args: ModelArgs, name: str, param: torch.Tensor, seed: int, draw_on: torch.device | None = None
+) -> None:
     """Initialise ``param`` (named ``name`` in the unwrapped model) as one process would: by
     its mixer's own rule where it has one (mamba's A_log, D and dt bias, RWKV's mixes and
     decays), else a norm's scale to one, biases to zero, weights by init_method or
     output_layer_init_method; every drawn tensor is drawn whole from the generator of its name
-    (then, for a shard, only its part kept)."""
+    (then, for a shard, only its part kept) on ``draw_on`` (default: where the parameter is;
+    a run whose shards live in host memory draws where the model computes, as it would
+    without offload)."""
     module, _, leaf = name.rpartition(".")
     local, where = local_part(param)
     init = special_init(args, name)
@@ -98,13 +102,15 @@ def init_parameter(args: ModelArgs, name: str, param: torch.Tensor, seed: int) -
     if init is None:
         method = args.output_init_method if name.endswith(OUTPUT_LAYERS) else args.init_method
         init = init_function(method, args.init_std, args.num_layers, args.hidden_size)
-    generator = torch.Generator(device=local.device).manual_seed(_param_seed(seed, name))
-    if where is None:
+    if draw_on is None or torch.device(draw_on).type == local.device.type:
+        draw_on = local.device
+    generator = torch.Generator(device=draw_on).manual_seed(_param_seed(seed, name))
+    if where is None and draw_on == local.device:
         init(local, generator)
         return
-    whole = torch.empty(param.shape, dtype=local.dtype, device=local.device)
+    whole = torch.empty(param.shape, dtype=local.dtype, device=draw_on)
     init(whole, generator)
-    local.copy_(whole[where])
+    local.copy_(whole if where is None else whole[where])
 
 
 class Transformer(nn.Module):
@@ -192,7 +198,7 @@ class Transformer(nn.Module):
             plain = plain_name(name)
             if only is not None and plain not in only:
                 continue
-            init_parameter(self.args, plain, param, seed)
+            init_parameter(self.args, plain, param, seed, torch.device(device))
             drawn += 1
         return drawn
 

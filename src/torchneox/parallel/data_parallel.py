@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.nn.parallel import DistributedDataParallel
 
+from torchneox.config.offload import Offload
 from torchneox.models.transformer import Transformer
 
 REDUCE_DTYPES = {
@@ -26,12 +32,15 @@ def apply_data_parallel(
     tensor_parallel: bool = False,
     ignored: list[str] | None = None,
     param_dtype: str = "fp32",
+    offload: Offload | None = None,
 ) -> torch.nn.Module:
     """Shard or replicate ``model`` over ``mesh`` (the data-parallel axis); returns the module to
     call. DDP does not take tensor-parallel (DTensor) parameters, so ZeRO 0 with tensor
     parallelism runs as ZeRO 2 (sharded gradients and optimizer state; the same results).
     FSDP2 gathers the weights in ``param_dtype`` (the fp32 shards are the master weights) and
-    reduces gradients in ``reduce_dtype``."""
+    reduces gradients in ``reduce_dtype``. ``offload`` (ZeRO-Offload, ZeRO 1-3): FSDP2's
+    CPUOffloadPolicy keeps the shards, their gradients and the optimizer state in host memory
+    (pinned where the mesh is on GPUs and pin_memory asks), the step runs on the CPU."""
     if zero_stage == 0 and not tensor_parallel:
         if next(model.parameters()).is_meta:  # the dry run: DDP needs values (it broadcasts)
             return model
@@ -45,32 +54,70 @@ def apply_data_parallel(
     )
     reshard = zero_stage == 3
     skip = {model.get_parameter(n) for n in ignored or []}
+    where = _offload_policy(offload, mesh)
     for block in model.layers.values():
         own = {p for p in block.parameters() if p in skip} or None
         if gather != torch.float32:
-            _shard_fp32_mixers(block, mesh, reshard, REDUCE_DTYPES[reduce_dtype])
+            _shard_fp32_mixers(block, mesh, reshard, REDUCE_DTYPES[reduce_dtype], where)
         fully_shard(
-            block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=own
+            block,
+            mesh=mesh,
+            reshard_after_forward=reshard,
+            mp_policy=policy,
+            offload_policy=where,
+            ignored_params=own,
         )
     fully_shard(
         model,
         mesh=mesh,
         reshard_after_forward=reshard,
         mp_policy=policy,
+        offload_policy=where,
         ignored_params=skip or None,
     )
     return model
 
 
+def _offload_policy(offload: Offload | None, mesh: DeviceMesh) -> OffloadPolicy:
+    """FSDP2's policy for ``offload``: CPUOffloadPolicy (pinning only on GPUs: a CPU-only torch
+    has no page-locked memory), else none."""
+    if offload is None or not offload.enabled:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=offload.pin_memory and mesh.device_type == "cuda")
+
+
 def _shard_fp32_mixers(
-    block: torch.nn.Module, mesh: DeviceMesh, reshard: bool, reduce: torch.dtype
+    block: torch.nn.Module,
+    mesh: DeviceMesh,
+    reshard: bool,
+    reduce: torch.dtype,
+    where: OffloadPolicy,
 ) -> None:
     """mamba_selective_fp32_params: a mixer that asks (``gather_fp32``) is sharded on its own
     and gathered in fp32, so A_log and D reach the scan unrounded while the rest of the block
     is gathered in bf16 (its linears compute in bf16 under autocast either way)."""
     for mixer in (m for m in block.modules() if getattr(m, "gather_fp32", False)):
         policy = MixedPrecisionPolicy(reduce_dtype=reduce)
-        fully_shard(mixer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+        fully_shard(
+            mixer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=where
+        )
+
+
+def offloaded_shards(model: torch.nn.Module) -> tuple[int, int]:
+    """(parameters FSDP2 offloads whose shard is in host memory, parameters FSDP2 shards): what
+    the run reports under ZeRO-Offload, read from FSDP2's own parameter records."""
+    from torch.distributed.fsdp import FSDPModule
+
+    offloaded = total = 0
+    for module in model.modules():
+        group = (
+            module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        )
+        for param in group.fsdp_params if group is not None else []:
+            total += 1
+            host = param.sharded_param.to_local().device.type == "cpu"
+            offloaded += int(param.offload_to_cpu and host)
+    return offloaded, total
 
 
 def set_gradient_sync(module: torch.nn.Module, sync: bool) -> None:

@@ -134,17 +134,37 @@ class ParallelDims:
         return self.mesh[self.HYBRID] if self.dp_shard is not None else self.batch_mesh
 
 
-def init_distributed(device_type: str, backend: str | None, timeout_minutes: float) -> int:
-    """Join the process group torchrun describes (WORLD_SIZE, RANK, MASTER_ADDR ...); the world size."""
+def init_distributed(
+    device_type: str, backend: str | None, timeout_minutes: float, host_too: bool = False
+) -> int:
+    """Join the process group torchrun describes (WORLD_SIZE, RANK, MASTER_ADDR ...); the world
+    size. ``host_too`` (ZeRO-Offload): gloo beside the GPU backend, for the collectives on host
+    tensors (the gradient norm of offloaded gradients), and a group of one for a lone process
+    (FSDP2, which offloads, shards over a mesh)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1 or dist.is_initialized():
-        return dist.get_world_size() if dist.is_initialized() else 1
+    if dist.is_initialized():
+        return dist.get_world_size()
+    if world == 1 and host_too:
+        if device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        store = dist.HashStore()
+        dist.init_process_group(
+            _backend(device_type, backend, True), store=store, rank=0, world_size=1
+        )
+        return 1
+    if world == 1:
+        return 1
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    chosen = "gloo" if device_type == "cpu" else (backend or "nccl")
     flight_recorder.enable()
+    chosen = _backend(device_type, backend, host_too)
     dist.init_process_group(chosen, timeout=timedelta(minutes=timeout_minutes))
     return world
+
+
+def _backend(device_type: str, backend: str | None, host_too: bool) -> str:
+    chosen = "gloo" if device_type == "cpu" else (backend or "nccl")
+    return f"cpu:gloo,{device_type}:{chosen}" if host_too and device_type != "cpu" else chosen
 
 
 def shutdown(clean: bool = True) -> None:

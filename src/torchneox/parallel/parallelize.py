@@ -24,9 +24,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from torchneox.config.fp8_plan import FP8Plan
 from torchneox.config.layout import Layout
+from torchneox.config.offload import Offload
 from torchneox.models.args import ModelArgs
 from torchneox.models.transformer import Transformer, is_drawn, local_part, plain_name
 from torchneox.parallel.activation_ckpt import apply_activation_checkpointing, compile_blocks
@@ -54,6 +56,9 @@ class BuildOptions:
     param_dtype: str = "fp32"
     fp8: FP8Plan | None = None
     compile_scope: str = "off"
+    offload: Offload | None = None
+    """ZeRO-Offload: the shards, gradients and optimizer state in host memory (FSDP2's
+    CPUOffloadPolicy); the shards are materialised there."""
 
 
 @dataclass
@@ -117,26 +122,43 @@ def shard(
     options: BuildOptions,
     expert_params: list[str],
 ) -> nn.Module:
-    """ZeRO over the data-parallel ranks (a no-op with one); returns the module to call."""
-    if dims.batch_ranks <= 1:
+    """ZeRO over the data-parallel ranks (a no-op with one, unless it offloads: FSDP2 then
+    shards over a mesh of one); returns the module to call."""
+    alone = dims.batch_ranks <= 1
+    if alone and not offloads(options, layout):
         return model
     return apply_data_parallel(
         model,
-        dims.shard_mesh(),
+        init_device_mesh(dims.device_type, (1,), mesh_dim_names=("dp",))
+        if alone
+        else dims.shard_mesh(),
         layout.zero,
         options.reduce_dtype,
         tensor_parallel=dims.tp > 1 or dims.pp > 1,
         ignored=expert_params,
         param_dtype=options.param_dtype,
+        offload=options.offload,
     )
 
 
+def offloads(options: BuildOptions, layout: Layout) -> bool:
+    """Whether ZeRO-Offload applies: asked for, under ZeRO 1-3 (config/offload.py)."""
+    return options.offload is not None and options.offload.enabled and layout.zero > 0
+
+
 def materialise(
-    model: Transformer, device: torch.device, seed: int, init: Collection[str] | None
+    model: Transformer,
+    device: torch.device,
+    seed: int,
+    init: Collection[str] | None,
+    offload: bool = False,
 ) -> int:
-    """Allocate this rank's part of every parameter on ``device`` and draw those ``init`` names
-    (None: all); the position tables are computed there too. Returns how many were drawn."""
-    model.to_empty(device=device)
+    """Allocate this rank's part of every parameter on ``device`` (in host memory under
+    ``offload``, where FSDP2's CPU offload keeps the shards) and draw those ``init`` names
+    (None: all); the position tables are computed on ``device``. Returns how many were
+    drawn."""
+    host = offload and torch.device(device).type != "meta"  # (the dry run stays on meta)
+    model.to_empty(device=torch.device("cpu") if host else device)
     return model.init_weights(device, seed=seed, only=init)
 
 
@@ -185,7 +207,8 @@ def build_parallel_model(
         drawn = materialise(model, device, options.seed, init)
         return ParallelModel(model, shard(model, dims, layout, options, expert_params), drawn=drawn)
     module = shard(model, dims, layout, options, expert_params)
-    return ParallelModel(model, module, drawn=materialise(model, device, options.seed, init))
+    drawn = materialise(model, device, options.seed, init, offloads(options, layout))
+    return ParallelModel(model, module, drawn=drawn)
 
 
 def _freeze(model: Transformer, dims: ParallelDims, layout: Layout) -> None:

@@ -20,6 +20,7 @@ from torchneox.config.derived import Derived
 from torchneox.config.fp8_plan import FP8Plan
 from torchneox.config.layout import Layout
 from torchneox.config.load import LoadedConfig
+from torchneox.config.offload import offload_spec
 from torchneox.models.args import ModelArgs
 from torchneox.parallel.dims import ParallelDims
 from torchneox.parallel.parallelize import (
@@ -86,6 +87,7 @@ def build_run(
         param_dtype=d["zero_param_dtype"],
         fp8=fp8,
         compile_scope=d["compile"] if compile_scope is None else compile_scope,
+        offload=offload_spec(cfg.optimizer.zero_optimization, cfg.optimizer.optimizer),
     )
 
     def pipeline_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -81,6 +81,9 @@ def build_optimizer(
         fast = {"foreach": False}
     if kind in ("adam", "adamw"):  # GPT-NeoX runs Adam with decoupled weight decay
         return torch.optim.AdamW(groups, lr=lr, **params, **fast)
+    if kind in ("cpu_adam", "cpu_torch_adam"):  # DeepSpeedCPUAdam: AdamW unless adamw_mode false
+        adam = torch.optim.AdamW if spec.params.get("adamw_mode", True) else torch.optim.Adam
+        return adam(groups, lr=lr, **params, **fast)
     if kind == "sgd":
         return torch.optim.SGD(groups, lr=lr, **params, foreach=fast.get("foreach", True))
     if kind == "lion":

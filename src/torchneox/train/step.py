@@ -351,12 +351,13 @@ class Update:
         """Clip and apply the gradients with no read-back: the fused update skips the step
         where the loss or the norm is not finite. The norm and the skip flag, on the device.
         (An unfused optimizer comes here only in the dry run, which never reads either.)"""
-        norm = self.clip_gradients()
-        bad = (~torch.isfinite(loss.float()) | ~torch.isfinite(norm)).float()
+        norm = self.clip_gradients()  # where the gradients are (host memory under offload)
+        bad = (~torch.isfinite(loss.float().to(norm.device)) | ~torch.isfinite(norm)).float()
         if self._fused:
             self.optimizer.found_inf = bad  # read by the fused kernel: 1 leaves weights, state
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        norm, bad = norm.to(loss.device), bad.to(loss.device)  # read with the loss
         self.pending.append((iteration, loss, norm))
         return norm, bad
 

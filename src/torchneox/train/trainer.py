@@ -21,6 +21,7 @@ from torchneox.config.derive_model import mamba_kernels
 from torchneox.config.fp8_plan import FP8Plan, fp8_plan
 from torchneox.config.layout import require
 from torchneox.config.load import LoadedConfig, with_absolute_paths
+from torchneox.config.offload import offload_spec
 from torchneox.config.report import render_yaml
 from torchneox.data.datasets import build_splits
 from torchneox.data.epochs import apply_train_epochs, cycle_epochs
@@ -30,6 +31,7 @@ from torchneox.models import cpu_kernels
 from torchneox.models.hf_folder import is_hf_folder, with_hf_folder
 from torchneox.parallel import flight_recorder
 from torchneox.parallel.collectives import any_rank, mean_over_dp, sum_over_dp
+from torchneox.parallel.data_parallel import offloaded_shards
 from torchneox.parallel.dims import ParallelDims, init_distributed
 from torchneox.parallel.fp8 import check_fp8_hardware
 from torchneox.parallel.parallelize import EVERY_PARAMETER
@@ -66,6 +68,16 @@ def _is_lost_rank(error: RuntimeError) -> bool:
     )
 
 
+def _join_processes(cfg: Any, device: torch.device) -> int:
+    """The process group (gloo beside the GPU backend under ZeRO-Offload); the world size."""
+    return init_distributed(
+        device.type,
+        cfg.parallel.distributed_backend,
+        cfg.parallel.distributed_timeout_minutes,
+        offload_spec(cfg.optimizer.zero_optimization, cfg.optimizer.optimizer).enabled,
+    )
+
+
 class Trainer:
     def __init__(
         self,
@@ -80,18 +92,15 @@ class Trainer:
         if load_step is None:  # (a step asked for is resolved, or refused, by find)
             refuse_fine_tuning_nothing(loaded)  # before any process group, file or model
         self.device = _device(device)
-        world = init_distributed(
-            self.device.type,
-            cfg.parallel.distributed_backend,
-            cfg.parallel.distributed_timeout_minutes,
-        )
+        world = _join_processes(cfg, self.device)
         self.loaded = loaded = apply_train_epochs(loaded, world)  # train_epochs -> train_iters
         self.cfg = cfg = loaded.config
         self.derived = d = derive(loaded, world_size=world)
         self.layout = require(loaded, d)
         check_save_hf(loaded, force, self.layout.pp)
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # (before the mesh is made)
-        refuse_what_cannot_fit(loaded, d["num_parameters"], world, local_ranks, self.device)
+        held = "cpu" if self.layout.offload else self.device  # (offload: in host memory)
+        refuse_what_cannot_fit(loaded, d["num_parameters"], world, local_ranks, held)
         self.dims = ParallelDims.from_layout(self.layout, self.device.type)
         self.dims.build_mesh()
         self.precision = d["precision"]
@@ -106,6 +115,7 @@ class Trainer:
         cpu_kernels.second_timing = not (step.isdigit() and int(step) > 0)
         self._build_checked(step_dir)
         self._report_memory("after building")
+        self._report_offload()
         self._build_loaders()
         self._build_step()
         self.throughput = Throughput(
@@ -197,6 +207,15 @@ class Trainer:
             peaks = [None] * self.dims.world_size
             dist.all_gather_object(peaks, mine)
         self.logger.line(hardware.memory_line(when, self.device, peaks))
+
+    def _report_offload(self) -> None:
+        """Under ZeRO-Offload, how many parameter shards FSDP2 holds in host memory."""
+        if self.layout.offload:
+            held, total = offloaded_shards(self.parts.model)
+            self.logger.line(
+                f"ZeRO-Offload: {held} of {total} parameter shards, their gradients and the "
+                "optimizer state in host memory (FSDP2's CPUOffloadPolicy); step on the CPU"
+            )
 
     def _report_kernels(self) -> None:
         """The CPU kernel verdicts any rank corrected (models/cpu_kernels.py), in one line on

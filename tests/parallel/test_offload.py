@@ -1,0 +1,63 @@
+"""ZeRO-Offload (zero_optimization.offload_optimizer / offload_param, cpu_offload, cpu_adam)
+through FSDP2's CPUOffloadPolicy: offloaded ZeRO-3 training on 2 processes equals the run
+without offload, and an offloaded run resumes bit for bit. (Its refusals:
+tests/config/test_bad_configs.py; explain: tests/config/test_offload_config.py.)"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from tests.helpers import DP_KEYS, assert_same_training, losses, one_process, train, weights
+
+OFFLOAD = ["zero_optimization.stage=3", "zero_optimization.offload_optimizer.device=cpu"]
+
+
+@pytest.fixture(scope="module")
+def config(make_module_config):
+    return make_module_config(train_micro_batch_size_per_gpu=2, train_iters=4, **DP_KEYS)
+
+
+@pytest.fixture(scope="module")
+def baseline(config, tmp_path_factory):
+    return one_process(config, tmp_path_factory)
+
+
+def test_offloaded_zero3_on_two_processes_equals_one_without_offload(config, tmp_path, baseline):
+    out = tmp_path / "offload"
+    run = train(config, f"save={out}", "load=null", *OFFLOAD, nproc=2)
+    said = re.search(r"ZeRO-Offload: (\d+) of (\d+) parameter shards", run.stdout + run.stderr)
+    assert said is not None and said[1] == said[2] and int(said[1]) > 0
+    assert_same_training(out, baseline)
+
+
+def test_one_offloaded_process_equals_one_without_offload(config, tmp_path, baseline):
+    """A lone process offloads too (FSDP2 over a mesh of one: ZeRO-Offload's one-GPU case)."""
+    out = tmp_path / "alone"
+    run = train(config, f"save={out}", "load=null", *OFFLOAD, "train_micro_batch_size_per_gpu=4")
+    said = re.search(r"ZeRO-Offload: (\d+) of (\d+) parameter shards", run.stdout + run.stderr)
+    assert said is not None and said[1] == said[2] and int(said[1]) > 0
+    assert_same_training(out, baseline)
+
+
+def test_a_cpu_adam_run_resumes_bit_for_bit_and_trains_as_adamw(
+    tmp_path, tmp_path_factory, make_config
+):
+    """cpu_adam implies offload; stopped at step 3 and resumed (both offloaded ZeRO-3 on 2
+    processes), steps 4-6 and the final weights are those of the run never stopped, to the
+    bit; and that run is a one-process AdamW run (DeepSpeedCPUAdam's adamw_mode)."""
+    cfg = make_config("long.yml", train_micro_batch_size_per_gpu=2, train_iters=6, **DP_KEYS)
+    cpu_adam = ["zero_optimization.stage=3", "optimizer.type=cpu_adam"]
+    whole, moved = tmp_path / "whole", tmp_path / "moved"
+    run = train(cfg, f"save={whole}", "load=null", *cpu_adam, nproc=2)
+    assert "ZeRO-Offload:" in run.stdout + run.stderr
+    train(cfg, f"save={moved}", f"load={moved}", *cpu_adam, "exit_interval=3", nproc=2)
+    train(cfg, f"save={moved}", f"load={moved}", *cpu_adam, nproc=2)
+    done, after = losses(whole), losses(moved)
+    assert [after[k] for k in (4, 5, 6)] == [done[k] for k in (4, 5, 6)]
+    resumed = weights(moved)
+    for name, tensor in weights(whole).items():
+        assert torch.equal(tensor, resumed[name]), name
+    assert_same_training(whole, one_process(cfg, tmp_path_factory))  # Adam runs as AdamW
