@@ -170,3 +170,55 @@ def test_a_base_shapes_file_of_another_model_is_refused_in_one_line(make_config,
     assert main(["train", cfg]) == 2
     err = capsys.readouterr().err.strip()
     assert "holds no base shape for layers.2." in err and len(err.splitlines()) == 1
+
+
+def test_the_model_takes_the_mup_multipliers(make_config, base_file):
+    """Same weights: mup_output_temp 2 halves the logits, mup_embedding_mult multiplies the
+    embeddings, and attention scores are scaled by 1/(d x mup_attn_temp)."""
+    plain = model_args(load_config([make_config(base_shapes_file=str(base_file), **MUP)]))
+    hot = model_args(
+        load_config(
+            [
+                make_config(
+                    "hot.yml",
+                    base_shapes_file=str(base_file),
+                    mup_output_temp=2.0,
+                    mup_embedding_mult=3.0,
+                    mup_attn_temp=4.0,
+                    **MUP,
+                )
+            ]
+        )
+    )
+    assert plain.attention_scale == 1 / 8  # head_dim 8: 1/d, not 1/sqrt(d)
+    assert hot.attention_scale == 1 / 32
+    model = build_model(plain)
+    tokens = torch.randint(0, 60, (2, 8))
+    embedded = model._embed(tokens, None, 0, 8)
+    hidden = torch.randn(2, 8, 32)
+    logits = model._head(hidden)
+    model.args = hot
+    torch.testing.assert_close(model._embed(tokens, None, 0, 8), 3 * embedded)
+    torch.testing.assert_close(model._head(hidden), logits / 2)
+
+
+def test_mup_draws_hidden_matrices_narrower_by_sqrt_width_mult(make_config, base_file):
+    """At width 128 over a base of 32 (width_mult 4), a hidden matrix is drawn with half the
+    standard deviation of the same model without muP; the embedding as without."""
+    wide = {"hidden_size": 128, "init_method": "normal", "output_layer_init_method": "normal"}
+    with_mup = build_model(
+        model_args(load_config([make_config(base_shapes_file=str(base_file), **wide, **MUP)]))
+    ).state_dict()
+    without = build_model(model_args(load_config([make_config("sp.yml", **wide)]))).state_dict()
+    for name in ("layers.0.attention.wq.weight", "layers.1.mlp.up.weight"):
+        torch.testing.assert_close(with_mup[name], without[name] / 2)
+    torch.testing.assert_close(with_mup["embed.weight"], without["embed.weight"])
+
+
+def test_a_mup_model_is_not_exported_to_hugging_face(make_config, base_file):
+    from torchneox.base.errors import HFError
+    from torchneox.models.hf import export_architecture
+
+    args = model_args(load_config([make_config(base_shapes_file=str(base_file), **MUP)]))
+    with pytest.raises(HFError, match="use_mup"):
+        export_architecture(args)
