@@ -4,6 +4,7 @@ MuAdam, the schedule keeping each group's share, the coordinate check, explain, 
 from __future__ import annotations
 
 import json
+import math
 
 import mup
 import pytest
@@ -222,3 +223,36 @@ def test_a_mup_model_is_not_exported_to_hugging_face(make_config, base_file):
     args = model_args(load_config([make_config(base_shapes_file=str(base_file), **MUP)]))
     with pytest.raises(HFError, match="use_mup"):
         export_architecture(args)
+
+
+def test_a_gpt_neox_config_with_mup_explains_and_trains_scaled_down(
+    shared, tiny_data, tmp_path, monkeypatch, capsys
+):
+    """GPT-NeoX's 125M.yml (no config of GPT-NeoX's sets use_mup) with muP: its base shapes
+    written at width 32, then 3 steps at width 128 (width_mult 4)."""
+    monkeypatch.chdir(tmp_path)
+    local = {
+        "data_path": str(tiny_data),
+        "tokenizer_type": "CharLevelTokenizer",
+        "save": "run",
+        "num_workers": 0,
+        "use_mup": True,
+        "base_shapes_file": "shapes.yml",
+    }
+    (tmp_path / "local.yml").write_text(json.dumps(local))
+    scaled = [
+        "num_layers=2", "hidden_size=32", "num_attention_heads=4", "seq_length=32",
+        "max_position_embeddings=32", "train_iters=3", "lr_decay_iters=3", "eval_iters=1",
+        "train_micro_batch_size_per_gpu=2", "precision=fp32", "fp16.enabled=false", "log_interval=1",
+    ]  # fmt: skip
+    files = [str(shared / "neox_configs" / "125M.yml"), "local.yml"]
+    sets = [x for s in scaled for x in ("--set", s)]
+    assert main(["train", *files, *sets, "--set", "save_base_shapes=true"]) == 0
+    wide = [*sets, "--set", "hidden_size=128"]
+    capsys.readouterr()
+    assert main(["config", "explain", *files, *wide]) == 0
+    assert "hidden matrices (two width dimensions) lr / 4 = 0.00015" in capsys.readouterr().out
+    assert main(["train", *files, *wide]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["lm_loss"] for r in rows if "lm_loss" in r]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
