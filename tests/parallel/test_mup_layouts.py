@@ -9,6 +9,8 @@ import pytest
 from tests.helpers import DP_KEYS, assert_same_training, one_process, train
 from torchneox.cli import main
 
+pytest.importorskip("mup")
+
 MUP = {"use_mup": True, "hidden_size": 64, "train_iters": 3, "no_weight_tying": True, **DP_KEYS}
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 
-import mup
 import pytest
 import torch
 import yaml
@@ -16,8 +15,9 @@ from torchneox.config.load import load_config
 from torchneox.data.datasets import step_batch
 from torchneox.models.args import model_args
 from torchneox.models.transformer import build_model
-from torchneox.train.mup import coord_records
 from torchneox.train.optim import build_optimizer, param_groups
+
+mup = pytest.importorskip("mup")
 
 MUP = {"use_mup": True, "hidden_dropout": 0.0, "attention_dropout": 0.0}
 
@@ -100,6 +100,8 @@ def test_group_lrs_are_muadams_and_the_schedule_keeps_them(make_config, base_fil
 
 
 def _logit_scales(loaded, widths, bases) -> dict[int, float]:
+    from torchneox.train.mup import coord_records
+
     batches = [torch.from_numpy(step_batch(loaded, i)[1]).long() for i in range(1, 5)]
     rows = coord_records(loaded, widths, batches, bases)
     return {r["width"]: r["l1"] for r in rows if r["module"] == "logits" and r["t"] == 4}
@@ -256,3 +258,27 @@ def test_a_gpt_neox_config_with_mup_explains_and_trains_scaled_down(
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["lm_loss"] for r in rows if "lm_loss" in r]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+
+
+def test_sgd_groups_are_musgds(make_config, base_file):
+    """MuSGD's rule: vector-like parameters (embeddings, the head, biases, norms) at lr x
+    width_mult, square hidden matrices at lr."""
+    sgd = {"type": "SGD", "params": {"lr": 0.01, "momentum": 0.9}}
+    cfg = make_config(hidden_size=128, base_shapes_file=str(base_file), optimizer=sgd, **MUP)
+    loaded = load_config([cfg])
+    args = model_args(loaded)
+    model = build_model(args)
+    ours = build_optimizer(model, loaded.config.optimizer, "cpu", args.mup)
+    names = {id(p): n for n, p in model.named_parameters()}
+    got = {
+        names[id(p)]: (g["lr"], g["weight_decay"]) for g in ours.param_groups for p in g["params"]
+    }
+    reference = build_model(args)
+    mup.set_base_shapes(reference, str(base_file), rescale_params=False)
+    theirs = mup.MuSGD(param_groups(reference, 0.1), lr=0.01)
+    ref_names = {id(p): n for n, p in reference.named_parameters()}
+    for g in theirs.param_groups:
+        for p in g["params"]:
+            assert got[ref_names[id(p)]] == pytest.approx((g["lr"], g["weight_decay"]))
+    assert got["embed.weight"] == pytest.approx((0.04, 0.1 / 4))
+    assert got["layers.0.attention.wq.weight"][0] == pytest.approx(0.01)

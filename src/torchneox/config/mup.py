@@ -8,6 +8,7 @@ the shapes are the whole, unsharded model's)."""
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,13 @@ def mup_spec(loaded: LoadedConfig) -> MupSpec | None:
     if not t.use_mup:
         return None
     source = loaded.origin.get("use_mup")
+    if importlib.util.find_spec("mup") is None:
+        raise ConfigError(
+            "use_mup needs Microsoft's mup package: pip install --no-deps 'mup>=1.0' (its "
+            "metadata asks for torchvision, which would replace torch)",
+            source=source,
+            key="use_mup",
+        )
     kind = optimizer_spec(cfg.optimizer).kind
     if kind not in MUP_OPTIMIZERS:
         raise ConfigError(
