@@ -132,8 +132,7 @@ def test_coord_check_run_writes_its_records_and_plots(make_config, tmp_path, mon
         num_attention_heads=1,
         seq_length=8,
         train_micro_batch_size_per_gpu=2,
-        coord_check=True,
-        base_shapes_file="b.yml",
+        coord_check=True,  # no base_shapes_file: the smallest width is the base
         **MUP,
     )
     assert main(["train", cfg]) == 0

@@ -82,7 +82,7 @@ def mup_spec(loaded: LoadedConfig) -> MupSpec | None:
             source=source,
             key="init_method",
         )
-    if not t.base_shapes_file:
+    if not t.base_shapes_file and (t.save_base_shapes or not t.coord_check):
         raise ConfigError(
             "use_mup needs base_shapes_file (write it once with save_base_shapes: true at "
             "the base width)",
