@@ -21,7 +21,6 @@ from torchneox.config.fp8_plan import fp8_plan
 from torchneox.config.layout import Layout, compile_scope
 from torchneox.config.load import LoadedConfig
 from torchneox.config.loss_scale import loss_scale_spec
-from torchneox.config.mup import derive_mup
 from torchneox.config.optimizer import describe_optimizer, optimizer_spec
 from torchneox.config.schema import KEYS, NeoXConfig
 from torchneox.config.validate import (
@@ -47,7 +46,6 @@ def derive(
     _optimizer(loaded, out)
     _schedule(cfg, out)
     derive_model(loaded, out)
-    derive_mup(loaded, out)
     _data(cfg, out)
     derive_rollouts(loaded, out)
     _launch(loaded, out)

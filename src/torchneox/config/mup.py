@@ -165,6 +165,8 @@ def derive_mup(loaded: LoadedConfig, out: Derived) -> None:
         )
         return
     shapes = read_base_shapes(spec.base_shapes_file)  # type: ignore[arg-type]
+    if not cfg.model.hidden_size:
+        return
     mult = width_mult(cfg.model.hidden_size, shapes)
     base = shapes[EMBED][1]
     out.put(
