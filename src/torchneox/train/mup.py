@@ -176,9 +176,11 @@ def coord_records(
     bases: dict[str, Any] | None,
 ) -> list[dict[str, Any]]:
     """Each module's mean |output| ("l1") at each width and forward t (1..len(batches)),
-    training between forwards on ``batches`` ([B, S+1] token ids) at the config's peak lr;
-    ``bases``: muP's base shapes (None: the standard parametrisation)."""
+    training between forwards on ``batches`` ([B, S+1] token ids) at the config's peak lr, in
+    fp32 on the GPU where there is one; ``bases``: muP's base shapes (None: the standard
+    parametrisation)."""
     cfg, d = loaded.config, derive(loaded)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows: list[dict[str, Any]] = []
     for width in widths:
         args = _args_at(loaded, width, d["padded_vocab_size"])
@@ -194,13 +196,13 @@ def coord_records(
             )
             args = dataclasses.replace(args, mup=scales)
         torch.manual_seed(cfg.training.seed)
-        model = build_model(args, "cpu", seed=cfg.training.seed)
+        model = build_model(args, device, seed=cfg.training.seed)
         model.train()
-        optimizer = build_optimizer(model, cfg.optimizer, "cpu", args.mup)
+        optimizer = build_optimizer(model, cfg.optimizer, device.type, args.mup)
         for group in optimizer.param_groups:
             group["lr"] = d["lr"] * group.get("lr_scale", 1.0)
         for step, batch in enumerate(batches, 1):
-            rows += _train_recorded(model, optimizer, batch, width, step)
+            rows += _train_recorded(model, optimizer, batch.to(device), width, step)
     return rows
 
 
