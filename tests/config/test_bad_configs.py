@@ -547,7 +547,24 @@ CASES = [
         [],
         ["attention_config: an entry with 'all' describes every layer; remove the other"],
     ),
-    ("unsupported-mup", {"a.yml": "{use_mup: true}"}, [], ["use_mup: muP is not supported"]),
+    (
+        "mup-without-base-shapes",
+        {"a.yml": "{use_mup: true}"},
+        [],
+        ["a.yml: base_shapes_file: use_mup needs base_shapes_file (write it once with"],
+    ),
+    (
+        "mup-base-shapes-missing",
+        {"a.yml": "{use_mup: true, base_shapes_file: nowhere.yml}"},
+        [],
+        ["nowhere.yml: base_shapes_file: does not exist: write it with save_base_shapes: true"],
+    ),
+    (
+        "mup-lion",
+        {"a.yml": "{use_mup: true, base_shapes_file: b.yml, optimizer: {type: Lion}}"},
+        [],
+        ["optimizer.type: use_mup takes optimizer type Adam or SGD (mup's MuAdam and MuSGD"],
+    ),
     (
         "rpe-max-distance-inside-the-exact-buckets",
         {"a.yml": "{pos_emb: rpe, rpe_num_buckets: 32, rpe_max_distance: 16}"},

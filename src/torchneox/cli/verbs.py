@@ -189,6 +189,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ConfigError(f"--{dry_flags[0].replace('_', '-')} is for a dry run: add --dry-run")
     if args.dry_run:
         return _dry_run(args)
+    if _mup_one_off(args):
+        return 0
     if args.nproc and args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         from torchneox.cli.launch import launch_local
 
@@ -205,6 +207,20 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise
     shutdown()
     return 0
+
+
+def _mup_one_off(args: argparse.Namespace) -> bool:
+    """use_mup's save_base_shapes or coord_check, run once (rank 0 only when launched) instead
+    of training, as GPT-NeoX does."""
+    loaded = load_config(args.files, args.overrides)
+    t = loaded.config.training
+    if not (t.use_mup and (t.save_base_shapes or t.coord_check)):
+        return False
+    if os.environ.get("RANK", "0") != "0":  # launched by torchrun: rank 0 writes
+        return True
+    from torchneox.train.mup import one_off
+
+    return one_off(loaded)
 
 
 def _dry_run(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ from torchneox.base.errors import ConfigError
 from torchneox.config import sizes
 from torchneox.config.derived import Derived
 from torchneox.config.load import LoadedConfig
+from torchneox.config.mup import derive_mup
 from torchneox.config.schema import ModelConfig, NeoXConfig
 from torchneox.config.sparsity import ATTENTION_LAYER_TYPES, SPARSE_TYPES, sparsity
 from torchneox.config.validate_model import layer_attention_types
@@ -56,6 +57,7 @@ def derive_model(loaded: LoadedConfig, out: Derived) -> None:
     """The padded vocabulary, the model's shapes, its parameters and FLOPs per token."""
     cfg = loaded.config
     padded = _vocab(loaded, out)
+    derive_mup(loaded, out)
     missing = [k for k in MODEL_KEYS if cfg.get(k) is None]
     if missing:
         why = f"unknown: {', '.join(missing)} not set"

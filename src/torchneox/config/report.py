@@ -48,6 +48,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     ),
     "Optimizer": ("optimizer_type", "lr", "weight_decay", "gradient_clipping"),
     "Learning-rate schedule": ("lr_schedule", "lr_decay_iters", "warmup_iters"),
+    "muP": ("mup_one_off", "mup_width_mult", "mup_lr", "mup_scalings"),
     "Model": (
         "vocab_size",
         "padded_vocab_size",

@@ -373,20 +373,46 @@ class TrainingConfig:
         1.0, "KTO: weight of undesirable (reward < 0) samples.", gt=0
     )
     kto_beta: float = key(0.1, "KTO: beta.", gt=0)
-    use_mup: bool = unsupported(
-        False, "Parametrise with muP.", "muP is not supported; remove use_mup"
+    use_mup: bool = key(
+        False,
+        "Parametrise with muP (Microsoft's mup): width multipliers from base_shapes_file, "
+        "attention 1/d, embeddings x mup_embedding_mult, logits from hidden / width_mult, "
+        "MuAdam's or MuSGD's learning rate per parameter group.",
     )
-    coord_check: bool = no_effect(False, "Draw muP coordinate checks.", "muP is not supported")
-    save_base_shapes: bool = no_effect(False, "Save muP base shapes.", "muP is not supported")
-    base_shapes_file: str | None = no_effect(None, "muP base shapes file.", "muP is not supported")
-    mup_init_scale: float = no_effect(1.0, "muP initialisation scale.", "muP is not supported")
-    mup_attn_temp: float = no_effect(1.0, "muP attention temperature.", "muP is not supported")
-    mup_output_temp: float = no_effect(1.0, "muP output temperature.", "muP is not supported")
-    mup_embedding_mult: float = no_effect(1.0, "muP embedding multiplier.", "muP is not supported")
-    mup_rp_embedding_mult: float = no_effect(
-        1.0, "muP relative-position multiplier.", "muP is not supported"
+    coord_check: bool = key(
+        False,
+        "With use_mup: a one-off run instead of training: muP's coordinate check (widths "
+        "num_attention_heads x 4 .. x 256, muP and standard), its data and plots written to "
+        "coord_check_up.0.* and coord_check_sp.0.* in the current folder.",
     )
-    mup_width_scale: int = no_effect(2, "muP delta-model width scale.", "muP is not supported")
+    save_base_shapes: bool = key(
+        False,
+        "With use_mup: a one-off run instead of training: the base shapes of this model (and "
+        "of its delta, hidden_size x mup_width_scale) written to base_shapes_file.",
+    )
+    base_shapes_file: str | None = key(
+        None, "muP's base shapes (a YAML file of mup's format), written by save_base_shapes."
+    )
+    mup_init_scale: float = key(
+        1.0, "muP: every drawn weight's initialisation multiplied by this.", gt=0
+    )
+    mup_attn_temp: float = key(
+        1.0, "muP attention temperature: the attention scores are divided by it.", gt=0
+    )
+    mup_output_temp: float = key(
+        1.0, "muP output temperature: the output logits are divided by it.", gt=0
+    )
+    mup_embedding_mult: float = key(
+        1.0, "muP: the embedding layer's output multiplied by this.", gt=0
+    )
+    mup_rp_embedding_mult: float = key(
+        1.0,
+        "Learned or sinusoidal position embeddings multiplied by this (GPT-NeoX applies it with "
+        "or without use_mup).",
+    )
+    mup_width_scale: int = key(
+        2, "save_base_shapes: the delta model's width, hidden_size x this.", ge=2
+    )
     char_level_ppl: bool = no_effect(
         False,
         "Also report perplexity per character.",

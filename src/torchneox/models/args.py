@@ -23,6 +23,23 @@ from torchneox.config.validate_model import layer_attention_types
 
 
 @dataclass(frozen=True)
+class MupScales:
+    """use_mup's multipliers (models/mup.py applies them) and the base shapes they come from:
+    each parameter's base dimensions by name (None: not a width)."""
+
+    base_shapes: tuple[tuple[str, tuple[int | None, ...]], ...]
+    width_mult: float
+    """The model's width over the base's: the logits' hidden states are divided by it."""
+    init_scale: float = 1.0
+    attn_temp: float = 1.0
+    output_temp: float = 1.0
+    embedding_mult: float = 1.0
+
+    def base_of(self, name: str) -> tuple[int | None, ...] | None:
+        return dict(self.base_shapes).get(name)
+
+
+@dataclass(frozen=True)
 class ModelArgs:
     vocab_size: int
     """Rows of the embedding and the output head (the padded vocabulary)."""
@@ -100,6 +117,18 @@ class ModelArgs:
     """Mamba: A_log and D stay fp32 when ZeRO gathers weights in bf16."""
     mamba_fusion: tuple[str, ...] = ()
     """Mamba: the CUDA kernels the fusion keys ask for (scan, conv, inner)."""
+    rp_embedding_mult: float = 1.0
+    """Learned or sinusoidal position embeddings multiplied by this (mup_rp_embedding_mult)."""
+    mup: MupScales | None = None
+    """use_mup's multipliers (None: the standard parametrisation)."""
+
+    @property
+    def attention_scale(self) -> float | None:
+        """The attention scores' multiplier: muP's 1/(d x mup_attn_temp); None: SDPA's
+        1/sqrt(d)."""
+        if self.mup is None:
+            return None
+        return 1.0 / (self.head_dim * self.mup.attn_temp)
 
     def layer_type(self, layer: int) -> str:
         return self.layer_types[layer] if self.layer_types else "global"
@@ -180,7 +209,7 @@ class ModelArgs:
             norm_position=m.norm_position,
             value_head=cfg.training.train_impl == "rm",
             cpu_matmul=cfg.precision.cpu_matmul,
-            **_layer_families(cfg),
+            **(_layer_families(cfg) | _mup_fields(cfg)),
         )
 
 
@@ -197,6 +226,29 @@ def _positions(cfg: NeoXConfig) -> dict:
         "rpe_buckets": m.rpe_num_buckets,
         "rpe_max_distance": m.rpe_max_distance,
     }
+
+
+def _mup_fields(cfg: NeoXConfig) -> dict[str, Any]:
+    """mup_rp_embedding_mult (applied with or without muP, as GPT-NeoX does) and use_mup's
+    multipliers, the base shapes read from base_shapes_file (None: no muP)."""
+    t = cfg.training
+    out: dict[str, Any] = {"rp_embedding_mult": t.mup_rp_embedding_mult, "mup": None}
+    if not t.use_mup:
+        return out
+    from torchneox.config.mup import read_base_shapes, width_mult
+
+    if not t.base_shapes_file:
+        raise ConfigError("use_mup needs base_shapes_file", key="base_shapes_file")
+    shapes = read_base_shapes(t.base_shapes_file)
+    out["mup"] = MupScales(
+        tuple((k, tuple(v)) for k, v in sorted(shapes.items())),
+        width_mult(cfg.model.hidden_size, shapes),
+        t.mup_init_scale,
+        t.mup_attn_temp,
+        t.mup_output_temp,
+        t.mup_embedding_mult,
+    )
+    return out
 
 
 def _layer_families(cfg: NeoXConfig) -> dict:

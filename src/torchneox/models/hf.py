@@ -324,6 +324,8 @@ def _common_problems(args: ModelArgs) -> list[str]:
         )
     if args.attn_out_bias and not args.attn_bias:
         problems.append("an attention output bias without q/k/v biases")
+    if args.mup is not None:
+        problems.append("use_mup (muP's attention, embedding and output multipliers)")
     return problems
 
 

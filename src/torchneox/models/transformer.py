@@ -99,18 +99,25 @@ def init_parameter(
         return
     if where is not None and local.numel() == 0:  # an empty shard: nothing of it is kept
         return
+    factor = 1.0
     if init is None:
         method = args.output_init_method if name.endswith(OUTPUT_LAYERS) else args.init_method
         init = init_function(method, args.init_std, args.num_layers, args.hidden_size)
+        if args.mup is not None:  # muP's re-drawn weights (models/mup.py)
+            from torchneox.models.mup import init_factor
+
+            factor = init_factor(args.mup, name, param.shape)
     if draw_on is None or torch.device(draw_on).type == local.device.type:
         draw_on = local.device
     generator = torch.Generator(device=draw_on).manual_seed(_param_seed(seed, name))
     if where is None and draw_on == local.device:
         init(local, generator)
-        return
-    whole = torch.empty(param.shape, dtype=local.dtype, device=draw_on)
-    init(whole, generator)
-    local.copy_(whole if where is None else whole[where])
+    else:
+        whole = torch.empty(param.shape, dtype=local.dtype, device=draw_on)
+        init(whole, generator)
+        local.copy_(whole if where is None else whole[where])
+    if factor != 1.0:
+        local.mul_(factor)
 
 
 class Transformer(nn.Module):
@@ -339,6 +346,9 @@ class Transformer(nn.Module):
         x = self.final_norm(x)
         if self.value_head is not None:
             return self.value_head(x)
+        mup = self.args.mup
+        if mup is not None:  # muP's readout: the hidden states / width_mult (and the temperature)
+            x = x / (mup.width_mult * mup.output_temp)
         if self.output is None:
             return linear(x, self.embed.weight, mode=self.args.cpu_matmul)
         return self.output(x)
@@ -354,10 +364,15 @@ class Transformer(nn.Module):
                 else torch.arange(start, start + t, device=x.device)
             )
             if self.pos_embed is not None:
-                x = x + self.pos_embed(pos + self.args.pos_offset)
+                positional = self.pos_embed(pos + self.args.pos_offset)
             else:
-                x = x + self.sin_table[pos].to(x.dtype)
-        return self.embed_dropout(x)
+                positional = self.sin_table[pos].to(x.dtype)
+            mult = self.args.rp_embedding_mult
+            x = x + (positional if mult == 1 else positional * mult)
+        x = self.embed_dropout(x)
+        if self.args.mup is not None and self.args.mup.embedding_mult != 1:
+            x = x * self.args.mup.embedding_mult
+        return x
 
 
 def build_model(

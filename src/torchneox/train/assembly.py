@@ -126,7 +126,7 @@ def add_step(
     when asked); ``read_back=False`` keeps every check on the device (the dry run: fake
     tensors have no values to read)."""
     cfg, d = run.loaded.config, run.derived
-    run.optimizer = build_optimizer(run.parts.model, cfg.optimizer, run.device.type)
+    run.optimizer = build_optimizer(run.parts.model, cfg.optimizer, run.device.type, run.args.mup)
     run.schedule = Schedule.from_config(cfg.lr, d)
     gradients = Gradients(
         run.parts,

@@ -10,6 +10,7 @@ from torch import nn
 
 from torchneox.config.optimizer import optimizer_spec
 from torchneox.config.schema import OptimizerConfig
+from torchneox.models.args import MupScales
 from torchneox.train.optimizers import SM3, Lamb, MadgradWD
 
 OTHER_OPTIMIZERS = {"sm3": SM3, "madgrad_wd": MadgradWD, "lamb": Lamb}
@@ -69,13 +70,19 @@ def _mixes_dtensors(model: nn.Module) -> bool:
 
 
 def build_optimizer(
-    model: nn.Module, o: OptimizerConfig, device_type: str
+    model: nn.Module, o: OptimizerConfig, device_type: str, mup: MupScales | None = None
 ) -> torch.optim.Optimizer:
-    """The optimizer the ``optimizer`` config group describes, over ``model``'s parameters."""
+    """The optimizer the ``optimizer`` config group describes, over ``model``'s parameters;
+    ``mup``: each group split by mup's rule, its ``lr_scale`` what the schedule's rate is
+    multiplied by (train/mup.py)."""
     spec = optimizer_spec(o)
     kind, params = spec.kind, dict(spec.torch_params)
     lr = spec.lr or 1e-3  # (the schedule sets every step's rate)
     groups = param_groups(model, spec.weight_decay)
+    if mup is not None:
+        from torchneox.train.mup import mup_groups
+
+        groups = mup_groups(model, groups, kind, lr, mup)
     fast = {"fused": True} if device_type in ("cuda", "cpu") else {"foreach": True}
     if _mixes_dtensors(model):  # tensor parallelism without FSDP: foreach/fused need one kind
         fast = {"foreach": False}

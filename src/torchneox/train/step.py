@@ -329,8 +329,8 @@ class Update:
     ) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
         """Apply the accumulated gradients at ``lr``; the step's values known on the host
         and those left on the device (read when first used)."""
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        for group in self.optimizer.param_groups:  # muP's groups: their own share of it
+            group["lr"] = lr * group.get("lr_scale", 1.0)
         known: dict[str, float] = {"lr": lr}
         lazy: dict[str, torch.Tensor] = {}
         if self.deferred:

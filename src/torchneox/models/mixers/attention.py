@@ -180,6 +180,7 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.head_dim = args.head_dim
+        self.scale = args.attention_scale  # muP's 1/d (None: 1/sqrt(d))
         self.dropout = args.attention_dropout
         self.grouped = args.num_kv_heads != args.num_heads
         bias = args.attn_bias
@@ -227,6 +228,8 @@ class Attention(nn.Module):
         """SDPA, in fp32 where ``cpu_fp32`` says so (see the module's text)."""
         mask, kw = bias.mask, {"is_causal": bias.is_causal, "enable_gqa": self.grouped}
         kw["dropout_p"] = self.dropout if self.training else 0.0
+        if self.scale is not None:
+            kw["scale"] = self.scale
         if self.cpu_fp32 and q.device.type == "cpu" and torch.is_grad_enabled():
             autocast = torch.is_autocast_enabled("cpu")
             dtype = torch.get_autocast_dtype("cpu") if autocast else v.dtype

@@ -104,7 +104,7 @@ class SparseAttention(Attention):
                 mask_mod, None, heads, t, s, device=q.device
             )  # fmt: skip
         return _COMPILED_FLEX(
-            q, k, v, block_mask=self._block_masks[key], enable_gqa=self.grouped
+            q, k, v, block_mask=self._block_masks[key], scale=self.scale, enable_gqa=self.grouped
         )  # fmt: skip
 
 
