@@ -116,6 +116,7 @@ def test_state_tensors_for_the_estimator():
         ("{adjust_lr_fn: moonshot}", "params.adjust_lr_fn must be match_rms_adamw"),
         ("{ns_coefficients: [1, 2]}", "params.ns_coefficients must be three numbers"),
         ("{adamw_lr: 0}", "params.adamw_lr must be > 0, got 0"),
+        ("{ns_dtype: fp16}", "params.ns_dtype must be bf16 (torch's Muon) or fp32"),
         ("{nesterov: 1}", "params.nesterov must be true or false"),
         ("{dampening: 0.1}", "params.dampening is not a parameter of muon"),
     ],
@@ -140,6 +141,7 @@ def test_explain_says_what_runs_where(tmp_path, capsys):
     for text in (
         "muon from optimizer.type 'muon'",
         "torch.optim.Muon on the blocks' 2-D weights (momentum 0.95, nesterov, 5 Newton-Schulz",
+        "steps in bf16, eps 1e-07",
         "lr adjusted by match_rms_adamw",
         "AdamW (betas (0.9, 0.999), eps 1e-08, adamw_lr 0.0003",
         "gathered whole on every rank, orthogonalised, and each rank keeps its shard's part",
@@ -197,3 +199,36 @@ def test_a_sharded_matrix_steps_as_torchs_muon_on_the_whole_one(tmp_path, placem
         opt.step()
     assert not torch.equal(p.detach(), MATRIX)
     assert torch.equal(torch.load(out), p.detach())
+
+
+def test_a_resumed_run_takes_its_own_adamw_lr_and_kernels():
+    loaded, model = build("neox-rotary")
+    opt = build_optimizer(model, _optimizer_config(loaded, MUON), "cpu")
+    _grads(model, 0)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    changed = copy.deepcopy(MUON)
+    changed["params"]["adamw_lr"] = 0.01
+    other = build_optimizer(copy.deepcopy(model), _optimizer_config(loaded, changed), "mps")
+    other.load_state_dict(saved)
+    adamw = other.param_groups[1:]
+    assert [g["lr_ratio"] for g in adamw] == [0.5, 0.5]
+    assert all(g["foreach"] and not g["fused"] for g in adamw)  # this run's, not the saved
+    assert other.param_groups[0]["momentum"] == 0.9
+
+
+def test_newton_schulz_in_fp32_is_the_same_iteration_without_bf16_rounding():
+    """fp32 orthogonalises as bf16 does, to bf16's precision; it is no copy of the bf16 one."""
+    from torchneox.train.muon import newton_schulz
+
+    g = torch.randn(8, 20, generator=torch.Generator().manual_seed(0))
+    coefficients = (3.4445, -4.7750, 2.0315)
+    for m in (g, g.T):  # wide and tall
+        fp32 = newton_schulz(m, coefficients, 5, 1e-7, torch.float32)
+        bf16 = newton_schulz(m, coefficients, 5, 1e-7, torch.bfloat16)
+        assert fp32.dtype == torch.float32 and fp32.shape == m.shape
+        assert not torch.equal(fp32, bf16.float())
+        torch.testing.assert_close(fp32, bf16.float(), atol=0.05, rtol=0.05)
+        # its singular values are near one: the quintic's band, about (0.7, 1.2)
+        s = torch.linalg.svdvals(fp32)
+        assert s.min() > 0.6 and s.max() < 1.25, s

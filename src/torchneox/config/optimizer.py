@@ -26,6 +26,7 @@ MUON_DEFAULTS = {
     "ns_steps": 5,
     "ns_eps": 1e-7,
     "adjust_lr_fn": "match_rms_adamw",
+    "ns_dtype": "bf16",
 }
 
 
@@ -127,7 +128,8 @@ def _describe_muon(p: dict[str, Any]) -> str:
     return (
         f"torchneox's Muon: torch.optim.Muon on the blocks' 2-D weights (momentum "
         f"{m['momentum']:g}{', nesterov' if m['nesterov'] else ''}, {m['ns_steps']} "
-        f"Newton-Schulz steps, eps {m['ns_eps']:g}, lr adjusted by {m['adjust_lr_fn']}), "
+        f"Newton-Schulz steps in {m['ns_dtype']}, eps {m['ns_eps']:g}, lr adjusted by "
+        f"{m['adjust_lr_fn']}), "
         f"AdamW (betas ({betas[0]:g}, {betas[1]:g}), eps {p.get('eps', 1e-8):g}, {adamw_lr}) "
         "on embeddings, the output head, norms, biases, the MoE router and experts; "
         "under ZeRO and tensor parallelism each matrix's update is gathered whole on every "

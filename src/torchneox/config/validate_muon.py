@@ -15,6 +15,7 @@ MUON_PARAMS = (
     "ns_coefficients",
     "adjust_lr_fn",
     "adamw_lr",
+    "ns_dtype",
 )
 ADJUST_LR = ("match_rms_adamw", "original")
 
@@ -30,6 +31,13 @@ def muon_param(name: str, value: Any, fail: Callable[[str], None]) -> Any:
             fail(
                 f"params.adjust_lr_fn must be match_rms_adamw (Moonshot's: the update's RMS "
                 f"matches AdamW's) or original (Keller Jordan's), got {value!r}"
+            )
+        return value
+    if name == "ns_dtype":
+        if value not in ("bf16", "fp32"):
+            fail(
+                f"params.ns_dtype must be bf16 (torch's Muon) or fp32 (for a processor without "
+                f"bf16 units), got {value!r}"
             )
         return value
     if name == "ns_steps":

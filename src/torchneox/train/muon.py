@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
-from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+from torch.optim._muon import _adjust_lr
 
 from torchneox.config.optimizer import OptimizerSpec, muon_matrix
 from torchneox.models.transformer import plain_name
@@ -23,9 +23,37 @@ from torchneox.models.transformer import plain_name
 KERNEL_FLAGS = ("fused", "foreach", "capturable", "differentiable")
 
 
+NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def newton_schulz(
+    g: torch.Tensor, coefficients: tuple, steps: int, eps: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """Muon's orthogonalisation of the matrix ``g`` in ``dtype``: scaled to Frobenius norm 1
+    (at most ``eps`` below), then ``steps`` quintic iterations X <- a X + (b A + c A^2) X,
+    A = X X^T, on the wide orientation. In bf16 it is torch.optim.Muon's, operation for
+    operation; fp32 is for processors without bf16 units, where bf16 products are ~100x
+    slower."""
+    a, b, c = coefficients
+    tall = g.size(0) > g.size(1)
+    x = g.to(dtype).T if tall else g.to(dtype)
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
 class ShardedMuon(torch.optim.Muon):
     """torch.optim.Muon's update, element for element, on plain tensors and on DTensor shards
-    (the whole matrix orthogonalised, this rank's part of the update applied)."""
+    (the whole matrix orthogonalised, this rank's part of the update applied); a group's
+    ``ns_dtype`` (bf16, torch's; or fp32) is the Newton-Schulz iteration's precision."""
+
+    def __init__(self, params, ns_dtype: str = "bf16", **settings: Any):
+        super().__init__(params, **settings)
+        self.defaults["ns_dtype"] = ns_dtype
+        for group in self.param_groups:
+            group.setdefault("ns_dtype", ns_dtype)
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -44,8 +72,9 @@ class ShardedMuon(torch.optim.Muon):
         buf.lerp_(grad, 1 - momentum)
         update = grad.lerp(buf, momentum) if group["nesterov"] else buf
         whole = update.full_tensor() if isinstance(update, DTensor) else update
-        ortho = _zeropower_via_newtonschulz(
-            whole, group["ns_coefficients"], group["ns_steps"], group["eps"]
+        dtype = NS_DTYPES[group["ns_dtype"]]
+        ortho = newton_schulz(
+            whole, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype
         )
         if isinstance(p, DTensor):  # this rank's part: DTensor's own split of a whole tensor
             mesh = p.device_mesh
@@ -61,7 +90,8 @@ class MuonAdamW(torch.optim.Optimizer):
     """Muon over ``hidden`` and AdamW over ``rest``, one optimizer: its param_groups are the
     two optimizers' groups (Muon's first) and its state holds both, so the schedule's lr
     reaches every group and one state dict saves and loads both. An AdamW group's ``lr_ratio``
-    (adamw_lr / lr) scales the schedule's rate for that group."""
+    (adamw_lr / lr) scales the schedule's rate for that group: this run's, as the kernel flags,
+    when a saved state is loaded (the other settings are the saved ones, as torch loads them)."""
 
     def __init__(
         self,
@@ -72,6 +102,7 @@ class MuonAdamW(torch.optim.Optimizer):
     ):
         self.muon = ShardedMuon(hidden, **muon) if hidden else None
         self.adamw = torch.optim.AdamW(rest, **adamw) if rest else None
+        self.ratios = [g.get("lr_ratio", 1.0) for g in rest]
         parts = [o for o in (self.muon, self.adamw) if o is not None]
         super().__init__([g for o in parts for g in o.param_groups], {})
         self._link()
@@ -86,8 +117,9 @@ class MuonAdamW(torch.optim.Optimizer):
             if part is not None:
                 part.param_groups, part.state = groups, self.state
         if self.adamw is not None:  # this run's kernels, not the saving layout's
-            for group in self.adamw.param_groups:
+            for group, ratio in zip(self.adamw.param_groups, self.ratios, strict=True):
                 group.update({k: self.adamw.defaults[k] for k in KERNEL_FLAGS})
+                group["lr_ratio"] = ratio
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         super().load_state_dict(state_dict)
@@ -146,6 +178,7 @@ def build_muon(model: nn.Module, spec: OptimizerSpec, fast: dict[str, Any]) -> M
         "ns_steps": int(p.get("ns_steps", 5)),
         "eps": float(p.get("ns_eps", 1e-7)),
         "adjust_lr_fn": p.get("adjust_lr_fn", "match_rms_adamw"),
+        "ns_dtype": p.get("ns_dtype", "bf16"),
     }
     if "ns_coefficients" in p:
         muon["ns_coefficients"] = tuple(float(c) for c in p["ns_coefficients"])
