@@ -41,7 +41,7 @@ def _grads(model, step: int) -> None:
         p.grad = torch.randn(p.shape, generator=gen)
 
 
-def _references(model):
+def _references(model, rule="match_rms_adamw"):
     """torch's Muon over the blocks' 2-D weights but the router, AdamW over the rest (the
     same split and decay groups, written out here by name)."""
     hidden, matrices, others = [], [], []
@@ -51,20 +51,23 @@ def _references(model):
             hidden.append(p)
         else:
             (matrices if p.ndim >= 2 else others).append(p)
-    muon = torch.optim.Muon(
-        hidden, lr=0.02, weight_decay=0.1, momentum=0.9, adjust_lr_fn="match_rms_adamw"
-    )
+    muon = torch.optim.Muon(hidden, lr=0.02, weight_decay=0.1, momentum=0.9, adjust_lr_fn=rule)
     groups = [{"params": matrices, "weight_decay": 0.1}, {"params": others, "weight_decay": 0.0}]
     adamw = torch.optim.AdamW(groups, lr=0.004, betas=(0.9, 0.95), eps=1e-8, fused=True)
     return hidden, muon, adamw
 
 
-@pytest.mark.parametrize("variant", ["neox-rotary", "moe"])
-def test_muon_steps_as_torchs_muon_and_adamw(variant):
+@pytest.mark.parametrize(
+    "variant,rule",
+    [("neox-rotary", "match_rms_adamw"), ("moe", "match_rms_adamw"), ("neox-rotary", "original")],
+)
+def test_muon_steps_as_torchs_muon_and_adamw(variant, rule):
     loaded, model = build(variant)
     ref = copy.deepcopy(model)
-    opt = build_optimizer(model, _optimizer_config(loaded, MUON), "cpu")
-    hidden, ref_muon, ref_adamw = _references(ref)
+    optimizer = copy.deepcopy(MUON)
+    optimizer["params"]["adjust_lr_fn"] = rule
+    opt = build_optimizer(model, _optimizer_config(loaded, optimizer), "cpu")
+    hidden, ref_muon, ref_adamw = _references(ref, rule)
     assert hidden and len(hidden) < len(list(ref.parameters()))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     for step in range(3):

@@ -10,12 +10,12 @@ sharded like the parameters."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
-from torch.optim._muon import _adjust_lr
 
 from torchneox.config.optimizer import OptimizerSpec, muon_matrix
 from torchneox.models.transformer import plain_name
@@ -42,6 +42,16 @@ def newton_schulz(
         gram = x @ x.T
         x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x.T if tall else x
+
+
+def adjusted_lr(lr: float, rule: str | None, shape: torch.Size) -> float:
+    """Muon's rate for a matrix of ``shape`` (rows, columns), as torch.optim.Muon scales it:
+    match_rms_adamw 0.2 sqrt(max(rows, columns)) (Moonshot's: AdamW's update RMS),
+    original sqrt(max(1, rows / columns)) (Keller Jordan's)."""
+    rows, columns = shape[:2]
+    if rule == "match_rms_adamw":
+        return lr * (0.2 * math.sqrt(max(rows, columns)))
+    return lr * math.sqrt(max(1, rows / columns))
 
 
 class ShardedMuon(torch.optim.Muon):
@@ -83,7 +93,7 @@ class ShardedMuon(torch.optim.Muon):
         local = p.to_local() if isinstance(p, DTensor) else p
         lr = group["lr"]
         local.mul_(1 - lr * group["weight_decay"])
-        local.add_(ortho, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+        local.add_(ortho, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
 
 
 class MuonAdamW(torch.optim.Optimizer):
