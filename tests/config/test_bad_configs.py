@@ -196,7 +196,10 @@ CASES = [
         "optimizer-refused",
         {"a.yml": "{optimizer: {type: OneBitAdam, params: {lr: 0.1}}}"},
         [],
-        ["1-bit Adam", "is not supported; use Adam, AdamW, SGD, Lion, SM3, madgrad_wd or LAMB"],
+        [
+            "1-bit Adam",
+            "is not supported; use Adam, AdamW, SGD, Lion, SM3, madgrad_wd, LAMB or muon",
+        ],
     ),
     (
         "sm3-momentum",

@@ -212,13 +212,15 @@ def test_the_rehearsed_step_calls_the_collectives_a_real_step_calls(keys, make_c
         ("{type: sm3, params: {lr: 0.1, momentum: 0.5}}", 4, ["model_parallel_size=2"]),
         ("{type: madgrad_wd, params: {lr: 0.01}}", 2, []),
         ("{type: lamb, params: {lr: 0.01}}", 2, []),
+        ("{type: muon, params: {lr: 0.01}}", 4, ["model_parallel_size=2"]),
     ],
-    ids=["sm3-tp2-dp2", "madgrad_wd-dp2", "lamb-dp2"],
+    ids=["sm3-tp2-dp2", "madgrad_wd-dp2", "lamb-dp2", "muon-tp2-dp2"],
 )
 def test_the_other_optimizers_hold_estimates_bytes(optimizer, world, sets):
     """SM3's accumulators (one number per row, column, ... of each shard) and momentum buffer,
-    MADGRAD's three tensors with momentum, LAMB's two moments: each rank's state after a step
-    on its ZeRO-3 shards is what estimate counts."""
+    MADGRAD's three tensors with momentum, LAMB's two moments, muon's momentum buffer per
+    hidden matrix and AdamW's two moments for the rest: each rank's state after a step on its
+    ZeRO-3 shards is what estimate counts."""
     loaded = _loaded(*sets, "zero_optimization.stage=3", f"optimizer={optimizer}")
     run = dry_run(loaded, world, ranks="all", workers=2)
     _assert_holds_estimate(run)

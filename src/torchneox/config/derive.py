@@ -374,7 +374,7 @@ def _optimizer(loaded: LoadedConfig, out: Derived) -> None:
         out.reasons["optimizer_type"] += (
             "; runs as AdamW (decoupled weight decay), as GPT-NeoX does"
         )
-    elif spec.kind in ("sm3", "madgrad_wd", "lamb", "cpu_adam", "cpu_torch_adam"):
+    elif spec.kind in ("sm3", "madgrad_wd", "lamb", "cpu_adam", "cpu_torch_adam", "muon"):
         out.reasons["optimizer_type"] += "; " + describe_optimizer(spec)
         if spec.kind == "sm3":
             out.reasons["weight_decay"] = f"{decay:g}, unused: SM3 takes no weight decay"

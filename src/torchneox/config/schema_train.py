@@ -73,8 +73,9 @@ class OptimizerConfig:
 
     optimizer: dict[str, Any] | None = key(
         None,
-        "{type: Adam|AdamW|SGD|Lion|SM3|madgrad_wd|LAMB|cpu_adam|cpu_torch_adam, params: {lr, "
-        "betas, eps, momentum, ...}} (docs/training.md lists each one's params).",
+        "{type: Adam|AdamW|SGD|Lion|SM3|madgrad_wd|LAMB|cpu_adam|cpu_torch_adam|muon, params: "
+        "{lr, betas, eps, momentum, ...}} (docs/training.md lists each one's params; muon is a "
+        "torchneox type: Muon on the blocks' matrices, AdamW on the rest).",
     )
     weight_decay: float = key(
         0.1, "Decoupled weight decay on weight matrices (never on biases and norms).", ge=0
@@ -98,6 +99,7 @@ class OptimizerConfig:
         "sgd",
         "lion",
         "lamb",
+        "muon",
     ] = derived("adam", "Optimizer name, taken from optimizer.type.")
     lr: float | None = derived(None, "Peak learning rate, taken from optimizer.params.lr.", gt=0)
     zero_stage: int | list[int] | str | None = derived(

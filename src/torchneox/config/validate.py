@@ -26,10 +26,12 @@ from torchneox.config.validate_model import (
     _check_moe,
     _check_rope_scaling,
 )
+from torchneox.config.validate_muon import MUON_PARAMS, muon_param
 from torchneox.config.validate_rl import check_reinforce
 
 SUPPORTED_OPTIMIZERS = (
     "adam", "adamw", "sgd", "lion", "sm3", "madgrad_wd", "lamb", "cpu_adam", "cpu_torch_adam",
+    "muon",
 )  # fmt: skip
 REFUSED_OPTIMIZERS = {
     "onebitadam": "1-bit Adam (a DeepSpeed communication-compressed optimizer)",
@@ -62,8 +64,9 @@ OPTIMIZER_PARAMS: dict[str, tuple[str, ...]] = {
         "min_coeff",
         "amsgrad",
     ),
+    "muon": ("lr", "weight_decay", "betas", "eps", *MUON_PARAMS),
 }
-OPTIMIZER_NAMES = "Adam, AdamW, SGD, Lion, SM3, madgrad_wd or LAMB"
+OPTIMIZER_NAMES = "Adam, AdamW, SGD, Lion, SM3, madgrad_wd, LAMB or muon"
 BOOL_PARAMS = (
     "amsgrad", "nesterov", "bias_correction", "eps_inside_sqrt", "adamw_mode",
     "fp32_optimizer_states",
@@ -302,7 +305,7 @@ def _check_optimizer(ch: Checker) -> None:
         ch.fail(
             "optimizer_type",
             f"{o.optimizer_type!r} ({REFUSED_OPTIMIZERS.get(o.optimizer_type, 'this optimizer')}) "
-            "is not supported; use adam, sgd, lion, sm3, madgrad_wd or lamb",
+            "is not supported; use adam, sgd, lion, sm3, madgrad_wd, lamb or muon",
         )
     if (
         "gradient_clipping" in ch.origin
@@ -344,6 +347,8 @@ def _optimizer_param(ch: Checker, name: str, value: Any, kind: str) -> Any:
             )
             raise AssertionError from None
 
+    if kind == "muon" and name in MUON_PARAMS:
+        return muon_param(name, value, fail)
     if name == "betas":
         if not isinstance(value, list | tuple) or len(value) != 2:
             fail(f"params.betas must be two numbers, got {value!r}")

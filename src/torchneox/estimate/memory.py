@@ -8,7 +8,7 @@ from typing import Any
 
 from torchneox.config.layout import Layout
 from torchneox.config.load import LoadedConfig
-from torchneox.config.optimizer import optimizer_spec
+from torchneox.config.optimizer import muon_matrix, optimizer_spec
 from torchneox.config.sizes import is_moe_layer
 from torchneox.config.validate_model import layer_attention_types
 from torchneox.estimate.activations import Trace
@@ -23,6 +23,11 @@ USABLE = 0.95  # of the rest: the allocator's fragmentation
 
 def optimizer_bytes_per_param(loaded: LoadedConfig) -> int:
     return optimizer_spec(loaded.config.optimizer).state_tensors * PARAM_BYTES
+
+
+def hidden_optimizer_bytes(loaded: LoadedConfig) -> int:
+    """Bytes per element of a block's hidden matrix (muon: Muon's one momentum buffer)."""
+    return optimizer_spec(loaded.config.optimizer).hidden_state_tensors * PARAM_BYTES
 
 
 def optimizer_bytes_per_dim(loaded: LoadedConfig) -> int:
@@ -49,10 +54,11 @@ def memory_per_rank(
     """Bytes on the most loaded rank, by part, and which stage that is."""
     opt_per_param = optimizer_bytes_per_param(loaded)
     per_dim = optimizer_bytes_per_dim(loaded)
+    hidden = hidden_optimizer_bytes(loaded)
     fsdp = fsdp_ranks(layout)
     worst: dict[str, Any] | None = None
     for k, params in enumerate(stages):
-        state = state_bytes(params, layout, fsdp, opt_per_param, per_dim)
+        state = state_bytes(params, layout, fsdp, opt_per_param, per_dim, hidden)
         parts, temporary = state["parts"], state["temporary"]
         host = offload_parts(parts, state["resident"]) if layout.offload else None
         last = k == len(stages) - 1
@@ -84,13 +90,17 @@ def state_bytes(
     fsdp: int,
     opt_per_param: int,
     per_dim: int = 0,
+    opt_hidden: int | None = None,
 ) -> dict[str, Any]:
     """A stage's parameters, gradients and optimizer state on one rank, and the temporary
     bytes ZeRO-3's gathered blocks and a whole embedding gradient add. ``per_dim``: optimizer
-    bytes per index of each dimension of a shard (SM3's accumulators)."""
+    bytes per index of each dimension of a shard (SM3's accumulators); ``opt_hidden``: per
+    element of a block's hidden matrix, where it differs (muon's)."""
     tp, ep = layout.tp, layout.ep
     local = sum(local_numel(s, n, tp, 1, ep) for n, s in params)
     shard = sum(local_numel(s, n, tp, fsdp, ep) for n, s in params)
+    hidden = sum(local_numel(s, n, tp, fsdp, ep) for n, s in params if muon_matrix(n, s))
+    opt_hidden = opt_per_param if opt_hidden is None else opt_hidden
     indices = sum(sum(local_dims(s, n, tp, fsdp, ep)) or 1 for n, s in params)
     # what ZeRO/DDP gather or bucket: all but the expert-parallel experts
     gathered = sum(local_numel(s, n, tp, 1) for n, s in params if not expert_sharded(n, ep))
@@ -109,7 +119,7 @@ def state_bytes(
     resident = {
         "parameter_shard": shard * PARAM_BYTES,
         "gradient_shard": shard * PARAM_BYTES,
-        "optimizer": shard * opt_per_param + indices * per_dim,
+        "optimizer": (shard - hidden) * opt_per_param + hidden * opt_hidden + indices * per_dim,
     }
     parts = {
         "parameters": resident["parameter_shard"],

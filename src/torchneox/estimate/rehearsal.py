@@ -20,6 +20,7 @@ from torchneox.config.layout import Layout
 from torchneox.config.load import LoadedConfig
 from torchneox.estimate.memory import (
     build_bytes,
+    hidden_optimizer_bytes,
     optimizer_bytes_per_dim,
     optimizer_bytes_per_param,
     state_bytes,
@@ -401,7 +402,8 @@ def expected_bytes(loaded: LoadedConfig, built: Run, stages: list[int]) -> dict[
     whole = [p for k in stages for p in params[k]]
     for k in stages:
         per_dim = optimizer_bytes_per_dim(loaded)
-        resident = state_bytes(params[k], lay, fsdp_ranks(lay), opt, per_dim)["resident"]
+        hidden = hidden_optimizer_bytes(loaded)
+        resident = state_bytes(params[k], lay, fsdp_ranks(lay), opt, per_dim, hidden)["resident"]
         out["parameters"] += resident["parameter_shard"]
         out["gradients"] += resident["gradient_shard"]
         out["optimizer"] += resident["optimizer"]

@@ -95,6 +95,10 @@ def build_optimizer(
         return torch.optim.SGD(groups, lr=lr, **params, foreach=fast.get("foreach", True))
     if kind == "lion":
         return Lion(groups, lr=lr, **params)
+    if kind == "muon":
+        from torchneox.train.muon import build_muon
+
+        return build_muon(model, spec, fast)
     if kind in OTHER_OPTIMIZERS:
         return OTHER_OPTIMIZERS[kind](groups, lr=lr, **params)
     raise AssertionError(f"unvalidated optimizer {kind}")
