@@ -37,7 +37,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "curriculum",
     ),
     "Precision": ("precision", "loss_scale", "gradient_reduce_dtype", "zero_param_dtype", "fp8"),
-    "Optimizer": ("optimizer_type", "lr", "weight_decay", "gradient_clipping"),
+    "Optimizer": ("optimizer_type", "eight_bit_adam", "lr", "weight_decay", "gradient_clipping"),
     "Learning-rate schedule": ("lr_schedule", "lr_decay_iters", "warmup_iters"),
     "Model": (
         "vocab_size",
@@ -46,6 +46,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "num_kv_heads",
         "mlp_width",
         "rotary_dims",
+        "position_embedding",
         "residual",
         "attention",
         "layers",

@@ -281,6 +281,8 @@ def count(config: NeoXConfig, vocab: int) -> ModelCounts:
     embedding = vocab * h
     if m.pos_emb == "learned":
         embedding += ((m.max_position_embeddings or m.seq_length) + m.opt_pos_emb_offset) * h
+        if config.optimizer.use_bnb_optimizer:  # StableEmbedding's LayerNorm
+            embedding += 2 * h
     # a reward model's head is one value per position (GPT-NeoX's rm_linear), not the vocabulary
     reward_model = config.training.train_impl == "rm"
     head = h if reward_model else vocab * h

@@ -14,6 +14,7 @@ from typing import Any
 from torchneox.base.errors import did_you_mean
 from torchneox.config.checker import Checker
 from torchneox.config.curriculum import check_curriculum
+from torchneox.config.eight_bit import check_eight_bit
 from torchneox.config.epochs import check_train_epochs
 from torchneox.config.schema import NeoXConfig
 from torchneox.config.validate_model import (
@@ -112,6 +113,7 @@ def validate(config: NeoXConfig, origin: dict[str, str]) -> None:
     _check_moe(check)
     _check_parallel(check)
     _check_optimizer(check)
+    check_eight_bit(check)
     _check_lr(check)
     _check_precision(check)
     _check_training(check)

@@ -3,9 +3,12 @@ activations, temporaries), and the step time a layout gives at a stated MFU."""
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
+from torchneox.config.eight_bit import eight_bit, eight_bit_optimizer_bytes, installed_library
 from torchneox.config.layout import Layout
 from torchneox.config.load import LoadedConfig
 from torchneox.config.optimizer import optimizer_spec
@@ -22,6 +25,17 @@ USABLE = 0.95  # of the rest: the allocator's fragmentation
 
 def optimizer_bytes_per_param(loaded: LoadedConfig) -> int:
     return optimizer_spec(loaded.config.optimizer).state_tensors * PARAM_BYTES
+
+
+def optimizer_bytes_per_tensor(
+    loaded: LoadedConfig,
+) -> Callable[[list[tuple[str, int]]], int] | None:
+    """8-bit Adam (use_bnb_optimizer): the state bytes of a list of tensor shards, by name and
+    values (config/eight_bit.py), in place of a number of bytes per parameter."""
+    if not eight_bit(loaded.config.optimizer):
+        return None
+    library = installed_library() or "torchao"
+    return functools.partial(eight_bit_optimizer_bytes, library)
 
 
 def optimizer_bytes_per_dim(loaded: LoadedConfig) -> int:
@@ -48,10 +62,11 @@ def memory_per_rank(
     """Bytes on the most loaded rank, by part, and which stage that is."""
     opt_per_param = optimizer_bytes_per_param(loaded)
     per_dim = optimizer_bytes_per_dim(loaded)
+    per_tensor = optimizer_bytes_per_tensor(loaded)
     fsdp = fsdp_ranks(layout)
     worst: dict[str, Any] | None = None
     for k, params in enumerate(stages):
-        state = state_bytes(params, layout, fsdp, opt_per_param, per_dim)
+        state = state_bytes(params, layout, fsdp, opt_per_param, per_dim, per_tensor)
         parts, temporary = state["parts"], state["temporary"]
         last = k == len(stages) - 1
         acts = _activation_bytes(loaded, layout, trace, params, k, last)
@@ -80,10 +95,13 @@ def state_bytes(
     fsdp: int,
     opt_per_param: int,
     per_dim: int = 0,
+    per_tensor: Callable[[list[tuple[str, int]]], int] | None = None,
 ) -> dict[str, Any]:
     """A stage's parameters, gradients and optimizer state on one rank, and the temporary
     bytes ZeRO-3's gathered blocks and a whole embedding gradient add. ``per_dim``: optimizer
-    bytes per index of each dimension of a shard (SM3's accumulators)."""
+    bytes per index of each dimension of a shard (SM3's accumulators); ``per_tensor``: the
+    optimizer bytes of the shards, from their names and values (8-bit Adam), in place of
+    ``opt_per_param``."""
     tp, ep = layout.tp, layout.ep
     local = sum(local_numel(s, n, tp, 1, ep) for n, s in params)
     shard = sum(local_numel(s, n, tp, fsdp, ep) for n, s in params)
@@ -107,6 +125,10 @@ def state_bytes(
         "gradient_shard": shard * PARAM_BYTES,
         "optimizer": shard * opt_per_param + indices * per_dim,
     }
+    if per_tensor is not None:
+        resident["optimizer"] = per_tensor(
+            [(n, local_numel(s, n, tp, fsdp, ep)) for n, s in params]
+        )
     parts = {
         "parameters": resident["parameter_shard"],
         "gradients": resident["gradient_shard"],

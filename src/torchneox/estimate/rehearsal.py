@@ -22,6 +22,7 @@ from torchneox.estimate.memory import (
     build_bytes,
     optimizer_bytes_per_dim,
     optimizer_bytes_per_param,
+    optimizer_bytes_per_tensor,
     state_bytes,
 )
 from torchneox.estimate.parameters import stage_params
@@ -401,7 +402,10 @@ def expected_bytes(loaded: LoadedConfig, built: Run, stages: list[int]) -> dict[
     whole = [p for k in stages for p in params[k]]
     for k in stages:
         per_dim = optimizer_bytes_per_dim(loaded)
-        resident = state_bytes(params[k], lay, fsdp_ranks(lay), opt, per_dim)["resident"]
+        per_tensor = optimizer_bytes_per_tensor(loaded)
+        resident = state_bytes(params[k], lay, fsdp_ranks(lay), opt, per_dim, per_tensor)[
+            "resident"
+        ]
         out["parameters"] += resident["parameter_shard"]
         out["gradients"] += resident["gradient_shard"]
         out["optimizer"] += resident["optimizer"]

@@ -55,6 +55,9 @@ class ModelArgs:
     init_std: float
     attn_out_bias: bool = True
     """The attention output projection's bias (Qwen2: none, while q, k, v have one)."""
+    stable_embedding: bool = False
+    """Learned positions through StableEmbedding (a LayerNorm after the lookup):
+    use_bnb_optimizer, as GPT-NeoX builds them."""
     rope_scaling: tuple[tuple[str, float], ...] = ()
     """(("type", ...), (field, value), ...): rotary frequency scaling, empty for none."""
     moe_num_experts: int = 1
@@ -163,6 +166,7 @@ class ModelArgs:
             rope_scaling=_rope_scaling(m.rope_scaling),
             max_positions=m.max_position_embeddings or m.seq_length,
             pos_offset=m.opt_pos_emb_offset,
+            stable_embedding=cfg.optimizer.use_bnb_optimizer,
             tied_embeddings=not m.no_weight_tying,
             parallel_residual=m.gpt_j_residual,
             shared_norm=m.gpt_j_tied,
