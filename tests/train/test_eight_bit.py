@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.conftest import shared_dir
 from tests.helpers import losses
 from torchneox.cli import main
 from torchneox.config import eight_bit
@@ -22,6 +23,8 @@ from torchneox.train.optim import param_groups
 from torchneox.train.optim8bit import build_eight_bit_adam
 from torchneox.train.trainer import Trainer
 
+SHARED = shared_dir()
+BNB_CONFIG = SHARED / "neox_configs" / "bnb_125M.yml" if SHARED else None
 SPEC = OptimizerSpec(
     kind="adam", type_name="Adam", lr=1e-2, weight_decay=0.1, params={"betas": [0.8, 0.95]}
 )
@@ -224,3 +227,39 @@ def test_saved_state_resumes_bitwise(tmp_path, library):
     _steps(again, fresh, grads[2:])
     for (name, p), q in zip(model.named_parameters(), again.parameters(), strict=True):
         assert torch.equal(p, q), name
+
+
+@pytest.mark.skipif(SHARED is None, reason="../shared is not on this machine")
+def test_gpt_neox_bnb_config_explains_and_trains_scaled_down(tmp_path, tiny_data, capsys):
+    config = str(BNB_CONFIG)
+    assert main(["config", "explain", config]) == 0
+    out = capsys.readouterr().out
+    assert "eight_bit_adam     bitsandbytes  bitsandbytes' Adam8bit" in out
+    assert "pos_emb rotary: no position table to make a StableEmbedding" in out
+    run = tmp_path / "run"
+    overrides = [
+        "fp16.enabled=false",  # fp16 matmuls on a CPU without fp16 units: ~30x slower
+        "num_layers=2",
+        "hidden_size=64",
+        "num_attention_heads=4",
+        "seq_length=64",
+        "max_position_embeddings=64",
+        "train_iters=6",
+        "lr_decay_iters=6",
+        "eval_interval=6",
+        "eval_iters=1",
+        "log_interval=2",
+        "optimizer.params.lr=0.003",
+        "tokenizer_type=CharLevelTokenizer",
+        "make_vocab_size_divisible_by=64",
+        f"data_path={tiny_data}",
+        "split=90,8,2",
+        "distributed_backend=gloo",
+        "num_workers=0",
+        f"save={run}",
+        "load=null",
+    ]
+    assert main(["train", config, *[a for o in overrides for a in ("--set", o)]]) == 0
+    loss = losses(run)
+    assert sorted(loss) == [2, 4, 6]
+    assert loss[6] < loss[4] < loss[2]

@@ -143,7 +143,10 @@ def derive_eight_bit(cfg: NeoXConfig, out: Derived) -> None:
     if not o.use_bnb_optimizer:
         return
     library = installed_library() if eight_bit(o) else None
-    out.put("eight_bit_adam", library or "off", describe(o))
+    why = describe(o)
+    if cfg.model.pos_emb != "learned":
+        why += f"; pos_emb {cfg.model.pos_emb}: no position table to make a StableEmbedding"
+    out.put("eight_bit_adam", library or "off", why)
     if cfg.model.pos_emb == "learned":
         out.put(
             "position_embedding",
