@@ -129,13 +129,7 @@ class ModelArgs:
     @classmethod
     def from_config(cls, cfg: NeoXConfig, vocab_size: int) -> ModelArgs:
         m = cfg.model
-        missing = [
-            k
-            for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
-            if cfg.get(k) is None
-        ]
-        if missing:
-            raise ConfigError(f"the model needs {', '.join(missing)}", key=missing[0])
+        _require_sizes(cfg)
         widths = mlp_widths(cfg.model)
         norm = {"te_layernorm": "layernorm", "te_rmsnorm": "rmsnorm"}.get(m.norm, m.norm)
         epsilons = {"rmsnorm": m.rms_norm_epsilon, "scalenorm": m.scalenorm_epsilon}
@@ -188,6 +182,16 @@ class ModelArgs:
             cpu_matmul=cfg.precision.cpu_matmul,
             **_layer_families(cfg),
         )
+
+
+def _require_sizes(cfg: NeoXConfig) -> None:
+    missing = [
+        k
+        for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+        if cfg.get(k) is None
+    ]
+    if missing:
+        raise ConfigError(f"the model needs {', '.join(missing)}", key=missing[0])
 
 
 def _layer_families(cfg: NeoXConfig) -> dict:
