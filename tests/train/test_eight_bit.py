@@ -6,12 +6,14 @@ from the CLI that resumes exactly."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import torchneox
 from tests.conftest import shared_dir
 from tests.helpers import losses
 from torchneox.cli import main
@@ -67,6 +69,11 @@ def test_bitsandbytes_steps_equal_its_own_adam8bit():
     grads = _grads(ours)
     _steps(ours, mine, grads)
     _steps(theirs, ref, grads)
+    # bnb's process-wide manager keeps the reference's override (by id) after the test
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+    manager.module_weight_config_triple.clear()
+    manager.pid2config.clear()
+    manager.index2config.clear()
     for (name, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
         assert torch.equal(p, q), name
     state = mine.state[ours.proj.weight]
@@ -263,3 +270,18 @@ def test_gpt_neox_bnb_config_explains_and_trains_scaled_down(tmp_path, tiny_data
     loss = losses(run)
     assert sorted(loss) == [2, 4, 6]
     assert loss[6] < loss[4] < loss[2]
+
+
+def test_dry_run_holds_the_estimated_8bit_state():
+    """The dry run steps the real bitsandbytes optimizer on fake tensors (2 DDP ranks): the
+    state it creates is, byte for byte, what estimate counts."""
+    from torchneox.estimate.dry_run import dry_run
+
+    sets = ["use_bnb_optimizer=true", "pos_emb=learned", "train_micro_batch_size_per_gpu=2"]
+    loaded = load_config([str(Path(torchneox.__file__).parent / "configs" / "tiny_cpu.yml")], sets)
+    run = dry_run(loaded, 2, ranks="all", workers=1)
+    assert not run.problems, run.problems
+    for r in run.ranks:
+        assert r.stepped, r.step
+        assert r.bytes["optimizer"] == r.expected["optimizer"]
+        assert r.bytes["optimizer"] < r.bytes["parameters"] * 2 / 3  # fp32 Adam: 2 x

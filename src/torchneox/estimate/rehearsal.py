@@ -236,7 +236,8 @@ def _measured(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict
     states = []
     for state in optimizer.state.values() if optimizer is not None else []:
         states += [v for k, v in state.items() if k != "step" and isinstance(v, torch.Tensor)]
-    out["optimizer"] = _bytes(states)
+    # a tensor several states share (bitsandbytes' quantisation maps) is held once
+    out["optimizer"] = _bytes(list({id(v): v for v in states}.values()))
     return out
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from torchneox.base.errors import ConfigError
 from torchneox.config.eight_bit import BLOCK, MIN_8BIT, STABLE_PARAMS, installed_library
@@ -42,11 +43,16 @@ def _bnb_class() -> type:
 
     class Adam8bit(bnb.optim.Adam8bit):
         """bitsandbytes' Adam8bit, the parameters in ``keep_32bit`` (StableEmbedding weights)
-        at 32-bit state: what its GlobalOptimManager override does, without global state."""
+        at 32-bit state: what bnb.nn.StableEmbedding's GlobalOptimManager override does,
+        without the process-wide manager."""
 
         def __init__(self, params: Any, keep_32bit: set[int], **kwargs: Any):
             super().__init__(params, **kwargs)
             self.keep_32bit = keep_32bit
+            # a manager of its own: the process-wide one keys its overrides by id(), which a
+            # parameter freed since (another model's) may have left to one of these
+            self.mng = bnb.optim.GlobalOptimManager.__new__(bnb.optim.GlobalOptimManager)
+            self.mng.initialize()
 
         def init_state(self, group=None, p=None, gindex=None, pindex=None) -> None:  # type: ignore[override]
             """bitsandbytes' one parameter's state; called bare (torchneox's checkpoint
@@ -112,6 +118,8 @@ def build_eight_bit_adam(
     keep = {id(p) for n, p in model.named_parameters() if plain_name(n).endswith(STABLE_PARAMS)}
     p = spec.params
     kwargs = {"lr": lr, "betas": tuple(p.get("betas", (0.9, 0.999))), "eps": p.get("eps", 1e-8)}
-    if library == "bitsandbytes":
-        return _bnb_class()(groups, keep_32bit=keep, min_8bit_size=MIN_8BIT, **kwargs)
-    return _torchao_class()(groups, keep_32bit=keep, block_size=BLOCK, **kwargs)
+    # (the dry run builds on fake tensors: bitsandbytes' quantisation maps are read as numbers)
+    with unset_fake_temporarily():
+        if library == "bitsandbytes":
+            return _bnb_class()(groups, keep_32bit=keep, min_8bit_size=MIN_8BIT, **kwargs)
+        return _torchao_class()(groups, keep_32bit=keep, block_size=BLOCK, **kwargs)
