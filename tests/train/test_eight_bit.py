@@ -160,13 +160,22 @@ def test_explain_shows_the_library(make_config, capsys, monkeypatch):
     assert "torchao's AdamW8bit (bitsandbytes is not installed)" in capsys.readouterr().out
 
 
-def test_sharded_layouts_are_refused_in_one_line(make_config, capsys):
-    cfg = make_config(use_bnb_optimizer=True, zero_optimization={"stage": 2})
-    assert main(["config", "explain", cfg, "--set", "global_num_gpus=2"]) == 2
+@pytest.mark.parametrize(
+    "sets,says",
+    [
+        (["zero_optimization.stage=2"], "not ZeRO stage 2: set zero_optimization.stage 0"),
+        (["model_parallel_size=2"], "not model_parallel_size 2: set model_parallel_size 1"),
+        (["pipe_parallel_size=2"], "not pipeline stages 2: set pipe_parallel_size 1"),
+        (["optimizer.params.amsgrad=true"], "8-bit Adam has no amsgrad"),
+    ],
+)
+def test_what_8bit_adam_does_not_run_with_is_one_line(make_config, capsys, sets, says):
+    cfg = make_config(use_bnb_optimizer=True, no_weight_tying=True)
+    args = ["config", "explain", cfg, "--set", "global_num_gpus=2"]
+    assert main([*args, *[a for s in sets for a in ("--set", s)]]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err
-    assert "use_bnb_optimizer needs ZeRO stage 0" in err
-    assert "not ZeRO stage 2: set zero_optimization.stage 0" in err
+    assert says in err and "use_bnb_optimizer" in err
 
 
 def test_estimated_state_bytes_by_hand():
