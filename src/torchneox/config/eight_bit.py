@@ -22,8 +22,8 @@ from torchneox.config.optimizer import optimizer_spec
 from torchneox.config.schema import NeoXConfig, OptimizerConfig
 
 BLOCK = 256
-"""Values per absmax scale: bitsandbytes 0.50's Optimizer2State (its releases before 0.45
-used 2048 on CUDA) and torchao's Adam8bit/AdamW8bit."""
+"""Values per absmax scale: bitsandbytes 0.50's Optimizer2State (older bitsandbytes releases
+used blocks of 2048) and torchao's Adam8bit/AdamW8bit."""
 MIN_8BIT = 4096
 """Tensors with fewer values keep fp32 moments (bitsandbytes' min_8bit_size, which torchao
 follows)."""
