@@ -23,9 +23,7 @@ ALL_CONFIGS = (
 )
 
 # The shipped configs that ask for something torchneox does not build, and the line it says.
-REFUSED = {
-    "bnb_125M.yml": ("use_bnb_optimizer", "bitsandbytes 8-bit optimizers are not supported"),
-}
+REFUSED: dict[str, tuple[str, str]] = {}
 
 needs_shared = pytest.mark.skipif(SHARED is None, reason="../shared is not on this machine")
 

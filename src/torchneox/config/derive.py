@@ -18,6 +18,7 @@ from torchneox.config.derive_model import derive_model
 from torchneox.config.derive_precision import derive_precision
 from torchneox.config.derive_rl import derive_rollouts
 from torchneox.config.derived import Derived
+from torchneox.config.eight_bit import derive_eight_bit
 from torchneox.config.fields import Status
 from torchneox.config.layout import Layout, compile_scope
 from torchneox.config.load import LoadedConfig
@@ -378,6 +379,7 @@ def _optimizer(loaded: LoadedConfig, out: Derived) -> None:
         out.reasons["optimizer_type"] += "; " + describe_optimizer(spec)
         if spec.kind == "sm3":
             out.reasons["weight_decay"] = f"{decay:g}, unused: SM3 takes no weight decay"
+    derive_eight_bit(loaded.config, out)
     clip = o.gradient_clipping
     if loaded.given("clip_grad") and not loaded.given("gradient_clipping"):
         clip = o.clip_grad

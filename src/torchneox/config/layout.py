@@ -16,6 +16,7 @@ from typing import Any
 from torchneox.base.errors import ConfigError
 from torchneox.config.checker import source_of
 from torchneox.config.derived import Derived
+from torchneox.config.eight_bit import eight_bit_layout
 from torchneox.config.fp8_plan import fp8_plan
 from torchneox.config.load import LoadedConfig
 from torchneox.config.offload import offload_rule
@@ -509,6 +510,7 @@ RULES = (
     _compile_model,
     _gmlp,
     offload_rule,
+    eight_bit_layout,
 )
 """Every layout rule, in the order they are checked."""
 

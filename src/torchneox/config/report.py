@@ -46,7 +46,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "zero_param_dtype",
         "fp8",
     ),
-    "Optimizer": ("optimizer_type", "lr", "weight_decay", "gradient_clipping"),
+    "Optimizer": ("optimizer_type", "eight_bit_adam", "lr", "weight_decay", "gradient_clipping"),
     "Learning-rate schedule": ("lr_schedule", "lr_decay_iters", "warmup_iters"),
     "muP": ("mup_one_off", "mup_width_mult", "mup_lr", "mup_scalings"),
     "Model": (
@@ -56,6 +56,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "num_kv_heads",
         "mlp_width",
         "rotary_dims",
+        "position_embedding",
         "residual",
         "attention",
         "layers",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from torchneox.config.fields import derived, extension, key, no_effect, unsupported
+from torchneox.config.fields import derived, extension, key, no_effect
 
 CKPT_SAME = "torch's activation checkpointing needs no such tuning"
 DEEPSPEED_ZERO = "DeepSpeed ZeRO tuning; the ZeRO stage comes from zero_optimization.stage"
@@ -115,10 +115,11 @@ class OptimizerConfig:
     zero_allgather_bucket_size: int | None = no_effect(
         None, "Elements gathered at a time.", DEEPSPEED_ZERO
     )
-    use_bnb_optimizer: bool = unsupported(
+    use_bnb_optimizer: bool = key(
         False,
-        "Use bitsandbytes 8-bit optimizers.",
-        "bitsandbytes 8-bit optimizers are not supported; remove use_bnb_optimizer",
+        "Adam with 8-bit moments (bitsandbytes' Adam8bit, else torchao's AdamW8bit; ZeRO 0, "
+        "one pipeline stage, no tensor, context or expert parallelism) and learned position embeddings as "
+        "StableEmbedding (a LayerNorm after the lookup).",
     )
     scheduler: dict[str, Any] | None = no_effect(
         None,

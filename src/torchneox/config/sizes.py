@@ -281,6 +281,8 @@ def count(config: NeoXConfig, vocab: int) -> ModelCounts:
     embedding = vocab * h
     if m.pos_emb == "learned":
         embedding += ((m.max_position_embeddings or m.seq_length) + m.opt_pos_emb_offset) * h
+        if config.optimizer.use_bnb_optimizer:  # StableEmbedding's LayerNorm
+            embedding += 2 * h
     if m.pos_emb == "rpe":  # one [buckets, heads] table for every layer
         embedding += m.rpe_num_buckets * m.num_attention_heads
     # a reward model's head is one value per position (GPT-NeoX's rm_linear), not the vocabulary

@@ -15,6 +15,7 @@ from torchneox.base.errors import did_you_mean
 from torchneox.config.checker import Checker
 from torchneox.config.curriculum import check_curriculum
 from torchneox.config.deepspeed_dicts import check_deepspeed_dicts
+from torchneox.config.eight_bit import check_eight_bit
 from torchneox.config.epochs import check_train_epochs
 from torchneox.config.offload import OFFLOAD_KEYS, offload_problem
 from torchneox.config.schema import NeoXConfig
@@ -128,6 +129,7 @@ def validate(config: NeoXConfig, origin: dict[str, str]) -> None:
     _check_moe(check)
     _check_parallel(check)
     _check_optimizer(check)
+    check_eight_bit(check)
     _check_lr(check)
     _check_precision(check)
     _check_training(check)

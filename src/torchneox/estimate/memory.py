@@ -3,9 +3,12 @@ activations, temporaries), and the step time a layout gives at a stated MFU."""
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
+from torchneox.config.eight_bit import eight_bit, eight_bit_optimizer_bytes, installed_library
 from torchneox.config.layout import Layout
 from torchneox.config.load import LoadedConfig
 from torchneox.config.optimizer import muon_matrix, optimizer_spec
@@ -28,6 +31,17 @@ def optimizer_bytes_per_param(loaded: LoadedConfig) -> int:
 def hidden_optimizer_bytes(loaded: LoadedConfig) -> int:
     """Bytes per element of a block's hidden matrix (muon: Muon's one momentum buffer)."""
     return optimizer_spec(loaded.config.optimizer).hidden_state_tensors * PARAM_BYTES
+
+
+def optimizer_bytes_per_tensor(
+    loaded: LoadedConfig,
+) -> Callable[[list[tuple[str, int]]], int] | None:
+    """8-bit Adam (use_bnb_optimizer): the state bytes of a list of tensor shards, by name and
+    values (config/eight_bit.py), in place of a number of bytes per parameter."""
+    if not eight_bit(loaded.config.optimizer):
+        return None
+    library = installed_library() or "torchao"
+    return functools.partial(eight_bit_optimizer_bytes, library)
 
 
 def optimizer_bytes_per_dim(loaded: LoadedConfig) -> int:
@@ -55,10 +69,11 @@ def memory_per_rank(
     opt_per_param = optimizer_bytes_per_param(loaded)
     per_dim = optimizer_bytes_per_dim(loaded)
     hidden = hidden_optimizer_bytes(loaded)
+    per_tensor = optimizer_bytes_per_tensor(loaded)
     fsdp = fsdp_ranks(layout)
     worst: dict[str, Any] | None = None
     for k, params in enumerate(stages):
-        state = state_bytes(params, layout, fsdp, opt_per_param, per_dim, hidden)
+        state = state_bytes(params, layout, fsdp, opt_per_param, per_dim, hidden, per_tensor)
         parts, temporary = state["parts"], state["temporary"]
         host = offload_parts(parts, state["resident"]) if layout.offload else None
         last = k == len(stages) - 1
@@ -91,11 +106,14 @@ def state_bytes(
     opt_per_param: int,
     per_dim: int = 0,
     opt_hidden: int | None = None,
+    per_tensor: Callable[[list[tuple[str, int]]], int] | None = None,
 ) -> dict[str, Any]:
     """A stage's parameters, gradients and optimizer state on one rank, and the temporary
     bytes ZeRO-3's gathered blocks and a whole embedding gradient add. ``per_dim``: optimizer
     bytes per index of each dimension of a shard (SM3's accumulators); ``opt_hidden``: per
-    element of a block's hidden matrix, where it differs (muon's)."""
+    element of a block's hidden matrix, where it differs (muon's); ``per_tensor``: the
+    optimizer bytes of the shards, from their names and values (8-bit Adam), in place of
+    ``opt_per_param``."""
     tp, ep = layout.tp, layout.ep
     local = sum(local_numel(s, n, tp, 1, ep) for n, s in params)
     shard = sum(local_numel(s, n, tp, fsdp, ep) for n, s in params)
@@ -121,6 +139,10 @@ def state_bytes(
         "gradient_shard": shard * PARAM_BYTES,
         "optimizer": (shard - hidden) * opt_per_param + hidden * opt_hidden + indices * per_dim,
     }
+    if per_tensor is not None:
+        resident["optimizer"] = per_tensor(
+            [(n, local_numel(s, n, tp, fsdp, ep)) for n, s in params]
+        )
     parts = {
         "parameters": resident["parameter_shard"],
         "gradients": resident["gradient_shard"],

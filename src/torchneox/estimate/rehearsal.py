@@ -23,6 +23,7 @@ from torchneox.estimate.memory import (
     hidden_optimizer_bytes,
     optimizer_bytes_per_dim,
     optimizer_bytes_per_param,
+    optimizer_bytes_per_tensor,
     state_bytes,
 )
 from torchneox.estimate.parameters import stage_params
@@ -236,7 +237,8 @@ def _measured(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict
     states = []
     for state in optimizer.state.values() if optimizer is not None else []:
         states += [v for k, v in state.items() if k != "step" and isinstance(v, torch.Tensor)]
-    out["optimizer"] = _bytes(states)
+    # a tensor several states share (bitsandbytes' quantisation maps) is held once
+    out["optimizer"] = _bytes(list({id(v): v for v in states}.values()))
     return out
 
 
@@ -403,7 +405,10 @@ def expected_bytes(loaded: LoadedConfig, built: Run, stages: list[int]) -> dict[
     for k in stages:
         per_dim = optimizer_bytes_per_dim(loaded)
         hidden = hidden_optimizer_bytes(loaded)
-        resident = state_bytes(params[k], lay, fsdp_ranks(lay), opt, per_dim, hidden)["resident"]
+        per_tensor = optimizer_bytes_per_tensor(loaded)
+        resident = state_bytes(params[k], lay, fsdp_ranks(lay), opt, per_dim, hidden, per_tensor)[
+            "resident"
+        ]
         out["parameters"] += resident["parameter_shard"]
         out["gradients"] += resident["gradient_shard"]
         out["optimizer"] += resident["optimizer"]

@@ -13,6 +13,7 @@ import torch
 
 from torchneox.base.errors import NeoXCheckpointError
 from torchneox.config.derive import derive
+from torchneox.config.eight_bit import eight_bit
 from torchneox.config.load import LoadedConfig, load_config, with_absolute_paths
 from torchneox.config.optimizer import optimizer_spec
 from torchneox.config.paths import new_output_dir, refuse_non_empty
@@ -151,6 +152,13 @@ def _check_gmlp(cfg: Any, layout: NeoXLayout, with_optimizer: bool) -> None:
 
 def _optimizer_readable(args: ModelArgs, step_dir: Path, cfg: Any) -> None:
     kind = optimizer_spec(cfg.optimizer).kind
+    if eight_bit(cfg.optimizer):
+        raise NeoXCheckpointError(
+            "--with-optimizer reads FusedAdam's fp32 moments; the 8-bit state of a "
+            "use_bnb_optimizer run does not import: convert the weights without it (the run "
+            "continues with a fresh optimizer)",
+            source=str(step_dir),
+        )
     if kind not in ("adam", "adamw"):
         raise NeoXCheckpointError(
             f"--with-optimizer reads Adam's moments; the state of a {kind} run does not import "

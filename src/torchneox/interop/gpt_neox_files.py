@@ -415,8 +415,9 @@ def model_state(
             f"layer {missing[0]} is missing (a {n}-layer model needs layers 0, 2..{n + 1}, {n + 3})"
         )
     out = {"embed.weight": layers[0]["word_embeddings.weight"]}
-    if "position_embeddings.weight" in layers[0]:
-        out["pos_embed.weight"] = layers[0]["position_embeddings.weight"]
+    for name, tensor in layers[0].items():  # with StableEmbedding (use_bnb_optimizer): norm.*
+        if name.startswith("position_embeddings."):
+            out["pos_embed." + name.removeprefix("position_embeddings.")] = tensor
     if "attention.rpe.weight" in layers.get(2, {}):  # one table, saved with every layer
         out["rpe.weight"] = layers[2]["attention.rpe.weight"]
     for i in range(n):

@@ -72,6 +72,9 @@ class ModelArgs:
     init_std: float
     attn_out_bias: bool = True
     """The attention output projection's bias (Qwen2: none, while q, k, v have one)."""
+    stable_embedding: bool = False
+    """Learned positions through StableEmbedding (a LayerNorm after the lookup):
+    use_bnb_optimizer, as GPT-NeoX builds them."""
     rope_scaling: tuple[tuple[str, float], ...] = ()
     """(("type", ...), (field, value), ...): rotary frequency scaling, empty for none."""
     rpe_buckets: int = 32
@@ -158,13 +161,7 @@ class ModelArgs:
     @classmethod
     def from_config(cls, cfg: NeoXConfig, vocab_size: int) -> ModelArgs:
         m = cfg.model
-        missing = [
-            k
-            for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
-            if cfg.get(k) is None
-        ]
-        if missing:
-            raise ConfigError(f"the model needs {', '.join(missing)}", key=missing[0])
+        _require_sizes(cfg)
         widths = mlp_widths(cfg.model)
         norm = {"te_layernorm": "layernorm", "te_rmsnorm": "rmsnorm"}.get(m.norm, m.norm)
         epsilons = {"rmsnorm": m.rms_norm_epsilon, "scalenorm": m.scalenorm_epsilon}
@@ -190,6 +187,7 @@ class ModelArgs:
             ),
             mlp_bias=m.use_bias_in_mlp,
             **_positions(cfg),
+            stable_embedding=cfg.optimizer.use_bnb_optimizer,
             tied_embeddings=not m.no_weight_tying,
             parallel_residual=m.gpt_j_residual,
             shared_norm=m.gpt_j_tied,
@@ -249,6 +247,16 @@ def _mup_fields(cfg: NeoXConfig) -> dict[str, Any]:
         t.mup_embedding_mult,
     )
     return out
+
+
+def _require_sizes(cfg: NeoXConfig) -> None:
+    missing = [
+        k
+        for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+        if cfg.get(k) is None
+    ]
+    if missing:
+        raise ConfigError(f"the model needs {', '.join(missing)}", key=missing[0])
 
 
 def _layer_families(cfg: NeoXConfig) -> dict:

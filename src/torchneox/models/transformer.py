@@ -2,7 +2,8 @@
 
 Parallelism is applied from outside. Parameter names are stable:
 
-    embed.weight                      pos_embed.weight (learned positions)
+    embed.weight                      pos_embed.weight (learned positions; pos_embed.norm.*
+                                      under use_bnb_optimizer: StableEmbedding)
     rpe.weight (pos_emb rpe: [buckets, heads], shared by every layer, as in GPT-NeoX)
     layers.{i}.attention_norm.*       layers.{i}.attention.{wq,wk,wv,wo}.{weight,bias}
     layers.{i}.attention.{qk_norm,q_norm,k_norm}.* (use_qk_layernorm, by qk_norm_scope)
@@ -41,6 +42,7 @@ from torchneox.models.positions import (
     rotary_tables,
     sinusoidal_table,
 )
+from torchneox.models.stable_embedding import StableEmbedding
 
 
 def _param_seed(seed: int, name: str) -> int:
@@ -126,8 +128,9 @@ class Transformer(nn.Module):
         self.args = args
         h = args.hidden_size
         self.embed = nn.Embedding(args.vocab_size, h)
+        positions = StableEmbedding if args.stable_embedding else nn.Embedding
         self.pos_embed = (
-            nn.Embedding(args.max_positions + args.pos_offset, h)
+            positions(args.max_positions + args.pos_offset, h)
             if args.pos_emb == "learned"
             else None
         )

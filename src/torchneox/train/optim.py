@@ -8,9 +8,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchneox.config.eight_bit import eight_bit
 from torchneox.config.optimizer import optimizer_spec
 from torchneox.config.schema import OptimizerConfig
 from torchneox.models.args import MupScales
+from torchneox.train.optim8bit import build_eight_bit_adam
 from torchneox.train.optimizers import SM3, Lamb, MadgradWD
 
 OTHER_OPTIMIZERS = {"sm3": SM3, "madgrad_wd": MadgradWD, "lamb": Lamb}
@@ -86,6 +88,8 @@ def build_optimizer(
     fast = {"fused": True} if device_type in ("cuda", "cpu") else {"foreach": True}
     if _mixes_dtensors(model):  # tensor parallelism without FSDP: foreach/fused need one kind
         fast = {"foreach": False}
+    if eight_bit(o):  # use_bnb_optimizer
+        return build_eight_bit_adam(model, groups, spec, lr)
     if kind in ("adam", "adamw"):  # GPT-NeoX runs Adam with decoupled weight decay
         return torch.optim.AdamW(groups, lr=lr, **params, **fast)
     if kind in ("cpu_adam", "cpu_torch_adam"):  # DeepSpeedCPUAdam: AdamW unless adamw_mode false
