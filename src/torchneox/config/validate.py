@@ -16,6 +16,9 @@ from torchneox.config.checker import Checker
 from torchneox.config.curriculum import check_curriculum
 from torchneox.config.epochs import check_train_epochs
 from torchneox.config.schema import NeoXConfig
+from torchneox.config.sharing import check_sharing
+from torchneox.config.soft_prompt import check_soft_prompt
+from torchneox.config.sparsity import ATTENTION_LAYER_TYPES
 from torchneox.config.validate_model import (
     ATTENTION_TYPES_OK,
     ATTENTION_TYPES_REFUSED,
@@ -23,6 +26,7 @@ from torchneox.config.validate_model import (
     _check_model,
     _check_moe,
     _check_rope_scaling,
+    layer_attention_types,
 )
 from torchneox.config.validate_rl import check_reinforce
 
@@ -118,9 +122,21 @@ def validate(config: NeoXConfig, origin: dict[str, str]) -> None:
     _check_data(check)
     check_train_epochs(check)
     check_curriculum(check)
+    _check_sharing(check)
+    check_soft_prompt(check)
     _check_textgen(check)
     _check_post_training(check)
     check_reinforce(check)
+
+
+def _check_sharing(ch: Checker) -> None:
+    kinds = layer_attention_types(ch.c, ch.origin)
+    e = ch.c.moe
+    moe = [
+        e.moe_num_experts > 1 and i % e.moe_expert_interval == 0 and k in ATTENTION_LAYER_TYPES
+        for i, k in enumerate(kinds)
+    ]
+    check_sharing(ch, kinds, moe)
 
 
 def _check_refused(ch: Checker) -> None:

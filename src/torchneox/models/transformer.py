@@ -22,9 +22,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from torchneox.models import sharing
 from torchneox.models.args import ModelArgs
 from torchneox.models.block import Block, special_init
-from torchneox.models.init import init_function
+from torchneox.models.init import InitFn, init_function
 from torchneox.models.linear import Linear, linear
 from torchneox.models.mixers.attention import (
     AttentionBias,
@@ -72,6 +73,17 @@ def local_part(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...] | N
     return param.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
 
 
+def _soft_prompt_init(args: ModelArgs) -> InitFn:
+    """The soft prompt uniform in [-init_range, init_range] (init_string's embeddings replace
+    it where the run gives one: train/soft_prompt.py)."""
+    r = args.soft_prompt_range
+
+    def init(tensor: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        return tensor.uniform_(-r, r, generator=generator)
+
+    return init
+
+
 def init_parameter(args: ModelArgs, name: str, param: torch.Tensor, seed: int) -> None:
     """Initialise ``param`` (named ``name`` in the unwrapped model) as one process would: by
     its mixer's own rule where it has one (mamba's A_log, D and dt bias, RWKV's mixes and
@@ -80,7 +92,7 @@ def init_parameter(args: ModelArgs, name: str, param: torch.Tensor, seed: int) -
     (then, for a shard, only its part kept)."""
     module, _, leaf = name.rpartition(".")
     local, where = local_part(param)
-    init = special_init(args, name)
+    init = _soft_prompt_init(args) if name == SOFT_PROMPT else special_init(args, name)
     if init is None and not is_drawn(name):
         scale = module.endswith("norm") and leaf in ("weight", "g")
         local.fill_(1.0 if scale else 0.0)
@@ -99,6 +111,17 @@ def init_parameter(args: ModelArgs, name: str, param: torch.Tensor, seed: int) -
     local.copy_(whole[where])
 
 
+SOFT_PROMPT = "soft_prompt.weight"
+
+
+class SoftPrompt(nn.Module):
+    """soft_prompt_tuning's ``n_tokens`` vectors, put before the text's embeddings."""
+
+    def __init__(self, n_tokens: int, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_tokens, hidden_size))
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -111,6 +134,10 @@ class Transformer(nn.Module):
             else None
         )
         self.embed_dropout = nn.Dropout(args.hidden_dropout)
+        # soft_prompt_tuning: the trained vectors before the text (soft_prompt.weight)
+        self.soft_prompt = (
+            SoftPrompt(args.soft_prompt_tokens, h) if args.soft_prompt_tokens else None
+        )
         # a ModuleDict keyed by layer index keeps names stable when pipeline stages drop layers
         self.layers = nn.ModuleDict({str(i): Block(args, i) for i in range(args.num_layers)})
         self.final_norm = build_norm(args.norm, h, args.norm_eps, args.norm_bias)
@@ -128,6 +155,25 @@ class Transformer(nn.Module):
         for module in self.modules():  # the CPU kernel of the fp32 products (cpu_matmul)
             if isinstance(module, Linear):
                 module.cpu_matmul = args.cpu_matmul
+        sharing.install(self)  # num_unique_layers: the sharers hold their owner's parameters
+        self.freeze_for_prompt()
+
+    def freeze_for_prompt(self) -> None:
+        """soft_prompt_tuning: every parameter but the prompt frozen (no gradient, no optimizer
+        state); nothing changes without a soft prompt."""
+        if self.soft_prompt is None:
+            return
+        for param in self.parameters():
+            param.requires_grad_(False)
+        self.soft_prompt.weight.requires_grad_(True)
+
+    def _apply(self, fn, recurse=True):
+        """As nn.Module's, then the shared layers tied again (a move gives each module its
+        own tensor)."""
+        out = super()._apply(fn, recurse)
+        if self.args.layer_owners:
+            sharing.tie_layers(self)
+        return out
 
     # ------------------------------------------------------------------ buffers and init
 
@@ -280,8 +326,14 @@ class Transformer(nn.Module):
         static = cache if isinstance(cache, StaticKVCache) else None
         if static is not None and positions_BT is None:
             positions_BT = static.queries(t)
+        prompted = self.soft_prompt is not None and self.embed is not None
         if self.embed is None:  # a later pipeline stage: the input is hidden states
             x = tokens_BT
+        elif prompted:
+            x, positions_BT, key_valid_BS = self._prompted(
+                tokens_BT, positions_BT, key_valid_BS, start
+            )
+            t, prompted = x.shape[1], start == 0
         else:
             x = self._embed(tokens_BT, positions_BT, start, t)
         rope = self._rope(positions_BT, start, t, length)
@@ -297,8 +349,43 @@ class Transformer(nn.Module):
             static.advance(t)
         elif cache is not None:
             cache.length += t
+        if prompted:  # the prompt's own outputs are never scored or sampled
+            x = x[:, self.args.soft_prompt_tokens :]
         out = self._head(x)
         return (out, stats) if router_stats else out
+
+    def _prompted(
+        self,
+        tokens_BT: torch.Tensor,
+        positions_BT: torch.Tensor | None,
+        key_valid_BS: torch.Tensor | None,
+        start: int,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The embeddings with the soft prompt before the text (on a forward from position 0),
+        the positions of what is returned and the keys that are real. The prompt holds
+        positions 0..n-1 and the text n onwards; as GPT-NeoX, prompt and text are cut to
+        seq_length (a training sample loses its last n tokens; generation stays within it)."""
+        n = self.args.soft_prompt_tokens
+        b = tokens_BT.shape[0]
+        keep = self.args.seq_length - n
+        if start == 0 and tokens_BT.shape[1] > keep:
+            tokens_BT = tokens_BT[:, :keep]
+            positions_BT = None if positions_BT is None else positions_BT[..., :keep]
+            key_valid_BS = None if key_valid_BS is None else key_valid_BS[:, :keep]
+        text_pos = None if positions_BT is None else positions_BT + n
+        t = tokens_BT.shape[1]
+        x = self._embed(tokens_BT, text_pos, start + n if start == 0 else start, t)
+        if key_valid_BS is not None:
+            ones = torch.ones(b, n, dtype=key_valid_BS.dtype, device=key_valid_BS.device)
+            key_valid_BS = torch.cat([ones, key_valid_BS], dim=1)
+        if start != 0:  # decoding: the prompt is in the cache already
+            return x, text_pos, key_valid_BS
+        prompt = self.soft_prompt.weight.to(x.dtype)
+        x = torch.cat([prompt[None].expand(b, -1, -1), x], dim=1)
+        if text_pos is not None:
+            head = torch.arange(n, device=x.device).expand(*text_pos.shape[:-1], n)
+            text_pos = torch.cat([head, text_pos], dim=-1)
+        return x, text_pos, key_valid_BS
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         if self.final_norm is None:  # an earlier pipeline stage: hand on the hidden states

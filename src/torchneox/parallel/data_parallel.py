@@ -45,7 +45,7 @@ def apply_data_parallel(
     )
     reshard = zero_stage == 3
     skip = {model.get_parameter(n) for n in ignored or []}
-    for block in model.layers.values():
+    for block in _own_units(model):
         own = {p for p in block.parameters() if p in skip} or None
         if gather != torch.float32:
             _shard_fp32_mixers(block, mesh, reshard, REDUCE_DTYPES[reduce_dtype])
@@ -60,6 +60,13 @@ def apply_data_parallel(
         ignored_params=skip or None,
     )
     return model
+
+
+def _own_units(model: Transformer) -> list[torch.nn.Module]:
+    """The blocks sharded as units of their own: each block, but none under layer weight
+    sharing (a tensor two blocks hold cannot be in two units: the shared blocks are sharded
+    with the model's root unit, gathered once for the whole forward)."""
+    return [] if model.args.layer_owners else list(model.layers.values())
 
 
 def _shard_fp32_mixers(
@@ -85,7 +92,7 @@ def shard_frozen(model: Transformer, mesh: DeviceMesh, ignored: list[str] | None
     """A model that only runs forward (DPO's and KTO's reference) sharded over ``mesh`` as a
     ZeRO run shards its policy: each block gathered for its forward, then freed again."""
     skip = {model.get_parameter(n) for n in ignored or []}
-    for block in model.layers.values():
+    for block in _own_units(model):
         own = {p for p in block.parameters() if p in skip} or None
         fully_shard(block, mesh=mesh, reshard_after_forward=True, ignored_params=own)
     fully_shard(model, mesh=mesh, reshard_after_forward=True, ignored_params=skip or None)

@@ -28,6 +28,7 @@ from torch import nn
 from torchneox.config.fp8_plan import FP8Plan
 from torchneox.config.layout import Layout
 from torchneox.models.args import ModelArgs
+from torchneox.models.sharing import tie_layers
 from torchneox.models.transformer import Transformer, is_drawn, local_part, plain_name
 from torchneox.parallel.activation_ckpt import apply_activation_checkpointing, compile_blocks
 from torchneox.parallel.data_parallel import apply_data_parallel, shard_frozen
@@ -92,6 +93,8 @@ def split(
         apply_fp8(model, options.fp8)
     if dims.tp > 1:
         apply_tensor_parallel(model, dims.mesh["tp"], layout.sequence_parallel)
+        tie_layers(model)  # each module was given its own DTensor: the sharers hold the owner's
+        model.freeze_for_prompt()
     expert_params: list[str] = []
     if dims.ep > 1:
         expert_params = apply_expert_parallel(model, dims.mesh)
@@ -193,6 +196,7 @@ def _freeze(model: Transformer, dims: ParallelDims, layout: Layout) -> None:
     then sharded over the data-parallel ranks under ZeRO 1-3 (replicated under ZeRO 0)."""
     if dims.tp > 1:
         apply_tensor_parallel(model, dims.mesh["tp"], layout.sequence_parallel)
+        tie_layers(model)
     expert_params: list[str] = []
     if dims.ep > 1:
         expert_params = apply_expert_parallel(model, dims.mesh)

@@ -27,6 +27,7 @@ from torchneox.data.epochs import apply_train_epochs, cycle_epochs
 from torchneox.data.loader import BatchLoader
 from torchneox.data.tokenizers import build_tokenizer
 from torchneox.models import cpu_kernels
+from torchneox.models.transformer import SOFT_PROMPT
 from torchneox.parallel import flight_recorder
 from torchneox.parallel.collectives import any_rank, mean_over_dp, sum_over_dp
 from torchneox.parallel.dims import ParallelDims, init_distributed
@@ -41,6 +42,7 @@ from torchneox.train.fits import allocation_failure, refuse_what_cannot_fit
 from torchneox.train.lr import Schedule
 from torchneox.train.metrics import MetricsLogger, Throughput, Timers, duration
 from torchneox.train.profiling import Profiler
+from torchneox.train.soft_prompt import start_soft_prompt
 from torchneox.train.weights import copy_weights, missing_heads
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGHUP: the terminal went away
@@ -122,7 +124,7 @@ class Trainer:
             self.logger.line,
         )
         self.evaluator = self._build_evaluator()
-        resumed = self._resume(step_dir) if step_dir is not None else None
+        resumed = self._resume_or_start(step_dir)
         if self.parts.reference is not None and not (resumed and resumed.reference):
             copy_weights(self.model, self.parts.reference)  # the policy as training starts
 
@@ -268,6 +270,15 @@ class Trainer:
     @property
     def peak_tflops(self) -> float | None:
         return self.throughput.peak_tflops
+
+    def _resume_or_start(self, step_dir: Path | None) -> Resumed | None:
+        """The checkpoint's state read (None: none loaded); a soft prompt the run starts set
+        from init_string."""
+        resumed = self._resume(step_dir) if step_dir is not None else None
+        fresh = step_dir is None or SOFT_PROMPT in missing_heads(step_dir)
+        if start_soft_prompt(self.model, self.cfg, fresh):
+            self.logger.line("soft prompt: set from the embeddings of init_string's tokens")
+        return resumed
 
     def _resume(self, step_dir: Path) -> Resumed:
         resumed = self.checkpoints.resume(step_dir, self.state)
