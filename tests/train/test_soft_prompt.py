@@ -137,6 +137,16 @@ def test_generation_prepends_the_prompt(make_config, tmp_path):
     assert main([*verb, "--maximum-tokens", "3"]) == 0
 
 
+def test_hf_export_is_refused_in_one_line(make_config, tmp_path, capsys):
+    cfg = make_config(soft_prompt_tuning=PROMPT, train_iters=1, load=None)
+    assert main(["train", cfg]) == 0
+    capsys.readouterr()
+    assert main(["convert", "to-hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds a soft prompt" in err and "\n" not in err
+    assert not (tmp_path / "hf").exists()
+
+
 def test_explain_counts_the_trained_parameters(make_config):
     loaded = load_config([make_config(soft_prompt_tuning=PROMPT)])
     d = derive(loaded)

@@ -13,6 +13,7 @@ from torchneox.cli import main
 from torchneox.config.derive import derive
 from torchneox.config.load import load_config, load_mapping
 from torchneox.config.sharing import owners
+from torchneox.interop.huggingface import load_hf_model
 from torchneox.models.args import model_args
 from torchneox.models.transformer import build_model
 from torchneox.train import checkpoint_format
@@ -82,6 +83,28 @@ def test_training_keeps_shared_layers_one_and_checkpoints_them_once(make_config,
     assert torch.equal(
         loaded.layers["2"].attention.wq.weight, model.layers["0"].attention.wq.weight
     )
+
+
+def test_hf_export_writes_every_layer(make_config, tmp_path):
+    cfg = make_config(
+        num_layers=4,
+        num_unique_layers=2,
+        param_sharing_style="spaced",
+        train_iters=1,
+        load=None,
+        cpu_matmul="default",
+    )
+    assert main(["train", cfg]) == 0
+    assert main(["convert", "to-hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
+    _, shared = load_model(tmp_path / "run")
+    _, exported = load_hf_model(tmp_path / "hf")
+    assert exported.args.layer_owners == ()  # four distinct layers, each a copy
+    assert sum(p.numel() for p in exported.parameters()) > sum(
+        p.numel() for p in shared.parameters()
+    )
+    tokens = torch.randint(0, 100, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(exported.eval()(tokens), shared.eval()(tokens))
 
 
 @pytest.mark.parametrize(

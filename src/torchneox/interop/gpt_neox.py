@@ -81,6 +81,7 @@ def convert(
     refuse_non_empty(Path(out_dir), force, "convert from-gpt-neox", inputs=inputs)  # before reading
     loaded = neox_config(step_dir, config_files or [], overrides or [])
     cfg = loaded.config
+    _refuse_sharing(cfg, step_dir)
     layout = NeoXLayout.read(step_dir)
     if layout.tp != cfg.parallel.model_parallel_size:
         raise NeoXCheckpointError(
@@ -126,6 +127,17 @@ def convert(
     with new_output_dir(out, force, "convert from-gpt-neox", inputs=inputs) as tmp:
         step = checkpoint_format.save_checkpoint(tmp, meta["iteration"], state, yaml_text, meta)
     return out / step.name
+
+
+def _refuse_sharing(cfg: Any, step_dir: Path) -> None:
+    """A config asking for layer weight sharing: GPT-NeoX's layers are distinct."""
+    m = cfg.model
+    if m.num_unique_layers is not None and m.num_unique_layers < (m.num_layers or 0):
+        raise NeoXCheckpointError(
+            f"GPT-NeoX shares no weights (it only checks num_unique_layers): its "
+            f"{m.num_layers} layers are distinct; convert with --set num_unique_layers=null",
+            source=str(step_dir),
+        )
 
 
 def _check_gmlp(cfg: Any, layout: NeoXLayout, with_optimizer: bool) -> None:

@@ -74,3 +74,14 @@ def install(model: nn.Module) -> None:
     tie_layers(model)
     model.register_state_dict_post_hook(drop_shared)
     model.register_load_state_dict_pre_hook(fill_shared)
+
+
+def per_layer_state(model: nn.Module) -> dict[str, Any]:
+    """The state dict with every layer's tensors under its own name (a sharer's a copy of its
+    owner's): what formats without sharing (Hugging Face, whose safetensors files refuse one
+    tensor under two names) are written from."""
+    state = model.state_dict()
+    if model.args.layer_owners:
+        for key, owner in shared_keys(model).items():
+            state[key] = state[owner].clone()
+    return state
