@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import BASE
+from tests.helpers import BASE, losses
 from torchneox.base.errors import ConfigError
 from torchneox.cli import main
 from torchneox.config.derive import derive
@@ -83,6 +83,19 @@ def test_training_keeps_shared_layers_one_and_checkpoints_them_once(make_config,
     assert torch.equal(
         loaded.layers["2"].attention.wq.weight, model.layers["0"].attention.wq.weight
     )
+
+
+def test_resume_is_bitwise(make_config, tmp_path):
+    keys = {"num_layers": 4, "num_unique_layers": 2, "cpu_matmul": "default", "train_iters": 6}
+    whole = make_config("w.yml", save=str(tmp_path / "w"), load=str(tmp_path / "w"), **keys)
+    Trainer(load_config([whole]), device="cpu").run()
+    cfg = make_config(
+        "s.yml", save=str(tmp_path / "s"), load=str(tmp_path / "s"), exit_interval=3, **keys
+    )
+    Trainer(load_config([cfg]), device="cpu").run()
+    Trainer(load_config([cfg]), device="cpu").run()
+    lw, ls = losses(tmp_path / "w"), losses(tmp_path / "s")
+    assert {k: lw[k] for k in range(4, 7)} == {k: ls[k] for k in range(4, 7)}
 
 
 def test_hf_export_writes_every_layer(make_config, tmp_path):

@@ -93,8 +93,10 @@ def split(
         apply_fp8(model, options.fp8)
     if dims.tp > 1:
         apply_tensor_parallel(model, dims.mesh["tp"], layout.sequence_parallel)
-        tie_layers(model)  # each module was given its own DTensor: the sharers hold the owner's
-        model.freeze_for_prompt()
+    # fp8 swaps and tensor parallelism give modules tensors of their own: the sharers take the
+    # owner's again, and a soft prompt's model is frozen again but for the prompt
+    tie_layers(model)
+    model.freeze_for_prompt()
     expert_params: list[str] = []
     if dims.ep > 1:
         expert_params = apply_expert_parallel(model, dims.mesh)
