@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import shared_dir
 from tests.helpers import BASE, losses
 from torchneox.base.errors import ConfigError
 from torchneox.cli import main
@@ -118,6 +119,18 @@ def test_hf_export_writes_every_layer(make_config, tmp_path):
     tokens = torch.randint(0, 100, (2, 16))
     with torch.no_grad():
         torch.testing.assert_close(exported.eval()(tokens), shared.eval()(tokens))
+
+
+@pytest.mark.skipif(shared_dir() is None, reason="../shared is not on this machine")
+def test_gpt_neox_import_with_sharing_is_refused_in_one_line(tmp_path, capsys):
+    src = shared_dir() / "golden" / "neox_checkpoints" / "pp1"
+    gpt2 = shared_dir() / "data/tokenizers/gpt2"
+    args = ["convert", "from-gpt-neox", str(src), str(tmp_path / "out"), "--step", "10"]
+    args += ["--set", f"vocab_file={gpt2}/vocab.json", "--set", f"merge_file={gpt2}/merges.txt"]
+    assert main([*args, "--set", "num_unique_layers=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "GPT-NeoX shares no weights" in err and "num_unique_layers=null" in err
+    assert "\n" not in err and not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize(
