@@ -1,27 +1,21 @@
 """The estimator's parameter, gradient and optimizer bytes per rank equal what training
-processes hold under layer weight sharing (each shared tensor once) and a soft prompt
-(gradients and optimizer state for the prompt alone)."""
+processes hold under layer weight sharing (each shared tensor once) with a soft prompt
+(gradients and optimizer state for the prompt alone), on 2 processes under ZeRO-3."""
 
 from __future__ import annotations
-
-import pytest
 
 from tests.estimate.test_memory import probe
 from torchneox.config.load import load_config
 from torchneox.estimate.search import estimate
 
-CASES = {
-    "shared-dp2-zero3": (2, ["num_unique_layers=2", "zero_optimization.stage=3"]),
-    "prompt-dp2-zero0": (
-        2,
-        ['soft_prompt_tuning={"enabled": true, "n_tokens": 4}', "zero_optimization.stage=0"],
-    ),
-}
+SHARED_AND_PROMPTED = [
+    "num_unique_layers=2",
+    'soft_prompt_tuning={"enabled": true, "n_tokens": 4}',
+    "zero_optimization.stage=3",
+]
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_estimated_bytes_per_rank_equal_the_processes(make_config, tmp_path, case):
-    nproc, overrides = CASES[case]
+def test_estimated_bytes_per_rank_equal_the_processes(make_config, tmp_path):
     cfg = make_config(
         num_layers=4,
         train_batch_size=8,
@@ -33,7 +27,8 @@ def test_estimated_bytes_per_rank_equal_the_processes(make_config, tmp_path, cas
         hidden_dropout=0.0,
         num_workers=0,
     )
-    measured = probe(cfg, tmp_path / "probe", nproc, overrides)
+    measured = probe(cfg, tmp_path / "probe", 2, SHARED_AND_PROMPTED)
     measured.pop("activations")
-    est = estimate(load_config([cfg], overrides), gpus=nproc, gpu="h100")
+    est = estimate(load_config([cfg], SHARED_AND_PROMPTED), gpus=2, gpu="h100")
     assert est["resident_bytes"] == measured
+    assert est["resident_bytes"]["optimizer"] == 4 * 48 * 8 // 2  # Adam's 2 moments, halved
