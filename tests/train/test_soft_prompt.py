@@ -167,6 +167,11 @@ def test_explain_counts_the_trained_parameters(make_config):
         ({"enabled": True, "init_range": -1}, {}, "init_range must be a number > 0"),
         (PROMPT, {"pipe_parallel_size": 2}, "set pipe_parallel_size 1"),
         (PROMPT, {"train_impl": "dpo"}, "train_impl normal"),
+        (
+            PROMPT,
+            {"model_parallel_size": 2, "sequence_parallel": True, "no_weight_tying": True},
+            "set sequence_parallel false",
+        ),
     ],
 )
 def test_refusals_in_one_line(make_config, capsys, spec, keys, message):

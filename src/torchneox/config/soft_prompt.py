@@ -86,6 +86,12 @@ def _check_layout(ch: Checker) -> None:
         ch.fail(NAME, "is not built for pipeline parallelism; set pipe_parallel_size 1")
     if c.parallel.context_parallel_size > 1:
         ch.fail(NAME, "is not built for context parallelism; set context_parallel_size 1")
+    if c.parallel.sequence_parallel and c.parallel.model_parallel_size > 1:
+        ch.fail(
+            NAME,
+            "is not built with sequence_parallel (each tensor rank would hold part of the "
+            "text before the prompt is put in front); set sequence_parallel false",
+        )
     if c.model.inter_document_attention_masking:
         ch.fail(
             NAME,

@@ -7,6 +7,8 @@ Parallelism is applied from outside. Parameter names are stable:
     layers.{i}.attention.{qk_norm,q_norm,k_norm}.* (use_qk_layernorm, by qk_norm_scope)
     layers.{i}.mlp_norm.*             layers.{i}.mlp.{up,gate,down}.{weight,bias}
     final_norm.*                      output.weight (untied head), value_head.weight (rm)
+    soft_prompt.weight (soft_prompt_tuning; under num_unique_layers a layer that shares
+    another's weights holds that layer's parameters, named once, by the first layer)
     layers.{i}.mamba_norm.*           layers.{i}.mamba.{in_proj,conv1d,x_proj,dt_proj,out_proj,A_log,D}
 
 Build it on the meta device, move it with ``to_empty`` and call ``init_weights()``.
