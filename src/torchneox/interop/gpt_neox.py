@@ -63,7 +63,9 @@ def neox_config(step_dir: Path, config_files: list[str], overrides: list[str]) -
             "no configs/ folder in the checkpoint; name the run's configs with --config",
             source=str(step_dir),
         )
-    return load_config(files, overrides)
+    loaded = load_config(files, overrides)
+    _refuse_sharing(loaded.config, step_dir)
+    return loaded
 
 
 def convert(
@@ -81,7 +83,6 @@ def convert(
     refuse_non_empty(Path(out_dir), force, "convert from-gpt-neox", inputs=inputs)  # before reading
     loaded = neox_config(step_dir, config_files or [], overrides or [])
     cfg = loaded.config
-    _refuse_sharing(cfg, step_dir)
     layout = NeoXLayout.read(step_dir)
     if layout.tp != cfg.parallel.model_parallel_size:
         raise NeoXCheckpointError(
