@@ -1,6 +1,6 @@
-"""Layer weight sharing and soft prompts across processes: 2 processes (DDP, ZeRO-3 with the
-shared blocks sharded at the model's root, tensor parallel; a soft prompt under ZeRO-3) give
-the losses and weights of one process on the same global batch."""
+"""Layer weight sharing and soft prompts across processes: 2 processes (DDP; ZeRO-3, the blocks
+that share one owner's tensors in one FSDP unit; tensor parallel; a soft prompt under ZeRO-3)
+give the losses and weights of one process on the same global batch."""
 
 from __future__ import annotations
 

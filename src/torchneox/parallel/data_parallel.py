@@ -45,12 +45,16 @@ def apply_data_parallel(
     )
     reshard = zero_stage == 3
     skip = {model.get_parameter(n) for n in ignored or []}
-    for block in _own_units(model):
-        own = {p for p in block.parameters() if p in skip} or None
-        if gather != torch.float32:
-            _shard_fp32_mixers(block, mesh, reshard, REDUCE_DTYPES[reduce_dtype])
+    for unit in _units(model):
+        own = {p for b in unit for p in b.parameters() if p in skip} or None
+        if gather != torch.float32 and len(unit) == 1:
+            _shard_fp32_mixers(unit[0], mesh, reshard, REDUCE_DTYPES[reduce_dtype])
         fully_shard(
-            block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=own
+            unit if len(unit) > 1 else unit[0],
+            mesh=mesh,
+            reshard_after_forward=reshard,
+            mp_policy=policy,
+            ignored_params=own,
         )
     fully_shard(
         model,
@@ -62,11 +66,17 @@ def apply_data_parallel(
     return model
 
 
-def _own_units(model: Transformer) -> list[torch.nn.Module]:
-    """The blocks sharded as units of their own: each block, but none under layer weight
-    sharing (a tensor two blocks hold cannot be in two units: the shared blocks are sharded
-    with the model's root unit, gathered once for the whole forward)."""
-    return [] if model.args.layer_owners else list(model.layers.values())
+def _units(model: Transformer) -> list[list[torch.nn.Module]]:
+    """The FSDP units below the root: each block alone, or under layer weight sharing the
+    blocks that hold one owner's tensors together (a tensor cannot be in two units), so ZeRO-3
+    gathers one unique block at a time, for each layer that uses it."""
+    owners = model.args.layer_owners
+    if not owners:
+        return [[block] for block in model.layers.values()]
+    groups: dict[int, list[torch.nn.Module]] = {}
+    for name, block in model.layers.items():
+        groups.setdefault(owners[int(name)], []).append(block)
+    return list(groups.values())
 
 
 def _shard_fp32_mixers(
@@ -92,7 +102,8 @@ def shard_frozen(model: Transformer, mesh: DeviceMesh, ignored: list[str] | None
     """A model that only runs forward (DPO's and KTO's reference) sharded over ``mesh`` as a
     ZeRO run shards its policy: each block gathered for its forward, then freed again."""
     skip = {model.get_parameter(n) for n in ignored or []}
-    for block in _own_units(model):
-        own = {p for p in block.parameters() if p in skip} or None
-        fully_shard(block, mesh=mesh, reshard_after_forward=True, ignored_params=own)
+    for unit in _units(model):
+        own = {p for b in unit for p in b.parameters() if p in skip} or None
+        target = unit if len(unit) > 1 else unit[0]
+        fully_shard(target, mesh=mesh, reshard_after_forward=True, ignored_params=own)
     fully_shard(model, mesh=mesh, reshard_after_forward=True, ignored_params=skip or None)
