@@ -13,6 +13,8 @@ from torchneox.config.derived import Derived
 from torchneox.config.load import LoadedConfig
 from torchneox.config.mup import derive_mup
 from torchneox.config.schema import ModelConfig, NeoXConfig
+from torchneox.config.sharing import layer_owners
+from torchneox.config.soft_prompt import soft_prompt
 from torchneox.config.sparsity import ATTENTION_LAYER_TYPES, SPARSE_TYPES, sparsity
 from torchneox.config.validate_model import layer_attention_types
 from torchneox.config.vocab import GPT2_VOCAB, tokenizer_vocab_size
@@ -66,6 +68,31 @@ def derive_model(loaded: LoadedConfig, out: Derived) -> None:
         return
     _shapes(loaded, out)
     _counts(cfg, out, padded)
+    _sharing_and_prompt(cfg, out)
+
+
+def _sharing_and_prompt(cfg: NeoXConfig, out: Derived) -> None:
+    """What num_unique_layers and soft_prompt_tuning do to the model (the counts above hold
+    each shared tensor once, and the prompt)."""
+    m = cfg.model
+    held = layer_owners(cfg)
+    if held:
+        order = " ".join(str(sorted(set(held)).index(o) + 1) for o in held)
+        out.put(
+            "layer_sharing",
+            m.num_unique_layers,
+            f"{m.num_layers} layers hold {m.num_unique_layers} distinct blocks "
+            f"({m.param_sharing_style}: {order}); each shared tensor is one parameter",
+        )
+    spec = soft_prompt(cfg)
+    if spec is not None:
+        trained = spec.n_tokens * (m.hidden_size or 0)
+        out.put(
+            "trainable_parameters",
+            trained,
+            f"{trained:,}: soft_prompt_tuning's {spec.describe()}; the optimizer holds state "
+            "for the prompt alone",
+        )
 
 
 def _shapes(loaded: LoadedConfig, out: Derived) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from torchneox.config.fields import derived, extension, key, no_effect, unsupported
+from torchneox.config.fields import derived, extension, key, no_effect
 
 FUSED = (
     "a fused-kernel switch; torchneox needs no custom kernels (SDPA and torch.compile do this work)"
@@ -206,20 +206,20 @@ class ModelConfig:
     output_layer_parallelism: Literal["column"] = key(
         "column", "How the output head is split across tensor ranks (by vocabulary)."
     )
-    num_unique_layers: int | None = unsupported(
+    num_unique_layers: int | None = key(
         None,
-        "Share weights between layers, keeping this many distinct blocks.",
-        "layer weight sharing is not supported; remove num_unique_layers",
+        "Share weights between layers, keeping this many distinct blocks (num_layers must be a "
+        "multiple of it; docs/training.md).",
+        ge=1,
     )
-    param_sharing_style: str = no_effect(
+    param_sharing_style: Literal["grouped", "spaced"] = key(
         "grouped",
-        "Order of shared layers.",
-        "only used with num_unique_layers, which is refused",
+        "Order of shared layers: grouped (4 layers, 2 unique: 1 2 1 2) or spaced (1 1 2 2).",
     )
-    soft_prompt_tuning: dict[str, Any] | None = unsupported(
+    soft_prompt_tuning: dict[str, Any] | None = key(
         None,
-        "Train only a soft prompt, freezing the model.",
-        "soft prompt tuning is not supported; remove soft_prompt_tuning",
+        "Train only a soft prompt of n_tokens vectors before the text, freezing the model "
+        "(enabled, n_tokens, init_string, init_range; docs/training.md).",
     )
     gmlp_attn_dim: int = key(
         64,

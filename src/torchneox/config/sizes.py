@@ -11,6 +11,8 @@ from functools import lru_cache
 
 from torchneox.config.schema import ModelConfig, MoEConfig, NeoXConfig
 from torchneox.config.schema_model import GATED_ACTIVATIONS
+from torchneox.config.sharing import layer_owners
+from torchneox.config.soft_prompt import soft_prompt
 from torchneox.config.sparsity import SPARSE_TYPES, Sparsity, build_layout, causal_density, sparsity
 from torchneox.config.validate_model import layer_attention_types
 
@@ -290,13 +292,17 @@ def count(config: NeoXConfig, vocab: int) -> ModelCounts:
     head = h if reward_model else vocab * h
     own_head = m.no_weight_tying or reward_model
     total = embedding + norm_params(m) + (head if own_head else 0)
+    prompt = soft_prompt(config)  # soft_prompt_tuning's vectors
+    total += prompt.n_tokens * h if prompt is not None else 0
     active = total
     forward = 2 * head
     moe_layers = 0
+    owners = layer_owners(config)  # a layer sharing another's weights adds none of its own
     for layer, kind in enumerate(layer_attention_types(config)):
         counts = LAYER_COUNTS[kind](config, layer)
-        total += counts.params
-        active += counts.active
+        if not owners or owners[layer] == layer:
+            total += counts.params
+            active += counts.active
         forward += counts.forward_flops
         moe_layers += counts.moe
     return ModelCounts(

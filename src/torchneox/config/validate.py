@@ -19,6 +19,9 @@ from torchneox.config.eight_bit import check_eight_bit
 from torchneox.config.epochs import check_train_epochs
 from torchneox.config.offload import OFFLOAD_KEYS, offload_problem
 from torchneox.config.schema import NeoXConfig
+from torchneox.config.sharing import check_sharing
+from torchneox.config.soft_prompt import check_soft_prompt
+from torchneox.config.sparsity import ATTENTION_LAYER_TYPES
 from torchneox.config.validate_model import (
     ATTENTION_TYPES_OK,
     ATTENTION_TYPES_REFUSED,
@@ -26,6 +29,7 @@ from torchneox.config.validate_model import (
     _check_model,
     _check_moe,
     _check_rope_scaling,
+    layer_attention_types,
 )
 from torchneox.config.validate_muon import MUON_PARAMS, muon_param
 from torchneox.config.validate_rl import check_reinforce
@@ -137,9 +141,21 @@ def validate(config: NeoXConfig, origin: dict[str, str]) -> None:
     check_train_epochs(check)
     check_curriculum(check)
     check_deepspeed_dicts(check)
+    _check_sharing(check)
+    check_soft_prompt(check)
     _check_textgen(check)
     _check_post_training(check)
     check_reinforce(check)
+
+
+def _check_sharing(ch: Checker) -> None:
+    kinds = layer_attention_types(ch.c, ch.origin)
+    e = ch.c.moe
+    moe = [
+        e.moe_num_experts > 1 and i % e.moe_expert_interval == 0 and k in ATTENTION_LAYER_TYPES
+        for i, k in enumerate(kinds)
+    ]
+    check_sharing(ch, kinds, moe)
 
 
 def _check_refused(ch: Checker) -> None:

@@ -191,7 +191,7 @@ def _trace_on(
         hooks = torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t)
         with hooks, rec.kept_ops(), autocast(precision, device):
             logits = model(tokens[:, :-1], context=context)
-            lm_loss(logits, tokens[:, 1:], None, blocked=False)
+            lm_loss(logits, tokens[:, 1 : logits.shape[1] + 1], None, blocked=False)  # (a prompt)
     return rec.total("replicated"), rec.total("split"), rec.kept, rec.total("experts")
 
 

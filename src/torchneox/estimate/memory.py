@@ -17,7 +17,7 @@ from torchneox.config.validate_model import layer_attention_types
 from torchneox.estimate.activations import Trace
 from torchneox.estimate.host import offload_parts
 from torchneox.estimate.parameters import PARAM_BYTES, expert_sharded, local_dims, local_numel
-from torchneox.models.transformer import is_drawn
+from torchneox.models.transformer import SOFT_PROMPT, is_drawn
 
 GIB = 2**30
 CUDA_RESERVE = 1.5 * GIB  # CUDA context, cuBLAS/NCCL workspaces
@@ -99,6 +99,13 @@ def memory_per_rank(
     return worst
 
 
+def trained(params: list[tuple[str, tuple]]) -> list[tuple[str, tuple]]:
+    """The parameters with gradients and optimizer state: all of them, or under
+    soft_prompt_tuning the prompt alone (everything else is frozen)."""
+    prompt = [(n, s) for n, s in params if n == SOFT_PROMPT]
+    return prompt or params
+
+
 def state_bytes(
     params: list[tuple[str, tuple]],
     layout: Layout,
@@ -117,11 +124,14 @@ def state_bytes(
     tp, ep = layout.tp, layout.ep
     local = sum(local_numel(s, n, tp, 1, ep) for n, s in params)
     shard = sum(local_numel(s, n, tp, fsdp, ep) for n, s in params)
-    hidden = sum(local_numel(s, n, tp, fsdp, ep) for n, s in params if muon_matrix(n, s))
+    train = trained(params)
+    trained_shard = sum(local_numel(s, n, tp, fsdp, ep) for n, s in train)
+    hidden = sum(local_numel(s, n, tp, fsdp, ep) for n, s in train if muon_matrix(n, s))
     opt_hidden = opt_per_param if opt_hidden is None else opt_hidden
-    indices = sum(sum(local_dims(s, n, tp, fsdp, ep)) or 1 for n, s in params)
+    indices = sum(sum(local_dims(s, n, tp, fsdp, ep)) or 1 for n, s in train)
     # what ZeRO/DDP gather or bucket: all but the expert-parallel experts
     gathered = sum(local_numel(s, n, tp, 1) for n, s in params if not expert_sharded(n, ep))
+    buckets = sum(local_numel(s, n, tp, 1) for n, s in train if not expert_sharded(n, ep))
     layers = sorted({int(n.split(".")[1]) for n, _ in params if n.startswith("layers.")})
     per_block = max(
         (
@@ -136,13 +146,13 @@ def state_bytes(
     )
     resident = {
         "parameter_shard": shard * PARAM_BYTES,
-        "gradient_shard": shard * PARAM_BYTES,
-        "optimizer": (shard - hidden) * opt_per_param + hidden * opt_hidden + indices * per_dim,
+        "gradient_shard": trained_shard * PARAM_BYTES,
+        "optimizer": (trained_shard - hidden) * opt_per_param
+        + hidden * opt_hidden
+        + indices * per_dim,
     }
     if per_tensor is not None:
-        resident["optimizer"] = per_tensor(
-            [(n, local_numel(s, n, tp, fsdp, ep)) for n, s in params]
-        )
+        resident["optimizer"] = per_tensor([(n, local_numel(s, n, tp, fsdp, ep)) for n, s in train])
     parts = {
         "parameters": resident["parameter_shard"],
         "gradients": resident["gradient_shard"],
@@ -155,9 +165,9 @@ def state_bytes(
     elif gathers:
         temporary += 2 * per_block * PARAM_BYTES  # ZeRO-3: the block in use and the next
     if gathers and layout.gas > 1:
-        parts["gradients"] += gathered * PARAM_BYTES  # unsharded until the last micro-batch
+        parts["gradients"] += buckets * PARAM_BYTES  # unsharded until the last micro-batch
     if fsdp == 1 and layout.dp * layout.cp > 1:
-        parts["gradients"] += gathered * PARAM_BYTES  # DDP's gradient buckets
+        parts["gradients"] += buckets * PARAM_BYTES  # DDP's gradient buckets
     if tp > 1 and fsdp == 1:
         # the vocabulary-parallel embedding's gradient arrives whole on every tensor rank
         embed = [math.prod(s) for n, s in params if n == "embed.weight"]

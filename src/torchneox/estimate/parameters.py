@@ -46,8 +46,8 @@ def meta_model(loaded: LoadedConfig, vocab: int, layers: int | None = None, **ch
     from torchneox.models.transformer import Transformer
 
     args = ModelArgs.from_config(loaded.config, vocab)
-    if layers is not None:
-        changes["num_layers"] = layers
+    if layers is not None:  # (a model of other depth: no layer weight sharing)
+        changes |= {"num_layers": layers, "layer_owners": ()}
     args = dataclasses.replace(args, **changes)
     with torch.device("meta"):
         return args, Transformer(args)

@@ -156,7 +156,9 @@ def _decode(
         raise ValueError("every prompt needs at least one token")
     device = core.embed.weight.device
     longest = max(len(p) for p in prompts)
-    limit = core.args.max_positions
+    limit, prompt = core.args.max_positions, core.args.soft_prompt_tokens
+    if prompt:  # a soft prompt's model: prompt and text within seq_length, as in training
+        limit = min(limit, core.args.seq_length) - prompt
     if longest >= limit:
         raise ConfigError(
             f"a prompt of {longest} tokens leaves no room in the model's {limit} positions; "
@@ -167,7 +169,7 @@ def _decode(
     steps = min(s.maximum_tokens, limit - longest)
     tokens, positions, valid, padded = _left_padded(prompts, longest + steps, pad_id, device)
     mask = valid if padded else None
-    if static and s.use_cache and static_decoding(s.decode_loop, device):
+    if static and s.use_cache and static_decoding(s.decode_loop, device) and not prompt:
         return _static_loop(core, tokens, positions, mask, longest, s, pad_id, generator).tolist()
     return _dynamic_loop(
         call, core, tokens, positions, mask, longest, s, pad_id, generator, tp, lockstep
@@ -194,7 +196,8 @@ def _dynamic_loop(
     device = tokens.device
     cache = None
     if s.use_cache:
-        cache = KVCache(core.args, b, width, _cache_dtype(core, device), device, tp)
+        room = width + core.args.soft_prompt_tokens  # a soft prompt is cached before the text
+        cache = KVCache(core.args, b, room, _cache_dtype(core, device), device, tp)
     done = torch.zeros(b, dtype=torch.bool, device=device)
     stop = torch.tensor(sorted(s.stop_ids), dtype=torch.long, device=device)
     end, begin, forwards = longest, 0, 0

@@ -64,7 +64,9 @@ def neox_config(step_dir: Path, config_files: list[str], overrides: list[str]) -
             "no configs/ folder in the checkpoint; name the run's configs with --config",
             source=str(step_dir),
         )
-    return load_config(files, overrides)
+    loaded = load_config(files, overrides)
+    _refuse_sharing(loaded.config, step_dir)
+    return loaded
 
 
 def convert(
@@ -127,6 +129,17 @@ def convert(
     with new_output_dir(out, force, "convert from-gpt-neox", inputs=inputs) as tmp:
         step = checkpoint_format.save_checkpoint(tmp, meta["iteration"], state, yaml_text, meta)
     return out / step.name
+
+
+def _refuse_sharing(cfg: Any, step_dir: Path) -> None:
+    """A config asking for layer weight sharing: GPT-NeoX's layers are distinct."""
+    m = cfg.model
+    if m.num_unique_layers is not None and m.num_unique_layers < (m.num_layers or 0):
+        raise NeoXCheckpointError(
+            f"GPT-NeoX shares no weights (it only checks num_unique_layers): its "
+            f"{m.num_layers} layers are distinct; convert with --set num_unique_layers=null",
+            source=str(step_dir),
+        )
 
 
 def _check_gmlp(cfg: Any, layout: NeoXLayout, with_optimizer: bool) -> None:

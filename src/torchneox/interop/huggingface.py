@@ -18,6 +18,7 @@ from torchneox.config.report import render_yaml
 from torchneox.models import hf
 from torchneox.models.args import ModelArgs, model_args
 from torchneox.models.hf_weights import GPT_NEOX, WeightImporter, hf_tensors
+from torchneox.models.sharing import per_layer_state
 from torchneox.models.transformer import Transformer
 from torchneox.train import checkpoint_format, weights
 from torchneox.train.hf_files import (
@@ -208,10 +209,20 @@ def to_hf(
     refuse_non_empty(out, force, "convert to-hf", inputs=inputs)  # before reading the weights
     args = model_args(loaded)
     arch = hf.export_architecture(args)
+    if args.soft_prompt_tokens:
+        raise ConfigError(
+            "the checkpoint holds a soft prompt (soft_prompt_tuning), which Hugging Face "
+            "formats have no place for; generate with the checkpoint itself (torchneox "
+            "generate --checkpoint), or export the model it tuned",
+            source=str(step_dir),
+            key="soft_prompt_tuning",
+        )
     _, model = weights.load_model(step_dir, stored_dtype=True)  # one copy, as stored
     with new_output_dir(out, force, "convert to-hf", inputs=inputs) as tmp:
-        tensors = hf_tensors(hf.causal_family(arch), model.state_dict(), args)
-        total = sum(p.numel() for p in model.state_dict().values()) * DTYPES[dtype].itemsize
+        # layer weight sharing: each layer written whole (Hugging Face formats share nothing)
+        state = per_layer_state(model)
+        tensors = hf_tensors(hf.causal_family(arch), state, args)
+        total = sum(p.numel() for p in state.values()) * DTYPES[dtype].itemsize
         meter = Progress("wrote", total, progress)
         write_shards(tensors, tmp, DTYPES[dtype], max_shard_bytes, meter, str(step_dir))
         write_companions(loaded, tmp, arch, args, DTYPES[dtype])

@@ -10,6 +10,7 @@ from torchneox.base.errors import ConfigError
 from torchneox.config.derive import derive
 from torchneox.config.load import LoadedConfig
 from torchneox.config.schema import NeoXConfig
+from torchneox.config.sharing import layer_owners
 from torchneox.config.sizes import (
     head_dim,
     kv_heads,
@@ -18,6 +19,7 @@ from torchneox.config.sizes import (
     rotary_dims,
     rwkv_widths,
 )
+from torchneox.config.soft_prompt import soft_prompt
 from torchneox.config.sparsity import ATTENTION_LAYER_TYPES, SPARSE_TYPES, Sparsity, sparsity
 from torchneox.config.validate_model import layer_attention_types
 
@@ -132,6 +134,14 @@ class ModelArgs:
         if self.mup is None:
             return None
         return 1.0 / (self.head_dim * self.mup.attn_temp)
+
+    layer_owners: tuple[int, ...] = ()
+    """Layer weight sharing: per layer, the layer whose parameters it holds (itself for an
+    owner); empty: nothing shared (config/sharing.py)."""
+    soft_prompt_tokens: int = 0
+    """soft_prompt_tuning: the trained vectors before the text (0: none)."""
+    soft_prompt_range: float = 0.5
+    """soft_prompt_tuning's init_range: the prompt drawn uniform in [-range, range]."""
 
     def layer_type(self, layer: int) -> str:
         return self.layer_types[layer] if self.layer_types else "global"
@@ -259,11 +269,19 @@ def _require_sizes(cfg: NeoXConfig) -> None:
         raise ConfigError(f"the model needs {', '.join(missing)}", key=missing[0])
 
 
+def _soft_prompt(cfg: NeoXConfig) -> dict:
+    spec = soft_prompt(cfg)
+    if spec is None:
+        return {}
+    return {"soft_prompt_tokens": spec.n_tokens, "soft_prompt_range": spec.init_range}
+
+
 def _layer_families(cfg: NeoXConfig) -> dict:
     """The layer types and what their families read (ModelArgs' fields by name)."""
     m = cfg.model
     types = tuple(layer_attention_types(cfg))
     out = {"layer_types": types, "seq_length": cfg.model.seq_length}
+    out |= {"layer_owners": layer_owners(cfg), **_soft_prompt(cfg)}  # sharing; soft prompt
     if "rwkv" in types:
         widths = rwkv_widths(cfg.model)
         out |= {"rwkv_dim_att": widths.dim_att, "rwkv_ffn_dim": widths.ffn_dim}

@@ -9,6 +9,8 @@ Parallelism is applied from outside. Parameter names are stable:
     layers.{i}.attention.{qk_norm,q_norm,k_norm}.* (use_qk_layernorm, by qk_norm_scope)
     layers.{i}.mlp_norm.*             layers.{i}.mlp.{up,gate,down}.{weight,bias}
     final_norm.*                      output.weight (untied head), value_head.weight (rm)
+    soft_prompt.weight (soft_prompt_tuning; under num_unique_layers a layer that shares
+    another's weights holds that layer's parameters, named once, by the first layer)
     layers.{i}.mamba_norm.*           layers.{i}.mamba.{in_proj,conv1d,x_proj,dt_proj,out_proj,A_log,D}
 
 Build it on the meta device, move it with ``to_empty`` and call ``init_weights()``.
@@ -24,9 +26,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from torchneox.models import sharing
 from torchneox.models.args import ModelArgs
 from torchneox.models.block import Block, special_init
-from torchneox.models.init import init_function
+from torchneox.models.init import InitFn, init_function
 from torchneox.models.linear import Linear, linear
 from torchneox.models.mixers.attention import (
     AttentionBias,
@@ -80,6 +83,17 @@ def local_part(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...] | N
     return param.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
 
 
+def _soft_prompt_init(args: ModelArgs) -> InitFn:
+    """The soft prompt uniform in [-init_range, init_range] (init_string's embeddings replace
+    it where the run gives one: train/soft_prompt.py)."""
+    r = args.soft_prompt_range
+
+    def init(tensor: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        return tensor.uniform_(-r, r, generator=generator)
+
+    return init
+
+
 def init_parameter(
     args: ModelArgs, name: str, param: torch.Tensor, seed: int, draw_on: torch.device | None = None
 ) -> None:
@@ -92,7 +106,7 @@ def init_parameter(
     without offload)."""
     module, _, leaf = name.rpartition(".")
     local, where = local_part(param)
-    init = special_init(args, name)
+    init = _soft_prompt_init(args) if name == SOFT_PROMPT else special_init(args, name)
     if name == "rpe.weight":  # GPT-NeoX's ParallelRelativePositionBias: xavier normal
         init = init_function("xavier_normal", args.init_std, args.num_layers, args.hidden_size)
     if init is None and not is_drawn(name):
@@ -122,6 +136,17 @@ def init_parameter(
         local.mul_(factor)
 
 
+SOFT_PROMPT = "soft_prompt.weight"
+
+
+class SoftPrompt(nn.Module):
+    """soft_prompt_tuning's ``n_tokens`` vectors, put before the text's embeddings."""
+
+    def __init__(self, n_tokens: int, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_tokens, hidden_size))
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -140,6 +165,10 @@ class Transformer(nn.Module):
         self.rpe = nn.Embedding(args.rpe_buckets, args.num_heads) if args.pos_emb == "rpe" else None
         self.tp_heads: tuple[int, int] | None = None
         """The heads this tensor rank holds (ALiBi's slopes are cut to them)."""
+        # soft_prompt_tuning: the trained vectors before the text (soft_prompt.weight)
+        self.soft_prompt = (
+            SoftPrompt(args.soft_prompt_tokens, h) if args.soft_prompt_tokens else None
+        )
         # a ModuleDict keyed by layer index keeps names stable when pipeline stages drop layers
         self.layers = nn.ModuleDict({str(i): Block(args, i) for i in range(args.num_layers)})
         self.final_norm = build_norm(args.norm, h, args.norm_eps, args.norm_bias)
@@ -157,6 +186,25 @@ class Transformer(nn.Module):
         for module in self.modules():  # the CPU kernel of the fp32 products (cpu_matmul)
             if isinstance(module, Linear):
                 module.cpu_matmul = args.cpu_matmul
+        sharing.install(self)  # num_unique_layers: the sharers hold their owner's parameters
+        self.freeze_for_prompt()
+
+    def freeze_for_prompt(self) -> None:
+        """soft_prompt_tuning: every parameter but the prompt frozen (no gradient, no optimizer
+        state); nothing changes without a soft prompt."""
+        if self.soft_prompt is None:
+            return
+        for param in self.parameters():
+            param.requires_grad_(False)
+        self.soft_prompt.weight.requires_grad_(True)
+
+    def _apply(self, fn, recurse=True):
+        """As nn.Module's, then the shared layers tied again (a move gives each module its
+        own tensor)."""
+        out = super()._apply(fn, recurse)
+        if self.args.layer_owners:
+            sharing.tie_layers(self)
+        return out
 
     # ------------------------------------------------------------------ buffers and init
 
@@ -323,8 +371,14 @@ class Transformer(nn.Module):
         static = cache if isinstance(cache, StaticKVCache) else None
         if static is not None and positions_BT is None:
             positions_BT = static.queries(t)
+        prompted = self.soft_prompt is not None and self.embed is not None
         if self.embed is None:  # a later pipeline stage: the input is hidden states
             x = tokens_BT
+        elif prompted:
+            x, positions_BT, key_valid_BS = self._prompted(
+                tokens_BT, positions_BT, key_valid_BS, start
+            )
+            t, prompted = x.shape[1], start == 0
         else:
             x = self._embed(tokens_BT, positions_BT, start, t)
         rope = self._rope(positions_BT, start, t, length)
@@ -340,8 +394,43 @@ class Transformer(nn.Module):
             static.advance(t)
         elif cache is not None:
             cache.length += t
+        if prompted:  # the prompt's own outputs are never scored or sampled
+            x = x[:, self.args.soft_prompt_tokens :]
         out = self._head(x)
         return (out, stats) if router_stats else out
+
+    def _prompted(
+        self,
+        tokens_BT: torch.Tensor,
+        positions_BT: torch.Tensor | None,
+        key_valid_BS: torch.Tensor | None,
+        start: int,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The embeddings with the soft prompt before the text (on a forward from position 0),
+        the positions of what is returned and the keys that are real. The prompt holds
+        positions 0..n-1 and the text n onwards; as GPT-NeoX, prompt and text are cut to
+        seq_length (a training sample loses its last n tokens; generation stays within it)."""
+        n = self.args.soft_prompt_tokens
+        b = tokens_BT.shape[0]
+        keep = self.args.seq_length - n
+        if start == 0 and tokens_BT.shape[1] > keep:
+            tokens_BT = tokens_BT[:, :keep]
+            positions_BT = None if positions_BT is None else positions_BT[..., :keep]
+            key_valid_BS = None if key_valid_BS is None else key_valid_BS[:, :keep]
+        text_pos = None if positions_BT is None else positions_BT + n
+        t = tokens_BT.shape[1]
+        x = self._embed(tokens_BT, text_pos, start + n if start == 0 else start, t)
+        if key_valid_BS is not None:
+            ones = torch.ones(b, n, dtype=key_valid_BS.dtype, device=key_valid_BS.device)
+            key_valid_BS = torch.cat([ones, key_valid_BS], dim=1)
+        if start != 0:  # decoding: the prompt is in the cache already
+            return x, text_pos, key_valid_BS
+        prompt = self.soft_prompt.weight.to(x.dtype)
+        x = torch.cat([prompt[None].expand(b, -1, -1), x], dim=1)
+        if text_pos is not None:
+            head = torch.arange(n, device=x.device).expand(*text_pos.shape[:-1], n)
+            text_pos = torch.cat([head, text_pos], dim=-1)
+        return x, text_pos, key_valid_BS
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         if self.final_norm is None:  # an earlier pipeline stage: hand on the hidden states

@@ -55,12 +55,12 @@ def apply_data_parallel(
     reshard = zero_stage == 3
     skip = {model.get_parameter(n) for n in ignored or []}
     where = _offload_policy(offload, mesh)
-    for block in model.layers.values():
-        own = {p for p in block.parameters() if p in skip} or None
-        if gather != torch.float32:
-            _shard_fp32_mixers(block, mesh, reshard, REDUCE_DTYPES[reduce_dtype], where)
+    for unit in _units(model):
+        own = {p for b in unit for p in b.parameters() if p in skip} or None
+        if gather != torch.float32 and len(unit) == 1:
+            _shard_fp32_mixers(unit[0], mesh, reshard, REDUCE_DTYPES[reduce_dtype], where)
         fully_shard(
-            block,
+            unit if len(unit) > 1 else unit[0],
             mesh=mesh,
             reshard_after_forward=reshard,
             mp_policy=policy,
@@ -84,6 +84,19 @@ def _offload_policy(offload: Offload | None, mesh: DeviceMesh) -> OffloadPolicy:
     if offload is None or not offload.enabled:
         return OffloadPolicy()
     return CPUOffloadPolicy(pin_memory=offload.pin_memory and mesh.device_type == "cuda")
+
+
+def _units(model: Transformer) -> list[list[torch.nn.Module]]:
+    """The FSDP units below the root: each block alone, or under layer weight sharing the
+    blocks that hold one owner's tensors together (a tensor cannot be in two units), so ZeRO-3
+    gathers one unique block at a time, for each layer that uses it."""
+    owners = model.args.layer_owners
+    if not owners:
+        return [[block] for block in model.layers.values()]
+    groups: dict[int, list[torch.nn.Module]] = {}
+    for name, block in model.layers.items():
+        groups.setdefault(owners[int(name)], []).append(block)
+    return list(groups.values())
 
 
 def _shard_fp32_mixers(
@@ -132,7 +145,8 @@ def shard_frozen(model: Transformer, mesh: DeviceMesh, ignored: list[str] | None
     """A model that only runs forward (DPO's and KTO's reference) sharded over ``mesh`` as a
     ZeRO run shards its policy: each block gathered for its forward, then freed again."""
     skip = {model.get_parameter(n) for n in ignored or []}
-    for block in model.layers.values():
-        own = {p for p in block.parameters() if p in skip} or None
-        fully_shard(block, mesh=mesh, reshard_after_forward=True, ignored_params=own)
+    for unit in _units(model):
+        own = {p for b in unit for p in b.parameters() if p in skip} or None
+        target = unit if len(unit) > 1 else unit[0]
+        fully_shard(target, mesh=mesh, reshard_after_forward=True, ignored_params=own)
     fully_shard(model, mesh=mesh, reshard_after_forward=True, ignored_params=skip or None)

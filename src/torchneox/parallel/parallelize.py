@@ -30,6 +30,7 @@ from torchneox.config.fp8_plan import FP8Plan
 from torchneox.config.layout import Layout
 from torchneox.config.offload import Offload
 from torchneox.models.args import ModelArgs
+from torchneox.models.sharing import tie_layers
 from torchneox.models.transformer import Transformer, is_drawn, local_part, plain_name
 from torchneox.parallel.activation_ckpt import apply_activation_checkpointing, compile_blocks
 from torchneox.parallel.data_parallel import apply_data_parallel, shard_frozen
@@ -97,6 +98,10 @@ def split(
         apply_fp8(model, options.fp8)
     if dims.tp > 1:
         apply_tensor_parallel(model, dims.mesh["tp"], layout.sequence_parallel)
+    # fp8 swaps and tensor parallelism give modules tensors of their own: the sharers take the
+    # owner's again, and a soft prompt's model is frozen again but for the prompt
+    tie_layers(model)
+    model.freeze_for_prompt()
     expert_params: list[str] = []
     if dims.ep > 1:
         expert_params = apply_expert_parallel(model, dims.mesh)
@@ -216,6 +221,7 @@ def _freeze(model: Transformer, dims: ParallelDims, layout: Layout) -> None:
     then sharded over the data-parallel ranks under ZeRO 1-3 (replicated under ZeRO 0)."""
     if dims.tp > 1:
         apply_tensor_parallel(model, dims.mesh["tp"], layout.sequence_parallel)
+        tie_layers(model)
     expert_params: list[str] = []
     if dims.ep > 1:
         expert_params = apply_expert_parallel(model, dims.mesh)

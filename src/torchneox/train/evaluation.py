@@ -166,7 +166,8 @@ def perplexity(
             if document_eod is not None:
                 positions, segments = documents(t[:, :-1], document_eod)
                 extra = {"positions_BT": positions, "segments_BT": segments}
-            out.append(lm_loss(model(t[:, :-1], **extra), t[:, 1:], None))
+            logits = model(t[:, :-1], **extra)  # a soft prompt's model: the text it left in
+            out.append(lm_loss(logits, t[:, 1 : logits.shape[1] + 1], None))
         return out
 
     loss = mean_loss(model, (batch(b) for b in range(batches)), losses_of).item()

@@ -18,6 +18,7 @@ metrics are micro-batch means, averaged as lm_loss is.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +74,16 @@ class Prepared:
         if self.context is not None:
             out["context"] = self.context
         return out
+
+
+def text_kept(logits: torch.Tensor, prep: Prepared) -> Prepared:
+    """The labels and loss mask of the positions a soft prompt left in (it takes the first
+    n_tokens positions of the sequence, so the last n tokens' labels are not scored)."""
+    kept = logits.shape[1]
+    if kept >= prep.labels.shape[1]:
+        return prep
+    mask = None if prep.mask is None else prep.mask[:, :kept]
+    return dataclasses.replace(prep, labels=prep.labels[:, :kept], mask=mask)
 
 
 def shifted(
@@ -140,6 +151,7 @@ class LanguageModeling:
         # context parallel: each rank's loss is its tokens' share of the micro-batch's, and its
         # gradient counts ``context_ranks`` times (the reduction averages over those ranks too)
         share, total = prep.context_ranks, prep.counted
+        prep = text_kept(logits, prep)
         if self.z_weight:
             loss, z = lm_loss_and_z(logits, prep.labels, prep.mask, total=total)
             out = Terms(loss, loss + self.z_weight * z, z_loss=z.detach())

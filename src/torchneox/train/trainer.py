@@ -21,7 +21,6 @@ from torchneox.config.derive_model import mamba_kernels
 from torchneox.config.fp8_plan import FP8Plan, fp8_plan
 from torchneox.config.layout import require
 from torchneox.config.load import LoadedConfig, with_absolute_paths
-from torchneox.config.offload import offload_spec
 from torchneox.config.report import render_yaml
 from torchneox.data.datasets import build_splits
 from torchneox.data.epochs import apply_train_epochs, cycle_epochs
@@ -29,10 +28,11 @@ from torchneox.data.loader import BatchLoader
 from torchneox.data.tokenizers import build_tokenizer
 from torchneox.models import cpu_kernels
 from torchneox.models.hf_folder import is_hf_folder, with_hf_folder
+from torchneox.models.transformer import SOFT_PROMPT
 from torchneox.parallel import flight_recorder
 from torchneox.parallel.collectives import any_rank, mean_over_dp, sum_over_dp
 from torchneox.parallel.data_parallel import offloaded_shards
-from torchneox.parallel.dims import ParallelDims, init_distributed
+from torchneox.parallel.dims import ParallelDims
 from torchneox.parallel.fp8 import check_fp8_hardware
 from torchneox.parallel.parallelize import EVERY_PARAMETER
 from torchneox.train import hardware
@@ -44,38 +44,13 @@ from torchneox.train.fits import allocation_failure, refuse_what_cannot_fit
 from torchneox.train.hf_io import check_save_hf, fresh_heads, load_hf_weights, save_hf, save_line
 from torchneox.train.lr import Schedule
 from torchneox.train.metrics import MetricsLogger, Throughput, Timers, duration
+from torchneox.train.processes import context_changes, is_lost_rank, join_processes, pick_device
 from torchneox.train.profiling import Profiler
-from torchneox.train.weights import copy_weights
+from torchneox.train.soft_prompt import start_soft_prompt
+from torchneox.train.weights import copy_weights, missing_heads
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGHUP: the terminal went away
 STEP_KEYS = ("lm_loss", "lr", "grad_norm", "skipped", "z_loss", "moe_aux_loss")
-
-
-def _device(requested: str | None) -> torch.device:
-    if requested:
-        return torch.device(requested)
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
-def _is_lost_rank(error: RuntimeError) -> bool:
-    """Whether a collective failed because a peer died or stopped answering (gloo/NCCL)."""
-    text = str(error).lower()
-    return isinstance(error, dist.DistError) or any(
-        marker in text
-        for marker in ("timed out", "timeout", "connection closed by peer", "connection reset")
-    )
-
-
-def _join_processes(cfg: Any, device: torch.device) -> int:
-    """The process group (gloo beside the GPU backend under ZeRO-Offload); the world size."""
-    return init_distributed(
-        device.type,
-        cfg.parallel.distributed_backend,
-        cfg.parallel.distributed_timeout_minutes,
-        offload_spec(cfg.optimizer.zero_optimization, cfg.optimizer.optimizer).enabled,
-    )
 
 
 class Trainer:
@@ -91,8 +66,8 @@ class Trainer:
         self.cfg = cfg = loaded.config
         if load_step is None:  # (a step asked for is resolved, or refused, by find)
             refuse_fine_tuning_nothing(loaded)  # before any process group, file or model
-        self.device = _device(device)
-        world = _join_processes(cfg, self.device)
+        self.device = pick_device(device)
+        world = join_processes(cfg, self.device)
         self.loaded = loaded = apply_train_epochs(loaded, world)  # train_epochs -> train_iters
         self.cfg = cfg = loaded.config
         self.derived = d = derive(loaded, world_size=world)
@@ -127,7 +102,7 @@ class Trainer:
             self.logger.line,
         )
         self.evaluator = self._build_evaluator()
-        resumed = self._resume(step_dir) if step_dir is not None else None
+        resumed = self._resume_or_start(step_dir)
         if self.parts.reference is not None and not (resumed and resumed.reference):
             copy_weights(self.model, self.parts.reference)  # the policy as training starts
 
@@ -300,6 +275,15 @@ class Trainer:
     def peak_tflops(self) -> float | None:
         return self.throughput.peak_tflops
 
+    def _resume_or_start(self, step_dir: Path | None) -> Resumed | None:
+        """The checkpoint's state read (None: none loaded); a soft prompt the run starts set
+        from init_string."""
+        resumed = self._resume(step_dir) if step_dir is not None else None
+        fresh = step_dir is None or is_hf_folder(step_dir) or SOFT_PROMPT in missing_heads(step_dir)
+        if start_soft_prompt(self.model, self.cfg, fresh):
+            self.logger.line("soft prompt: set from the embeddings of init_string's tokens")
+        return resumed
+
     def _resume(self, step_dir: Path) -> Resumed:
         if is_hf_folder(step_dir):
             return load_hf_weights(step_dir, self.model, self.args, self.logger.line)
@@ -367,7 +351,7 @@ class Trainer:
                 raise TrainingStopped(self._stdout_lost_message())
             return summary
         except RuntimeError as e:
-            if not _is_lost_rank(e):
+            if not is_lost_rank(e):
                 raise
             raise TrainingStopped(self._lost_rank_message(e)) from None
         finally:
@@ -583,17 +567,3 @@ class _Progress:
         if lg.wall_clock_breakdown:
             tr.logger.line("  " + tr.timers.report(self.window_steps))
         self.window_start, self.window_steps, self.window_tokens = time.perf_counter(), 0, 0
-
-
-CONTEXT_KEYS = ("seq_length", "max_position_embeddings", "rotary_emb_base", "rope_scaling")
-"""What continued pretraining at a longer context changes (the weights carry over as they are)."""
-
-
-def context_changes(saved: Any, now: Any) -> list[str]:
-    """'key old -> new' for each context key a resumed run changes."""
-    out = []
-    for key in CONTEXT_KEYS:
-        before, after = getattr(saved.model, key), getattr(now.model, key)
-        if before != after:
-            out.append(f"{key} {before if before is not None else 'unset'} -> {after}")
-    return out

@@ -16,9 +16,10 @@ from torchneox.models.args import model_args
 from torchneox.models.transformer import Transformer, plain_name
 from torchneox.train.checkpoint_format import checkpoint_config, load_state, resolve
 
-FRESH_HEADS = ("value_head.weight",)
+FRESH_HEADS = ("value_head.weight", "soft_prompt.weight")
 """Weights a model may start without: a reward model's head, from a language model's
-checkpoint (GPT-NeoX loads it non-strictly: rm_linear keeps its initialisation)."""
+checkpoint (GPT-NeoX loads it non-strictly: rm_linear keeps its initialisation), and a soft
+prompt, from a checkpoint of the model it tunes."""
 
 
 def missing_heads(step_dir: Path, prefix: str = "model") -> frozenset[str]:

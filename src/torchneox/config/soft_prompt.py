@@ -1,0 +1,100 @@
+"""``soft_prompt_tuning``: a trained prompt of ``n_tokens`` vectors before the text, read and
+checked once.
+
+As GPT-NeoX's SoftEmbedding intends: the prompt goes after the word embeddings, prepended to
+the sequence, which is then cut back to its length (the last ``n_tokens`` tokens of each
+training sample are dropped; their labels are not scored), and everything but the prompt is
+frozen. The prompt starts from ``init_string``'s token embeddings (repeated or cut to
+``n_tokens``), or uniform in [-init_range, init_range].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torchneox.base.errors import did_you_mean
+from torchneox.config.checker import Checker
+
+NAME = "soft_prompt_tuning"
+KEYS = ("enabled", "n_tokens", "init_string", "init_range")
+
+
+@dataclass(frozen=True)
+class SoftPrompt:
+    n_tokens: int = 10
+    init_string: str = ""
+    init_range: float = 0.5
+
+    def describe(self) -> str:
+        start = (
+            f"the embeddings of {self.init_string!r}"
+            if self.init_string
+            else f"uniform in [-{self.init_range:g}, {self.init_range:g}]"
+        )
+        return (
+            f"{self.n_tokens} trained vectors before the text (from {start}); every other "
+            "parameter frozen"
+        )
+
+
+def soft_prompt(cfg: Any) -> SoftPrompt | None:
+    """The soft prompt of a checked config; None when soft_prompt_tuning is off."""
+    s = cfg.model.soft_prompt_tuning
+    if not s or not s.get("enabled", False):
+        return None
+    return SoftPrompt(
+        int(s.get("n_tokens", 10)), str(s.get("init_string", "")), float(s.get("init_range", 0.5))
+    )
+
+
+def check_soft_prompt(ch: Checker) -> None:
+    """Each mistake in the dict, and the layouts the prompt is not built for, in one line."""
+    c = ch.c
+    s = c.model.soft_prompt_tuning
+    if s is None:
+        return
+    if not isinstance(s, dict):
+        ch.fail(NAME, f"must be a mapping (enabled, n_tokens, ...), got {s!r}")
+    for name in s:
+        if name not in KEYS:
+            hint = did_you_mean(str(name), KEYS)
+            ch.fail(NAME, f"unknown key {name}{hint}", path=str(name))
+    if not isinstance(s.get("enabled", False), bool):
+        ch.fail(NAME, f"enabled must be true or false, got {s['enabled']!r}", path="enabled")
+    n = s.get("n_tokens", 10)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        ch.fail(NAME, f"n_tokens must be an integer >= 1, got {n!r}", path="n_tokens")
+    if not isinstance(s.get("init_string", ""), str):
+        ch.fail(NAME, "init_string must be a string", path="init_string")
+    r = s.get("init_range", 0.5)
+    if isinstance(r, bool) or not isinstance(r, int | float) or not r > 0:
+        ch.fail(NAME, f"init_range must be a number > 0, got {r!r}", path="init_range")
+    if not s.get("enabled", False):
+        return
+    seq = c.model.seq_length
+    if seq is not None and n >= seq:
+        ch.fail(NAME, f"n_tokens {n} leaves no text in seq_length {seq}; make it smaller")
+    _check_layout(ch)
+
+
+def _check_layout(ch: Checker) -> None:
+    c = ch.c
+    if c.training.train_impl != "normal":
+        ch.fail(NAME, f"is for language modelling (train_impl normal), not {c.training.train_impl}")
+    if c.parallel.pipe_parallel_size >= 2:
+        ch.fail(NAME, "is not built for pipeline parallelism; set pipe_parallel_size 1")
+    if c.parallel.context_parallel_size > 1:
+        ch.fail(NAME, "is not built for context parallelism; set context_parallel_size 1")
+    if c.parallel.sequence_parallel and c.parallel.model_parallel_size > 1:
+        ch.fail(
+            NAME,
+            "is not built with sequence_parallel (each tensor rank would hold part of the "
+            "text before the prompt is put in front); set sequence_parallel false",
+        )
+    if c.model.inter_document_attention_masking:
+        ch.fail(
+            NAME,
+            "is not built with inter_document_attention_masking (the prompt would belong to the "
+            "first document only); set it false",
+        )

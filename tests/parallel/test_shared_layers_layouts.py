@@ -1,0 +1,58 @@
+"""Layer weight sharing and soft prompts across processes: 2 processes (DDP; ZeRO-3, the blocks
+that share one owner's tensors in one FSDP unit; tensor parallel; a soft prompt under ZeRO-3)
+give the losses and weights of one process on the same global batch."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import DP_KEYS, assert_same_training, losses, one_process, train
+
+SHARED = {"num_layers": 4, "num_unique_layers": 2, "no_weight_tying": True}
+
+
+@pytest.fixture(scope="module")
+def config(make_module_config):
+    return make_module_config(
+        "shared.yml", train_micro_batch_size_per_gpu=2, train_iters=3, **DP_KEYS, **SHARED
+    )
+
+
+@pytest.fixture(scope="module")
+def baseline(config, tmp_path_factory):
+    return one_process(config, tmp_path_factory)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["zero_optimization.stage=0"],
+        ["zero_optimization.stage=3"],
+        ["model_parallel_size=2", "train_micro_batch_size_per_gpu=4"],
+    ],
+    ids=["ddp", "zero3", "tp2"],
+)
+def test_two_processes_equal_one(config, tmp_path, baseline, layout):
+    out = tmp_path / "run"
+    train(config, f"save={out}", "load=null", *layout, nproc=2)
+    assert sorted(losses(out)) == [1, 2, 3]
+    assert_same_training(out, baseline)
+
+
+@pytest.fixture(scope="module")
+def prompt_config(make_module_config):
+    spec = {"enabled": True, "n_tokens": 4, "init_string": "the"}
+    return make_module_config(
+        "prompt.yml",
+        train_micro_batch_size_per_gpu=2,
+        train_iters=3,
+        soft_prompt_tuning=spec,
+        **DP_KEYS,
+    )
+
+
+def test_soft_prompt_under_zero3_equals_one_process(prompt_config, tmp_path, tmp_path_factory):
+    baseline = one_process(prompt_config, tmp_path_factory)
+    out = tmp_path / "run"
+    train(prompt_config, f"save={out}", "load=null", "zero_optimization.stage=3", nproc=2)
+    assert_same_training(out, baseline)
