@@ -132,18 +132,7 @@ def state_bytes(
     # what ZeRO/DDP gather or bucket: all but the expert-parallel experts
     gathered = sum(local_numel(s, n, tp, 1) for n, s in params if not expert_sharded(n, ep))
     buckets = sum(local_numel(s, n, tp, 1) for n, s in train if not expert_sharded(n, ep))
-    layers = sorted({int(n.split(".")[1]) for n, _ in params if n.startswith("layers.")})
-    per_block = max(
-        (
-            sum(
-                local_numel(s, n, tp, 1)
-                for n, s in params
-                if n.startswith(f"layers.{i}.") and not expert_sharded(n, ep)
-            )
-            for i in layers
-        ),
-        default=0,
-    )
+    per_block = _largest_block(params, tp, ep)
     resident = {
         "parameter_shard": shard * PARAM_BYTES,
         "gradient_shard": trained_shard * PARAM_BYTES,
@@ -173,6 +162,22 @@ def state_bytes(
         embed = [math.prod(s) for n, s in params if n == "embed.weight"]
         temporary += sum(e - local_numel((e,), "embed.weight", tp, 1) for e in embed) * PARAM_BYTES
     return {"parts": parts, "resident": resident, "local": local, "temporary": temporary}
+
+
+def _largest_block(params: list[tuple[str, tuple]], tp: int, ep: int) -> int:
+    """The elements of the largest block ZeRO-3 gathers (its expert-parallel experts aside)."""
+    layers = sorted({int(n.split(".")[1]) for n, _ in params if n.startswith("layers.")})
+    return max(
+        (
+            sum(
+                local_numel(s, n, tp, 1)
+                for n, s in params
+                if n.startswith(f"layers.{i}.") and not expert_sharded(n, ep)
+            )
+            for i in layers
+        ),
+        default=0,
+    )
 
 
 def build_bytes(params: list[tuple[str, tuple]], layout: Layout, reference: bool) -> int:
