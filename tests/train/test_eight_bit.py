@@ -189,11 +189,11 @@ def test_estimated_state_bytes_by_hand():
     # two maps bitsandbytes keeps once (2 x 256 x 4)
     bnb = 2 * 6400 + 2 * 25 * 4 + 8 * 4096 + 8 * 64 + 2048
     count = eight_bit.eight_bit_optimizer_bytes
-    got = state_bytes(params, lay, 1, 8, 0, lambda t: count("bitsandbytes", t))
+    got = state_bytes(params, lay, 1, 8, 0, per_tensor=lambda t: count("bitsandbytes", t))
     assert got["resident"]["optimizer"] == bnb
     # torchao: the same here (6,400 is a multiple of 256; its two maps are per quantised
     # tensor, and there is one)
-    ao = state_bytes(params, lay, 1, 8, 0, lambda t: count("torchao", t))
+    ao = state_bytes(params, lay, 1, 8, 0, per_tensor=lambda t: count("torchao", t))
     assert ao["resident"]["optimizer"] == bnb
     odd = [("w", 4097)]  # not whole blocks: torchao keeps fp32, bitsandbytes 17 blocks
     assert count("torchao", odd) == 8 * 4097
