@@ -31,7 +31,10 @@ class DataConfig:
         1.0, "Exponent on document-count weights; below 1 favours small datasets.", gt=0
     )
     data_impl: Literal["infer", "mmap", "cached"] = key(
-        "infer", "Dataset format; mmap (MMIDIDX) is read, infer means mmap, cached is refused."
+        "infer",
+        "Dataset format: mmap (MMIDIDX) or cached (Megatron's older TNTIDX index, which "
+        "GPT-NeoX's training cannot read at ea7aefd); torchneox reads whichever format the .idx "
+        "holds, as infer does.",
     )
     pack_impl: Literal["packed", "pack_until_overflow", "unpacked"] = key(
         "packed",

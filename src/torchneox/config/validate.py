@@ -170,11 +170,6 @@ def _check_refused(ch: Checker) -> None:
                 f"'{kind}' attention ({ATTENTION_TYPES_REFUSED[kind]}) is not supported; "
                 f"use one of {', '.join(ATTENTION_TYPES_OK)}",
             )
-    d = c.data
-    if d.data_impl == "cached":
-        ch.fail(
-            "data_impl", "'cached' datasets (Megatron's old format) are not supported; use mmap"
-        )
     _optimizer_type(ch)
 
 

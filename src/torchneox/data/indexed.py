@@ -12,6 +12,16 @@ The index, little-endian:
     i64[D]   document boundaries as sequence indices, starting at 0
 
 Preprocessing writes one sequence per document, so sequences and documents coincide.
+
+Megatron's older TNTIDX index (GPT-NeoX's ``data_impl: cached``, which its own training no
+longer reads at ea7aefd: its reader has no ``get``) is read too, into the same three arrays:
+
+    8 bytes  magic  b"TNTIDX\x00\x00"
+    u64      version (1)
+    u64 u64  dtype code, bytes per element
+    u64 u64  number of items N, number of size entries S (N for token sequences)
+    u64      number of document boundaries D
+    i64[N+1] dim offsets, i64[N+1] element offsets in the .bin, i64[S] sizes, i64[D] documents
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from torchneox.base.errors import DataError
 from torchneox.config.paths import remove_stale_partials
 
 MAGIC = b"MMIDIDX\x00\x00"
+OLD_MAGIC = b"TNTIDX\x00\x00"
 VERSION = 1
 DTYPES: dict[int, type] = {
     1: np.uint8,
@@ -83,9 +94,14 @@ class IndexedDataset:
 
     def _read_index(self, idx_path: Path) -> None:
         raw = np.memmap(idx_path, dtype=np.uint8, mode="r")
+        if bytes(raw[:8]) == OLD_MAGIC:
+            self._read_old_index(idx_path, raw)
+            return
         header = struct.calcsize("<9sQBQQ")
         if len(raw) < header or bytes(raw[:9]) != MAGIC:
-            raise DataError(f"{idx_path}: not a GPT-NeoX MMIDIDX index (wrong magic)")
+            raise DataError(
+                f"{idx_path}: not a GPT-NeoX index (wrong magic: neither MMIDIDX nor TNTIDX)"
+            )
         _, version, code, count, doc_count = struct.unpack("<9sQBQQ", bytes(raw[:header]))
         if version != VERSION:
             raise DataError(f"{idx_path}: index version {version}, only version {VERSION} is known")
@@ -100,6 +116,33 @@ class IndexedDataset:
         self.doc_idx = np.frombuffer(
             raw, dtype=np.int64, count=doc_count, offset=header + 12 * count
         )
+
+    def _read_old_index(self, idx_path: Path, raw: np.ndarray) -> None:
+        """Megatron's TNTIDX index (data_impl cached): its element offsets become byte
+        offsets, its int64 sizes the sequence lengths."""
+        header = struct.calcsize("<8sQQQQQQ")
+        if len(raw) < header:
+            raise DataError(f"{idx_path}: {len(raw)} bytes, shorter than a TNTIDX header")
+        _, version, code, element, count, size_count, doc_count = struct.unpack(
+            "<8sQQQQQQ", bytes(raw[:header])
+        )
+        if version != VERSION or code not in DTYPES:
+            raise DataError(f"{idx_path}: TNTIDX version {version}, dtype code {code}: unknown")
+        self.dtype = np.dtype(DTYPES[code])
+        if element != self.dtype.itemsize:
+            raise DataError(f"{idx_path}: {element} bytes per element for {self.dtype}")
+        need = header + 8 * (2 * (count + 1) + size_count + doc_count)
+        if len(raw) < need:
+            raise DataError(f"{idx_path}: {len(raw)} bytes, its header promises {need}; truncated")
+        longs = np.frombuffer(raw, dtype=np.int64, count=(need - header) // 8, offset=header)
+        dims, offsets = longs[: count + 1], longs[count + 1 : 2 * count + 2]
+        if size_count != count or not np.array_equal(dims, np.arange(count + 1)):
+            raise DataError(
+                f"{idx_path}: items of more than one dimension; token datasets have one"
+            )
+        self.sizes = longs[2 * count + 2 : 2 * count + 2 + count].astype(np.int32)
+        self.pointers = offsets[:-1] * element
+        self.doc_idx = longs[2 * count + 2 + count :]
 
     def __len__(self) -> int:
         return len(self.sizes)
