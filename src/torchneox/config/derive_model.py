@@ -11,6 +11,8 @@ from torchneox.base.errors import ConfigError
 from torchneox.config import sizes
 from torchneox.config.derived import Derived
 from torchneox.config.load import LoadedConfig
+from torchneox.config.lora import adapter_parameters, lora_spec
+from torchneox.config.lora import describe as describe_lora
 from torchneox.config.schema import ModelConfig, NeoXConfig
 from torchneox.config.sparsity import ATTENTION_LAYER_TYPES, SPARSE_TYPES, sparsity
 from torchneox.config.validate_model import layer_attention_types
@@ -64,6 +66,9 @@ def derive_model(loaded: LoadedConfig, out: Derived) -> None:
         return
     _shapes(loaded, out)
     _counts(cfg, out, padded)
+    if (spec := lora_spec(cfg)) is not None:
+        count = adapter_parameters(cfg, spec)
+        out.put("lora_trainable_parameters", count, describe_lora(cfg, spec))
 
 
 def _shapes(loaded: LoadedConfig, out: Derived) -> None:

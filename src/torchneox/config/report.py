@@ -62,6 +62,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "mamba",
         "num_parameters",
         "num_active_parameters",
+        "lora_trainable_parameters",
         "flops_per_token",
     ),
     "Data": ("data",),

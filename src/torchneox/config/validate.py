@@ -16,6 +16,7 @@ from torchneox.config.checker import Checker
 from torchneox.config.curriculum import check_curriculum
 from torchneox.config.deepspeed_dicts import check_deepspeed_dicts
 from torchneox.config.epochs import check_train_epochs
+from torchneox.config.lora import check_lora
 from torchneox.config.schema import NeoXConfig
 from torchneox.config.validate_model import (
     ATTENTION_TYPES_OK,
@@ -119,6 +120,7 @@ def validate(config: NeoXConfig, origin: dict[str, str]) -> None:
     _check_data(check)
     check_train_epochs(check)
     check_curriculum(check)
+    check_lora(check)
     check_deepspeed_dicts(check)
     _check_textgen(check)
     _check_post_training(check)
