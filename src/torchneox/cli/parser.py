@@ -157,6 +157,12 @@ def _convert_verbs(verbs: argparse._SubParsersAction) -> None:
         help="the exported weights' dtype (default fp32: the checkpoint's master weights)",
     )
     to_hf.add_argument(
+        "--adapter",
+        action="store_true",
+        help="write the checkpoint's LoRA adapters as a PEFT adapter folder (adapter_config.json, "
+        "adapter_model.safetensors) instead of the model with them merged into its weights",
+    )
+    to_hf.add_argument(
         "--max-shard-size",
         type=_byte_size,
         default="5GB",

@@ -58,6 +58,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
             progress=True,
             force=args.force,
         )
+    elif args.adapter:
+        from torchneox.interop import peft_adapter
+
+        step = peft_adapter.to_peft(args.checkpoint, args.out_dir, args.force, args.dtype)
     else:
         step = huggingface.to_hf(
             args.checkpoint,

@@ -22,7 +22,7 @@ from torchneox.config.report import render_yaml
 from torchneox.models import hf
 from torchneox.models.args import ModelArgs, model_args
 from torchneox.models.hf_weights import GPT_NEOX, WeightImporter, hf_tensors
-from torchneox.models.transformer import Transformer
+from torchneox.models.transformer import Transformer, merged_state_dict
 from torchneox.train import checkpoint_format, weights
 
 TOKENIZER_COMPANIONS = (
@@ -249,8 +249,9 @@ def to_hf(
     arch = hf.export_architecture(args)
     _, model = weights.load_model(step_dir, stored_dtype=True)  # one copy, as stored
     with new_output_dir(out, force, "convert to-hf", inputs=inputs) as tmp:
-        tensors = hf_tensors(hf.causal_family(arch), model.state_dict(), args)
-        total = sum(p.numel() for p in model.state_dict().values()) * DTYPES[dtype].itemsize
+        sd = merged_state_dict(model)  # LoRA adapters merged into their weights
+        tensors = hf_tensors(hf.causal_family(arch), sd, args)
+        total = sum(p.numel() for p in sd.values()) * DTYPES[dtype].itemsize
         meter = _Progress("wrote", total, progress)
         write_shards(tensors, tmp, DTYPES[dtype], max_shard_bytes, meter, str(step_dir))
         eod, pad = _copy_tokenizer(loaded, tmp)

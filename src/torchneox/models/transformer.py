@@ -15,6 +15,7 @@ Build it on the meta device, move it with ``to_empty`` and call ``init_weights()
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Collection
 
@@ -50,6 +51,9 @@ def _param_seed(seed: int, name: str) -> int:
 WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
 """What activation checkpointing and torch.compile insert into parameter names."""
 
+ADAPTER_TENSORS = ("lora_A.weight", "lora_B.weight")
+"""A LoRA adapter's parameters, under the layer it adapts (layers.0.attention.wq.lora_A.weight)."""
+
 OUTPUT_LAYERS = ("attention.wo.weight", "mlp.down.weight", "mlp.experts_down")
 """The parameters output_layer_init_method initialises (the rest: init_method)."""
 
@@ -59,6 +63,11 @@ def is_drawn(name: str) -> bool:
     and the biases are set in place: every norm module's name ends in "norm")."""
     module, _, leaf = name.rpartition(".")
     return not (module.endswith("norm") or leaf == "bias" or leaf.endswith("_bias"))
+
+
+def is_adapter(name: str) -> bool:
+    """Whether parameter ``name`` is a LoRA adapter's (what a run with lora trains)."""
+    return name.endswith(ADAPTER_TENSORS)
 
 
 def plain_name(name: str) -> str:
@@ -86,7 +95,12 @@ def init_parameter(args: ModelArgs, name: str, param: torch.Tensor, seed: int) -
     (then, for a shard, only its part kept)."""
     module, _, leaf = name.rpartition(".")
     local, where = local_part(param)
-    init = special_init(args, name)
+    init = special_init(args, name) if not is_adapter(name) else None
+    if name.endswith("lora_B.weight"):  # PEFT's: zeros, so the adapted model starts as its base
+        local.zero_()
+        return
+    if name.endswith("lora_A.weight"):  # PEFT's: kaiming-uniform with a = sqrt(5)
+        init = _kaiming_uniform
     if name == "rpe.weight":  # GPT-NeoX's ParallelRelativePositionBias: xavier normal
         init = init_function("xavier_normal", args.init_std, args.num_layers, args.hidden_size)
     if init is None and not is_drawn(name):
@@ -105,6 +119,10 @@ def init_parameter(args: ModelArgs, name: str, param: torch.Tensor, seed: int) -
     whole = torch.empty(param.shape, dtype=local.dtype, device=local.device)
     init(whole, generator)
     local.copy_(whole[where])
+
+
+def _kaiming_uniform(tensor: torch.Tensor, generator: torch.Generator) -> None:
+    nn.init.kaiming_uniform_(tensor, a=math.sqrt(5), generator=generator)
 
 
 class Transformer(nn.Module):
@@ -141,6 +159,18 @@ class Transformer(nn.Module):
         for module in self.modules():  # the CPU kernel of the fp32 products (cpu_matmul)
             if isinstance(module, Linear):
                 module.cpu_matmul = args.cpu_matmul
+        if args.lora_rank:
+            self._add_adapters()
+
+    def _add_adapters(self) -> None:
+        """LoRA adapters on the targeted linears of every block; every other parameter frozen."""
+        a = self.args
+        for name, module in self.named_modules():
+            _, _, rest = name.partition(".")[2].partition(".")
+            if isinstance(module, Linear) and name.startswith("layers.") and rest in a.lora_targets:
+                module.add_adapter(a.lora_rank, a.lora_alpha / a.lora_rank, a.lora_dropout)
+        for name, param in self.named_parameters():
+            param.requires_grad_(is_adapter(name))
 
     # ------------------------------------------------------------------ buffers and init
 
@@ -364,3 +394,14 @@ def build_model(
     model.to_empty(device=device)
     model.init_weights(device, seed=seed or 0)
     return model
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s state dict with each LoRA adapter merged into the weight it adapts
+    (W + scale x B @ A) and no adapter tensors: the plain model that computes the same."""
+    sd = model.state_dict()
+    merged = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and "lora_A" in module._modules:
+            merged[f"{name}.weight"] = module.merged_weight().detach()
+    return {k: merged.get(k, v) for k, v in sd.items() if not is_adapter(k)}

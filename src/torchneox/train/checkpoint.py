@@ -13,6 +13,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from torchneox.base.errors import CheckpointWriteError, TrainingStopped
+from torchneox.models.transformer import is_adapter
 from torchneox.train.async_checkpoint import BackgroundSaves
 from torchneox.train.checkpoint_format import (
     META_FILE,
@@ -189,8 +190,14 @@ class CheckpointManager:
         the no_load keys say otherwise."""
         ck = self.ck
         meta = read_meta(step_dir)
-        for key in load_model_weights(step_dir, state.model):
+        fresh = load_model_weights(step_dir, state.model)
+        for key in [k for k in fresh if not is_adapter(k)]:
             self.line(f"{step_dir} has no {key}: it starts from its initialisation")
+        if any(is_adapter(k) for k in fresh):
+            self.line(
+                f"{step_dir} has no LoRA adapters: they start from their initialisation "
+                "(B zeros: the model computes what its base does)"
+            )
         if ck.finetune or "loaders" not in meta:
             why = (
                 "finetune is set"

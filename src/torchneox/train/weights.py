@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torchneox.base.errors import ConfigError
 from torchneox.config.load import LoadedConfig
 from torchneox.models.args import model_args
-from torchneox.models.transformer import Transformer, plain_name
+from torchneox.models.transformer import Transformer, is_adapter, plain_name
 from torchneox.train.checkpoint_format import checkpoint_config, load_state, resolve
 
 FRESH_HEADS = ("value_head.weight",)
@@ -21,22 +21,40 @@ FRESH_HEADS = ("value_head.weight",)
 checkpoint (GPT-NeoX loads it non-strictly: rm_linear keeps its initialisation)."""
 
 
-def missing_heads(step_dir: Path, prefix: str = "model") -> frozenset[str]:
-    """The fresh heads ``step_dir`` does not hold: what a model loading it must initialise."""
-    held = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
-    return frozenset(k for k in FRESH_HEADS if f"{prefix}.{k}" not in held)
+class FreshNames(frozenset):
+    """The fresh heads a checkpoint lacks (what iterating gives); ``in`` is also true of the
+    LoRA adapters it lacks (a run with lora that fine-tunes its base's checkpoint)."""
+
+    def __new__(cls, heads: list[str], held: set[str], prefix: str) -> FreshNames:
+        names = super().__new__(cls, heads)
+        names.held, names.prefix = held, prefix
+        return names
+
+    def __contains__(self, name: object) -> bool:
+        if super().__contains__(name):
+            return True
+        return (
+            isinstance(name, str) and is_adapter(name) and f"{self.prefix}.{name}" not in self.held
+        )
+
+
+def missing_heads(step_dir: Path, prefix: str = "model") -> FreshNames:
+    """The fresh heads (and adapters) ``step_dir`` does not hold: what a model loading it must
+    initialise."""
+    held = set(dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata)
+    return FreshNames([k for k in FRESH_HEADS if f"{prefix}.{k}" not in held], held, prefix)
 
 
 def load_model_weights(step_dir: Path, model: torch.nn.Module, prefix: str = "model") -> list[str]:
-    """Load the checkpoint's ``prefix`` weights into ``model``; returns the fresh heads the
-    checkpoint did not have (they keep their initialisation)."""
+    """Load the checkpoint's ``prefix`` weights into ``model``; returns the fresh heads and
+    LoRA adapters the checkpoint did not have (they keep their initialisation)."""
     sd = model.state_dict()
     expected = {k: tuple(v.shape) for k, v in sd.items()}
     metadata = dcp.FileSystemReader(str(step_dir)).read_metadata()
     fresh = []
     for key, shape in expected.items():
         entry = metadata.state_dict_metadata.get(f"{prefix}.{key}")
-        if entry is None and key in FRESH_HEADS:
+        if entry is None and (key in FRESH_HEADS or is_adapter(key)):
             fresh.append(key)
             continue
         if entry is None:
