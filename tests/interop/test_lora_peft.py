@@ -13,6 +13,7 @@ import torch
 from tests.helpers import post_training_data
 from tests.interop.test_post_training_export import converted_model_keys, run, tiny_llama
 from torchneox.cli import main
+from torchneox.train.trainer import Trainer
 from torchneox.train.weights import load_model
 
 transformers = pytest.importorskip("transformers")
@@ -30,32 +31,43 @@ def trained(tmp_path_factory):
     base = tmp / "base"
     assert main(["convert", "from-hf", str(hf_in), str(base)]) == 0
     model_cfg = converted_model_keys(base, tmp)
-    sft = run(tmp, "sft", data["sft"] | {"lora": LORA}, base, model_cfg)
-    return tmp, hf_in, base, sft
+    ran = []
+    original = Trainer.run
+
+    def keep(self):  # the trained model as training left it, not as a checkpoint holds it
+        out = original(self)
+        ran.append({k: v.detach().clone() for k, v in self.model.state_dict().items()})
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Trainer, "run", keep)
+        sft = run(tmp, "sft", data["sft"] | {"lora": LORA}, base, model_cfg)
+    (trained_weights,) = ran
+    return tmp, hf_in, base, sft, trained_weights
 
 
 def tokens() -> torch.Tensor:
     return torch.randint(2, 128, (2, 24), generator=torch.Generator().manual_seed(1))
 
 
-def test_only_the_adapters_change(trained):
-    _, _, base, sft = trained
+def test_only_the_adapters_change_and_the_checkpoint_holds_the_trained_model(trained):
+    _, _, base, sft, after = trained
     _, before = load_model(base)
-    _, after = load_model(sft)
     start = before.state_dict()
-    names = list(after.state_dict())
-    adapters = [n for n in names if ".lora_" in n]
+    adapters = [n for n in after if ".lora_" in n]
     assert len(adapters) == 2 * 4 * 2  # 2 layers x 4 targets x (A, B)
-    for name, tensor in after.state_dict().items():
-        if name in adapters:
-            if name.endswith("lora_B.weight"):  # zeros at the start, trained since
-                assert tensor.abs().max() > 0, name
-        else:
+    assert set(after) == set(start) | set(adapters)
+    for name, tensor in after.items():
+        if name.endswith("lora_B.weight"):  # zeros at the start, trained since
+            assert tensor.abs().max() > 0, name
+        elif name not in adapters:
             assert torch.equal(tensor, start[name]), name
+    _, saved = load_model(sft)  # the base from its checkpoint, the adapters from the run's
+    assert all(torch.equal(t, after[n]) for n, t in saved.state_dict().items())
 
 
 def test_peft_loads_the_adapter_and_the_merged_export_equals_it(trained, capsys):
-    tmp, hf_in, _, sft = trained
+    tmp, hf_in, _, sft, _ = trained
     adapter, merged = tmp / "adapter", tmp / "merged"
     assert main(["convert", "to-hf", "--adapter", str(sft), str(adapter)]) == 0
     assert main(["convert", "to-hf", str(sft), str(merged)]) == 0
@@ -82,8 +94,41 @@ def test_peft_loads_the_adapter_and_the_merged_export_equals_it(trained, capsys)
 
 
 def test_adapter_export_of_a_model_without_adapters_is_one_line(trained, capsys):
-    tmp, _, base, _ = trained
+    tmp, _, base, _, _ = trained
     assert main(["convert", "to-hf", "--adapter", str(base), str(tmp / "none")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "holds no LoRA adapters" in err, err
     assert not (tmp / "none").exists()
+
+
+def test_checkpoints_hold_the_adapters_and_name_their_base(trained):
+    import torch.distributed.checkpoint as dcp
+
+    from torchneox.train.checkpoint_format import read_meta, resolve
+
+    _, _, base, sft, _ = trained
+    step = resolve(sft)
+    held = dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata
+    model = [k for k in held if k.startswith("model.")]
+    assert model and all(".lora_A." in k or ".lora_B." in k for k in model), model
+    assert read_meta(step)["lora_base"] == str(resolve(base).resolve())
+
+
+def test_a_resumed_lora_run_equals_one_never_stopped(trained):
+    from tests.helpers import losses, weights
+    from tests.interop.test_post_training_export import TRAINING
+
+    tmp, _, _, sft, _ = trained
+    keys = json.loads((tmp / "sft.yml").read_text())
+    stopped = tmp / "stopped"
+    first = keys | {"save": str(stopped), "log_dir": str(stopped), "exit_interval": 2}
+    (tmp / "first.yml").write_text(json.dumps(first))
+    assert main(["train", str(tmp / "model.yml"), str(tmp / "first.yml")]) == 0
+    assert sorted(losses(stopped)) == [1, 2]
+    then = first | {"load": str(stopped), "finetune": False, "exit_interval": None}
+    (tmp / "then.yml").write_text(json.dumps(then))
+    assert main(["train", str(tmp / "model.yml"), str(tmp / "then.yml")]) == 0
+    assert losses(stopped) == losses(sft) and sorted(losses(sft)) == [1, 2, 3, 4]
+    assert TRAINING["train_iters"] == 4
+    resumed, whole = weights(stopped), weights(sft)
+    assert all(torch.equal(t, whole[n]) for n, t in resumed.items())
