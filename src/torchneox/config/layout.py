@@ -488,6 +488,19 @@ def _mamba_layers(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     )
 
 
+def _lora(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
+    """LoRA's adapters are trained by one process so far (its objectives, tensor and pipeline
+    parallelism: config/lora.py)."""
+    if cfg.training.lora is None or lay.gpus <= 1:
+        return None
+    return _refuse(
+        f"lora with {lay.gpus} processes (data or context parallel) is not built yet; train "
+        "it on one",
+        key="lora",
+        cause="lora",
+    )
+
+
 RULES = (
     _rwkv,
     _mamba_layers,
@@ -504,6 +517,7 @@ RULES = (
     _fp8,
     _compile_model,
     _gmlp,
+    _lora,
 )
 """Every layout rule, in the order they are checked."""
 
