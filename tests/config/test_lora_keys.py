@@ -50,6 +50,11 @@ CASES = [
         "lora: lora with model_parallel_size > 1 is not built yet",
     ),
     (
+        "context-parallel",
+        {**lora(), "context_parallel_size": 2},
+        "lora: lora with context_parallel_size > 1 is not built yet",
+    ),
+    (
         "pipeline",
         {**lora(), "pipe_parallel_size": 2},
         "lora: lora with pipe_parallel_size > 1 is not built yet",
@@ -103,12 +108,3 @@ def test_no_lora_no_row(tmp_path, capsys):
     path.write_text(json.dumps(BASE))
     assert main(["config", "explain", str(path), "--json"]) == 0
     assert "lora_trainable_parameters" not in json.loads(capsys.readouterr().out)
-
-
-def test_more_than_one_process_is_refused_in_one_line(tmp_path, capsys):
-    path = tmp_path / "a.yml"
-    path.write_text(json.dumps(BASE | lora() | {"train_iters": 1}))
-    status = main(["train", str(path), "--nproc", "2"])
-    err = capsys.readouterr().err
-    assert status == 2 and err.count("\n") == 1, err
-    assert "a.yml: lora: lora with 2 processes (data or context parallel) is not built yet" in err

@@ -489,15 +489,14 @@ def _mamba_layers(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
 
 
 def _lora(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
-    """LoRA's adapters are trained by one process so far (its objectives, tensor and pipeline
-    parallelism: config/lora.py)."""
-    if cfg.training.lora is None or lay.gpus <= 1:
+    """LoRA's adapters train under data parallelism (DDP, FSDP2), not yet with context
+    parallelism (nor its objectives, tensor and pipeline parallelism: config/lora.py)."""
+    if cfg.training.lora is None or lay.cp <= 1:
         return None
     return _refuse(
-        f"lora with {lay.gpus} processes (data or context parallel) is not built yet; train "
-        "it on one",
+        "lora with context_parallel_size > 1 is not built yet",
         key="lora",
-        cause="lora",
+        cause="context_parallel_size",
     )
 
 
