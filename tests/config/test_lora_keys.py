@@ -43,7 +43,7 @@ CASES = [
         lora(target_modules=["gate_proj"]),
         "lora: target_modules names mlp.gate, but the activation is not gated",
     ),
-    ("dpo", {**lora(), "train_impl": "dpo"}, "lora: lora with train_impl dpo is not built yet"),
+    ("rm", {**lora(), "train_impl": "rm"}, "lora: lora with train_impl rm is not built yet"),
     (
         "tp",
         {**lora(), "model_parallel_size": 2},

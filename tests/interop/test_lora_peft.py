@@ -22,6 +22,10 @@ peft = pytest.importorskip("peft")
 LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "attention.wo", "down_proj"]}
 
 
+DATA: dict = {}
+"""The chat data's configs (post_training_data's), once the fixture made them."""
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """The base folder, its conversion and the LoRA-SFT run from it."""
@@ -43,6 +47,7 @@ def trained(tmp_path_factory):
         mp.setattr(Trainer, "run", keep)
         sft = run(tmp, "sft", data["sft"] | {"lora": LORA}, base, model_cfg)
     (trained_weights,) = ran
+    DATA.update(data)
     return tmp, hf_in, base, sft, trained_weights
 
 
@@ -132,3 +137,32 @@ def test_a_resumed_lora_run_equals_one_never_stopped(trained):
     assert TRAINING["train_iters"] == 4
     resumed, whole = weights(stopped), weights(sft)
     assert all(torch.equal(t, whole[n]) for n, t in resumed.items())
+
+
+def test_lora_dpo_takes_the_base_as_its_reference_and_builds_no_second_model(trained):
+    """DPO with adapters from the base: the reference is the policy with its adapters left
+    out (step 1's loss is ln 2: the adapters start at zero), no reference model is built,
+    and the checkpoint holds the adapters alone."""
+    import torch.distributed.checkpoint as dcp
+
+    from tests.helpers import metric_rows
+    from torchneox.train.checkpoint_format import resolve
+
+    tmp, _, base, _, _ = trained
+    ran = []
+    original = Trainer.run
+
+    def keep(self):
+        ran.append(self.parts)
+        return original(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Trainer, "run", keep)
+        dpo = run(tmp, "dpo", DATA["dpo"] | {"lora": LORA}, base, tmp / "model.yml")
+    assert ran[0].reference is None and ran[0].reference_pipeline is None
+    rows = [r for r in metric_rows(dpo) if "lm_loss" in r]
+    assert rows[0]["lm_loss"] == pytest.approx(0.6931472, abs=1e-6)
+    assert rows[-1]["lm_loss"] != pytest.approx(0.6931472, abs=1e-4)  # the adapters learnt
+    held = dcp.FileSystemReader(str(resolve(dpo))).read_metadata().state_dict_metadata
+    assert not any(k.startswith("reference.") for k in held)
+    assert all(".lora_" in k for k in held if k.startswith("model."))

@@ -153,7 +153,7 @@ def _check_use(ch: Checker) -> None:
     """The objectives, layouts and layer kinds the adapters are not built for yet."""
     c = ch.c
     refused = [
-        (c.training.train_impl != "normal", f"train_impl {c.training.train_impl}"),
+        (c.training.train_impl in ("rm", "reinforce"), f"train_impl {c.training.train_impl}"),
         (c.parallel.model_parallel_size > 1, "model_parallel_size > 1"),
         (c.parallel.pipe_parallel_size > 1, "pipe_parallel_size > 1"),
         (c.moe.moe_num_experts > 1, "moe_num_experts > 1"),

@@ -129,6 +129,8 @@ class Linear(nn.Linear):
 
     cpu_matmul: str = "auto"
     lora_scale: float = 0.0
+    lora_off: bool = False
+    """Set (by ``adapters_off``): the layer computes its base alone."""
 
     def add_adapter(self, rank: int, scale: float, dropout: float) -> None:
         """A LoRA adapter on this layer (its tensors on the current default device; the model's
@@ -141,7 +143,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = linear(x, self.weight, self.bias, self.cpu_matmul)
         a = self._modules.get("lora_A")
-        if a is None:
+        if a is None or self.lora_off:
             return out
         low = linear(self.lora_dropout(x), a.weight, mode=self.cpu_matmul)
         return out + self.lora_scale * linear(low, self.lora_B.weight, mode=self.cpu_matmul)

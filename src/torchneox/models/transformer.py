@@ -15,9 +15,10 @@ Build it on the meta device, move it with ``to_empty`` and call ``init_weights()
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 
 import torch
 from torch import nn
@@ -405,3 +406,16 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         if isinstance(module, Linear) and "lora_A" in module._modules:
             merged[f"{name}.weight"] = module.merged_weight().detach()
     return {k: merged.get(k, v) for k, v in sd.items() if not is_adapter(k)}
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """``model`` computes its base, every LoRA adapter left out (DPO's and KTO's reference)."""
+    layers = [m for m in model.modules() if isinstance(m, Linear) and "lora_A" in m._modules]
+    for layer in layers:
+        layer.lora_off = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.lora_off = False

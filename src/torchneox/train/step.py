@@ -23,6 +23,7 @@ from torchneox.base.faults import fault_point
 from torchneox.config.curriculum import Curriculum
 from torchneox.data.loader import Batch
 from torchneox.models.moe import MoE
+from torchneox.models.transformer import adapters_off
 from torchneox.parallel.collectives import mean_over_dp, plain, sum_over_pp, sum_router_stats
 from torchneox.parallel.context_parallel import split_pipeline_batch, split_sequence
 from torchneox.parallel.data_parallel import set_gradient_sync
@@ -174,7 +175,9 @@ class Gradients:
         """The frozen reference model's output on the micro-batch, when the objective needs it."""
         if not self.objective.needs_reference:
             return None
-        assert self.parts.reference is not None
+        if self.parts.reference is None:  # lora: the policy's base, its adapters left out
+            with adapters_off(self.parts.model):
+                return self.parts.module(prep.inputs, **prep.model_inputs())
         return self.parts.reference(prep.inputs, **prep.model_inputs())
 
     def forward_backward(self, batch: Batch, last: bool, sums: dict) -> torch.Tensor:
