@@ -13,7 +13,7 @@ from torchneox.config.sizes import is_moe_layer
 from torchneox.config.validate_model import layer_attention_types
 from torchneox.estimate.activations import Trace
 from torchneox.estimate.parameters import PARAM_BYTES, expert_sharded, local_dims, local_numel
-from torchneox.models.transformer import is_drawn
+from torchneox.models.transformer import is_adapter, is_drawn
 
 GIB = 2**30
 CUDA_RESERVE = 1.5 * GIB  # CUDA context, cuBLAS/NCCL workspaces
@@ -87,9 +87,13 @@ def state_bytes(
     tp, ep = layout.tp, layout.ep
     local = sum(local_numel(s, n, tp, 1, ep) for n, s in params)
     shard = sum(local_numel(s, n, tp, fsdp, ep) for n, s in params)
-    indices = sum(sum(local_dims(s, n, tp, fsdp, ep)) or 1 for n, s in params)
+    # with LoRA only the adapters have gradients and optimizer state (the base is frozen)
+    trained = [(n, s) for n, s in params if is_adapter(n)] if any_adapter(params) else params
+    trained_shard = sum(local_numel(s, n, tp, fsdp, ep) for n, s in trained)
+    indices = sum(sum(local_dims(s, n, tp, fsdp, ep)) or 1 for n, s in trained)
     # what ZeRO/DDP gather or bucket: all but the expert-parallel experts
     gathered = sum(local_numel(s, n, tp, 1) for n, s in params if not expert_sharded(n, ep))
+    gathered_grads = sum(local_numel(s, n, tp, 1) for n, s in trained if not expert_sharded(n, ep))
     layers = sorted({int(n.split(".")[1]) for n, _ in params if n.startswith("layers.")})
     per_block = max(
         (
@@ -104,8 +108,8 @@ def state_bytes(
     )
     resident = {
         "parameter_shard": shard * PARAM_BYTES,
-        "gradient_shard": shard * PARAM_BYTES,
-        "optimizer": shard * opt_per_param + indices * per_dim,
+        "gradient_shard": trained_shard * PARAM_BYTES,
+        "optimizer": trained_shard * opt_per_param + indices * per_dim,
     }
     parts = {
         "parameters": resident["parameter_shard"],
@@ -118,14 +122,19 @@ def state_bytes(
     elif fsdp > 1:
         temporary += 2 * per_block * PARAM_BYTES  # ZeRO-3: the block in use and the next
     if fsdp > 1 and layout.gas > 1:
-        parts["gradients"] += gathered * PARAM_BYTES  # unsharded until the last micro-batch
+        parts["gradients"] += gathered_grads * PARAM_BYTES  # unsharded until the last micro-batch
     if fsdp == 1 and layout.dp * layout.cp > 1:
-        parts["gradients"] += gathered * PARAM_BYTES  # DDP's gradient buckets
+        parts["gradients"] += gathered_grads * PARAM_BYTES  # DDP's gradient buckets
     if tp > 1 and fsdp == 1:
         # the vocabulary-parallel embedding's gradient arrives whole on every tensor rank
         embed = [math.prod(s) for n, s in params if n == "embed.weight"]
         temporary += sum(e - local_numel((e,), "embed.weight", tp, 1) for e in embed) * PARAM_BYTES
     return {"parts": parts, "resident": resident, "local": local, "temporary": temporary}
+
+
+def any_adapter(params: list[tuple[str, tuple]]) -> bool:
+    """Whether the model has LoRA adapters (then they alone train)."""
+    return any(is_adapter(n) for n, _ in params)
 
 
 def build_bytes(params: list[tuple[str, tuple]], layout: Layout, reference: bool) -> int:
