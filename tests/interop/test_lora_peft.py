@@ -166,3 +166,44 @@ def test_lora_dpo_takes_the_base_as_its_reference_and_builds_no_second_model(tra
     held = dcp.FileSystemReader(str(resolve(dpo))).read_metadata().state_dict_metadata
     assert not any(k.startswith("reference.") for k in held)
     assert all(".lora_" in k for k in held if k.startswith("model."))
+
+
+def test_a_peft_adapter_folder_imports(trained):
+    """peft's own adapter (B drawn, not zeros) on the base, converted in with the base: the
+    torchneox model computes PeftModel's logits, and exports back to the same tensors."""
+    from safetensors.torch import load_file
+
+    tmp, hf_in, _, _, _ = trained
+    base = transformers.LlamaForCausalLM.from_pretrained(hf_in)
+    config = peft.LoraConfig(
+        r=2, lora_alpha=6, target_modules=["k_proj", "gate_proj", "up_proj"],
+        init_lora_weights=False, task_type="CAUSAL_LM",
+    )  # fmt: skip
+    torch.manual_seed(2)
+    theirs = peft.get_peft_model(base, config).eval()
+    theirs.save_pretrained(tmp / "peft_in")
+    ckpt = tmp / "imported"
+    assert (
+        main(["convert", "from-hf", str(hf_in), str(ckpt), "--adapter", str(tmp / "peft_in")]) == 0
+    )
+    _, ours = load_model(ckpt)
+    assert ours.args.lora_targets == ("attention.wk", "mlp.gate", "mlp.up")
+    ids = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), theirs(ids).logits, rtol=0, atol=1e-5)
+    assert main(["convert", "to-hf", "--adapter", str(ckpt), str(tmp / "peft_out")]) == 0
+    before = load_file(tmp / "peft_in" / "adapter_model.safetensors")
+    after = load_file(tmp / "peft_out" / "adapter_model.safetensors")
+    assert set(before) == set(after)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_peft_option_not_built_is_one_line(trained, capsys):
+    tmp, hf_in, _, _, _ = trained
+    folder = tmp / "dora"
+    folder.mkdir()
+    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
+    (folder / "adapter_config.json").write_text(json.dumps(config | {"use_dora": True}))
+    assert main(["convert", "from-hf", str(hf_in), str(tmp / "x"), "--adapter", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "adapter_config.json: use_dora True is not built" in err, err

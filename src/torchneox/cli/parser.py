@@ -144,6 +144,12 @@ def _convert_verbs(verbs: argparse._SubParsersAction) -> None:
     from_hf.add_argument("hf_dir", metavar="HF_DIR")
     from_hf.add_argument("out_dir", metavar="OUT_DIR")
     from_hf.add_argument("--force", action="store_true", help=FORCE_HELP)
+    from_hf.add_argument(
+        "--adapter",
+        metavar="PEFT_DIR",
+        help="a PEFT LoRA adapter folder of HF_DIR's model: the checkpoint gets its lora key "
+        "and adapters",
+    )
     to_hf = convert_verbs.add_parser(
         "to-hf", help="a torchneox checkpoint -> a Hugging Face folder"
     )

@@ -1,16 +1,25 @@
 """``convert to-hf --adapter``: a checkpoint's LoRA adapters as a PEFT adapter folder
 (adapter_config.json and adapter_model.safetensors, PEFT's tensor names) that
 ``peft.PeftModel.from_pretrained`` loads onto the Hugging Face base it was trained from.
-Plain ``convert to-hf`` merges the adapters into the weights instead (``merged_state_dict``)."""
+Plain ``convert to-hf`` merges the adapters into the weights instead (``merged_state_dict``).
+``convert from-hf --adapter``: a Hugging Face base and a PEFT adapter folder of it -> a
+torchneox checkpoint with the lora key and the adapters (training goes on from them)."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
+import torch
+
 from torchneox.base.errors import ConfigError, HFError
+from torchneox.config.derive import derive
 from torchneox.config.lora import HF_NAMES
 from torchneox.config.paths import new_output_dir, refuse_non_empty
+from torchneox.config.report import render_yaml
+from torchneox.config.validate import validate
+from torchneox.interop import huggingface
 from torchneox.interop.huggingface import DTYPES, _save_shard
 from torchneox.models import hf, hf_mamba
 from torchneox.models.args import ModelArgs, model_args
@@ -84,3 +93,81 @@ def to_peft(
         config = json.dumps(adapter_config(args), indent=2) + "\n"
         (tmp / "adapter_config.json").write_text(config)
     return out
+
+
+PEFT_LAYER = re.compile(
+    r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(lora_[AB])\.weight$"
+)
+REFUSED_OPTIONS = {"use_dora": False, "use_rslora": False, "fan_in_fan_out": False, "bias": "none"}
+
+
+def lora_keys(adapter_dir: Path) -> dict:
+    """adapter_config.json as the lora key, each PEFT option torchneox does not build refused
+    in one line."""
+    path = adapter_dir / "adapter_config.json"
+    if not path.is_file():
+        raise HFError(
+            "has no adapter_config.json: not a PEFT adapter folder", source=str(adapter_dir)
+        )
+    c = json.loads(path.read_text())
+    if c.get("peft_type") != "LORA":
+        raise HFError(
+            f"peft_type {c.get('peft_type')!r}: only LORA adapters import", source=str(path)
+        )
+    for name, plain in REFUSED_OPTIONS.items():
+        if c.get(name, plain) not in (plain, None):
+            raise HFError(f"{name} {c[name]!r} is not built (only {plain!r})", source=str(path))
+    if c.get("modules_to_save") or c.get("rank_pattern") or c.get("alpha_pattern"):
+        raise HFError(
+            "modules_to_save, rank_pattern and alpha_pattern are not built", source=str(path)
+        )
+    targets = c.get("target_modules")
+    if not isinstance(targets, list) or any(t not in HF_NAMES for t in targets):
+        raise HFError(
+            f"target_modules {targets!r}: give a list of {', '.join(HF_NAMES)}", source=str(path)
+        )
+    return {
+        "rank": c["r"],
+        "alpha": c["lora_alpha"],
+        "dropout": c.get("lora_dropout", 0.0),
+        "target_modules": targets,
+    }
+
+
+def adapter_tensors(adapter_dir: Path) -> dict[str, torch.Tensor]:
+    """adapter_model.safetensors under torchneox's names."""
+    from safetensors.torch import load_file
+
+    path = adapter_dir / "adapter_model.safetensors"
+    if not path.is_file():
+        raise HFError("has no adapter_model.safetensors", source=str(adapter_dir))
+    out = {}
+    for name, tensor in load_file(str(path)).items():
+        m = PEFT_LAYER.match(name)
+        if m is None or m[3] not in HF_NAMES:
+            raise HFError(f"tensor {name} is not a Llama-family LoRA adapter's", source=str(path))
+        out[f"layers.{m[1]}.{HF_NAMES[m[3]]}.{m[4]}.weight"] = tensor.float()
+    return out
+
+
+def from_hf_with_adapter(
+    hf_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path, force: bool = False
+) -> Path:
+    """A Hugging Face base folder and a PEFT adapter folder of it -> a torchneox checkpoint
+    (global_step0) whose config has the lora key and whose weights hold the adapters."""
+    src, adapter, out = Path(hf_dir), Path(adapter_dir), Path(out_dir)
+    hf.read_config(src)
+    keys = lora_keys(adapter)
+    inputs = [hf_dir, adapter_dir]
+    with new_output_dir(out, force, "convert from-hf --adapter", inputs=inputs) as tmp:
+        loaded, sd = huggingface._read_hf(src, huggingface._tokenizer_keys(src, tmp, out))
+        loaded.config.set("lora", keys)
+        loaded.origin["lora"] = str(adapter / "adapter_config.json")
+        validate(loaded.config, loaded.origin)
+        sd |= adapter_tensors(adapter)
+        huggingface._check_shapes(model_args(loaded), sd, str(adapter))
+        arch = hf.architecture_of(hf.read_config(src))
+        step = checkpoint_format.save_checkpoint(
+            tmp, 0, {"model": sd}, render_yaml(loaded, derive(loaded)), {"converted_from": arch}
+        )
+    return out / step.name
