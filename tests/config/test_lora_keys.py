@@ -55,9 +55,9 @@ CASES = [
         "lora: lora with context_parallel_size > 1 is not built yet",
     ),
     (
-        "pipeline",
-        {**lora(), "pipe_parallel_size": 2},
-        "lora: lora with pipe_parallel_size > 1 is not built yet",
+        "pipeline-dpo",
+        {**lora(), "pipe_parallel_size": 2, "train_impl": "dpo"},
+        "lora: lora with pipe_parallel_size > 1 and train_impl dpo is not built yet",
     ),
     (
         "mamba",

@@ -155,7 +155,10 @@ def _check_use(ch: Checker) -> None:
     refused = [
         (c.training.train_impl in ("rm", "reinforce"), f"train_impl {c.training.train_impl}"),
         (c.parallel.model_parallel_size > 1, "model_parallel_size > 1"),
-        (c.parallel.pipe_parallel_size > 1, "pipe_parallel_size > 1"),
+        (
+            c.parallel.pipe_parallel_size > 1 and c.training.train_impl != "normal",
+            f"pipe_parallel_size > 1 and train_impl {c.training.train_impl}",
+        ),
         (c.moe.moe_num_experts > 1, "moe_num_experts > 1"),
         (fp8_plan(c.precision, c.model) is not None, "fp8"),
     ]
