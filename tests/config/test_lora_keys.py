@@ -45,11 +45,6 @@ CASES = [
     ),
     ("rm", {**lora(), "train_impl": "rm"}, "lora: lora with train_impl rm is not built yet"),
     (
-        "tp",
-        {**lora(), "model_parallel_size": 2},
-        "lora: lora with model_parallel_size > 1 is not built yet",
-    ),
-    (
         "context-parallel",
         {**lora(), "context_parallel_size": 2},
         "lora: lora with context_parallel_size > 1 is not built yet",

@@ -154,7 +154,6 @@ def _check_use(ch: Checker) -> None:
     c = ch.c
     refused = [
         (c.training.train_impl in ("rm", "reinforce"), f"train_impl {c.training.train_impl}"),
-        (c.parallel.model_parallel_size > 1, "model_parallel_size > 1"),
         (
             c.parallel.pipe_parallel_size > 1 and c.training.train_impl != "normal",
             f"pipe_parallel_size > 1 and train_impl {c.training.train_impl}",
