@@ -43,7 +43,11 @@ CASES = [
         lora(target_modules=["gate_proj"]),
         "lora: target_modules names mlp.gate, but the activation is not gated",
     ),
-    ("rm", {**lora(), "train_impl": "rm"}, "lora: lora with train_impl rm is not built yet"),
+    (
+        "reinforce",
+        {**lora(), "train_impl": "reinforce"},
+        "lora: lora with train_impl reinforce is not built yet",
+    ),
     (
         "context-parallel",
         {**lora(), "context_parallel_size": 2},

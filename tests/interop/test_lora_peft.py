@@ -13,6 +13,7 @@ import torch
 from tests.helpers import post_training_data
 from tests.interop.test_post_training_export import converted_model_keys, run, tiny_llama
 from torchneox.cli import main
+from torchneox.models.transformer import init_parameter
 from torchneox.train.trainer import Trainer
 from torchneox.train.weights import load_model
 
@@ -139,33 +140,69 @@ def test_a_resumed_lora_run_equals_one_never_stopped(trained):
     assert all(torch.equal(t, whole[n]) for n, t in resumed.items())
 
 
-def test_lora_dpo_takes_the_base_as_its_reference_and_builds_no_second_model(trained):
-    """DPO with adapters from the base: the reference is the policy with its adapters left
-    out (step 1's loss is ln 2: the adapters start at zero), no reference model is built,
-    and the checkpoint holds the adapters alone."""
+def keeping_trainer(tmp, name: str, keys: dict, base) -> tuple:
+    """A run of ``keys`` with LORA from ``base``, and its trainer's parts and final weights."""
+    ran = []
+    original = Trainer.run
+
+    def keep(self):
+        out = original(self)
+        ran.append(
+            (self.parts, {k: v.detach().clone() for k, v in self.model.state_dict().items()})
+        )
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Trainer, "run", keep)
+        folder = run(tmp, name, keys | {"lora": LORA}, base, tmp / "model.yml")
+    return folder, *ran[0]
+
+
+@pytest.mark.parametrize("impl", ["dpo", "kto"])
+def test_lora_dpo_and_kto_take_the_base_as_reference_and_build_no_second_model(trained, impl):
+    """DPO and KTO with adapters from the base: the reference is the policy with its adapters
+    left out (DPO's step 1 loss is ln 2: the adapters start at zero), no reference model is
+    built, and the checkpoint holds the adapters alone."""
     import torch.distributed.checkpoint as dcp
 
     from tests.helpers import metric_rows
     from torchneox.train.checkpoint_format import resolve
 
     tmp, _, base, _, _ = trained
-    ran = []
-    original = Trainer.run
-
-    def keep(self):
-        ran.append(self.parts)
-        return original(self)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Trainer, "run", keep)
-        dpo = run(tmp, "dpo", DATA["dpo"] | {"lora": LORA}, base, tmp / "model.yml")
-    assert ran[0].reference is None and ran[0].reference_pipeline is None
-    rows = [r for r in metric_rows(dpo) if "lm_loss" in r]
-    assert rows[0]["lm_loss"] == pytest.approx(0.6931472, abs=1e-6)
-    assert rows[-1]["lm_loss"] != pytest.approx(0.6931472, abs=1e-4)  # the adapters learnt
-    held = dcp.FileSystemReader(str(resolve(dpo))).read_metadata().state_dict_metadata
+    folder, parts, _ = keeping_trainer(tmp, impl, DATA[impl], base)
+    assert parts.reference is None and parts.reference_pipeline is None
+    rows = [r for r in metric_rows(folder) if "lm_loss" in r]
+    if impl == "dpo":
+        assert rows[0]["lm_loss"] == pytest.approx(0.6931472, abs=1e-6)
+    assert rows[-1]["lm_loss"] != pytest.approx(rows[0]["lm_loss"], abs=1e-4)  # it learnt
+    held = dcp.FileSystemReader(str(resolve(folder))).read_metadata().state_dict_metadata
     assert not any(k.startswith("reference.") for k in held)
     assert all(".lora_" in k for k in held if k.startswith("model."))
+
+
+def saved_args(folder):
+    from torchneox.models.args import model_args
+    from torchneox.train.checkpoint_format import checkpoint_config, resolve
+
+    return model_args(checkpoint_config(resolve(folder)))
+
+
+def test_a_lora_reward_model_trains_its_head_and_adapters_only(trained, capsys):
+    tmp, _, base, _, _ = trained
+    folder, _, after = keeping_trainer(tmp, "rm", DATA["rm"], base)
+    start = load_model(base)[1].state_dict()
+    frozen = [n for n in after if ".lora_" not in n and n != "value_head.weight"]
+    assert len(frozen) == len(start) - 1  # all but the language model's head
+    for name in frozen:
+        assert torch.equal(after[name], start[name]), name
+    drawn = torch.empty_like(after["value_head.weight"])  # as the run drew it (seed 1234)
+    init_parameter(saved_args(folder), "value_head.weight", drawn, 1234)
+    assert drawn.abs().max() > 0 and not torch.equal(after["value_head.weight"], drawn)
+    _, saved = load_model(folder)  # the base from its checkpoint; the head and adapters
+    assert all(torch.equal(t, after[n]) for n, t in saved.state_dict().items())
+    assert main(["convert", "to-hf", "--adapter", str(folder), str(tmp / "rm_adapter")]) == 2
+    assert "is a reward model: --adapter of one is not built yet" in capsys.readouterr().err
+    assert main(["convert", "to-hf", str(folder), str(tmp / "rm_hf")]) == 0
 
 
 def test_a_peft_adapter_folder_imports(trained):

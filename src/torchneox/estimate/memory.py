@@ -13,7 +13,7 @@ from torchneox.config.sizes import is_moe_layer
 from torchneox.config.validate_model import layer_attention_types
 from torchneox.estimate.activations import Trace
 from torchneox.estimate.parameters import PARAM_BYTES, expert_sharded, local_dims, local_numel
-from torchneox.models.transformer import is_adapter, is_drawn
+from torchneox.models.transformer import is_adapter, is_drawn, trains_with_lora
 
 GIB = 2**30
 CUDA_RESERVE = 1.5 * GIB  # CUDA context, cuBLAS/NCCL workspaces
@@ -88,7 +88,7 @@ def state_bytes(
     local = sum(local_numel(s, n, tp, 1, ep) for n, s in params)
     shard = sum(local_numel(s, n, tp, fsdp, ep) for n, s in params)
     # with LoRA only the adapters have gradients and optimizer state (the base is frozen)
-    trained = [(n, s) for n, s in params if is_adapter(n)] if any_adapter(params) else params
+    trained = [(n, s) for n, s in params if trains_with_lora(n)] if any_adapter(params) else params
     trained_shard = sum(local_numel(s, n, tp, fsdp, ep) for n, s in trained)
     indices = sum(sum(local_dims(s, n, tp, fsdp, ep)) or 1 for n, s in trained)
     # what ZeRO/DDP gather or bucket: all but the expert-parallel experts

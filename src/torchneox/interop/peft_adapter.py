@@ -75,6 +75,12 @@ def to_peft(
             "--adapter writes the whole model",
             source=str(step_dir),
         )
+    if args.value_head:
+        raise HFError(
+            "is a reward model: --adapter of one is not built yet (its value head trains "
+            "too); convert to-hf without --adapter merges the adapters",
+            source=str(step_dir),
+        )
     arch = hf.causal_family(hf.export_architecture(args))
     if arch in (GPT_NEOX, hf_mamba.MAMBA):
         raise HFError(

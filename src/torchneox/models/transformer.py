@@ -67,8 +67,14 @@ def is_drawn(name: str) -> bool:
 
 
 def is_adapter(name: str) -> bool:
-    """Whether parameter ``name`` is a LoRA adapter's (what a run with lora trains)."""
+    """Whether parameter ``name`` is a LoRA adapter's."""
     return name.endswith(ADAPTER_TENSORS)
+
+
+def trains_with_lora(name: str) -> bool:
+    """Whether a run with lora trains parameter ``name`` (and its checkpoints hold it): the
+    adapters, and a reward model's value head."""
+    return is_adapter(name) or name.endswith("value_head.weight")
 
 
 def plain_name(name: str) -> str:
@@ -171,7 +177,7 @@ class Transformer(nn.Module):
             if isinstance(module, Linear) and name.startswith("layers.") and rest in a.lora_targets:
                 module.add_adapter(a.lora_rank, a.lora_alpha / a.lora_rank, a.lora_dropout)
         for name, param in self.named_parameters():
-            param.requires_grad_(is_adapter(name))
+            param.requires_grad_(trains_with_lora(name))
 
     # ------------------------------------------------------------------ buffers and init
 

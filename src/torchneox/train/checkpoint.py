@@ -13,7 +13,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from torchneox.base.errors import CheckpointWriteError, TrainingStopped
-from torchneox.models.transformer import is_adapter
+from torchneox.models.transformer import is_adapter, trains_with_lora
 from torchneox.train.async_checkpoint import BackgroundSaves
 from torchneox.train.checkpoint_format import (
     META_FILE,
@@ -110,7 +110,7 @@ class CheckpointManager:
         ck = self.ck
         model = get_model_state_dict(state.model)
         if self.lora_base is not None:  # the adapters only: the base is in the one it names
-            model = {k: v for k, v in model.items() if is_adapter(k)}
+            model = {k: v for k, v in model.items() if trains_with_lora(k)}
         tensors: dict[str, Any] = {"model": model}
         # an optimizer that never stepped has no state to save; asking torch for its state
         # dict would create it with a zero-rate step counted (Adam's bias correction would

@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torchneox.base.errors import ConfigError
 from torchneox.config.load import LoadedConfig
 from torchneox.models.args import model_args
-from torchneox.models.transformer import Transformer, is_adapter, plain_name
+from torchneox.models.transformer import Transformer, is_adapter, plain_name, trains_with_lora
 from torchneox.train.checkpoint_format import (
     META_FILE,
     checkpoint_config,
@@ -93,8 +93,8 @@ def load_model_weights(step_dir: Path, model: torch.nn.Module, prefix: str = "mo
     base = lora_base(step_dir) if prefix == "model" else None
     if base is None:
         return _load_weights(step_dir, model, prefix, None)
-    _load_weights(base, model, prefix, lambda k: not is_adapter(k))
-    return _load_weights(step_dir, model, prefix, is_adapter)
+    _load_weights(base, model, prefix, lambda k: not trains_with_lora(k))
+    return _load_weights(step_dir, model, prefix, trains_with_lora)
 
 
 def _load_weights(
