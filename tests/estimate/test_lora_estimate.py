@@ -51,3 +51,13 @@ def test_lora_dpo_builds_one_model(tmp_path, capsys):
     lora = estimate(tmp_path, capsys, dpo | LORA)
     assert full["build_bytes"] == 2 * full["memory_per_rank_bytes"]["parameters"]
     assert lora["build_bytes"] == lora["memory_per_rank_bytes"]["parameters"]
+
+
+def test_the_dry_run_of_lora_over_two_tensor_ranks_holds_what_estimate_computes(tmp_path, capsys):
+    path = tmp_path / "a.yml"
+    keys = BASE | LORA | {"no_weight_tying": True, "model_parallel_size": 2}
+    path.write_text(json.dumps(keys | {"train_micro_batch_size_per_gpu": 1}))
+    assert main(["train", str(path), "--dry-run", "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "gradients 6.00 KiB (= estimate), optimizer 12.00 KiB (= estimate)" in out, out
+    assert "every rehearsed rank built and holds what estimate computes" in out
