@@ -44,9 +44,9 @@ CASES = [
         "lora: target_modules names mlp.gate, but the activation is not gated",
     ),
     (
-        "reinforce",
-        {**lora(), "train_impl": "reinforce"},
-        "lora: lora with train_impl reinforce is not built yet",
+        "moe",
+        {**lora(), "moe_num_experts": 2},
+        "lora: lora with moe_num_experts > 1 is not built yet",
     ),
     (
         "context-parallel",

@@ -153,7 +153,6 @@ def _check_use(ch: Checker) -> None:
     """The objectives, layouts and layer kinds the adapters are not built for yet."""
     c = ch.c
     refused = [
-        (c.training.train_impl == "reinforce", "train_impl reinforce"),
         (
             c.parallel.pipe_parallel_size > 1 and c.training.train_impl != "normal",
             f"pipe_parallel_size > 1 and train_impl {c.training.train_impl}",
