@@ -49,11 +49,6 @@ CASES = [
         "lora: lora with moe_num_experts > 1 is not built yet",
     ),
     (
-        "context-parallel",
-        {**lora(), "context_parallel_size": 2},
-        "lora: lora with context_parallel_size > 1 is not built yet",
-    ),
-    (
         "pipeline-dpo",
         {**lora(), "pipe_parallel_size": 2, "train_impl": "dpo"},
         "lora: lora with pipe_parallel_size > 1 and train_impl dpo is not built yet",

@@ -54,6 +54,12 @@ def test_lora_split_over_two_tensor_ranks_equals_one_process(config, tmp_path, b
     assert_same_training(out, baseline)
 
 
+def test_lora_with_context_parallelism_equals_one_process(config, tmp_path, baseline):
+    out = tmp_path / "run"
+    train(config, f"save={out}", "load=null", "context_parallel_size=2", nproc=2)
+    assert_same_training(out, baseline)
+
+
 def test_zero3_saves_the_adapters_and_resumes_as_one_process_trains(config, tmp_path):
     """From a base checkpoint: the checkpoints hold the adapters (the base named), and two
     ZeRO-3 processes stopped at step 2 and resumed equal one process never stopped."""

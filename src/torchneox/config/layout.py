@@ -488,18 +488,6 @@ def _mamba_layers(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     )
 
 
-def _lora(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
-    """LoRA's adapters train under data parallelism (DDP, FSDP2), not yet with context
-    parallelism (nor its objectives, tensor and pipeline parallelism: config/lora.py)."""
-    if cfg.training.lora is None or lay.cp <= 1:
-        return None
-    return _refuse(
-        "lora with context_parallel_size > 1 is not built yet",
-        key="lora",
-        cause="context_parallel_size",
-    )
-
-
 RULES = (
     _rwkv,
     _mamba_layers,
@@ -516,7 +504,6 @@ RULES = (
     _fp8,
     _compile_model,
     _gmlp,
-    _lora,
 )
 """Every layout rule, in the order they are checked."""
 
