@@ -44,14 +44,14 @@ CASES = [
         "lora: target_modules names mlp.gate, but the activation is not gated",
     ),
     (
+        "pipeline-rm",
+        {**lora(), "pipe_parallel_size": 2, "train_impl": "rm"},
+        "lora: lora with pipe_parallel_size > 1 and train_impl rm is not built yet",
+    ),
+    (
         "moe",
         {**lora(), "moe_num_experts": 2},
         "lora: lora with moe_num_experts > 1 is not built yet",
-    ),
-    (
-        "pipeline-dpo",
-        {**lora(), "pipe_parallel_size": 2, "train_impl": "dpo"},
-        "lora: lora with pipe_parallel_size > 1 and train_impl dpo is not built yet",
     ),
     (
         "mamba",

@@ -187,6 +187,21 @@ def saved_args(folder):
     return model_args(checkpoint_config(resolve(folder)))
 
 
+def test_lora_dpo_in_two_pipeline_stages_equals_one_process(trained):
+    """The base as reference through pipeline stages: the policy's stages run forward with
+    their adapters left out; the run equals one process's."""
+    from tests.helpers import assert_same_training, reference, train
+
+    tmp, _, base, _, _ = trained
+    keys = json.loads((tmp / "model.yml").read_text()) | json.loads((tmp / "dpo.yml").read_text())
+    whole = tmp / "dpo_pp.yml"
+    whole.write_text(json.dumps(keys | {"lora": LORA, "load": str(base)}))
+    one, two = tmp / "dpo_one", tmp / "dpo_pp"
+    train(str(whole), f"save={one}", f"log_dir={one}")
+    train(str(whole), f"save={two}", f"log_dir={two}", "pipe_parallel_size=2", nproc=2)
+    assert_same_training(two, reference(one))
+
+
 def test_a_lora_reward_model_trains_its_head_and_adapters_only(trained, capsys):
     tmp, _, base, _, _ = trained
     folder, _, after = keeping_trainer(tmp, "rm", DATA["rm"], base)

@@ -11,6 +11,7 @@ fp16's dynamic loss scale and the other optimizers decide on the host each step.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -214,13 +215,15 @@ class Gradients:
         inputs, target, preps = prepared_batch(self.objective, batches)
         if self.objective.needs_reference:
             ref = self.parts.reference_pipeline
-            assert ref is not None
             labels = torch.cat([p.labels for p in preps])
             fp32 = getattr(self.objective, "fp32", True)
-            per_micro_batch = evaluate_pipeline(
-                ref, inputs, labels, self.grad_accum, self.dims.mesh["pp"],
-                lambda out, y, _: token_logp(out, y, fp32), reduce=False,
-            )  # fmt: skip
+            # lora's reference: the policy's own stages, their adapters left out
+            base = adapters_off(self.parts.model) if ref is None else contextlib.nullcontext()
+            with base:
+                per_micro_batch = evaluate_pipeline(
+                    ref or self.parts.pipeline, inputs, labels, self.grad_accum,
+                    self.dims.mesh["pp"], lambda out, y, _: token_logp(out, y, fp32), reduce=False,
+                )  # fmt: skip
             if per_micro_batch:  # the last stage: the one that computes the loss
                 target[..., 3] = torch.cat(per_micro_batch)
         return inputs, target
