@@ -154,8 +154,8 @@ def _check_use(ch: Checker) -> None:
     c = ch.c
     refused = [
         (
-            c.parallel.pipe_parallel_size > 1 and c.training.train_impl == "rm",
-            "pipe_parallel_size > 1 and train_impl rm",
+            c.parallel.pipe_parallel_size > 1 and c.training.train_impl in ("rm", "reinforce"),
+            f"pipe_parallel_size > 1 and train_impl {c.training.train_impl}",
         ),
         (c.moe.moe_num_experts > 1, "moe_num_experts > 1"),
         (fp8_plan(c.precision, c.model) is not None, "fp8"),
