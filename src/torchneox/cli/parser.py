@@ -144,6 +144,12 @@ def _convert_verbs(verbs: argparse._SubParsersAction) -> None:
     from_hf.add_argument("hf_dir", metavar="HF_DIR")
     from_hf.add_argument("out_dir", metavar="OUT_DIR")
     from_hf.add_argument("--force", action="store_true", help=FORCE_HELP)
+    from_hf.add_argument(
+        "--adapter",
+        metavar="PEFT_DIR",
+        help="a PEFT LoRA adapter folder of HF_DIR's model: the checkpoint gets its lora key "
+        "and adapters",
+    )
     to_hf = convert_verbs.add_parser(
         "to-hf", help="a torchneox checkpoint -> a Hugging Face folder"
     )
@@ -155,6 +161,12 @@ def _convert_verbs(verbs: argparse._SubParsersAction) -> None:
         choices=("fp32", "bf16", "fp16"),
         default="fp32",
         help="the exported weights' dtype (default fp32: the checkpoint's master weights)",
+    )
+    to_hf.add_argument(
+        "--adapter",
+        action="store_true",
+        help="write the checkpoint's LoRA adapters as a PEFT adapter folder (adapter_config.json, "
+        "adapter_model.safetensors) instead of the model with them merged into its weights",
     )
     to_hf.add_argument(
         "--max-shard-size",

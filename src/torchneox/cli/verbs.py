@@ -48,7 +48,13 @@ def cmd_config_keys(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from torchneox.interop import huggingface
 
-    if args.convert_verb == "from-hf":
+    if args.convert_verb == "from-hf" and args.adapter:
+        from torchneox.interop import peft_adapter
+
+        step = peft_adapter.from_hf_with_adapter(
+            args.hf_dir, args.adapter, args.out_dir, args.force
+        )
+    elif args.convert_verb == "from-hf":
         step = huggingface.from_hf(args.hf_dir, args.out_dir, force=args.force, progress=True)
     elif args.convert_verb == "from-gpt-neox":
         from torchneox.interop import gpt_neox
@@ -63,6 +69,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
             progress=True,
             force=args.force,
         )
+    elif args.adapter:
+        from torchneox.interop import peft_adapter
+
+        step = peft_adapter.to_peft(args.checkpoint, args.out_dir, args.force, args.dtype)
     else:
         step = huggingface.to_hf(
             args.checkpoint,

@@ -11,6 +11,8 @@ from torchneox.base.errors import ConfigError
 from torchneox.config import sizes
 from torchneox.config.derived import Derived
 from torchneox.config.load import LoadedConfig
+from torchneox.config.lora import adapter_parameters, lora_spec
+from torchneox.config.lora import describe as describe_lora
 from torchneox.config.mup import derive_mup
 from torchneox.config.schema import ModelConfig, NeoXConfig
 from torchneox.config.sharing import layer_owners
@@ -69,6 +71,9 @@ def derive_model(loaded: LoadedConfig, out: Derived) -> None:
     _shapes(loaded, out)
     _counts(cfg, out, padded)
     _sharing_and_prompt(cfg, out)
+    if (spec := lora_spec(cfg)) is not None:
+        count = adapter_parameters(cfg, spec)
+        out.put("lora_trainable_parameters", count, describe_lora(cfg, spec))
 
 
 def _sharing_and_prompt(cfg: NeoXConfig, out: Derived) -> None:

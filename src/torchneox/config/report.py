@@ -68,6 +68,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "num_parameters",
         "num_active_parameters",
         "trainable_parameters",
+        "lora_trainable_parameters",
         "flops_per_token",
     ),
     "Data": ("data",),

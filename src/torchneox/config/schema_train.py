@@ -427,6 +427,12 @@ class TrainingConfig:
         "min_difficulty, max_difficulty, schedule_type: fixed_linear | fixed_root | "
         "fixed_discrete, schedule_config}; each training step's samples cut to its length.",
     )
+    lora: dict[str, Any] | None = extension(
+        None,
+        "Low-rank adapters, the base frozen: {rank (8), alpha (8), dropout (0), target_modules "
+        "([q_proj, v_proj]): torchneox's layer names (attention.wq/wk/wv/wo, mlp.up/gate/down) "
+        "or Hugging Face's (q_proj ... down_proj)}; each adds (alpha / rank) B(A(dropout(x))).",
+    )
     curriculum_seqlen: int = derived(
         0, "The curriculum's length at the current step (logged in the metrics)."
     )

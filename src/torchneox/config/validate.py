@@ -17,6 +17,7 @@ from torchneox.config.curriculum import check_curriculum
 from torchneox.config.deepspeed_dicts import check_deepspeed_dicts
 from torchneox.config.eight_bit import check_eight_bit
 from torchneox.config.epochs import check_train_epochs
+from torchneox.config.lora import check_lora
 from torchneox.config.offload import OFFLOAD_KEYS, offload_problem
 from torchneox.config.schema import NeoXConfig
 from torchneox.config.sharing import check_sharing
@@ -140,6 +141,7 @@ def validate(config: NeoXConfig, origin: dict[str, str]) -> None:
     _check_data(check)
     check_train_epochs(check)
     check_curriculum(check)
+    check_lora(check)
     check_deepspeed_dicts(check)
     _check_sharing(check)
     check_soft_prompt(check)

@@ -173,12 +173,19 @@ def _trace_on(
 
     changes: dict[str, Any] = {"moe_interval": 1} if moe else {"moe_num_experts": 1}
     changes["layer_types"] = (kind or "global",) * layers
+    # F.linear's ops (what selective checkpointing keeps), not a per-machine oneDNN verdict: the
+    # traces of every shape alike (both kernels save the same tensors)
+    changes["cpu_matmul"] = "default"
     args, _ = meta_model(loaded, vocab, layers, **changes)
     seq = loaded.config.model.seq_length
     rec = _SavedBytes(args.hidden_size)
     with FakeTensorMode(allow_non_fake_inputs=True), torch.device(device):
         model = Transformer(args)
         model.train()
+        # with LoRA's frozen base, the first layer saves less than the rest (its input needs no
+        # gradient), which the per-layer differences do not model: traced as every weight
+        # trained, an upper bound of the adapters' activations
+        model.requires_grad_(True)
         for module in model.modules():
             if isinstance(module, MoE):
                 route_evenly(module)

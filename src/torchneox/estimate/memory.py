@@ -17,7 +17,7 @@ from torchneox.config.validate_model import layer_attention_types
 from torchneox.estimate.activations import Trace
 from torchneox.estimate.host import offload_parts
 from torchneox.estimate.parameters import PARAM_BYTES, expert_sharded, local_dims, local_numel
-from torchneox.models.transformer import SOFT_PROMPT, is_drawn
+from torchneox.models.transformer import SOFT_PROMPT, is_adapter, is_drawn, trains_with_lora
 
 GIB = 2**30
 CUDA_RESERVE = 1.5 * GIB  # CUDA context, cuBLAS/NCCL workspaces
@@ -101,9 +101,13 @@ def memory_per_rank(
 
 def trained(params: list[tuple[str, tuple]]) -> list[tuple[str, tuple]]:
     """The parameters with gradients and optimizer state: all of them, or under
-    soft_prompt_tuning the prompt alone (everything else is frozen)."""
+    soft_prompt_tuning the prompt alone, under LoRA the adapters (everything else is frozen)."""
     prompt = [(n, s) for n, s in params if n == SOFT_PROMPT]
-    return prompt or params
+    if prompt:
+        return prompt
+    if any_adapter(params):  # LoRA: the adapters alone (the base is frozen)
+        return [(n, s) for n, s in params if trains_with_lora(n)]
+    return params
 
 
 def state_bytes(
@@ -178,6 +182,11 @@ def _largest_block(params: list[tuple[str, tuple]], tp: int, ep: int) -> int:
         ),
         default=0,
     )
+
+
+def any_adapter(params: list[tuple[str, tuple]]) -> bool:
+    """Whether the model has LoRA adapters (then they alone train)."""
+    return any(is_adapter(n) for n, _ in params)
 
 
 def build_bytes(params: list[tuple[str, tuple]], layout: Layout, reference: bool) -> int:

@@ -219,7 +219,9 @@ def _build_bytes(loaded: LoadedConfig, layout: Layout, stages: list) -> int:
     drawn whole."""
     from torchneox.train.objectives import objective_for
 
-    reference = objective_for(loaded.config, 0).needs_reference
+    # lora's reference is the policy's base: no second model
+    lora = loaded.config.training.lora is not None
+    reference = objective_for(loaded.config, 0).needs_reference and not lora
     return max(build_bytes(params, layout, reference) for params in stages)
 
 

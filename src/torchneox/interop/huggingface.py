@@ -19,7 +19,7 @@ from torchneox.models import hf
 from torchneox.models.args import ModelArgs, model_args
 from torchneox.models.hf_weights import GPT_NEOX, WeightImporter, hf_tensors
 from torchneox.models.sharing import per_layer_state
-from torchneox.models.transformer import Transformer
+from torchneox.models.transformer import Transformer, merged_state_dict
 from torchneox.train import checkpoint_format, weights
 from torchneox.train.hf_files import (
     DEFAULT_SHARD_BYTES,
@@ -219,8 +219,9 @@ def to_hf(
         )
     _, model = weights.load_model(step_dir, stored_dtype=True)  # one copy, as stored
     with new_output_dir(out, force, "convert to-hf", inputs=inputs) as tmp:
-        # layer weight sharing: each layer written whole (Hugging Face formats share nothing)
-        state = per_layer_state(model)
+        # LoRA adapters merged into their weights; under layer weight sharing each layer
+        # written whole (Hugging Face formats share nothing)
+        state = per_layer_state(model, merged_state_dict(model))
         tensors = hf_tensors(hf.causal_family(arch), state, args)
         total = sum(p.numel() for p in state.values()) * DTYPES[dtype].itemsize
         meter = Progress("wrote", total, progress)

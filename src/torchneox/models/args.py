@@ -9,6 +9,7 @@ from typing import Any
 from torchneox.base.errors import ConfigError
 from torchneox.config.derive import derive
 from torchneox.config.load import LoadedConfig
+from torchneox.config.lora import lora_spec
 from torchneox.config.schema import NeoXConfig
 from torchneox.config.sharing import layer_owners
 from torchneox.config.sizes import (
@@ -97,6 +98,12 @@ class ModelArgs:
     """A reward model (train_impl rm): the head gives one value per position, not logits."""
     cpu_matmul: str = "auto"
     """The kernel of fp32 CPU linears (models/linear.py); build_model selects it."""
+    lora_rank: int = 0
+    """LoRA adapters' rank (0: none), on the lora_targets of every block (config/lora.py)."""
+    lora_alpha: float = 0.0
+    lora_dropout: float = 0.0
+    lora_targets: tuple[str, ...] = ()
+    """torchneox's names of the adapted layers (attention.wq, mlp.down, ...)."""
 
     layer_types: tuple[str, ...] = ()
     """Each layer's attention_config type (global, flash, a sparse type, mamba, rwkv, gmlp,
@@ -217,8 +224,22 @@ class ModelArgs:
             norm_position=m.norm_position,
             value_head=cfg.training.train_impl == "rm",
             cpu_matmul=cfg.precision.cpu_matmul,
+            **_lora(cfg),
             **(_layer_families(cfg) | _mup_fields(cfg)),
         )
+
+
+def _lora(cfg: NeoXConfig) -> dict:
+    """The adapters (ModelArgs' lora fields by name); none without the lora key."""
+    spec = lora_spec(cfg)
+    if spec is None:
+        return {}
+    return {
+        "lora_rank": spec.rank,
+        "lora_alpha": spec.alpha,
+        "lora_dropout": spec.dropout,
+        "lora_targets": spec.targets,
+    }
 
 
 def _positions(cfg: NeoXConfig) -> dict:

@@ -123,9 +123,35 @@ def linear(
 
 class Linear(nn.Linear):
     """``nn.Linear`` (the same parameters, names and tensor-parallel plans) computed by
-    :func:`linear` with the kernel choice ``cpu_matmul`` (the model sets it on each layer)."""
+    :func:`linear` with the kernel choice ``cpu_matmul`` (the model sets it on each layer).
+    With a LoRA adapter (``add_adapter``) it adds scale x B(A(dropout(x))): ``lora_A.weight``
+    [rank, in] and ``lora_B.weight`` [out, rank], the names PEFT saves them under."""
 
     cpu_matmul: str = "auto"
+    lora_scale: float = 0.0
+    lora_off: bool = False
+    """Set (by ``adapters_off``): the layer computes its base alone."""
+
+    def add_adapter(self, rank: int, scale: float, dropout: float) -> None:
+        """A LoRA adapter on this layer (its tensors on the current default device; the model's
+        ``init_weights`` draws A as PEFT does and zeros B)."""
+        self.lora_A = nn.Linear(self.in_features, rank, bias=False)
+        self.lora_B = nn.Linear(rank, self.out_features, bias=False)
+        self.lora_dropout = nn.Dropout(dropout)
+        self.lora_scale = scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.cpu_matmul)
+        out = linear(x, self.weight, self.bias, self.cpu_matmul)
+        a = self._modules.get("lora_A")
+        if a is None or self.lora_off:
+            return out
+        low = linear(self.lora_dropout(x), a.weight, mode=self.cpu_matmul)
+        return out + self.lora_scale * linear(low, self.lora_B.weight, mode=self.cpu_matmul)
+
+    def merged_weight(self) -> torch.Tensor:
+        """W + scale x B @ A: the weight that computes what the layer and its adapter do."""
+        a = self._modules.get("lora_A")
+        if a is None:
+            return self.weight
+        delta = self.lora_B.weight.float() @ a.weight.float()
+        return (self.weight.float() + self.lora_scale * delta).to(self.weight.dtype)

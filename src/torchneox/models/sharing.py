@@ -76,11 +76,12 @@ def install(model: nn.Module) -> None:
     model.register_load_state_dict_pre_hook(fill_shared)
 
 
-def per_layer_state(model: nn.Module) -> dict[str, Any]:
-    """The state dict with every layer's tensors under its own name (a sharer's a copy of its
-    owner's): what formats without sharing (Hugging Face, whose safetensors files refuse one
-    tensor under two names) are written from."""
-    state = model.state_dict()
+def per_layer_state(model: nn.Module, state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The state dict (``model``'s, or ``state`` taken from it) with every layer's tensors
+    under its own name (a sharer's a copy of its owner's): what formats without sharing
+    (Hugging Face, whose safetensors files refuse one tensor under two names) are written
+    from."""
+    state = model.state_dict() if state is None else state
     if model.args.layer_owners:
         for key, owner in shared_keys(model).items():
             state[key] = state[owner].clone()

@@ -18,8 +18,10 @@ Build it on the meta device, move it with ``to_empty`` and call ``init_weights()
 
 from __future__ import annotations
 
+import contextlib
+import math
 import zlib
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 
 import torch
 from torch import nn
@@ -55,6 +57,9 @@ def _param_seed(seed: int, name: str) -> int:
 WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
 """What activation checkpointing and torch.compile insert into parameter names."""
 
+ADAPTER_TENSORS = ("lora_A.weight", "lora_B.weight")
+"""A LoRA adapter's parameters, under the layer it adapts (layers.0.attention.wq.lora_A.weight)."""
+
 OUTPUT_LAYERS = ("attention.wo.weight", "mlp.down.weight", "mlp.experts_down")
 """The parameters output_layer_init_method initialises (the rest: init_method)."""
 
@@ -64,6 +69,17 @@ def is_drawn(name: str) -> bool:
     and the biases are set in place: every norm module's name ends in "norm")."""
     module, _, leaf = name.rpartition(".")
     return not (module.endswith("norm") or leaf == "bias" or leaf.endswith("_bias"))
+
+
+def is_adapter(name: str) -> bool:
+    """Whether parameter ``name`` is a LoRA adapter's."""
+    return name.endswith(ADAPTER_TENSORS)
+
+
+def trains_with_lora(name: str) -> bool:
+    """Whether a run with lora trains parameter ``name`` (and its checkpoints hold it): the
+    adapters, and a reward model's value head."""
+    return is_adapter(name) or name.endswith("value_head.weight")
 
 
 def plain_name(name: str) -> str:
@@ -94,6 +110,19 @@ def _soft_prompt_init(args: ModelArgs) -> InitFn:
     return init
 
 
+def _own_init(args: ModelArgs, name: str) -> InitFn | None:
+    """The initialisation of a parameter with one of its own (None: the default rules): a
+    mixer's, the soft prompt's, PEFT's for a LoRA A, GPT-NeoX's xavier normal for the relative
+    position table."""
+    if name == SOFT_PROMPT:
+        return _soft_prompt_init(args)
+    if name.endswith("lora_A.weight"):  # PEFT's: kaiming-uniform with a = sqrt(5)
+        return _kaiming_uniform
+    if name == "rpe.weight":  # GPT-NeoX's ParallelRelativePositionBias
+        return init_function("xavier_normal", args.init_std, args.num_layers, args.hidden_size)
+    return None if is_adapter(name) else special_init(args, name)
+
+
 def init_parameter(
     args: ModelArgs, name: str, param: torch.Tensor, seed: int, draw_on: torch.device | None = None
 ) -> None:
@@ -106,9 +135,10 @@ def init_parameter(
     without offload)."""
     module, _, leaf = name.rpartition(".")
     local, where = local_part(param)
-    init = _soft_prompt_init(args) if name == SOFT_PROMPT else special_init(args, name)
-    if name == "rpe.weight":  # GPT-NeoX's ParallelRelativePositionBias: xavier normal
-        init = init_function("xavier_normal", args.init_std, args.num_layers, args.hidden_size)
+    if name.endswith("lora_B.weight"):  # PEFT's: zeros, so the adapted model starts as its base
+        local.zero_()
+        return
+    init = _own_init(args, name)
     if init is None and not is_drawn(name):
         scale = module.endswith("norm") and leaf in ("weight", "g")
         local.fill_(1.0 if scale else 0.0)
@@ -145,6 +175,10 @@ class SoftPrompt(nn.Module):
     def __init__(self, n_tokens: int, hidden_size: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n_tokens, hidden_size))
+
+
+def _kaiming_uniform(tensor: torch.Tensor, generator: torch.Generator) -> None:
+    nn.init.kaiming_uniform_(tensor, a=math.sqrt(5), generator=generator)
 
 
 class Transformer(nn.Module):
@@ -186,8 +220,20 @@ class Transformer(nn.Module):
         for module in self.modules():  # the CPU kernel of the fp32 products (cpu_matmul)
             if isinstance(module, Linear):
                 module.cpu_matmul = args.cpu_matmul
+        if args.lora_rank:
+            self._add_adapters()
         sharing.install(self)  # num_unique_layers: the sharers hold their owner's parameters
         self.freeze_for_prompt()
+
+    def _add_adapters(self) -> None:
+        """LoRA adapters on the targeted linears of every block; every other parameter frozen."""
+        a = self.args
+        for name, module in self.named_modules():
+            _, _, rest = name.partition(".")[2].partition(".")
+            if isinstance(module, Linear) and name.startswith("layers.") and rest in a.lora_targets:
+                module.add_adapter(a.lora_rank, a.lora_alpha / a.lora_rank, a.lora_dropout)
+        for name, param in self.named_parameters():
+            param.requires_grad_(trains_with_lora(name))
 
     def freeze_for_prompt(self) -> None:
         """soft_prompt_tuning: every parameter but the prompt frozen (no gradient, no optimizer
@@ -477,3 +523,27 @@ def build_model(
     model.to_empty(device=device)
     model.init_weights(device, seed=seed or 0)
     return model
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s state dict with each LoRA adapter merged into the weight it adapts
+    (W + scale x B @ A) and no adapter tensors: the plain model that computes the same."""
+    sd = model.state_dict()
+    merged = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and "lora_A" in module._modules:
+            merged[f"{name}.weight"] = module.merged_weight().detach()
+    return {k: merged.get(k, v) for k, v in sd.items() if not is_adapter(k)}
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """``model`` computes its base, every LoRA adapter left out (DPO's and KTO's reference)."""
+    layers = [m for m in model.modules() if isinstance(m, Linear) and "lora_A" in m._modules]
+    for layer in layers:
+        layer.lora_off = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.lora_off = False

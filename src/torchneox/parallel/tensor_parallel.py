@@ -15,7 +15,7 @@ import contextlib
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -43,6 +43,10 @@ def split_dim(name: str) -> int | None:
     if module in VOCAB_SPLIT and leaf == "weight":
         return 0
     if name == "rpe.weight":  # [buckets, heads]: each rank its heads
+        return 1
+    if module.endswith(tuple(f"{c}.lora_B" for c in COLUMN_SPLIT)):  # LoRA: as the layer's
+        return 0
+    if module.endswith(tuple(f"{r}.lora_A" for r in ROW_SPLIT)):
         return 1
     if module.endswith(COLUMN_SPLIT):
         return 0
@@ -88,10 +92,40 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
             )
             if block.mlp_norm is not None:
                 plan["mlp_norm"] = SequenceParallel()
+        adapters = _take_adapters(block, present)  # the plans split a layer's own weights
         parallelize_module(block, mesh, plan)
+        _split_adapters(block, adapters, mesh)
         if isinstance(getattr(block, "attention", None), SparseAttention):
             # its layout per head follows the heads this rank holds
             block.attention.keep_heads(mesh.get_local_rank(), mesh.size())
+
+
+def _take_adapters(block: nn.Module, names: list[str]) -> dict[str, tuple[nn.Module, nn.Module]]:
+    """The LoRA adapters (lora_A, lora_B, their dropout) of the layers ``names``, taken off."""
+    out = {}
+    for name in names:
+        layer = block.get_submodule(name)
+        if "lora_A" in layer._modules:
+            out[name] = tuple(layer._modules.pop(k) for k in ("lora_A", "lora_B", "lora_dropout"))
+    return out
+
+
+def _split_adapters(block: nn.Module, adapters: dict, mesh: DeviceMesh) -> None:
+    """Each adapter put back split as its layer is: a column-split layer's B by output rows
+    (A whole), a row-split layer's A by input columns (B whole), so that B(A(x)) is laid out
+    as the layer's own output (its row-split partial sums reduced with the layer's)."""
+    for name, (a, b, dropout) in adapters.items():
+        column = name in COLUMN_SPLIT
+        for module, placement in (
+            (a, Replicate() if column else Shard(1)),
+            (b, Shard(0) if column else Replicate()),
+        ):
+            weight = module.weight
+            module.weight = nn.Parameter(
+                distribute_tensor(weight, mesh, [placement]), requires_grad=weight.requires_grad
+            )
+        layer = block.get_submodule(name)
+        layer.lora_A, layer.lora_B, layer.lora_dropout = a, b, dropout
 
 
 def _keep_heads(model: Transformer, mesh: DeviceMesh) -> None:

@@ -106,7 +106,7 @@ def build_run(
         d["precision"],
         device,
     )
-    if run.objective.needs_reference:
+    if run.objective.needs_reference and not args.lora_rank:  # lora's: the policy's base
         run.parts.reference, run.parts.reference_pipeline = build_reference(
             args, dims, layout, device
         )

@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 from torchneox.base.errors import CheckpointWriteError, TrainingStopped
 from torchneox.models.hf_folder import is_hf_folder
+from torchneox.models.transformer import is_adapter, trains_with_lora
 from torchneox.train.async_checkpoint import BackgroundSaves
 from torchneox.train.checkpoint_format import (
     META_FILE,
@@ -29,7 +30,7 @@ from torchneox.train.checkpoint_format import (
 from torchneox.train.fine_tuning import holds_checkpoint, no_weights_to_fine_tune
 from torchneox.train.optim import load_optimizer_state
 from torchneox.train.s3_upload import S3Uploads, require_boto3
-from torchneox.train.weights import load_model_weights
+from torchneox.train.weights import LORA_BASE, base_of_adapters, load_model_weights
 
 
 def save_iterations(ck: Any, train_iters: int) -> set[int]:
@@ -83,6 +84,8 @@ class CheckpointManager:
         if self.save_dir is not None:
             ensure_writable(self.save_dir)
         self.save_at = save_iterations(ck, train_iters)
+        self.lora_base: str | None = None
+        """A LoRA run's base checkpoint (set when it loads one): saves hold the adapters only."""
         self.background = None
         if self.save_dir is not None and ck.async_checkpointing:
             self.background = BackgroundSaves(
@@ -106,7 +109,10 @@ class CheckpointManager:
         if self.save_dir is None:
             return None
         ck = self.ck
-        tensors: dict[str, Any] = {"model": get_model_state_dict(state.model)}
+        model = get_model_state_dict(state.model)
+        if self.lora_base is not None:  # the adapters only: the base is in the one it names
+            model = {k: v for k, v in model.items() if trains_with_lora(k)}
+        tensors: dict[str, Any] = {"model": model}
         # an optimizer that never stepped has no state to save; asking torch for its state
         # dict would create it with a zero-rate step counted (Adam's bias correction would
         # then be one step off for the rest of the run), so saving never changes training
@@ -123,6 +129,8 @@ class CheckpointManager:
             "has_rng": "rng" in tensors,
             "has_reference": "reference" in tensors,
         }
+        if self.lora_base is not None:
+            meta[LORA_BASE] = self.lora_base
         if self.background is not None:  # async_checkpointing: finished at a later step
             self._finish_background(wait=True)  # the previous one first (uploaded, rotated)
             self.background.start(iteration, tensors, meta)
@@ -205,8 +213,16 @@ class CheckpointManager:
         the no_load keys say otherwise."""
         ck = self.ck
         meta = read_meta(step_dir)
-        for key in load_model_weights(step_dir, state.model):
+        fresh = load_model_weights(step_dir, state.model)
+        if any(is_adapter(n) for n, _ in state.model.named_parameters()):
+            self.lora_base = base_of_adapters(step_dir, self.save_dir)
+        for key in [k for k in fresh if not is_adapter(k)]:
             self.line(f"{step_dir} has no {key}: it starts from its initialisation")
+        if any(is_adapter(k) for k in fresh):
+            self.line(
+                f"{step_dir} has no LoRA adapters: they start from their initialisation "
+                "(B zeros: the model computes what its base does)"
+            )
         if ck.finetune or "loaders" not in meta:
             why = (
                 "finetune is set"

@@ -11,6 +11,7 @@ fp16's dynamic loss scale and the other optimizers decide on the host each step.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from torchneox.base.faults import fault_point
 from torchneox.config.curriculum import Curriculum
 from torchneox.data.loader import Batch
 from torchneox.models.moe import MoE
+from torchneox.models.transformer import adapters_off
 from torchneox.parallel.collectives import mean_over_dp, plain, sum_over_pp, sum_router_stats
 from torchneox.parallel.context_parallel import split_pipeline_batch, split_sequence
 from torchneox.parallel.data_parallel import set_gradient_sync
@@ -174,7 +176,9 @@ class Gradients:
         """The frozen reference model's output on the micro-batch, when the objective needs it."""
         if not self.objective.needs_reference:
             return None
-        assert self.parts.reference is not None
+        if self.parts.reference is None:  # lora: the policy's base, its adapters left out
+            with adapters_off(self.parts.model):
+                return self.parts.module(prep.inputs, **prep.model_inputs())
         return self.parts.reference(prep.inputs, **prep.model_inputs())
 
     def forward_backward(self, batch: Batch, last: bool, sums: dict) -> torch.Tensor:
@@ -211,13 +215,15 @@ class Gradients:
         inputs, target, preps = prepared_batch(self.objective, batches)
         if self.objective.needs_reference:
             ref = self.parts.reference_pipeline
-            assert ref is not None
             labels = torch.cat([p.labels for p in preps])
             fp32 = getattr(self.objective, "fp32", True)
-            per_micro_batch = evaluate_pipeline(
-                ref, inputs, labels, self.grad_accum, self.dims.mesh["pp"],
-                lambda out, y, _: token_logp(out, y, fp32), reduce=False,
-            )  # fmt: skip
+            # lora's reference: the policy's own stages, their adapters left out
+            base = adapters_off(self.parts.model) if ref is None else contextlib.nullcontext()
+            with base:
+                per_micro_batch = evaluate_pipeline(
+                    ref or self.parts.pipeline, inputs, labels, self.grad_accum,
+                    self.dims.mesh["pp"], lambda out, y, _: token_logp(out, y, fp32), reduce=False,
+                )  # fmt: skip
             if per_micro_batch:  # the last stage: the one that computes the loss
                 target[..., 3] = torch.cat(per_micro_batch)
         return inputs, target

@@ -170,7 +170,11 @@ class Trainer:
             seed = self.cfg.training.seed
             self.logger.line(f"weights: {drawn} parameter tensors drawn from seed {seed}{shards}")
         else:
-            drawn_text = f"{drawn} fresh head(s) initialised" if drawn else "none initialised"
+            drawn_text = (
+                f"{drawn} fresh tensor(s) initialised (heads or LoRA adapters it lacks)"
+                if drawn
+                else "none initialised"
+            )
             into = "into each rank's shards" if self.dims.world_size > 1 else "into the model"
             self.logger.line(f"weights: read from {step_dir} {into}; {drawn_text}")
 

@@ -5,6 +5,7 @@ run loads (``load_model_weights``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -13,8 +14,14 @@ import torch.distributed.checkpoint as dcp
 from torchneox.base.errors import ConfigError
 from torchneox.config.load import LoadedConfig
 from torchneox.models.args import model_args
-from torchneox.models.transformer import Transformer, plain_name
-from torchneox.train.checkpoint_format import checkpoint_config, load_state, resolve
+from torchneox.models.transformer import Transformer, is_adapter, plain_name, trains_with_lora
+from torchneox.train.checkpoint_format import (
+    META_FILE,
+    checkpoint_config,
+    load_state,
+    read_meta,
+    resolve,
+)
 
 FRESH_HEADS = ("value_head.weight", "soft_prompt.weight")
 """Weights a model may start without: a reward model's head, from a language model's
@@ -22,22 +29,86 @@ checkpoint (GPT-NeoX loads it non-strictly: rm_linear keeps its initialisation),
 prompt, from a checkpoint of the model it tunes."""
 
 
-def missing_heads(step_dir: Path, prefix: str = "model") -> frozenset[str]:
-    """The fresh heads ``step_dir`` does not hold: what a model loading it must initialise."""
-    held = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
-    return frozenset(k for k in FRESH_HEADS if f"{prefix}.{k}" not in held)
+class FreshNames(frozenset):
+    """The fresh heads a checkpoint lacks (what iterating gives); ``in`` is also true of the
+    LoRA adapters it lacks (a run with lora that fine-tunes its base's checkpoint)."""
+
+    def __new__(cls, heads: list[str], held: set[str], prefix: str) -> FreshNames:
+        names = super().__new__(cls, heads)
+        names.held, names.prefix = held, prefix
+        return names
+
+    def __contains__(self, name: object) -> bool:
+        if super().__contains__(name):
+            return True
+        return (
+            isinstance(name, str) and is_adapter(name) and f"{self.prefix}.{name}" not in self.held
+        )
+
+
+def missing_heads(step_dir: Path, prefix: str = "model") -> FreshNames:
+    """The fresh heads (and adapters) ``step_dir`` does not hold: what a model loading it must
+    initialise."""
+    held = set(dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata)
+    return FreshNames([k for k in FRESH_HEADS if f"{prefix}.{k}" not in held], held, prefix)
+
+
+LORA_BASE = "lora_base"
+"""meta.json's entry of a checkpoint that holds only LoRA adapters: the checkpoint (a step
+directory) that holds the frozen base weights they adapt."""
+
+
+def lora_base(step_dir: Path) -> Path | None:
+    """The checkpoint holding the frozen base of an adapters-only checkpoint (None: it holds
+    every weight); one line when it is gone."""
+    meta = read_meta(step_dir) if (step_dir / META_FILE).is_file() else {}
+    base = meta.get(LORA_BASE)
+    if base is None:
+        return None
+    if not (Path(base) / META_FILE).is_file():
+        raise ConfigError(
+            f"holds only LoRA adapters, and the checkpoint of their base weights, {base}, is "
+            "gone; put it back there",
+            source=str(step_dir),
+        )
+    return Path(base)
+
+
+def base_of_adapters(step_dir: Path, save_dir: Path | None) -> str | None:
+    """What a LoRA run that loaded ``step_dir`` names as its base in the adapters-only
+    checkpoints it saves: the base ``step_dir`` names, else ``step_dir`` itself unless it lies
+    in the run's own save folder (which rotation may empty: then it saves every weight)."""
+    base = lora_base(step_dir)
+    if base is not None:
+        return str(base)
+    whole = step_dir.resolve()
+    if save_dir is not None and whole.is_relative_to(Path(save_dir).resolve()):
+        return None
+    return str(whole)
 
 
 def load_model_weights(step_dir: Path, model: torch.nn.Module, prefix: str = "model") -> list[str]:
-    """Load the checkpoint's ``prefix`` weights into ``model``; returns the fresh heads the
-    checkpoint did not have (they keep their initialisation)."""
-    sd = model.state_dict()
+    """Load the checkpoint's ``prefix`` weights into ``model`` (an adapters-only checkpoint's:
+    the base's from the checkpoint it names, then its adapters); returns the fresh heads and
+    LoRA adapters the checkpoint did not have (they keep their initialisation)."""
+    base = lora_base(step_dir) if prefix == "model" else None
+    if base is None:
+        return _load_weights(step_dir, model, prefix, None)
+    _load_weights(base, model, prefix, lambda k: not trains_with_lora(k))
+    return _load_weights(step_dir, model, prefix, trains_with_lora)
+
+
+def _load_weights(
+    step_dir: Path, model: torch.nn.Module, prefix: str, which: Callable[[str], bool] | None
+) -> list[str]:
+    """The ``which`` weights (None: all) of ``model`` read from ``step_dir``."""
+    sd = {k: v for k, v in model.state_dict().items() if which is None or which(k)}
     expected = {k: tuple(v.shape) for k, v in sd.items()}
     metadata = dcp.FileSystemReader(str(step_dir)).read_metadata()
     fresh = []
     for key, shape in expected.items():
         entry = metadata.state_dict_metadata.get(f"{prefix}.{key}")
-        if entry is None and key in FRESH_HEADS:
+        if entry is None and (key in FRESH_HEADS or is_adapter(key)):
             fresh.append(key)
             continue
         if entry is None:
@@ -50,8 +121,8 @@ def load_model_weights(step_dir: Path, model: torch.nn.Module, prefix: str = "mo
             )
     wanted = {k: v for k, v in sd.items() if k not in fresh}
     load_state(step_dir, {prefix: wanted})
-    model.load_state_dict(wanted, strict=not fresh)
-    refuse_non_finite(model.state_dict(), step_dir)
+    model.load_state_dict(wanted, strict=not fresh and which is None)
+    refuse_non_finite(wanted, step_dir)
     return fresh
 
 

@@ -1,0 +1,114 @@
+"""lora: each mistake one line naming the file and the key, exit 2, no traceback; explain
+shows the adapted layers and what trains."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from torchneox.cli import main
+
+BASE = {
+    "num_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "seq_length": 64,
+    "train_micro_batch_size_per_gpu": 2,
+    "train_iters": 10,
+    "optimizer": {"type": "Adam", "params": {"lr": 1.0e-3}},
+}
+GOOD = {"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "attention.wv"]}
+
+
+def lora(**changes) -> dict:
+    return {"lora": GOOD | changes}
+
+
+CASES = [
+    ("not-a-mapping", {"lora": 4}, "lora: expected a mapping, got 4"),
+    ("typo", {"lora": {**GOOD, "ranks": 2}}, "lora: unknown key ranks; did you mean rank?"),
+    ("rank-zero", lora(rank=0), "lora: rank must be an integer >= 1, got 0"),
+    ("rank-float", lora(rank=2.5), "lora: rank must be an integer >= 1, got 2.5"),
+    ("alpha", lora(alpha=0), "lora: alpha must be a number > 0, got 0"),
+    ("dropout", lora(dropout=1.0), "lora: dropout must be a number in [0, 1), got 1.0"),
+    (
+        "target-typo",
+        lora(target_modules=["q_prj"]),
+        "lora: target_modules: unknown layer 'q_prj'; did you mean q_proj?",
+    ),
+    ("targets-empty", lora(target_modules=[]), "lora: target_modules must be a list"),
+    (
+        "gate-ungated",
+        lora(target_modules=["gate_proj"]),
+        "lora: target_modules names mlp.gate, but the activation is not gated",
+    ),
+    (
+        "pipeline-rm",
+        {**lora(), "pipe_parallel_size": 2, "train_impl": "rm"},
+        "lora: lora with pipe_parallel_size > 1 and train_impl rm is not built yet",
+    ),
+    (
+        "moe",
+        {**lora(), "moe_num_experts": 2},
+        "lora: lora with moe_num_experts > 1 is not built yet",
+    ),
+    (
+        "mamba",
+        {**lora(), "attention_config": [[["mamba"], "all"]]},
+        "lora: lora with mamba layers is not built yet",
+    ),
+    (
+        "soft-prompt",
+        {**lora(), "soft_prompt_tuning": {"enabled": True, "n_tokens": 4}},
+        "lora: lora with soft_prompt_tuning (each freezes the other's) is not built yet",
+    ),
+    (
+        "shared-layers",
+        {**lora(), "num_unique_layers": 1},
+        "lora: lora with num_unique_layers (shared layers) is not built yet",
+    ),
+]
+
+
+@pytest.mark.parametrize(("keys", "fragment"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_one_clear_line(tmp_path, capsys, keys, fragment):
+    path = tmp_path / "a.yml"
+    path.write_text(json.dumps(BASE | keys))
+    status = main(["config", "explain", str(path)])
+    captured = capsys.readouterr()
+    assert status == 2
+    assert captured.out == ""
+    err = captured.err
+    assert err.startswith("torchneox: error: ") and err.count("\n") == 1, err
+    assert "a.yml" in err and fragment in err, err
+
+
+def test_explain_shows_the_adapters(tmp_path, capsys):
+    path = tmp_path / "a.yml"
+    path.write_text(json.dumps(BASE | lora()))
+    assert main(["config", "explain", str(path)]) == 0
+    out = capsys.readouterr().out
+    # q and v: rank 4 x (64 in + 64 out) each, 2 in each of 2 layers
+    line = next(x for x in out.splitlines() if "lora_trainable_parameters" in x)
+    assert "2,048 trainable parameters" in line, line
+    assert (
+        "rank 4, alpha 8 (scale 2), dropout 0 on attention.wq (q_proj), attention.wv (v_proj)"
+        in line
+    )
+    assert main(["config", "explain", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["lora_trainable_parameters"] == 2048
+
+
+def test_defaults_are_peft_defaults(tmp_path, capsys):
+    path = tmp_path / "a.yml"
+    path.write_text(json.dumps(BASE | {"lora": {}}))
+    assert main(["config", "explain", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["lora_trainable_parameters"] == 2 * 2 * 8 * 128
+
+
+def test_no_lora_no_row(tmp_path, capsys):
+    path = tmp_path / "a.yml"
+    path.write_text(json.dumps(BASE))
+    assert main(["config", "explain", str(path), "--json"]) == 0
+    assert "lora_trainable_parameters" not in json.loads(capsys.readouterr().out)
