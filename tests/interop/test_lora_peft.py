@@ -259,3 +259,29 @@ def test_a_peft_option_not_built_is_one_line(trained, capsys):
     assert main(["convert", "from-hf", str(hf_in), str(tmp / "x"), "--adapter", str(folder)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "adapter_config.json: use_dora True is not built" in err, err
+
+
+def test_lora_straight_from_the_hugging_face_folder(trained, capsys):
+    """`load` names the Hugging Face folder itself (no convert step): the run trains the same
+    adapters as from the converted base, its checkpoints hold the adapters and name the folder
+    as their base, and the PEFT export gives the trained logits."""
+    from torchneox.train.checkpoint_format import read_meta, resolve
+
+    tmp, hf_in, _, sft, _ = trained
+    seed = tmp / "seed.yml"  # no model keys: the folder's config.json gives them
+    seed.write_text("{seed: 1234}")
+    direct = run(tmp, "sft-direct", DATA["sft"] | {"lora": LORA}, hf_in, seed)
+    assert read_meta(resolve(direct))["lora_base"] == str(hf_in.resolve())
+    _, from_folder = load_model(direct)
+    _, from_converted = load_model(sft)
+    for (name, a), b in zip(
+        from_folder.state_dict().items(), from_converted.state_dict().values(), strict=True
+    ):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    adapter = tmp / "adapter-direct"
+    assert main(["convert", "to-hf", "--adapter", str(direct), str(adapter)]) == 0
+    base_model = transformers.LlamaForCausalLM.from_pretrained(hf_in)
+    with_adapter = peft.PeftModel.from_pretrained(base_model, adapter).eval()
+    ids = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(with_adapter(ids).logits, from_folder(ids), rtol=0, atol=1e-5)

@@ -20,12 +20,12 @@ from torchneox.config.paths import new_output_dir, refuse_non_empty
 from torchneox.config.report import render_yaml
 from torchneox.config.validate import validate
 from torchneox.interop import huggingface
-from torchneox.interop.huggingface import DTYPES, _save_shard
 from torchneox.models import hf, hf_mamba
 from torchneox.models.args import ModelArgs, model_args
 from torchneox.models.hf_weights import GPT_NEOX
 from torchneox.models.transformer import is_adapter
 from torchneox.train import checkpoint_format, weights
+from torchneox.train.hf_files import DTYPES, save_shard
 
 OURS_TO_HF = {ours: theirs for theirs, ours in HF_NAMES.items()}
 SELF_ATTN_OR_MLP = {"attention": "self_attn", "mlp": "mlp"}
@@ -95,7 +95,7 @@ def to_peft(
         if is_adapter(n)
     }
     with new_output_dir(out, force, "convert to-hf --adapter", inputs=[ckpt, step_dir]) as tmp:
-        _save_shard(tensors, tmp / "adapter_model.safetensors")
+        save_shard(tensors, tmp / "adapter_model.safetensors")
         config = json.dumps(adapter_config(args), indent=2) + "\n"
         (tmp / "adapter_config.json").write_text(config)
     return out

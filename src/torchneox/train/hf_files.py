@@ -85,7 +85,7 @@ def write_shards(
     def flush() -> None:
         nonlocal shard, size
         if shard:
-            _save_shard(shard, folder / f"part-{len(names)}.tmp")
+            save_shard(shard, folder / f"part-{len(names)}.tmp")
             names.append(list(shard))
             meter.advance(size, f"shard {len(names)}")
         shard, size = {}, 0
@@ -128,7 +128,7 @@ def _check_fits_fp16(name: str, tensor: torch.Tensor, cast: torch.Tensor, source
     )
 
 
-def _save_shard(shard: dict[str, torch.Tensor], path: Path) -> None:
+def save_shard(shard: dict[str, torch.Tensor], path: Path) -> None:
     """One safetensors file; its I/O failures (a full disk, a file-size limit) raised as the
     OSError they are, which the output folder turns into one line with nothing left behind."""
     from safetensors import SafetensorError

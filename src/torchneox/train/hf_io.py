@@ -21,22 +21,24 @@ from torchneox.models import hf
 from torchneox.models.args import ModelArgs, model_args
 from torchneox.models.hf_folder import is_hf_folder
 from torchneox.models.hf_weights import WeightImporter, hf_tensors
-from torchneox.models.transformer import Transformer, local_part, plain_name
+from torchneox.models.transformer import Transformer, is_adapter, local_part, plain_name
 from torchneox.train.checkpoint import Resumed
 from torchneox.train.hf_files import DEFAULT_SHARD_BYTES, Progress, write_companions, write_shards
-from torchneox.train.weights import FRESH_HEADS, missing_heads, refuse_non_finite
+from torchneox.train.weights import FRESH_HEADS, FreshNames, missing_heads, refuse_non_finite
 
 VERB = "save_hf"
 
 
-def fresh_heads(step_dir: Path) -> frozenset[str]:
+def fresh_heads(step_dir: Path) -> FreshNames:
     """The heads a model loading ``step_dir`` (a checkpoint or a Hugging Face folder) draws:
-    a reward model's value head where the folder is no *ForSequenceClassification."""
+    a reward model's value head where the folder is no *ForSequenceClassification, and any
+    LoRA adapters."""
     if not is_hf_folder(step_dir):
         return missing_heads(step_dir)
     named = (hf.read_config(step_dir).get("architectures") or [""])[0]
     scored = str(named).endswith("ForSequenceClassification")
-    return frozenset() if scored else frozenset(FRESH_HEADS)
+    # a folder holds no LoRA adapters: a run with lora draws them all
+    return FreshNames([] if scored else list(FRESH_HEADS), set(), "model")
 
 
 def _expected(args: ModelArgs) -> dict[str, tuple[int, ...]]:
@@ -101,7 +103,9 @@ def load_hf_weights(
                 place(importer.take_ready())
     with _naming(folder):
         place(importer.result())
-    missing = sorted(set(expected) - placed - fresh_heads(folder))
+    # LoRA adapters are not in a base model's folder: they keep their initialisation
+    fresh = fresh_heads(folder) | {k for k in expected if is_adapter(k)}
+    missing = sorted(set(expected) - placed - fresh)
     if missing:
         raise ConfigError(
             f"weights do not match the config (missing {missing[0]})", source=str(folder)

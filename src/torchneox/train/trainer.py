@@ -28,7 +28,7 @@ from torchneox.data.loader import BatchLoader
 from torchneox.data.tokenizers import build_tokenizer
 from torchneox.models import cpu_kernels
 from torchneox.models.hf_folder import is_hf_folder, with_hf_folder
-from torchneox.models.transformer import SOFT_PROMPT
+from torchneox.models.transformer import SOFT_PROMPT, is_adapter
 from torchneox.parallel import flight_recorder
 from torchneox.parallel.collectives import any_rank, mean_over_dp, sum_over_dp
 from torchneox.parallel.data_parallel import offloaded_shards
@@ -47,7 +47,7 @@ from torchneox.train.metrics import MetricsLogger, Throughput, Timers, duration
 from torchneox.train.processes import context_changes, is_lost_rank, join_processes, pick_device
 from torchneox.train.profiling import Profiler
 from torchneox.train.soft_prompt import start_soft_prompt
-from torchneox.train.weights import copy_weights, missing_heads
+from torchneox.train.weights import base_of_adapters, copy_weights, missing_heads
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGHUP: the terminal went away
 STEP_KEYS = ("lm_loss", "lr", "grad_norm", "skipped", "z_loss", "moe_aux_loss")
@@ -290,7 +290,11 @@ class Trainer:
 
     def _resume(self, step_dir: Path) -> Resumed:
         if is_hf_folder(step_dir):
-            return load_hf_weights(step_dir, self.model, self.args, self.logger.line)
+            resumed = load_hf_weights(step_dir, self.model, self.args, self.logger.line)
+            if any(is_adapter(n) for n, _ in self.model.named_parameters()):
+                # LoRA: the checkpoints hold the adapters and name the folder as their base
+                self.checkpoints.lora_base = base_of_adapters(step_dir, self.checkpoints.save_dir)
+            return resumed
         resumed = self.checkpoints.resume(step_dir, self.state)
         if not resumed.training_state:
             return resumed

@@ -14,6 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torchneox.base.errors import ConfigError
 from torchneox.config.load import LoadedConfig
 from torchneox.models.args import model_args
+from torchneox.models.hf_folder import is_hf_folder
 from torchneox.models.transformer import Transformer, is_adapter, plain_name, trains_with_lora
 from torchneox.train.checkpoint_format import (
     META_FILE,
@@ -55,7 +56,7 @@ def missing_heads(step_dir: Path, prefix: str = "model") -> FreshNames:
 
 LORA_BASE = "lora_base"
 """meta.json's entry of a checkpoint that holds only LoRA adapters: the checkpoint (a step
-directory) that holds the frozen base weights they adapt."""
+directory), or the Hugging Face model folder, that holds the frozen base weights they adapt."""
 
 
 def lora_base(step_dir: Path) -> Path | None:
@@ -65,7 +66,7 @@ def lora_base(step_dir: Path) -> Path | None:
     base = meta.get(LORA_BASE)
     if base is None:
         return None
-    if not (Path(base) / META_FILE).is_file():
+    if not (Path(base) / META_FILE).is_file() and not is_hf_folder(base):
         raise ConfigError(
             f"holds only LoRA adapters, and the checkpoint of their base weights, {base}, is "
             "gone; put it back there",
@@ -94,7 +95,12 @@ def load_model_weights(step_dir: Path, model: torch.nn.Module, prefix: str = "mo
     base = lora_base(step_dir) if prefix == "model" else None
     if base is None:
         return _load_weights(step_dir, model, prefix, None)
-    _load_weights(base, model, prefix, lambda k: not trains_with_lora(k))
+    if is_hf_folder(base):  # a run that started from a Hugging Face folder
+        from torchneox.train.hf_io import load_hf_weights
+
+        load_hf_weights(base, model, model.args, lambda _: None)
+    else:
+        _load_weights(base, model, prefix, lambda k: not trains_with_lora(k))
     return _load_weights(step_dir, model, prefix, trains_with_lora)
 
 
