@@ -40,6 +40,8 @@ def checkpoint_group(save, **keys) -> SimpleNamespace:
         finetune=False,
         async_checkpointing=False,
         async_checkpoint_writer="process",
+        s3_path=None,
+        s3_chunk_size=104_857_600,
     )
     return SimpleNamespace(**(ck | keys))
 

@@ -38,7 +38,8 @@ def fresh_heads(step_dir: Path) -> FreshNames:
     named = (hf.read_config(step_dir).get("architectures") or [""])[0]
     scored = str(named).endswith("ForSequenceClassification")
     # a folder holds no LoRA adapters: a run with lora draws them all
-    return FreshNames([] if scored else list(FRESH_HEADS), set(), "model")
+    heads = [h for h in FRESH_HEADS if not (scored and h == "value_head.weight")]
+    return FreshNames(heads, set(), "model")
 
 
 def _expected(args: ModelArgs) -> dict[str, tuple[int, ...]]:

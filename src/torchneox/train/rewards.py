@@ -161,7 +161,7 @@ class RewardModelScorer:
                 "trained with train_impl: rm",
                 key="reward_model",
             )
-        if missing_heads(step_dir):
+        if "value_head.weight" in missing_heads(step_dir):
             raise ConfigError(
                 f"{step_dir} holds no value head (value_head.weight); give a trained reward "
                 "model's checkpoint",
