@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -84,11 +82,11 @@ def _read_hf(
     meter = Progress("read", sum(f.stat().st_size for f in files if f.is_file()), progress)
     importer = WeightImporter(hf.causal_family(hf.architecture_of(hf_cfg)), args)
     for path in files:
-        with _naming(path):
+        with hf.naming_errors(path):
             for name, tensor in hf.iter_tensors(path):
                 importer.add(name, tensor)
         meter.advance(path.stat().st_size, path.name)
-    with _naming(hf_dir):
+    with hf.naming_errors(hf_dir):
         sd = importer.result()
     weights.refuse_non_finite(sd, hf_dir, importer.source, "download or export the folder again")
     untied = importer.untied  # (compares the stored head with the embedding: once)
@@ -133,23 +131,6 @@ def _say_what_was_read(
             f"transformers does ({importer.skipped[0]}, ...)",
             file=sys.stderr,
         )
-
-
-@contextlib.contextmanager
-def _naming(path: Path) -> Iterator[None]:
-    """Conversion errors that name no file name ``path``."""
-    try:
-        yield
-    except hf.HFError as e:
-        if e.source is not None:
-            raise
-        raise hf.HFError(e.message, source=str(path)) from None
-    except RuntimeError as e:  # a reshape of a tensor whose size config.json does not give
-        raise ConfigError(
-            f"the weights do not match config.json ({str(e).splitlines()[0]}); do they "
-            "belong to this config.json?",
-            source=str(path),
-        ) from None
 
 
 def from_hf(

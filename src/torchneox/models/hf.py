@@ -9,6 +9,7 @@ one line naming it, never converted into a model that computes something else.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from torchneox.base.errors import HFError, first_line
+from torchneox.base.errors import ConfigError, HFError, first_line
 from torchneox.config.sparsity import SPARSE_TYPES
 from torchneox.models import hf_mamba
 from torchneox.models.args import ModelArgs
@@ -529,3 +530,21 @@ def _llama_family_config(arch: str, args: ModelArgs, rope: dict[str, Any]) -> di
             "output_router_logits": False,
         }
     return out
+
+
+@contextlib.contextmanager
+def naming_errors(path: Path) -> Iterator[None]:
+    """Errors of reading a Hugging Face folder that name no file name ``path``; a tensor
+    whose reshape fails (a size config.json does not give) is one line saying so."""
+    try:
+        yield
+    except HFError as e:
+        if e.source is not None:
+            raise
+        raise HFError(e.message, source=str(path), key=e.key) from None
+    except RuntimeError as e:
+        raise ConfigError(
+            f"the weights do not match config.json ({str(e).splitlines()[0]}); do they "
+            "belong to this config.json?",
+            source=str(path),
+        ) from None

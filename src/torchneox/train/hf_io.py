@@ -5,7 +5,6 @@ them). The config side, the model keys config.json gives, is ``models/hf_folder.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -21,7 +20,7 @@ from torchneox.models import hf
 from torchneox.models.args import ModelArgs, model_args
 from torchneox.models.hf_folder import is_hf_folder
 from torchneox.models.hf_weights import WeightImporter, hf_tensors
-from torchneox.models.transformer import Transformer, is_adapter, local_part, plain_name
+from torchneox.models.transformer import Transformer, local_part, plain_name
 from torchneox.train.checkpoint import Resumed
 from torchneox.train.hf_files import DEFAULT_SHARD_BYTES, Progress, write_companions, write_shards
 from torchneox.train.weights import FRESH_HEADS, FreshNames, missing_heads, refuse_non_finite
@@ -46,23 +45,6 @@ def _expected(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Every tensor of the whole model with its shape (on the meta device: nothing allocated)."""
     with torch.device("meta"):
         return {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
-
-
-@contextlib.contextmanager
-def _naming(path: Path) -> Iterator[None]:
-    """Errors that name no file name ``path``."""
-    try:
-        yield
-    except HFError as e:
-        if e.source is not None:
-            raise
-        raise HFError(e.message, source=str(path), key=e.key) from None
-    except RuntimeError as e:  # a reshape of a tensor whose size config.json does not give
-        raise ConfigError(
-            f"the weights do not match config.json ({str(e).splitlines()[0]}); do they "
-            "belong to this config.json?",
-            source=str(path),
-        ) from None
 
 
 @torch.no_grad()
@@ -98,15 +80,14 @@ def load_hf_weights(
             placed.add(ours)
 
     for path in hf.weight_files(folder):
-        with _naming(path):
+        with hf.naming_errors(path):
             for name, tensor in hf.iter_tensors(path):
                 importer.add(name, tensor)
                 place(importer.take_ready())
-    with _naming(folder):
+    with hf.naming_errors(folder):
         place(importer.result())
-    # LoRA adapters are not in a base model's folder: they keep their initialisation
-    fresh = fresh_heads(folder) | {k for k in expected if is_adapter(k)}
-    missing = sorted(set(expected) - placed - fresh)
+    fresh = fresh_heads(folder)  # (LoRA adapters among them: a folder holds none)
+    missing = sorted(k for k in expected if k not in placed and k not in fresh)
     if missing:
         raise ConfigError(
             f"weights do not match the config (missing {missing[0]})", source=str(folder)
