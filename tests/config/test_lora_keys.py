@@ -39,6 +39,11 @@ CASES = [
     ),
     ("targets-empty", lora(target_modules=[]), "lora: target_modules must be a list"),
     (
+        "base-dtype",
+        lora(base_dtype="bf61"),
+        "lora: base_dtype must be fp32 or bf16, got 'bf61'; did you mean bf16?",
+    ),
+    (
         "gate-ungated",
         lora(target_modules=["gate_proj"]),
         "lora: target_modules names mlp.gate, but the activation is not gated",
@@ -98,6 +103,11 @@ def test_explain_shows_the_adapters(tmp_path, capsys):
     )
     assert main(["config", "explain", str(path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["lora_trainable_parameters"] == 2048
+    assert "the base frozen, in fp32 (base_dtype: bf16 halves its linear weights)" in line
+    path.write_text(json.dumps(BASE | lora(base_dtype="bfloat16")))
+    assert main(["config", "explain", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "the base frozen, stored in bf16 (its linear weights;" in out, out
 
 
 def test_defaults_are_peft_defaults(tmp_path, capsys):

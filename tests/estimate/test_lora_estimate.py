@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 
 from torchneox.cli import main
+from torchneox.config.derive import derive
+from torchneox.config.load import load_config
 
 BASE = {
     "num_layers": 2,
@@ -61,3 +63,27 @@ def test_the_dry_run_of_lora_over_two_tensor_ranks_holds_what_estimate_computes(
     out = capsys.readouterr().out
     assert "gradients 6.00 KiB (= estimate), optimizer 12.00 KiB (= estimate)" in out, out
     assert "every rehearsed rank built and holds what estimate computes" in out
+
+
+def test_a_base_stored_in_bf16_counts_two_bytes_per_linear_weight(tmp_path, capsys):
+    keys = {"no_weight_tying": True, "precision": "bfloat16"}
+    fp32 = estimate(tmp_path, capsys, keys | LORA)
+    bf16_lora = {"lora": LORA["lora"] | {"base_dtype": "bf16"}}
+    bf16 = estimate(tmp_path, capsys, keys | bf16_lora)
+    # 2 layers x (q, k, v, o; up, down), their weights and biases, and the untied head
+    linear = 2 * (4 * 64 * 64 + 2 * 64 * 256 + 4 * 64 + 256 + 64)
+    head = derive(load_config([str(tmp_path / "a.yml")]))["padded_vocab_size"] * 64
+    got, was = bf16["memory_per_rank_bytes"], fp32["memory_per_rank_bytes"]
+    assert got["gradients"] == was["gradients"] and got["optimizer"] == was["optimizer"]
+    saved = was["parameters"] - got["parameters"]
+    assert saved == 2 * (linear + head), (saved, linear, head)
+
+
+def test_the_dry_run_of_a_bf16_base_under_zero3_holds_what_estimate_computes(tmp_path, capsys):
+    path = tmp_path / "a.yml"
+    lora = {"lora": LORA["lora"] | {"base_dtype": "bf16"}}
+    keys = BASE | lora | {"precision": "bfloat16", "zero_optimization": {"stage": 3}}
+    path.write_text(json.dumps(keys | {"train_micro_batch_size_per_gpu": 1}))
+    assert main(["train", str(path), "--dry-run", "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "every rehearsed rank built and holds what estimate computes" in out, out

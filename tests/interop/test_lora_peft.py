@@ -285,3 +285,35 @@ def test_lora_straight_from_the_hugging_face_folder(trained, capsys):
     ids = tokens()
     with torch.no_grad():
         torch.testing.assert_close(with_adapter(ids).logits, from_folder(ids), rtol=0, atol=1e-5)
+
+
+def test_a_bf16_base_straight_from_the_folder_trains_as_the_fp32_base(trained):
+    """The folder's weights streamed into a base stored in bf16 (lora.base_dtype): under
+    bf16 precision the adapters train as with the fp32 base, bit for bit."""
+    from tests.helpers import losses
+
+    tmp, hf_in, _, _, _ = trained
+    seed = tmp / "seed.yml"
+    seed.write_text("{seed: 1234}")
+    runs, held = {}, []
+    original = Trainer.run
+
+    def keep(self):  # the dtypes the training process holds its weights in
+        held.append({n: p.dtype for n, p in self.model.named_parameters()})
+        return original(self)
+
+    for dtype in ("fp32", "bf16"):
+        keys = DATA["sft"] | {"lora": LORA | {"base_dtype": dtype}, "precision": "bfloat16"}
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(Trainer, "run", keep)
+            runs[dtype] = run(tmp, f"sft-{dtype}-base", keys, hf_in, seed)
+    assert set(held[0].values()) == {torch.float32}
+    assert held[1]["layers.0.mlp.up.weight"] == torch.bfloat16
+    assert held[1]["layers.0.attention.wq.lora_A.weight"] == torch.float32
+    assert held[1]["embed.weight"] == torch.float32
+    assert losses(runs["bf16"]) == losses(runs["fp32"])
+    _, bf16 = load_model(runs["bf16"])
+    _, fp32 = load_model(runs["fp32"])
+    # loaded back (into fp32: the base read from the folder again), the adapters equal
+    for name, tensor in bf16.state_dict().items():
+        assert torch.equal(tensor, fp32.state_dict()[name]), name

@@ -7,6 +7,13 @@ model starts as its base. The base is frozen; only the adapters train. ``target_
 names the layers by torchneox's names (attention.wq, mlp.up, ...) or by the Hugging Face
 names they convert to (q_proj, up_proj, ...); PEFT's defaults when left out: rank 8, alpha 8,
 dropout 0, q_proj and v_proj.
+
+``base_dtype: bf16`` stores the frozen base's linear weights and biases (every block's and the
+output head's) in bfloat16, half their bytes. Under ``precision: bfloat16`` autocast casts
+those weights to bfloat16 at each use anyway, so the run computes exactly what the fp32 base
+computes; under fp32 or fp16 each layer casts its bfloat16 weight to the input's dtype. The
+base's embeddings, norms and the adapters stay fp32 (autocast reads them in fp32). Default
+``fp32``: the base kept as every torchneox run keeps its weights.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from torchneox.config.sparsity import ATTENTION_LAYER_TYPES
 from torchneox.config.validate_model import layer_attention_types
 
 NAME = "lora"
-KEYS = ("rank", "alpha", "dropout", "target_modules")
+KEYS = ("rank", "alpha", "dropout", "target_modules", "base_dtype")
 HF_NAMES = {
     "q_proj": "attention.wq",
     "k_proj": "attention.wk",
@@ -37,6 +44,11 @@ HF_NAMES = {
 OURS = tuple(HF_NAMES.values())
 DEFAULTS = {"rank": 8, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 """PEFT's LoraConfig defaults (its Llama target modules)."""
+BASE_DTYPES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
+"""base_dtype's spellings, by the dtype they name."""
+BASE_LINEARS = (*OURS, "output")
+"""The base's linear layers base_dtype: bf16 stores in bfloat16 (a reward model's value head
+trains, and stays fp32)."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +58,8 @@ class LoraSpec:
     dropout: float
     targets: tuple[str, ...]
     """torchneox's layer names, in OURS' order (attention.wq, ..., mlp.down)."""
+    base_dtype: str = "fp32"
+    """How the frozen base's linear weights are stored: fp32 or bf16."""
 
     @property
     def scale(self) -> float:
@@ -73,7 +87,21 @@ def lora_spec(cfg: Any) -> LoraSpec | None:
         float(c["alpha"]),
         float(c["dropout"]),
         tuple(t for t in OURS if t in targets),
+        BASE_DTYPES[str(c.get("base_dtype", "fp32"))],
     )
+
+
+def is_base_linear(name: str) -> bool:
+    """Whether parameter ``name`` (layers.0.attention.wq.weight, output.weight, ...) is a
+    weight or bias of one of the base's linear layers (BASE_LINEARS), which ``base_dtype: bf16``
+    stores in bfloat16."""
+    module, _, leaf = name.rpartition(".")
+    if leaf not in ("weight", "bias"):
+        return False
+    parts = module.split(".")
+    if parts == ["output"]:
+        return True
+    return len(parts) == 4 and parts[0] == "layers" and ".".join(parts[2:]) in OURS
 
 
 def adapter_parameters(cfg: Any, spec: LoraSpec) -> int:
@@ -99,10 +127,16 @@ def describe(cfg: Any, spec: LoraSpec) -> str:
     """explain's row: the adapted layers and what trains."""
     count = adapter_parameters(cfg, spec)
     names = ", ".join(f"{t} ({hf})" for t, hf in zip(spec.targets, spec.hf_names(), strict=True))
+    stored = (
+        "stored in bf16 (its linear weights; autocast casts them at each use)"
+        if spec.base_dtype == "bf16"
+        else "in fp32 (base_dtype: bf16 halves its linear weights)"
+    )
     return (
         f"rank {spec.rank}, alpha {spec.alpha:g} (scale {spec.scale:g}), dropout "
         f"{spec.dropout:g} on {names} of each of the {cfg.model.num_layers} layers: "
-        f"{count:,} trainable parameters (A kaiming-uniform, B zeros), the base frozen"
+        f"{count:,} trainable parameters (A kaiming-uniform, B zeros), the base frozen, "
+        f"{stored}"
     )
 
 
@@ -127,6 +161,13 @@ def check_lora(ch: Checker) -> None:
     if isinstance(p, bool) or not isinstance(p, int | float) or not 0 <= p < 1:
         ch.fail(NAME, f"dropout must be a number in [0, 1), got {p!r}", path="dropout")
     _check_targets(ch, c["target_modules"])
+    base = c.get("base_dtype", "fp32")
+    if str(base) not in BASE_DTYPES:
+        ch.fail(
+            NAME,
+            f"base_dtype must be fp32 or bf16, got {base!r}{did_you_mean(str(base), BASE_DTYPES)}",
+            path="base_dtype",
+        )
     _check_use(ch)
 
 

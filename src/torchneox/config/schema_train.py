@@ -431,7 +431,8 @@ class TrainingConfig:
         None,
         "Low-rank adapters, the base frozen: {rank (8), alpha (8), dropout (0), target_modules "
         "([q_proj, v_proj]): torchneox's layer names (attention.wq/wk/wv/wo, mlp.up/gate/down) "
-        "or Hugging Face's (q_proj ... down_proj)}; each adds (alpha / rank) B(A(dropout(x))).",
+        "or Hugging Face's (q_proj ... down_proj), base_dtype (fp32; bf16 stores the frozen base's "
+        "linear weights in bfloat16)}; each adds (alpha / rank) B(A(dropout(x))).",
     )
     curriculum_seqlen: int = derived(
         0, "The curriculum's length at the current step (logged in the metrics)."

@@ -11,6 +11,7 @@ from typing import Any
 from torchneox.config.eight_bit import eight_bit, eight_bit_optimizer_bytes, installed_library
 from torchneox.config.layout import Layout
 from torchneox.config.load import LoadedConfig
+from torchneox.config.lora import is_base_linear, lora_spec
 from torchneox.config.optimizer import muon_matrix, optimizer_spec
 from torchneox.config.sizes import is_moe_layer
 from torchneox.config.validate_model import layer_attention_types
@@ -44,6 +45,15 @@ def optimizer_bytes_per_tensor(
     return functools.partial(eight_bit_optimizer_bytes, library)
 
 
+def weight_bytes(loaded: LoadedConfig) -> Callable[[str], int]:
+    """The bytes of one element of each parameter, by name: fp32's, but for a LoRA base
+    stored in bf16 (lora.base_dtype), whose linear weights hold two."""
+    spec = lora_spec(loaded.config)
+    if spec is None or spec.base_dtype != "bf16":
+        return lambda _: PARAM_BYTES
+    return lambda name: 2 if is_base_linear(name) else PARAM_BYTES
+
+
 def optimizer_bytes_per_dim(loaded: LoadedConfig) -> int:
     """Bytes per row, column, ... of each tensor shard: SM3's accumulators, one number for
     each index of each dimension (one for a scalar)."""
@@ -71,9 +81,12 @@ def memory_per_rank(
     hidden = hidden_optimizer_bytes(loaded)
     per_tensor = optimizer_bytes_per_tensor(loaded)
     fsdp = fsdp_ranks(layout)
+    stored = weight_bytes(loaded)
     worst: dict[str, Any] | None = None
     for k, params in enumerate(stages):
-        state = state_bytes(params, layout, fsdp, opt_per_param, per_dim, hidden, per_tensor)
+        state = state_bytes(
+            params, layout, fsdp, opt_per_param, per_dim, hidden, per_tensor, stored
+        )
         parts, temporary = state["parts"], state["temporary"]
         host = offload_parts(parts, state["resident"]) if layout.offload else None
         last = k == len(stages) - 1
@@ -93,7 +106,7 @@ def memory_per_rank(
                 "parameters_on_rank": state["local"],
                 "activations_after_forward": int(acts["stored_after_forward"]),
                 "host": host,  # ZeRO-Offload: the shards in host memory
-                "shard_elements": state["resident"]["parameter_shard"] // PARAM_BYTES,
+                "shard_elements": state["elements"],
             }
     assert worst is not None
     return worst
@@ -118,45 +131,67 @@ def state_bytes(
     per_dim: int = 0,
     opt_hidden: int | None = None,
     per_tensor: Callable[[list[tuple[str, int]]], int] | None = None,
+    stored: Callable[[str], int] | None = None,
 ) -> dict[str, Any]:
     """A stage's parameters, gradients and optimizer state on one rank, and the temporary
     bytes ZeRO-3's gathered blocks and a whole embedding gradient add. ``per_dim``: optimizer
     bytes per index of each dimension of a shard (SM3's accumulators); ``opt_hidden``: per
     element of a block's hidden matrix, where it differs (muon's); ``per_tensor``: the
     optimizer bytes of the shards, from their names and values (8-bit Adam), in place of
-    ``opt_per_param``."""
+    ``opt_per_param``; ``stored``: the bytes of an element of each parameter, by name (fp32's
+    four where not given; a LoRA base in bf16 holds two)."""
     tp, ep = layout.tp, layout.ep
+    nbytes = stored or (lambda _: PARAM_BYTES)
     local = sum(local_numel(s, n, tp, 1, ep) for n, s in params)
     shard = sum(local_numel(s, n, tp, fsdp, ep) for n, s in params)
+    shard_bytes = sum(local_numel(s, n, tp, fsdp, ep) * nbytes(n) for n, s in params)
     train = trained(params)
     trained_shard = sum(local_numel(s, n, tp, fsdp, ep) for n, s in train)
-    hidden = sum(local_numel(s, n, tp, fsdp, ep) for n, s in train if muon_matrix(n, s))
-    opt_hidden = opt_per_param if opt_hidden is None else opt_hidden
-    indices = sum(sum(local_dims(s, n, tp, fsdp, ep)) or 1 for n, s in train)
-    # what ZeRO/DDP gather or bucket: all but the expert-parallel experts
-    gathered = sum(local_numel(s, n, tp, 1) for n, s in params if not expert_sharded(n, ep))
-    buckets = sum(local_numel(s, n, tp, 1) for n, s in train if not expert_sharded(n, ep))
-    per_block = _largest_block(params, tp, ep)
     resident = {
-        "parameter_shard": shard * PARAM_BYTES,
+        "parameter_shard": shard_bytes,
         "gradient_shard": trained_shard * PARAM_BYTES,
-        "optimizer": (trained_shard - hidden) * opt_per_param
-        + hidden * opt_hidden
-        + indices * per_dim,
+        "optimizer": _optimizer_bytes(
+            train, layout, fsdp, opt_per_param, per_dim, opt_hidden, per_tensor
+        ),
     }
-    if per_tensor is not None:
-        resident["optimizer"] = per_tensor([(n, local_numel(s, n, tp, fsdp, ep)) for n, s in train])
     parts = {
         "parameters": resident["parameter_shard"],
         "gradients": resident["gradient_shard"],
         "optimizer": resident["optimizer"],
     }
+    temporary = _gathered(params, train, layout, fsdp, parts, nbytes)
+    return {
+        "parts": parts,
+        "resident": resident,
+        "local": local,
+        "temporary": temporary,
+        "elements": shard,
+    }
+
+
+def _gathered(
+    params: list[tuple[str, tuple]],
+    train: list[tuple[str, tuple]],
+    layout: Layout,
+    fsdp: int,
+    parts: dict[str, float],
+    nbytes: Callable[[str], int],
+) -> float:
+    """What ZeRO, DDP and tensor parallelism hold whole beyond the shards: added to ``parts``
+    where it stays from forward to backward, returned where it is temporary."""
+    tp, ep = layout.tp, layout.ep
+    # what ZeRO/DDP gather or bucket: all but the expert-parallel experts
+    gathered = sum(
+        local_numel(s, n, tp, 1) * nbytes(n) for n, s in params if not expert_sharded(n, ep)
+    )
+    buckets = sum(local_numel(s, n, tp, 1) for n, s in train if not expert_sharded(n, ep))
+    per_block = _largest_block(params, tp, ep, nbytes)
     temporary = 0.0
     gathers = fsdp > 1 or layout.offload  # (offload: FSDP2 gathers onto the device even alone)
     if gathers and layout.zero in (0, 1, 2):
-        parts["parameters"] += gathered * PARAM_BYTES  # kept gathered from forward to backward
+        parts["parameters"] += gathered  # kept gathered from forward to backward
     elif gathers:
-        temporary += 2 * per_block * PARAM_BYTES  # ZeRO-3: the block in use and the next
+        temporary += 2 * per_block  # ZeRO-3: the block in use and the next
     if gathers and layout.gas > 1:
         parts["gradients"] += buckets * PARAM_BYTES  # unsharded until the last micro-batch
     if fsdp == 1 and layout.dp * layout.cp > 1:
@@ -165,16 +200,38 @@ def state_bytes(
         # the vocabulary-parallel embedding's gradient arrives whole on every tensor rank
         embed = [math.prod(s) for n, s in params if n == "embed.weight"]
         temporary += sum(e - local_numel((e,), "embed.weight", tp, 1) for e in embed) * PARAM_BYTES
-    return {"parts": parts, "resident": resident, "local": local, "temporary": temporary}
+    return temporary
 
 
-def _largest_block(params: list[tuple[str, tuple]], tp: int, ep: int) -> int:
-    """The elements of the largest block ZeRO-3 gathers (its expert-parallel experts aside)."""
+def _optimizer_bytes(
+    train: list[tuple[str, tuple]],
+    layout: Layout,
+    fsdp: int,
+    opt_per_param: int,
+    per_dim: int,
+    opt_hidden: int | None,
+    per_tensor: Callable[[list[tuple[str, int]]], int] | None,
+) -> int:
+    """The optimizer state of the trained parameters' shards on one rank (state_bytes' terms)."""
+    tp, ep = layout.tp, layout.ep
+    if per_tensor is not None:
+        return per_tensor([(n, local_numel(s, n, tp, fsdp, ep)) for n, s in train])
+    trained_shard = sum(local_numel(s, n, tp, fsdp, ep) for n, s in train)
+    hidden = sum(local_numel(s, n, tp, fsdp, ep) for n, s in train if muon_matrix(n, s))
+    opt_hidden = opt_per_param if opt_hidden is None else opt_hidden
+    indices = sum(sum(local_dims(s, n, tp, fsdp, ep)) or 1 for n, s in train)
+    return (trained_shard - hidden) * opt_per_param + hidden * opt_hidden + indices * per_dim
+
+
+def _largest_block(
+    params: list[tuple[str, tuple]], tp: int, ep: int, nbytes: Callable[[str], int]
+) -> int:
+    """The bytes of the largest block ZeRO-3 gathers (its expert-parallel experts aside)."""
     layers = sorted({int(n.split(".")[1]) for n, _ in params if n.startswith("layers.")})
     return max(
         (
             sum(
-                local_numel(s, n, tp, 1)
+                local_numel(s, n, tp, 1) * nbytes(n)
                 for n, s in params
                 if n.startswith(f"layers.{i}.") and not expert_sharded(n, ep)
             )
@@ -189,12 +246,18 @@ def any_adapter(params: list[tuple[str, tuple]]) -> bool:
     return any(is_adapter(n) for n, _ in params)
 
 
-def build_bytes(params: list[tuple[str, tuple]], layout: Layout, reference: bool) -> int:
+def build_bytes(
+    params: list[tuple[str, tuple]],
+    layout: Layout,
+    reference: bool,
+    stored: Callable[[str], int] | None = None,
+) -> int:
     """What a rank holds while the model is built (parallel/parallelize.py): its parameter
     shards (and the reference model's, for DPO and KTO), and, where the weights are split at
     all, the largest weight it draws whole to keep its part of it."""
     tp, ep, fsdp = layout.tp, layout.ep, fsdp_ranks(layout)
-    shard = sum(local_numel(s, n, tp, fsdp, ep) for n, s in params) * PARAM_BYTES
+    nbytes = stored or (lambda _: PARAM_BYTES)
+    shard = sum(local_numel(s, n, tp, fsdp, ep) * nbytes(n) for n, s in params)
     largest = 0
     if fsdp > 1 or tp > 1 or ep > 1:
         largest = max((math.prod(s) for n, s in params if is_drawn(n)), default=0) * PARAM_BYTES

@@ -25,6 +25,7 @@ from torchneox.estimate.memory import (
     optimizer_bytes_per_param,
     optimizer_bytes_per_tensor,
     state_bytes,
+    weight_bytes,
 )
 from torchneox.estimate.parameters import stage_params
 
@@ -406,13 +407,13 @@ def expected_bytes(loaded: LoadedConfig, built: Run, stages: list[int]) -> dict[
         per_dim = optimizer_bytes_per_dim(loaded)
         hidden = hidden_optimizer_bytes(loaded)
         per_tensor = optimizer_bytes_per_tensor(loaded)
-        resident = state_bytes(params[k], lay, fsdp_ranks(lay), opt, per_dim, hidden, per_tensor)[
-            "resident"
-        ]
+        resident = state_bytes(
+            params[k], lay, fsdp_ranks(lay), opt, per_dim, hidden, per_tensor, weight_bytes(loaded)
+        )["resident"]
         out["parameters"] += resident["parameter_shard"]
         out["gradients"] += resident["gradient_shard"]
         out["optimizer"] += resident["optimizer"]
-    out["build"] = build_bytes(whole, lay, reference)
+    out["build"] = build_bytes(whole, lay, reference, weight_bytes(loaded))
     return out
 
 

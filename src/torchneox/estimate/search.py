@@ -30,6 +30,7 @@ from torchneox.estimate.memory import (
     build_bytes,
     memory_per_rank,
     step_time,
+    weight_bytes,
 )
 from torchneox.estimate.parameters import stage_params
 from torchneox.train.fits import refuse_unaddressable
@@ -222,7 +223,8 @@ def _build_bytes(loaded: LoadedConfig, layout: Layout, stages: list) -> int:
     # lora's reference is the policy's base: no second model
     lora = loaded.config.training.lora is not None
     reference = objective_for(loaded.config, 0).needs_reference and not lora
-    return max(build_bytes(params, layout, reference) for params in stages)
+    stored = weight_bytes(loaded)
+    return max(build_bytes(params, layout, reference, stored) for params in stages)
 
 
 def gib(b: float) -> str:

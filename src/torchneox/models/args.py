@@ -104,6 +104,8 @@ class ModelArgs:
     lora_dropout: float = 0.0
     lora_targets: tuple[str, ...] = ()
     """torchneox's names of the adapted layers (attention.wq, mlp.down, ...)."""
+    lora_base_dtype: str = "fp32"
+    """How the frozen base's linear weights are stored (bf16: in bfloat16, config/lora.py)."""
 
     layer_types: tuple[str, ...] = ()
     """Each layer's attention_config type (global, flash, a sparse type, mamba, rwkv, gmlp,
@@ -239,6 +241,7 @@ def _lora(cfg: NeoXConfig) -> dict:
         "lora_alpha": spec.alpha,
         "lora_dropout": spec.dropout,
         "lora_targets": spec.targets,
+        "lora_base_dtype": spec.base_dtype,
     }
 
 

@@ -110,7 +110,11 @@ def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, mode: str = "auto"
 ):
     """``F.linear``, with plain fp32 CPU products on oneDNN where ``mode`` (``cpu_matmul``)
-    selects it."""
+    selects it. A weight stored in another dtype than the input's (a LoRA base kept in bf16)
+    is cast to it outside autocast (autocast casts both itself)."""
+    if weight.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+        weight = weight.to(x.dtype)
+        bias = None if bias is None else bias.to(x.dtype)
     if _plain_fp32_cpu(x, weight) and onednn_selected(
         x.numel() // x.shape[-1], *weight.shape[::-1], mode
     ):
@@ -154,4 +158,6 @@ class Linear(nn.Linear):
         if a is None:
             return self.weight
         delta = self.lora_B.weight.float() @ a.weight.float()
-        return (self.weight.float() + self.lora_scale * delta).to(self.weight.dtype)
+        merged = self.weight.float() + self.lora_scale * delta
+        # a base stored in bf16 merges into fp32: the adapters' part is not rounded away
+        return merged if self.weight.dtype == torch.bfloat16 else merged.to(self.weight.dtype)

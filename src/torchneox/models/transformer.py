@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from torchneox.config.lora import is_base_linear
 from torchneox.models import sharing
 from torchneox.models.args import ModelArgs
 from torchneox.models.block import Block, special_init
@@ -156,10 +157,13 @@ def init_parameter(
     if draw_on is None or torch.device(draw_on).type == local.device.type:
         draw_on = local.device
     generator = torch.Generator(device=draw_on).manual_seed(_param_seed(seed, name))
-    if where is None and draw_on == local.device:
+    if where is None and draw_on == local.device and local.dtype != torch.bfloat16:
         init(local, generator)
     else:
-        whole = torch.empty(param.shape, dtype=local.dtype, device=draw_on)
+        # drawn in fp32 where the parameter is stored lower (a LoRA base in bf16): the rounded
+        # weights of the fp32 draw
+        dtype = torch.float32 if local.dtype == torch.bfloat16 else local.dtype
+        whole = torch.empty(param.shape, dtype=dtype, device=draw_on)
         init(whole, generator)
         local.copy_(whole if where is None else whole[where])
     if factor != 1.0:
@@ -234,6 +238,12 @@ class Transformer(nn.Module):
                 module.add_adapter(a.lora_rank, a.lora_alpha / a.lora_rank, a.lora_dropout)
         for name, param in self.named_parameters():
             param.requires_grad_(trains_with_lora(name))
+        if a.lora_base_dtype == "bf16":  # the frozen base's linear weights kept in bfloat16
+            for name, module in self.named_modules():
+                for leaf in ("weight", "bias"):
+                    param = module._parameters.get(leaf)
+                    if param is not None and is_base_linear(f"{name}.{leaf}"):
+                        setattr(module, leaf, nn.Parameter(param.bfloat16(), requires_grad=False))
 
     def freeze_for_prompt(self) -> None:
         """soft_prompt_tuning: every parameter but the prompt frozen (no gradient, no optimizer
