@@ -37,7 +37,14 @@ LORA = {"lora": {"rank": 4, "target_modules": ["q_proj", "v_proj"]}}
 def peak_at_first_step(config: str) -> int:
     """The training process's peak resident bytes as its first step begins (it stops itself
     there), read from /proc by this process."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHNEOX_FAULT="stop@step.start:1")
+    return status_at_first_step(config)["VmHWM"]
+
+
+def status_at_first_step(config: str, **env: str) -> dict[str, int]:
+    """The training process's memory figures in bytes (VmHWM, VmRSS, RssAnon, ...) as its
+    first step begins (it stops itself there), read from /proc by this process; ``env``
+    added to its environment."""
+    env = os.environ | {"OMP_NUM_THREADS": "1", "TORCHNEOX_FAULT": "stop@step.start:1"} | env
     command = [sys.executable, "-m", "torchneox", "train", config]
     run = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
@@ -46,7 +53,11 @@ def peak_at_first_step(config: str) -> int:
             for pid in (run.pid, *_descendants(run.pid)):
                 status = _status(pid)
                 if status.get("State", "")[:1] == "T":
-                    peak = int(status["VmHWM"].split()[0]) * 1024
+                    peak = {
+                        k: int(v.split()[0]) * 1024
+                        for k, v in status.items()
+                        if k.startswith(("Vm", "Rss")) and v.endswith("kB")
+                    }
             time.sleep(0.2)
     finally:
         for pid in (*_descendants(run.pid), run.pid):

@@ -20,7 +20,7 @@ from torchneox.models import hf
 from torchneox.models.args import ModelArgs, model_args
 from torchneox.models.hf_folder import is_hf_folder
 from torchneox.models.hf_weights import WeightImporter, hf_tensors
-from torchneox.models.transformer import Transformer, local_part, plain_name
+from torchneox.models.transformer import Transformer, is_adapter, local_part, plain_name
 from torchneox.train.checkpoint import Resumed
 from torchneox.train.hf_files import DEFAULT_SHARD_BYTES, Progress, write_companions, write_shards
 from torchneox.train.weights import FRESH_HEADS, FreshNames, missing_heads, refuse_non_finite
@@ -170,16 +170,28 @@ def check_save_hf(loaded: LoadedConfig, force: bool, pp: int) -> None:
 
 class _Gathered(Mapping):
     """The model's tensors under their plain names, each gathered whole (onto the host) when
-    read; every rank reads them in the same order: a DTensor's gather is a collective."""
+    read, a LoRA adapter merged into the weight it adapts (W + scale x B @ A, as
+    ``convert to-hf`` merges); every rank reads them in the same order: a DTensor's gather is
+    a collective."""
 
     def __init__(self, model: torch.nn.Module, args: ModelArgs):
         self.params = {plain_name(n): p for n, p in model.named_parameters()}
-        self.names = list(_expected(args))
+        self.names = [n for n in _expected(args) if not is_adapter(n)]
+        self.scale = args.lora_alpha / args.lora_rank if args.lora_rank else 0.0
 
-    def __getitem__(self, name: str) -> torch.Tensor:
+    def _whole(self, name: str) -> torch.Tensor:
         param = self.params[name].detach()
         whole = param.full_tensor() if isinstance(param, DTensor) else param
         return whole.cpu()  # the shard being filled waits in host memory, not the GPU's
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        layer = name.removesuffix(".weight")
+        if f"{layer}.lora_A.weight" not in self.params:
+            return self._whole(name)
+        w, a, b = (
+            self._whole(n) for n in (name, f"{layer}.lora_A.weight", f"{layer}.lora_B.weight")
+        )
+        return w.float() + self.scale * (b.float() @ a.float())
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)

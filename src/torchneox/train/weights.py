@@ -13,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 
 from torchneox.base.errors import ConfigError
 from torchneox.config.load import LoadedConfig
+from torchneox.config.lora import is_base_linear
 from torchneox.models.args import model_args
 from torchneox.models.hf_folder import is_hf_folder
 from torchneox.models.transformer import Transformer, is_adapter, plain_name, trains_with_lora
@@ -182,7 +183,21 @@ def load_model(
     model.to_empty(device=device)
     model.init_weights(device, only=missing_heads(step_dir))
     load_model_weights(step_dir, model)
+    round_stored_base(model)
     return loaded, model
+
+
+@torch.no_grad()
+def round_stored_base(model: Transformer) -> None:
+    """A LoRA run's base stored in bf16 (lora.base_dtype) trained with its weights rounded to
+    bf16: a model read back in fp32 holds those rounded values, so it computes what was
+    trained (its base read from an fp32 checkpoint or folder would otherwise be the
+    unrounded one)."""
+    if model.args.lora_base_dtype != "bf16":
+        return
+    for name, param in model.named_parameters():
+        if is_base_linear(name) and param.dtype != torch.bfloat16:
+            param.copy_(param.bfloat16())
 
 
 def _stored_dtype(step_dir: Path) -> torch.dtype:
