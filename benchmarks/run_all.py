@@ -52,6 +52,7 @@ BENCHMARKS = {
         False,
     ),
     "gpu_check": ("gpu_check.py", ["--steps", "10"], True),
+    "lora_gpu": ("lora_gpu.py", ["--big", "6.9b"], True),
 }
 
 
