@@ -30,6 +30,7 @@ SHAPES = {
     "160m": {"num_layers": 12, "hidden_size": 768, "num_attention_heads": 12},
     "410m": {"num_layers": 24, "hidden_size": 1024, "num_attention_heads": 16},
     "1b": {"num_layers": 16, "hidden_size": 2048, "num_attention_heads": 8},
+    "6.9b": {"num_layers": 32, "hidden_size": 4096, "num_attention_heads": 32},
 }
 
 
@@ -47,8 +48,9 @@ def data(folder: Path, tokens: int) -> str:
     return str(folder / "random")
 
 
-def train(args, shape: str, compiled: bool, prefix: str, fp8: str | None = None) -> dict:
-    keys = SHAPES[shape] | {
+def run_keys(args, shape: str, prefix: str, lr: float = 2.5e-4) -> dict:
+    """The Pythia-shaped bf16 training run on random tokens every GPU benchmark times."""
+    return SHAPES[shape] | {
         "seq_length": args.seq,
         "max_position_embeddings": args.seq,
         "pos_emb": "rotary",
@@ -58,12 +60,17 @@ def train(args, shape: str, compiled: bool, prefix: str, fp8: str | None = None)
         "padded_vocab_size": 50304,
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "train_iters": args.steps + args.warmup,
-        "optimizer": {"type": "Adam", "params": {"lr": 2.5e-4, "betas": [0.9, 0.95]}},
+        "optimizer": {"type": "Adam", "params": {"lr": lr, "betas": [0.9, 0.95]}},
         "precision": "bfloat16",
         "data_path": prefix,
         "split": "100,0,0",
         "eval_iters": 0,
         "num_workers": 1,
+    }
+
+
+def train(args, shape: str, compiled: bool, prefix: str, fp8: str | None = None) -> dict:
+    keys = run_keys(args, shape, prefix) | {
         "compile": compiled,
         "compile_scope": args.compile_scope,
         "checkpoint_activations": args.checkpoint_activations,

@@ -22,13 +22,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_check import SHAPES, _accelerator_key, data
+from gpu_check import SHAPES, _accelerator_key, data, run_keys
 
 from torchneox.config.load import load_mapping
 from torchneox.estimate.search import estimate
 from torchneox.train.trainer import Trainer
 
-SHAPES = SHAPES | {"6.9b": {"num_layers": 32, "hidden_size": 4096, "num_attention_heads": 32}}
 LORA = {"rank": 16, "alpha": 32, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 MODES = {
     "full": None,
@@ -38,22 +37,7 @@ MODES = {
 
 
 def keys(args, shape: str, prefix: str, lora: dict | None) -> dict:
-    return SHAPES[shape] | {
-        "seq_length": args.seq,
-        "max_position_embeddings": args.seq,
-        "pos_emb": "rotary",
-        "rotary_pct": 0.25,
-        "gpt_j_residual": True,
-        "no_weight_tying": True,
-        "padded_vocab_size": 50304,
-        "train_micro_batch_size_per_gpu": args.micro_batch,
-        "train_iters": args.steps + args.warmup,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "betas": [0.9, 0.95]}},
-        "precision": "bfloat16",
-        "data_path": prefix,
-        "split": "100,0,0",
-        "eval_iters": 0,
-        "num_workers": 1,
+    return run_keys(args, shape, prefix, lr=1e-3) | {
         "checkpoint_activations": args.checkpoint_activations,
         "lora": lora,
     }

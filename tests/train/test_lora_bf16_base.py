@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.helpers import losses, post_training_data, train, weights
+from tests.parallel.test_lora_layouts import KEYS as LAYOUT_KEYS
 from tests.train.test_lora_memory import COMMON, MODEL, status_at_first_step
 from torchneox.config.load import load_config
 from torchneox.config.lora import is_base_linear
@@ -21,18 +22,8 @@ from torchneox.models.transformer import Transformer
 from torchneox.train.checkpoint_format import checkpoint_config, resolve
 
 LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
-KEYS = {
-    "num_layers": 2,
-    "hidden_size": 32,
-    "num_attention_heads": 4,
-    "seq_length": 32,
-    "train_micro_batch_size_per_gpu": 2,
-    "gradient_accumulation_steps": 2,
-    "eval_iters": 1,
-    "num_workers": 0,
-    "no_weight_tying": True,
-    "precision": "bfloat16",
-}
+# test_lora_layouts' model and batches (2 micro-batches of 2 here), trained in bf16
+KEYS = LAYOUT_KEYS | {"lora": LORA, "gradient_accumulation_steps": 2, "precision": "bfloat16"}
 BF16 = "lora.base_dtype=bf16"
 
 
@@ -41,7 +32,7 @@ def runs(make_module_config, tmp_path_factory):
     """A base checkpoint (fp32, no adapters), and LoRA from it with the base in fp32 and in
     bf16 (one process)."""
     tmp = tmp_path_factory.mktemp("bf16_base")
-    config = make_module_config("bf16.yml", train_iters=4, lora=LORA, **KEYS)
+    config = make_module_config("bf16.yml", train_iters=4, **KEYS)
     base = tmp / "base"
     train(config, f"save={base}", "load=null", "lora=null", "train_iters=1")
     out = {"config": config, "base": base}
