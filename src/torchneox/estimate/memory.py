@@ -227,18 +227,13 @@ def _largest_block(
     params: list[tuple[str, tuple]], tp: int, ep: int, nbytes: Callable[[str], int]
 ) -> int:
     """The bytes of the largest block ZeRO-3 gathers (its expert-parallel experts aside)."""
-    layers = sorted({int(n.split(".")[1]) for n, _ in params if n.startswith("layers.")})
-    return max(
-        (
-            sum(
-                local_numel(s, n, tp, 1) * nbytes(n)
-                for n, s in params
-                if n.startswith(f"layers.{i}.") and not expert_sharded(n, ep)
-            )
-            for i in layers
-        ),
-        default=0,
-    )
+    blocks: dict[str, int] = {}
+    for n, s in params:
+        if n.startswith("layers."):
+            layer = n.split(".", 2)[1]
+            held = 0 if expert_sharded(n, ep) else local_numel(s, n, tp, 1) * nbytes(n)
+            blocks[layer] = blocks.get(layer, 0) + held
+    return max(blocks.values(), default=0)
 
 
 def any_adapter(params: list[tuple[str, tuple]]) -> bool:

@@ -4,6 +4,7 @@ tensor, expert, pipeline and FSDP sharding split them."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -16,11 +17,19 @@ PARAM_BYTES = 4  # parameters, gradients and optimizer moments are fp32 (autocas
 
 def expert_sharded(name: str, ep: int) -> bool:
     """Expert weights under expert parallelism: split over ep, left alone by ZeRO/DDP."""
-    from torchneox.parallel.expert_parallel import EXPERT_PARAMS
-
-    return ep > 1 and name.rsplit(".", 1)[-1] in EXPERT_PARAMS
+    return ep > 1 and name.rsplit(".", 1)[-1] in _expert_params()
 
 
+@functools.cache
+def _expert_params() -> tuple[str, ...]:
+    from torchneox.parallel.expert_parallel import EXPERT_PARAMS  # (torch.distributed's import)
+
+    return EXPERT_PARAMS
+
+
+# The layout search asks for the same (shape, name, layout) many millions of times: both are
+# pure functions of their arguments, cached (a bounded cache: a long process meets many models)
+@functools.lru_cache(maxsize=1 << 17)
 def local_numel(shape: tuple[int, ...], name: str, tp: int, fsdp: int, ep: int = 1) -> int:
     """Elements rank 0 holds: the tensor-parallel shard, then FSDP's dim-0 chunk of it (torch
     chunks give rank 0 the rounded-up share); with expert parallelism, its share of the
@@ -28,17 +37,20 @@ def local_numel(shape: tuple[int, ...], name: str, tp: int, fsdp: int, ep: int =
     return math.prod(local_dims(shape, name, tp, fsdp, ep))
 
 
-def local_dims(shape: tuple[int, ...], name: str, tp: int, fsdp: int, ep: int = 1) -> list[int]:
+@functools.lru_cache(maxsize=1 << 17)
+def local_dims(
+    shape: tuple[int, ...], name: str, tp: int, fsdp: int, ep: int = 1
+) -> tuple[int, ...]:
     """The shape of rank 0's shard (see local_numel)."""
     dims = list(shape)
     if expert_sharded(name, ep):
-        return [math.ceil(dims[0] / ep), *dims[1:]]
+        return (math.ceil(dims[0] / ep), *dims[1:])
     dim = split_dim(name)
     if tp > 1 and dim is not None and dim < len(dims):
         dims[dim] = math.ceil(dims[dim] / tp)
     if fsdp > 1 and dims:
         dims[0] = math.ceil(dims[0] / fsdp)
-    return dims
+    return tuple(dims)
 
 
 def meta_model(loaded: LoadedConfig, vocab: int, layers: int | None = None, **changes):
