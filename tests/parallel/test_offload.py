@@ -45,16 +45,15 @@ def test_one_offloaded_process_equals_one_without_offload(config, tmp_path, base
 def test_a_cpu_adam_run_resumes_bit_for_bit_and_trains_as_adamw(
     tmp_path, tmp_path_factory, make_config
 ):
-    """cpu_adam implies offload; stopped at step 3 and resumed (both offloaded ZeRO-3 on 2
-    processes), steps 4-6 and the final weights are those of the run never stopped, to the
-    bit; and that run is a one-process AdamW run (DeepSpeedCPUAdam's adamw_mode)."""
+    """cpu_adam implies offload; resumed from the step-3 checkpoint of a run never stopped
+    (both offloaded ZeRO-3 on 2 processes), steps 4-6 and the final weights are that run's, to
+    the bit; and that run is a one-process AdamW run (DeepSpeedCPUAdam's adamw_mode)."""
     cfg = make_config("long.yml", train_micro_batch_size_per_gpu=2, train_iters=6, **DP_KEYS)
     cpu_adam = ["zero_optimization.stage=3", "optimizer.type=cpu_adam"]
     whole, moved = tmp_path / "whole", tmp_path / "moved"
-    run = train(cfg, f"save={whole}", "load=null", *cpu_adam, nproc=2)
+    run = train(cfg, f"save={whole}", "load=null", "checkpoint_factor=3", *cpu_adam, nproc=2)
     assert "ZeRO-Offload:" in run.stdout + run.stderr
-    train(cfg, f"save={moved}", f"load={moved}", *cpu_adam, "exit_interval=3", nproc=2)
-    train(cfg, f"save={moved}", f"load={moved}", *cpu_adam, nproc=2)
+    train(cfg, f"save={moved}", f"load={whole / 'global_step3'}", *cpu_adam, nproc=2)
     done, after = losses(whole), losses(moved)
     assert [after[k] for k in (4, 5, 6)] == [done[k] for k in (4, 5, 6)]
     resumed = weights(moved)
