@@ -4,6 +4,7 @@ loglikelihood_rolling, generate_until, batched) and the runner behind ``torchneo
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -153,6 +154,16 @@ def make_adapter(model: torch.nn.Module, args, tokenizer, batch_size: int = 8, d
     return TorchNeoXLM()
 
 
+@functools.lru_cache(maxsize=8)
+def task_manager(include_path: str | None):
+    """lm-eval's index of its tasks (and those under ``include_path``), built once per process:
+    building it reads every task's YAML (about 8 s), which evaluation during training would
+    otherwise pay at every eval_interval."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include_path)
+
+
 def run_tasks(
     adapter,
     tasks: list[str],
@@ -162,10 +173,9 @@ def run_tasks(
 ) -> dict[str, dict[str, Any]]:
     """Run ``tasks`` (names, or task groups) and return {task: {metric: value}}."""
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
     logging.getLogger("lm-eval").setLevel(logging.ERROR)
-    manager = TaskManager(include_path=str(include_path) if include_path else None)
+    manager = task_manager(str(include_path) if include_path else None)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise ConfigError(
