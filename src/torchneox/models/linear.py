@@ -157,7 +157,14 @@ class Linear(nn.Linear):
         a = self._modules.get("lora_A")
         if a is None:
             return self.weight
-        delta = self.lora_B.weight.float() @ a.weight.float()
-        merged = self.weight.float() + self.lora_scale * delta
+        merged = merge_adapter(self.weight, a.weight, self.lora_B.weight, self.lora_scale)
         # a base stored in bf16 merges into fp32: the adapters' part is not rounded away
         return merged if self.weight.dtype == torch.bfloat16 else merged.to(self.weight.dtype)
+
+
+def merge_adapter(
+    weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """W + scale x B @ A in fp32: a LoRA adapter merged into the weight it adapts (the one
+    formula of ``convert to-hf`` and ``save_hf``)."""
+    return weight.float() + scale * (lora_b.float() @ lora_a.float())

@@ -20,6 +20,7 @@ from torchneox.models import hf
 from torchneox.models.args import ModelArgs, model_args
 from torchneox.models.hf_folder import is_hf_folder
 from torchneox.models.hf_weights import WeightImporter, hf_tensors
+from torchneox.models.linear import merge_adapter
 from torchneox.models.transformer import Transformer, is_adapter, local_part, plain_name
 from torchneox.train.checkpoint import Resumed
 from torchneox.train.hf_files import DEFAULT_SHARD_BYTES, Progress, write_companions, write_shards
@@ -191,7 +192,7 @@ class _Gathered(Mapping):
         w, a, b = (
             self._whole(n) for n in (name, f"{layer}.lora_A.weight", f"{layer}.lora_B.weight")
         )
-        return w.float() + self.scale * (b.float() @ a.float())
+        return merge_adapter(w, a, b, self.scale)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
