@@ -38,7 +38,7 @@ from torch.nn import functional as F
 
 from torchneox.config.load import load_config, load_mapping
 from torchneox.config.sizes import count
-from torchneox.train import hardware
+from torchneox.reporting import hardware
 from torchneox.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]

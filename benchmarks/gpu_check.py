@@ -23,7 +23,7 @@ from torchneox.config.load import load_mapping
 from torchneox.data.indexed import IndexedDatasetWriter
 from torchneox.estimate.search import estimate
 from torchneox.inference.generate import Sampling, generate
-from torchneox.train.hardware import ACCELERATORS, detect
+from torchneox.reporting.hardware import ACCELERATORS, detect
 from torchneox.train.trainer import Trainer
 
 SHAPES = {

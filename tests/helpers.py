@@ -17,11 +17,11 @@ import torch
 
 from tests.conftest import shared_dir
 from tests.forked import run_cli
+from torchneox.checkpoint import files as checkpoint_format
+from torchneox.checkpoint.weights import load_model_weights
 from torchneox.config.load import load_mapping
 from torchneox.models.args import model_args
 from torchneox.models.transformer import build_model
-from torchneox.train import checkpoint_format
-from torchneox.train.weights import load_model_weights
 
 # the global batch the parity tests train: 8 sequences in 2 accumulation steps
 DP_KEYS = {

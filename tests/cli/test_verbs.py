@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from tests.conftest import shared_dir
+from torchneox.checkpoint import files as checkpoint_format
 from torchneox.cli import main
 from torchneox.config.derive import derive
 from torchneox.config.load import load_mapping
 from torchneox.config.report import render_yaml
 from torchneox.models.args import model_args
 from torchneox.models.transformer import build_model
-from torchneox.train import checkpoint_format
 
 transformers = pytest.importorskip("transformers")
 

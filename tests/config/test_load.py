@@ -15,12 +15,12 @@ import pytest
 from tests.conftest import REPO
 from torchneox.base.errors import ConfigError
 from torchneox.cli import main
+from torchneox.config.checks.model import layer_attention_types
 from torchneox.config.derive import derive
 from torchneox.config.fields import Status
 from torchneox.config.load import load_config
 from torchneox.config.report import keys_markdown, resolved_config
 from torchneox.config.schema import KEYS
-from torchneox.config.validate_model import layer_attention_types
 
 MODEL = """
 # NeoX dialect: flow mapping, comments, trailing commas, Python-style True

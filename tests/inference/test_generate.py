@@ -101,12 +101,12 @@ def test_static_decode_loop_reads_back_only_at_stop_checks(monkeypatch):
 
 def _char_checkpoint(folder):
     """A tiny random character-level model saved as a torchneox checkpoint."""
+    from torchneox.checkpoint import files as checkpoint_format
     from torchneox.config.derive import derive
     from torchneox.config.load import load_mapping
     from torchneox.config.report import render_yaml
     from torchneox.models.args import model_args
     from torchneox.models.transformer import build_model
-    from torchneox.train import checkpoint_format
 
     keys = {"num_layers": 1, "hidden_size": 16, "num_attention_heads": 2, "seq_length": 16}
     keys |= {"tokenizer_type": "CharLevelTokenizer", "make_vocab_size_divisible_by": 64}

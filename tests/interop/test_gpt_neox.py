@@ -11,8 +11,8 @@ import torch
 
 from tests.conftest import shared_dir
 from tests.helpers import metric_rows
+from torchneox.checkpoint.weights import load_model
 from torchneox.cli import main
-from torchneox.train.weights import load_model
 
 SHARED = shared_dir()
 pytestmark = pytest.mark.skipif(SHARED is None, reason="../shared is not on this machine")

@@ -11,11 +11,11 @@ import torch
 
 from tests.interop.test_gpt_neox_mamba import KEYS as MAMBA_KEYS
 from tests.interop.test_gpt_neox_mamba import neox_layers
+from torchneox.checkpoint.weights import load_model
 from torchneox.cli import main
 from torchneox.config.load import load_mapping
 from torchneox.models.args import model_args
 from torchneox.models.transformer import build_model
-from torchneox.train.weights import load_model
 
 KEYS = MAMBA_KEYS | {"pos_emb": "learned", "use_bnb_optimizer": True}
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from torchneox.checkpoint.weights import load_model
 from torchneox.cli import main
-from torchneox.train.weights import load_model
 
 H, S, A, V = 32, 16, 8, 512  # hidden, seq_length, gmlp_attn_dim, padded vocabulary
 FF = 4 * H

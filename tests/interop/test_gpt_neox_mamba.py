@@ -10,12 +10,12 @@ import json
 import torch
 
 from tests.helpers import BASE, VARIANTS
+from torchneox.checkpoint.weights import load_model
 from torchneox.cli import main
 from torchneox.config.load import load_mapping
 from torchneox.interop.gpt_neox_optim import optimizer_order
 from torchneox.models.args import model_args
 from torchneox.models.transformer import build_model
-from torchneox.train.weights import load_model
 
 KEYS = BASE | VARIANTS["mamba"] | {"no_weight_tying": True, "pipe_parallel_size": 1}
 MIXER = ("A_log", "D", "in_proj.weight", "conv1d.weight", "conv1d.bias", "x_proj.weight")

@@ -13,9 +13,9 @@ import torch
 
 from tests.helpers import BASE, VARIANTS, metric_rows
 from tests.interop.test_huggingface import CASES, _hf_model
+from torchneox.checkpoint.weights import load_model
 from torchneox.cli import main
 from torchneox.data.indexed import IndexedDatasetWriter
-from torchneox.train.weights import load_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -16,8 +16,8 @@ from safetensors import safe_open
 
 from tests.helpers import CHAT_WORDS, make_chat_tokenizer, metric_rows
 from tests.interop.test_huggingface import _hf_model
+from torchneox.checkpoint.weights import load_model
 from torchneox.cli import main
-from torchneox.train.weights import load_model
 
 transformers = pytest.importorskip("transformers")
 

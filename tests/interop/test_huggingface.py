@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from torchneox.checkpoint.weights import load_model
 from torchneox.inference.generate import Sampling, generate
 from torchneox.interop import huggingface as convert
-from torchneox.train.weights import load_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,10 +12,10 @@ import torch
 
 from tests.helpers import post_training_data
 from tests.interop.test_post_training_export import converted_model_keys, run, tiny_llama
+from torchneox.checkpoint.weights import load_model
 from torchneox.cli import main
 from torchneox.models.transformer import init_parameter
 from torchneox.train.trainer import Trainer
-from torchneox.train.weights import load_model
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -110,7 +110,7 @@ def test_adapter_export_of_a_model_without_adapters_is_one_line(trained, capsys)
 def test_checkpoints_hold_the_adapters_and_name_their_base(trained):
     import torch.distributed.checkpoint as dcp
 
-    from torchneox.train.checkpoint_format import read_meta, resolve
+    from torchneox.checkpoint.files import read_meta, resolve
 
     _, _, base, sft, _ = trained
     step = resolve(sft)
@@ -166,7 +166,7 @@ def test_lora_dpo_and_kto_take_the_base_as_reference_and_build_no_second_model(t
     import torch.distributed.checkpoint as dcp
 
     from tests.helpers import metric_rows
-    from torchneox.train.checkpoint_format import resolve
+    from torchneox.checkpoint.files import resolve
 
     tmp, _, base, _, _ = trained
     folder, parts, _ = keeping_trainer(tmp, impl, DATA[impl], base)
@@ -181,8 +181,8 @@ def test_lora_dpo_and_kto_take_the_base_as_reference_and_build_no_second_model(t
 
 
 def saved_args(folder):
+    from torchneox.checkpoint.files import checkpoint_config, resolve
     from torchneox.models.args import model_args
-    from torchneox.train.checkpoint_format import checkpoint_config, resolve
 
     return model_args(checkpoint_config(resolve(folder)))
 
@@ -265,7 +265,7 @@ def test_lora_straight_from_the_hugging_face_folder(trained, capsys):
     """`load` names the Hugging Face folder itself (no convert step): the run trains the same
     adapters as from the converted base, its checkpoints hold the adapters and name the folder
     as their base, and the PEFT export gives the trained logits."""
-    from torchneox.train.checkpoint_format import read_meta, resolve
+    from torchneox.checkpoint.files import read_meta, resolve
 
     tmp, hf_in, _, sft, _ = trained
     seed = tmp / "seed.yml"  # no model keys: the folder's config.json gives them
@@ -291,7 +291,7 @@ def test_a_bf16_base_straight_from_the_folder_trains_as_the_fp32_base(trained):
     """The folder's weights streamed into a base stored in bf16 (lora.base_dtype): under
     bf16 precision the adapters train as with the fp32 base, bit for bit."""
     from tests.helpers import losses
-    from torchneox.config.lora import is_base_linear
+    from torchneox.config.features.lora import is_base_linear
 
     tmp, hf_in, _, _, _ = trained
     seed = tmp / "seed.yml"

@@ -9,13 +9,13 @@ from safetensors.torch import load_file
 
 from tests.helpers import BASE, VARIANTS
 from torchneox.base.errors import HFError
+from torchneox.checkpoint.weights import load_model
 from torchneox.config.load import load_mapping
 from torchneox.inference.generate import Sampling, generate
 from torchneox.interop import huggingface as convert
 from torchneox.models.args import model_args
-from torchneox.models.hf import export_architecture
-from torchneox.models.hf_mamba import DEFAULTS, neox_keys
-from torchneox.train.weights import load_model
+from torchneox.models.hf.architectures import export_architecture
+from torchneox.models.hf.mamba import DEFAULTS, neox_keys
 
 transformers = pytest.importorskip("transformers")
 

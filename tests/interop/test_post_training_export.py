@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tests.helpers import metric_rows, post_training_data
+from torchneox.checkpoint.weights import load_model
 from torchneox.cli import main
-from torchneox.train.weights import load_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -17,7 +17,7 @@ from torchneox.cli import main
 from torchneox.models import cpu_kernels
 from torchneox.models import linear as lin
 from torchneox.models.mixers import attention
-from torchneox.train import hardware
+from torchneox.reporting import hardware
 
 needs_onednn = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN"

@@ -12,7 +12,7 @@ from torchneox.base.errors import ConfigError, HFError
 from torchneox.config.derive import derive
 from torchneox.config.sizes import count
 from torchneox.inference.generate import Sampling, generate
-from torchneox.models.hf import export_architecture
+from torchneox.models.hf.architectures import export_architecture
 from torchneox.models.mixers.attention import AttentionBias
 
 

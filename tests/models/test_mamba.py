@@ -12,7 +12,7 @@ from tests.helpers import build
 from torchneox.inference.generate import Sampling, generate
 from torchneox.models.mixers.attention import AttentionBias, KVCache
 from torchneox.models.mixers.mamba import kernels_installed, selective_scan
-from torchneox.train.optim import param_groups
+from torchneox.optim.builder import param_groups
 
 
 def sequential_scan(u, dt, A, B, C, D, h):

@@ -17,7 +17,7 @@ from torch.nn import functional as F
 from tests.helpers import build
 from torchneox.base.errors import HFError
 from torchneox.inference.generate import Sampling, generate
-from torchneox.models.hf import export_architecture
+from torchneox.models.hf.architectures import export_architecture
 from torchneox.models.mixers.attention import AttentionBias, KVCache
 from torchneox.models.mixers.rwkv import wkv
 

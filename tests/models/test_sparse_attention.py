@@ -16,7 +16,7 @@ from torchneox.config.load import load_mapping
 from torchneox.config.sizes import count
 from torchneox.inference.generate import Sampling, generate
 from torchneox.models.args import model_args
-from torchneox.models.hf import export_architecture
+from torchneox.models.hf.architectures import export_architecture
 from torchneox.models.mixers import sparse
 from torchneox.models.mixers.attention import AttentionBias, KVCache, StaticKVCache
 from torchneox.models.mixers.sparse import SparseAttention

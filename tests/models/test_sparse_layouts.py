@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from torchneox.config.sparsity import build_layout, causal_density, layout_seed, sparsity
+from torchneox.config.features.sparsity import build_layout, causal_density, layout_seed, sparsity
 
 
 def expected(n: int, heads: int, allowed) -> torch.Tensor:

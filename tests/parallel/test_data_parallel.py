@@ -17,8 +17,8 @@ from tests.helpers import (
     one_process,
     train,
 )
+from torchneox.checkpoint import files as checkpoint_format
 from torchneox.config.load import load_config
-from torchneox.train import checkpoint_format
 
 
 @pytest.fixture(scope="module")

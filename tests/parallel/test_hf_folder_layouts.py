@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.checkpoint.test_hf_folders import hf_folder, write_config
 from tests.helpers import losses, train
-from tests.train.test_hf_folders import hf_folder, write_config
 
 pytest.importorskip("transformers")
 

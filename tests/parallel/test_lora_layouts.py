@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import assert_same_training, reference, train
-from torchneox.train.checkpoint_format import read_meta, resolve
+from torchneox.checkpoint.files import read_meta, resolve
 
 KEYS = {
     "num_layers": 2,

@@ -58,7 +58,7 @@ def test_two_processes_equal_one(config, tmp_path, baseline, layout):
     # the gradients differ from one process's in their last bits (the summation order); the
     # Newton-Schulz iteration runs in bf16, where such a difference can flip a rounding and
     # move an element of the update by up to a few percent (of lr x 2.3 here): the gather
-    # itself is exact (tests/train/test_muon.py steps shards bitwise as the whole matrix)
+    # itself is exact (tests/optim/test_muon.py steps shards bitwise as the whole matrix)
     for name, tensor in weights(out).items():
         torch.testing.assert_close(tensor, one_weights[name], rtol=1e-3, atol=3e-4, msg=name)
 

@@ -1,7 +1,7 @@
 """ZeRO-Offload (zero_optimization.offload_optimizer / offload_param, cpu_offload, cpu_adam)
 through FSDP2's CPUOffloadPolicy: offloaded ZeRO-3 training on 2 processes equals the run
 without offload, and an offloaded run resumes bit for bit. (Its refusals:
-tests/config/test_bad_configs.py; explain: tests/config/test_offload_config.py.)"""
+tests/config/test_bad_configs.py; explain: tests/config/features/test_offload.py.)"""
 
 from __future__ import annotations
 

@@ -14,13 +14,13 @@ from tests.helpers import (
     reference,
     train,
 )
+from torchneox.checkpoint.weights import load_model
 from torchneox.cli import main
 from torchneox.config.load import load_config
 from torchneox.models.args import model_args
 from torchneox.models.transformer import build_model
 from torchneox.parallel.pipeline import layer_costs, rank_stage_indices, stage_layers
 from torchneox.train.trainer import Trainer
-from torchneox.train.weights import load_model
 
 PP_KEYS = {
     "num_layers": 4,

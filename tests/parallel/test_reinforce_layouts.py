@@ -12,7 +12,7 @@ import pytest
 
 from tests.data.dataserver import start_server
 from tests.helpers import assert_same_training, losses, reference, train
-from tests.train.test_reinforce_run import EXAMPLE, tiny
+from tests.train.rl.test_reinforce_run import EXAMPLE, tiny
 from torchneox.data.online import Group
 
 STEPS = 3

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import losses, train
-from torchneox.train import checkpoint_format
+from torchneox.checkpoint import files as checkpoint_format
 
 
 def start(config, save, nproc=1):

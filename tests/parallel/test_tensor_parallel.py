@@ -13,7 +13,7 @@ from tests.helpers import (
     reference,
     train,
 )
-from torchneox.train import checkpoint_format
+from torchneox.checkpoint import files as checkpoint_format
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from tests.reliability.test_kills import (
     run,
     run_with_kills,
 )
-from torchneox.train import checkpoint_format
+from torchneox.checkpoint import files as checkpoint_format
 
 ASYNC = {"async_checkpointing": True}
 THREAD = ASYNC | {"async_checkpoint_writer": "thread"}
@@ -70,7 +70,7 @@ def test_two_processes_save_in_the_background(make_config, tmp_path, keys):
 
 
 def test_the_writer_process_writes_the_files_dcp_save_writes(tmp_path):
-    from torchneox.train.checkpoint_writer import WriterProcess
+    from torchneox.checkpoint.writer import WriterProcess
 
     state = {
         "model": {"w": torch.randn(64, 32), "b": torch.randn(7).bfloat16()},
@@ -106,7 +106,7 @@ def test_thousands_of_tensors_stage_in_one_shared_buffer(tmp_path):
     script = (
         "import resource, sys, torch\n"
         "import torch.distributed.checkpoint as dcp\n"
-        "from torchneox.train.checkpoint_writer import WriterProcess\n"
+        "from torchneox.checkpoint.writer import WriterProcess\n"
         "if __name__ == '__main__':\n"
         "    resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))\n"
         "    state = {'opt': {str(i): torch.full((3, i % 5), float(i)) for i in range(3000)}}\n"
@@ -133,7 +133,7 @@ def test_thousands_of_tensors_stage_in_one_shared_buffer(tmp_path):
 def test_the_writer_process_dies_with_its_parent(tmp_path):
     script = (
         "import time, sys\n"
-        "from torchneox.train.checkpoint_writer import WriterProcess\n"
+        "from torchneox.checkpoint.writer import WriterProcess\n"
         "if __name__ == '__main__':\n"
         "    w = WriterProcess()\n"
         "    print(w.proc.pid, flush=True)\n"
@@ -160,7 +160,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_without_room_in_shared_memory_the_thread_writes(tmp_path, monkeypatch):
-    from torchneox.train import async_checkpoint
+    from torchneox.checkpoint import background as async_checkpoint
 
     said = []
     saves = async_checkpoint.BackgroundSaves(tmp_path, "x: 1\n", said.append, "process")

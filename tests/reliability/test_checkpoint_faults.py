@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 
+from torchneox.checkpoint import files as checkpoint_format
 from torchneox.cli import main
-from torchneox.train import checkpoint_format
 
 
 def two_checkpoints(make_config, tmp_path) -> tuple[str, object]:
@@ -285,7 +285,7 @@ def test_to_hf_fp16_refuses_weights_fp16_cannot_hold(tmp_path, capsys):
     from safetensors.torch import load_file
 
     from tests.reliability.test_paths import save_run
-    from torchneox.train.weights import load_model
+    from torchneox.checkpoint.weights import load_model
 
     run = save_run(tmp_path / "run", steps=(2,))
     _, model = load_model(run)

@@ -17,7 +17,7 @@ import warnings
 import torch
 
 from tests.forked import Forked, run_cli
-from torchneox.train import checkpoint_format
+from torchneox.checkpoint import files as checkpoint_format
 
 STEPS = 12
 

@@ -12,16 +12,16 @@ import torch
 
 from tests.helpers import build
 from torchneox.base.errors import ConfigError, TrainingStopped
+from torchneox.checkpoint.manager import CheckpointManager, TrainingState, save_iterations
 from torchneox.data.loader import BatchLoader
 from torchneox.models.moe import RouterStats, balancing_loss
+from torchneox.optim.builder import load_optimizer_state
 from torchneox.parallel.dims import ParallelDims
 from torchneox.parallel.parallelize import ParallelModel
-from torchneox.train.checkpoint import CheckpointManager, TrainingState, save_iterations
+from torchneox.reporting.metrics import Throughput, Timers
 from torchneox.train.evaluation import Evaluator, mean_loss
 from torchneox.train.loss import lm_loss, lm_loss_and_z
-from torchneox.train.metrics import Throughput, Timers
 from torchneox.train.objectives import LanguageModeling, Prepared
-from torchneox.train.optim import load_optimizer_state
 from torchneox.train.precision import LossScaler
 from torchneox.train.step import GradientPolicy, Gradients, TrainStep, Update
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tests.helpers import losses, train
+from torchneox.checkpoint.weights import load_model
 from torchneox.models.positions import rotary_tables
-from torchneox.train.weights import load_model
 
 SHORT = ["seq_length=32", "max_position_embeddings=32", "train_iters=3"]
 LONG = ["seq_length=128", "max_position_embeddings=128", "train_iters=5"]

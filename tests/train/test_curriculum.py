@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import losses, metric_rows
-from torchneox.config.curriculum import curriculum
+from torchneox.config.features.curriculum import curriculum
 from torchneox.config.load import load_config
 from torchneox.train.trainer import Trainer
 

@@ -9,7 +9,7 @@ import torch
 from tests.helpers import losses
 from torchneox.base.errors import ConfigError
 from torchneox.cli import main
-from torchneox.config.fp8_plan import fp8_plan
+from torchneox.config.features.fp8_plan import fp8_plan
 from torchneox.config.load import load_config
 from torchneox.parallel.fp8 import check_fp8_hardware, torchao_config
 from torchneox.train.trainer import Trainer
@@ -100,7 +100,7 @@ def test_fp8_with_tensor_parallelism_is_a_layout_rule_every_verb_refuses(
 def test_rowwise_with_gw_hp_and_high_precision_weight_gradients_run_under_cpu_autocast():
     """The recipes that keep the weight gradient's product in high precision met an fp32
     input and a bf16 output gradient under the CPU's autocast (a dtype error inside torchao)."""
-    from torchneox.config.fp8_plan import FP8Plan
+    from torchneox.config.features.fp8_plan import FP8Plan
     from torchneox.parallel.fp8 import apply_fp8
 
     for plan in (

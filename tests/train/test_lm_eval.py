@@ -16,10 +16,10 @@ pytest.importorskip("lm_eval")
 
 from tests.conftest import shared_dir
 from tests.helpers import metric_rows
+from torchneox.checkpoint.weights import load_model
 from torchneox.cli import main
 from torchneox.data.tokenizers import build_tokenizer
 from torchneox.train.lm_eval import make_adapter
-from torchneox.train.weights import load_model
 
 QUESTIONS = [
     ("the cat sat on the", ["mat", "zebra quantum"], 0),
@@ -192,9 +192,9 @@ def test_loglikelihoods_equal_lm_evals_own_hugging_face_model():
 
     from torchneox.config.load import load_mapping
     from torchneox.data.tokenizers import HFTokenizer
-    from torchneox.models import hf
     from torchneox.models.args import model_args
-    from torchneox.models.hf_weights import hf_tensors
+    from torchneox.models.hf import architectures as hf
+    from torchneox.models.hf.weights import hf_tensors
     from torchneox.models.transformer import build_model
 
     keys = {

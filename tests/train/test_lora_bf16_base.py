@@ -15,11 +15,11 @@ import torch
 from tests.helpers import losses, post_training_data, train, weights
 from tests.parallel.test_lora_layouts import KEYS as LAYOUT_KEYS
 from tests.train.test_lora_memory import COMMON, MODEL, status_at_first_step
+from torchneox.checkpoint.files import checkpoint_config, resolve
+from torchneox.config.features.lora import is_base_linear
 from torchneox.config.load import load_config
-from torchneox.config.lora import is_base_linear
 from torchneox.models.args import model_args
 from torchneox.models.transformer import Transformer
-from torchneox.train.checkpoint_format import checkpoint_config, resolve
 
 LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
 # test_lora_layouts' model and batches (2 micro-batches of 2 here), trained in bf16

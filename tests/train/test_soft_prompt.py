@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import BASE, losses
+from torchneox.checkpoint.weights import load_model
 from torchneox.cli import main
 from torchneox.config.derive import derive
 from torchneox.config.load import load_config, load_mapping
@@ -18,7 +19,6 @@ from torchneox.inference.generate import Sampling, generate
 from torchneox.models.args import model_args
 from torchneox.models.transformer import build_model
 from torchneox.train.trainer import Trainer
-from torchneox.train.weights import load_model
 
 PROMPT = {"enabled": True, "n_tokens": 4, "init_range": 0.25}
 

@@ -10,10 +10,10 @@ import torch
 
 from tests.helpers import losses, metric_rows, poison
 from torchneox.base.errors import TrainingStopped
+from torchneox.checkpoint import files as checkpoint_format
+from torchneox.checkpoint.manager import save_iterations
 from torchneox.cli import main
 from torchneox.config.load import load_config
-from torchneox.train import checkpoint_format
-from torchneox.train.checkpoint import save_iterations
 from torchneox.train.trainer import Trainer
 
 
@@ -543,7 +543,7 @@ def test_z_loss_is_logged_and_changes_training(make_config, tmp_path):
 def test_a_checkpoint_keeps_the_paths_it_was_given_absolute(make_config, tmp_path, monkeypatch):
     """A run trained with --set vocab_file=relative/path must generate, eval and export from any
     other folder: the checkpoint's config names its files by absolute paths."""
-    from torchneox.train.weights import load_model
+    from torchneox.checkpoint.weights import load_model
 
     work = tmp_path / "work"
     work.mkdir()
@@ -567,7 +567,7 @@ def test_mfu_is_against_a_peak_measured_once_and_never_above_100(
 ):
     """The CPU's peak used to be measured at every start-up and moved 30x with the load; MFU
     above 100% followed."""
-    from torchneox.train import hardware
+    from torchneox.reporting import hardware
 
     monkeypatch.setenv(hardware.CPU_PEAK_ENV, str(tmp_path / "peak.json"))
     first = hardware.cpu_peak_tflops("fp32")
@@ -592,7 +592,7 @@ def test_bf16_on_a_cpu_without_bf16_units_is_warned_of(
 ):
     """On a CPU without AVX512-BF16 or AMX a bf16 GEMM runs about 150x slower than fp32's: a
     user who set precision bfloat16 there trained far slower and was told nothing."""
-    from torchneox.train import hardware
+    from torchneox.reporting import hardware
 
     peaks = tmp_path / "peak.json"
     monkeypatch.setenv(hardware.CPU_PEAK_ENV, str(peaks))
@@ -611,7 +611,7 @@ def test_bf16_on_a_cpu_without_bf16_units_is_warned_of(
 def test_measuring_the_cpu_peak_leaves_the_rng_alone():
     """The first run on a machine measures the CPU's matmul peak for MFU; it drew its matrices
     from the global RNG, so that run's dropout masks differed from every later run's."""
-    from torchneox.train import hardware
+    from torchneox.reporting import hardware
 
     before = torch.get_rng_state()
     hardware.measure_cpu_tflops(size=64, seconds=0.01)
@@ -622,7 +622,7 @@ def test_measuring_the_cpu_peak_leaves_the_rng_alone():
 def test_the_fp32_peak_is_the_faster_kernels(monkeypatch):
     """The fp32 linears run on oneDNN where it beats MKL (models/linear.py): MFU measured
     against MKL's peak alone would read above 100%."""
-    from torchneox.train import hardware
+    from torchneox.reporting import hardware
 
     speeds = {"default": 0.2, "onednn": 0.5}
     monkeypatch.setattr(hardware, "measure_cpu_tflops", lambda *a, kernel="default": speeds[kernel])

@@ -10,16 +10,16 @@ import torch
 from tests.conftest import shared_dir
 from tests.helpers import BASE, losses
 from torchneox.base.errors import ConfigError
+from torchneox.checkpoint import files as checkpoint_format
+from torchneox.checkpoint.weights import load_model
 from torchneox.cli import main
 from torchneox.config.derive import derive
+from torchneox.config.features.sharing import owners
 from torchneox.config.load import load_config, load_mapping
-from torchneox.config.sharing import owners
 from torchneox.interop.huggingface import load_hf_model
 from torchneox.models.args import model_args
 from torchneox.models.transformer import build_model
-from torchneox.train import checkpoint_format
 from torchneox.train.trainer import Trainer
-from torchneox.train.weights import load_model
 
 
 def test_layer_order_is_megatrons():

@@ -15,11 +15,11 @@ PROMPTS = ["Return the ", "This module provides ", "The default value is "]
 
 def run_demo(folder: Path, overrides: list[str]) -> int:
     from torchneox.base.errors import ConfigError
+    from torchneox.checkpoint.weights import load_model
     from torchneox.config.load import load_config
     from torchneox.data.tokenizers import build_tokenizer
     from torchneox.inference.generate import Sampling, TextGenerator
     from torchneox.train.trainer import Trainer
-    from torchneox.train.weights import load_model
 
     data_prefix = folder / "data" / "pydocs"
     document_prefix = Path(f"{data_prefix}_text_document")

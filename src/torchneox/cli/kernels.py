@@ -1,5 +1,5 @@
 """``torchneox kernels``: the CPU kernel verdicts and matmul peaks this machine has cached
-(models/cpu_kernels.py, train/hardware.py), timed again (``--remeasure``) or removed
+(models/cpu_kernels.py, reporting/hardware.py), timed again (``--remeasure``) or removed
 (``--clear``)."""
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def _field(entry: dict, key: str, kind: type | tuple) -> object:
 
 
 def peak_text(precision: str, entry: object) -> str:
-    from torchneox.train.hardware import peak_value
+    from torchneox.reporting.hardware import peak_value
 
     precision = precision.removesuffix(" | best kernel")
     tflops = peak_value(entry)
@@ -122,7 +122,7 @@ def _verdict_line(shape: str, value: object) -> str:
 
 def _remeasure(kernels: dict, peaks: dict) -> tuple[dict, dict, int]:
     """Every entry of this CPU and torch timed again at its thread count."""
-    from torchneox.train import hardware
+    from torchneox.reporting import hardware
 
     count, threads_before = 0, torch.get_num_threads()
     try:
@@ -179,7 +179,7 @@ def _write(path: Path, table: dict) -> None:
 
 
 def cmd_kernels(args: argparse.Namespace) -> int:
-    from torchneox.train import hardware
+    from torchneox.reporting import hardware
 
     kernel_path, peak_path = cpu_kernels.cache_file(), hardware.cpu_peak_file()
     if args.clear:

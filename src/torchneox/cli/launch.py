@@ -43,9 +43,9 @@ def _refuse_before_starting(loaded: Any, args: argparse.Namespace) -> None:
     imports no torch (the rank server imports it meanwhile): a CPU's free memory is read only
     where the ranks will run on the CPU for sure (--device cpu, or no GPU driver here); the
     ranks check a GPU's themselves."""
+    from torchneox.checkpoint.fine_tuning import refuse_fine_tuning_nothing
     from torchneox.config.derive import derive
     from torchneox.config.layout import require
-    from torchneox.train.fine_tuning import refuse_fine_tuning_nothing
     from torchneox.train.fits import refuse_unaddressable, refuse_what_cannot_fit
 
     if args.load_step is None:  # as the trainer does first
@@ -53,7 +53,7 @@ def _refuse_before_starting(loaded: Any, args: argparse.Namespace) -> None:
     derived = derive(loaded, world_size=args.nproc)
     layout = require(loaded, derived)
     if loaded.config.checkpoint.save_hf:
-        from torchneox.train.hf_io import check_save_hf  # (imports torch: only when asked)
+        from torchneox.checkpoint.hf_io import check_save_hf  # (imports torch: only when asked)
 
         check_save_hf(loaded, args.force, layout.pp)
     params = derived["num_parameters"]
@@ -67,11 +67,11 @@ def _refuse_before_starting(loaded: Any, args: argparse.Namespace) -> None:
 def launch_local(args: argparse.Namespace) -> int:
     """The same training command in ``--nproc`` local processes; the exit status."""
     from torchneox.config.load import load_config
-    from torchneox.models.hf_folder import is_hf_folder
+    from torchneox.models.hf.folder import is_hf_folder
 
     loaded = load_config(args.files, args.overrides)
     if is_hf_folder(loaded.config.checkpoint.load):  # its config.json gives the model keys
-        from torchneox.models.hf_folder import with_hf_folder
+        from torchneox.models.hf.folder import with_hf_folder
 
         loaded = with_hf_folder(loaded)
     _refuse_before_starting(loaded, args)  # config errors once, here
@@ -196,13 +196,30 @@ def run_rank(argv: list[str], env: dict[str, str]) -> None:
     if launcher is not None:
         threading.Thread(target=_end_with, args=(launcher.sentinel,), daemon=True).start()
 
-    from torchneox.cli import main
+    from torchneox.cli.exits import guarded
+    from torchneox.cli.parser import build_parser
 
-    code = main(argv)
+    code = guarded(lambda: train_here(build_parser().parse_args(argv)), argv)
     import atexit
 
     atexit._run_exitfuncs()  # a forked process ends without running them
     sys.exit(code)
+
+
+def train_here(args: argparse.Namespace) -> int:
+    """The train verb in this process: one rank of a launched run, or the whole run."""
+    from torchneox.config.load import load_config
+    from torchneox.parallel.dims import shutdown
+    from torchneox.train.trainer import Trainer
+
+    loaded = load_config(args.files, args.overrides)
+    try:
+        Trainer(loaded, device=args.device, load_step=args.load_step, force=args.force).run()
+    except BaseException:
+        shutdown(clean=False)
+        raise
+    shutdown()
+    return 0
 
 
 def _end_with(sentinel: int) -> None:

@@ -19,7 +19,7 @@ def cmd_config_explain(args: argparse.Namespace) -> int:
     from torchneox.config.load import load_config
     from torchneox.config.report import render_json, render_text, render_yaml
     from torchneox.data.epochs import explained_epochs
-    from torchneox.models.hf_folder import explain_note, with_hf_folder
+    from torchneox.models.hf.folder import explain_note, with_hf_folder
 
     loaded = with_hf_folder(load_config(args.files, args.overrides))
     loaded = explained_epochs(loaded, args.world_size)
@@ -125,6 +125,7 @@ def has_training_data(settings: Any) -> bool:
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
+    from torchneox.checkpoint import weights
     from torchneox.config.load import load_config
     from torchneox.data.tokenizers import build_tokenizer, model_tokenizer
     from torchneox.inference.generate import (
@@ -134,7 +135,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         run_mode,
         sampling_from,
     )
-    from torchneox.train import weights
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model_overrides = [] if args.files else args.overrides
@@ -186,7 +186,7 @@ def _model_config_name(args: argparse.Namespace) -> str:
     """What names the model's tokenizer: the checkpoint's config.yml, or the HF folder."""
     if args.hf:
         return str(args.hf)
-    from torchneox.train.checkpoint_format import resolve
+    from torchneox.checkpoint.files import resolve
 
     return str(resolve(args.checkpoint) / "config.yml")
 
@@ -201,22 +201,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         return _dry_run(args)
     if _mup_one_off(args):
         return 0
+    from torchneox.cli.launch import launch_local, train_here
+
     if args.nproc and args.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        from torchneox.cli.launch import launch_local
-
         return launch_local(args)
-    from torchneox.config.load import load_config
-    from torchneox.parallel.dims import shutdown
-    from torchneox.train.trainer import Trainer
-
-    loaded = load_config(args.files, args.overrides)
-    try:
-        Trainer(loaded, device=args.device, load_step=args.load_step, force=args.force).run()
-    except BaseException:
-        shutdown(clean=False)
-        raise
-    shutdown()
-    return 0
+    return train_here(args)
 
 
 def _mup_one_off(args: argparse.Namespace) -> bool:
@@ -228,7 +217,7 @@ def _mup_one_off(args: argparse.Namespace) -> bool:
         return False
     if os.environ.get("RANK", "0") != "0":  # launched by torchrun: rank 0 writes
         return True
-    from torchneox.train.mup import one_off
+    from torchneox.train.mup_checks import one_off
 
     return one_off(loaded)
 
@@ -245,7 +234,7 @@ def _dry_run(args: argparse.Namespace) -> int:
 
     if args.nproc:
         raise ConfigError("--nproc starts processes; a dry run needs none (give --world-size)")
-    from torchneox.models.hf_folder import with_hf_folder
+    from torchneox.models.hf.folder import with_hf_folder
 
     loaded = with_hf_folder(load_config(args.files, args.overrides))
     world = args.world_size or derive(loaded)["world_size"]
@@ -390,7 +379,7 @@ def cmd_data_batch(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
-    from torchneox.train import weights
+    from torchneox.checkpoint import weights
     from torchneox.train.evaluation import perplexity
 
     if not args.data_path and not args.tasks:
@@ -432,7 +421,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_estimate(args: argparse.Namespace) -> int:
     from torchneox.config.load import load_config
     from torchneox.estimate.search import estimate, render
-    from torchneox.models.hf_folder import with_hf_folder
+    from torchneox.models.hf.folder import with_hf_folder
 
     loaded = with_hf_folder(load_config(args.files, args.overrides))
     est = estimate(loaded, args.gpus, args.gpu.lower(), args.nodes, args.mfu)
@@ -460,7 +449,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
 
 
 def cmd_checkpoint_verify(args: argparse.Namespace) -> int:
-    from torchneox.train import checkpoint_format
+    from torchneox.checkpoint import files as checkpoint_format
 
     root = Path(args.dir)
     if not root.is_dir():
@@ -482,7 +471,7 @@ def cmd_checkpoint_verify(args: argparse.Namespace) -> int:
 
 def cmd_plot(args: argparse.Namespace) -> int:
     from torchneox.config.paths import refuse_existing
-    from torchneox.train.plot import metrics_file, plot_runs
+    from torchneox.reporting.plot import metrics_file, plot_runs
 
     read = [metrics_file(Path(r)) for r in args.runs]  # a PNG beside them is fine
     refuse_existing([Path(args.out)], args.force, "plot", inputs=read)

@@ -12,18 +12,18 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from torchneox.base.errors import ConfigError
-from torchneox.config.curriculum import curriculum
-from torchneox.config.deepspeed_dicts import derive_deepspeed_dicts
-from torchneox.config.derive_model import derive_model
-from torchneox.config.derive_precision import derive_precision
-from torchneox.config.derive_rl import derive_rollouts
+from torchneox.config.derivations.model import derive_model
+from torchneox.config.derivations.precision import derive_precision
+from torchneox.config.derivations.rl import derive_rollouts
 from torchneox.config.derived import Derived
-from torchneox.config.eight_bit import derive_eight_bit
+from torchneox.config.features.curriculum import curriculum
+from torchneox.config.features.deepspeed_dicts import derive_deepspeed_dicts
+from torchneox.config.features.eight_bit import derive_eight_bit
+from torchneox.config.features.offload import PIN_KEY, derive_offload, offload_notes
+from torchneox.config.features.optimizer import describe_optimizer, optimizer_spec
 from torchneox.config.fields import Status
 from torchneox.config.layout import Layout, compile_scope
 from torchneox.config.load import LoadedConfig
-from torchneox.config.offload import PIN_KEY, derive_offload, offload_notes
-from torchneox.config.optimizer import describe_optimizer, optimizer_spec
 from torchneox.config.schema import KEYS, NeoXConfig
 from torchneox.config.validate import (
     BF16_IGNORED,

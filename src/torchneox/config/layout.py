@@ -15,13 +15,13 @@ from typing import Any
 
 from torchneox.base.errors import ConfigError
 from torchneox.config.checker import source_of
+from torchneox.config.checks.model import layer_attention_types
 from torchneox.config.derived import Derived
-from torchneox.config.eight_bit import eight_bit_layout
-from torchneox.config.fp8_plan import fp8_plan
+from torchneox.config.features.eight_bit import eight_bit_layout
+from torchneox.config.features.fp8_plan import fp8_plan
+from torchneox.config.features.offload import NOT_WITH, offload_spec
 from torchneox.config.load import LoadedConfig
-from torchneox.config.offload import offload_rule
 from torchneox.config.schema import NeoXConfig
-from torchneox.config.validate_model import layer_attention_types
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 """Pipeline schedules that run one stage per rank; the others run several."""
@@ -63,7 +63,7 @@ class Layout:
     partition_method: str = "parameters"
     """How the layers are cut into pipeline stages (pipe_partition_method)."""
     offload: bool = False
-    """ZeRO-Offload (config/offload.py): FSDP2 keeps the shards and optimizer in host memory."""
+    """ZeRO-Offload (config/features/offload.py): FSDP2 keeps the shards and optimizer in host memory."""
 
     @property
     def shard_ranks(self) -> int:
@@ -491,6 +491,37 @@ def _mamba_layers(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
         key="attention_config",
         cause=axis,
     )
+
+
+def offload_rule(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
+    """The layouts offload runs in (a rule of config/layout.py): ZeRO 1-3 over the
+    data-parallel ranks (one or more; hybrid sharding included), without tensor, pipeline,
+    expert or context parallelism."""
+    if not lay.offload:
+        return None
+    spec = offload_spec(cfg.optimizer.zero_optimization, cfg.optimizer.optimizer)
+    first = spec.by[0] if spec.by else "offload_optimizer"
+    key, path = (
+        ("optimizer", "type") if first.startswith("optimizer.") else ("zero_optimization", first)
+    )
+
+    def refuse(message: str, cause: str) -> ConfigError:
+        error = ConfigError(message, key=key)
+        error.cause, error.path = cause, path
+        return error
+
+    if lay.zero == 0:
+        return refuse(
+            f"{first} (ZeRO-Offload) needs zero_optimization.stage 1, 2 or 3", "zero_optimization"
+        )
+    for axis, cause, what in NOT_WITH:
+        if getattr(lay, axis) > 1:
+            return refuse(
+                f"{first} (ZeRO-Offload) with {what} is not built yet; offload runs with "
+                "data parallelism and ZeRO only",
+                cause,
+            )
+    return None
 
 
 RULES = (

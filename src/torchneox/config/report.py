@@ -8,8 +8,8 @@ from typing import Any
 
 import yaml
 
+from torchneox.config.derivations.rl import SECTION
 from torchneox.config.derive import Derived
-from torchneox.config.derive_rl import SECTION
 from torchneox.config.fields import Status
 from torchneox.config.load import LoadedConfig, describe_type
 from torchneox.config.schema import GROUP_TITLES, KEYS, NeoXConfig

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchneox.config.fields import KeyInfo, info
-from torchneox.config.schema_io import (
+from torchneox.config.keys.io import (
     DataConfig,
     DeepSpeedConfig,
     LauncherConfig,
@@ -21,9 +21,9 @@ from torchneox.config.schema_io import (
     TextGenConfig,
     TokenizerConfig,
 )
-from torchneox.config.schema_model import ModelConfig, MoEConfig
-from torchneox.config.schema_rl import RolloutConfig
-from torchneox.config.schema_train import (
+from torchneox.config.keys.model import ModelConfig, MoEConfig
+from torchneox.config.keys.rl import RolloutConfig
+from torchneox.config.keys.train import (
     CheckpointConfig,
     LRConfig,
     OptimizerConfig,

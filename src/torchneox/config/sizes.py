@@ -9,12 +9,18 @@ import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+from torchneox.config.checks.model import layer_attention_types
+from torchneox.config.features.sharing import layer_owners
+from torchneox.config.features.soft_prompt import soft_prompt
+from torchneox.config.features.sparsity import (
+    SPARSE_TYPES,
+    Sparsity,
+    build_layout,
+    causal_density,
+    sparsity,
+)
+from torchneox.config.keys.model import GATED_ACTIVATIONS
 from torchneox.config.schema import ModelConfig, MoEConfig, NeoXConfig
-from torchneox.config.schema_model import GATED_ACTIVATIONS
-from torchneox.config.sharing import layer_owners
-from torchneox.config.soft_prompt import soft_prompt
-from torchneox.config.sparsity import SPARSE_TYPES, Sparsity, build_layout, causal_density, sparsity
-from torchneox.config.validate_model import layer_attention_types
 
 
 def round_up(value: int, multiple: int) -> int:

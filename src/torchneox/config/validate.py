@@ -13,17 +13,7 @@ from typing import Any
 
 from torchneox.base.errors import did_you_mean
 from torchneox.config.checker import Checker
-from torchneox.config.curriculum import check_curriculum
-from torchneox.config.deepspeed_dicts import check_deepspeed_dicts
-from torchneox.config.eight_bit import check_eight_bit
-from torchneox.config.epochs import check_train_epochs
-from torchneox.config.lora import check_lora
-from torchneox.config.offload import OFFLOAD_KEYS, offload_problem
-from torchneox.config.schema import NeoXConfig
-from torchneox.config.sharing import check_sharing
-from torchneox.config.soft_prompt import check_soft_prompt
-from torchneox.config.sparsity import ATTENTION_LAYER_TYPES
-from torchneox.config.validate_model import (
+from torchneox.config.checks.model import (
     ATTENTION_TYPES_OK,
     ATTENTION_TYPES_REFUSED,
     _attention_kinds,
@@ -32,8 +22,18 @@ from torchneox.config.validate_model import (
     _check_rope_scaling,
     layer_attention_types,
 )
-from torchneox.config.validate_muon import MUON_PARAMS, muon_param
-from torchneox.config.validate_rl import check_reinforce
+from torchneox.config.checks.muon import MUON_PARAMS, muon_param
+from torchneox.config.checks.rl import check_reinforce
+from torchneox.config.features.curriculum import check_curriculum
+from torchneox.config.features.deepspeed_dicts import check_deepspeed_dicts
+from torchneox.config.features.eight_bit import check_eight_bit
+from torchneox.config.features.epochs import check_train_epochs
+from torchneox.config.features.lora import check_lora
+from torchneox.config.features.offload import OFFLOAD_KEYS, offload_problem
+from torchneox.config.features.sharing import check_sharing
+from torchneox.config.features.soft_prompt import check_soft_prompt
+from torchneox.config.features.sparsity import ATTENTION_LAYER_TYPES
+from torchneox.config.schema import NeoXConfig
 
 SUPPORTED_OPTIMIZERS = (
     "adam", "adamw", "sgd", "lion", "sm3", "madgrad_wd", "lamb", "cpu_adam", "cpu_torch_adam",
@@ -336,7 +336,7 @@ def _check_optimizer(ch: Checker) -> None:
 
 
 def _check_offload(ch: Checker) -> None:
-    """ZeRO-Offload's entries and what they need (config/offload.py)."""
+    """ZeRO-Offload's entries and what they need (config/features/offload.py)."""
     problem = offload_problem(ch.c.optimizer.zero_optimization, ch.c.optimizer.optimizer)
     if problem is not None:
         where, message = problem

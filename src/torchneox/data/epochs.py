@@ -11,7 +11,7 @@ import numpy as np
 from torchneox.base.errors import DataError
 from torchneox.config.derive import derive
 from torchneox.config.derived import Derived
-from torchneox.config.epochs import epoch_iterations
+from torchneox.config.features.epochs import epoch_iterations
 from torchneox.config.load import LoadedConfig
 from torchneox.config.schema import NeoXConfig
 from torchneox.data.gpt_dataset import split_ranges

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchneox.base.errors import ConfigError, DataError, first_line
-from torchneox.config.derive_rl import for_rank
+from torchneox.config.derivations.rl import for_rank
 
 IPS_KEY = "online_dataserver_ips"
 PORTS_KEY = "online_dataserver_ports"

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from torchneox.base.errors import DataError
-from torchneox.config.schema_io import TokenizerConfig
+from torchneox.config.keys.io import TokenizerConfig
 from torchneox.data.chat import (
     ROLES,
     ChatOptions,

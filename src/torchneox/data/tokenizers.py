@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Protocol
 
 from torchneox.base.errors import ConfigError, did_you_mean, first_line
-from torchneox.config.schema_io import TokenizerConfig
+from torchneox.config.keys.io import TokenizerConfig
 from torchneox.data.text_input import read_lines
 
 END_OF_TEXT = "<|endoftext|>"

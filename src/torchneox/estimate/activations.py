@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
+from torchneox.config.checks.model import layer_attention_types
+from torchneox.config.features.sparsity import ATTENTION_LAYER_TYPES
 from torchneox.config.load import LoadedConfig
-from torchneox.config.sparsity import ATTENTION_LAYER_TYPES
-from torchneox.config.validate_model import layer_attention_types
 from torchneox.estimate.parameters import PARAM_BYTES, meta_model
 from torchneox.models.moe import LocalTokenDispatcher
 

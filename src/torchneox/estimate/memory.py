@@ -8,13 +8,17 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from torchneox.config.eight_bit import eight_bit, eight_bit_optimizer_bytes, installed_library
+from torchneox.config.checks.model import layer_attention_types
+from torchneox.config.features.eight_bit import (
+    eight_bit,
+    eight_bit_optimizer_bytes,
+    installed_library,
+)
+from torchneox.config.features.lora import is_base_linear, lora_spec
+from torchneox.config.features.optimizer import muon_matrix, optimizer_spec
 from torchneox.config.layout import Layout
 from torchneox.config.load import LoadedConfig
-from torchneox.config.lora import is_base_linear, lora_spec
-from torchneox.config.optimizer import muon_matrix, optimizer_spec
 from torchneox.config.sizes import is_moe_layer
-from torchneox.config.validate_model import layer_attention_types
 from torchneox.estimate.activations import Trace
 from torchneox.estimate.host import offload_parts
 from torchneox.estimate.parameters import PARAM_BYTES, expert_sharded, local_dims, local_numel
@@ -38,7 +42,7 @@ def optimizer_bytes_per_tensor(
     loaded: LoadedConfig,
 ) -> Callable[[list[tuple[str, int]]], int] | None:
     """8-bit Adam (use_bnb_optimizer): the state bytes of a list of tensor shards, by name and
-    values (config/eight_bit.py), in place of a number of bytes per parameter."""
+    values (config/features/eight_bit.py), in place of a number of bytes per parameter."""
     if not eight_bit(loaded.config.optimizer):
         return None
     library = installed_library() or "torchao"

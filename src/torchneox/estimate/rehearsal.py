@@ -332,8 +332,8 @@ class RehearsedSchedule:
 
 def rehearse_rank(loaded: LoadedConfig, world: int, rank: int, nodes: int) -> RankReport:
     """Rank ``rank`` of ``world`` built and stepped on the fake process group."""
+    from torchneox.reporting.metrics import Timers
     from torchneox.train.assembly import add_step
-    from torchneox.train.metrics import Timers
 
     start = time.perf_counter()
     _join(rank, world)
@@ -419,8 +419,8 @@ def expected_bytes(loaded: LoadedConfig, built: Run, stages: list[int]) -> dict[
 
 def _files(loaded: LoadedConfig, rank: int) -> list[str]:
     """The checkpoint files this rank writes at the run's first save."""
-    from torchneox.train.checkpoint import save_iterations
-    from torchneox.train.checkpoint_format import CONFIG_FILE, MANIFEST_FILE, META_FILE
+    from torchneox.checkpoint.files import CONFIG_FILE, MANIFEST_FILE, META_FILE
+    from torchneox.checkpoint.manager import save_iterations
 
     ck = loaded.config.checkpoint
     if not ck.save:

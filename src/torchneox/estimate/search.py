@@ -18,9 +18,9 @@ from typing import Any
 
 from torchneox.base.errors import ConfigError
 from torchneox.config.derive import derive
+from torchneox.config.features.optimizer import optimizer_spec
 from torchneox.config.layout import Layout, check_layout, layout_problem
 from torchneox.config.load import LoadedConfig
-from torchneox.config.optimizer import optimizer_spec
 from torchneox.estimate.activations import trace_activations
 from torchneox.estimate.host import host_estimate, render_host
 from torchneox.estimate.memory import (
@@ -33,8 +33,8 @@ from torchneox.estimate.memory import (
     weight_bytes,
 )
 from torchneox.estimate.parameters import stage_params
+from torchneox.reporting.hardware import ACCELERATORS, Accelerator, peak_tflops
 from torchneox.train.fits import refuse_unaddressable
-from torchneox.train.hardware import ACCELERATORS, Accelerator, peak_tflops
 
 
 def _usable(acc: Accelerator) -> float:

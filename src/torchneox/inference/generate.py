@@ -13,8 +13,8 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from torchneox.base.errors import ConfigError
+from torchneox.config.keys.io import TextGenConfig
 from torchneox.config.paths import atomic_output
-from torchneox.config.schema_io import TextGenConfig
 from torchneox.data.tokenizers import Tokenizer
 from torchneox.models.mixers.attention import KVCache, StaticKVCache
 from torchneox.models.transformer import Transformer

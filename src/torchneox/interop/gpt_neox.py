@@ -12,13 +12,15 @@ from typing import Any
 import torch
 
 from torchneox.base.errors import NeoXCheckpointError
+from torchneox.checkpoint import files as checkpoint_format
+from torchneox.checkpoint.tensors import FRESH_HEADS
+from torchneox.config.checks.model import layer_attention_types
 from torchneox.config.derive import derive
-from torchneox.config.eight_bit import eight_bit
+from torchneox.config.features.eight_bit import eight_bit
+from torchneox.config.features.optimizer import optimizer_spec
 from torchneox.config.load import LoadedConfig, load_config, with_absolute_paths
-from torchneox.config.optimizer import optimizer_spec
 from torchneox.config.paths import new_output_dir, refuse_non_empty
 from torchneox.config.report import render_yaml
-from torchneox.config.validate_model import layer_attention_types
 from torchneox.config.vocab import tokenizer_vocab_size
 from torchneox.interop.gpt_neox_files import (
     GMLP_TYPES,
@@ -30,8 +32,6 @@ from torchneox.interop.gpt_neox_files import (
 )
 from torchneox.interop.gpt_neox_optim import optimizer_state
 from torchneox.models.args import ModelArgs
-from torchneox.train import checkpoint_format
-from torchneox.train.weights import FRESH_HEADS
 
 
 def _check_schedule(saved: Any, derived: Any) -> None:
@@ -289,7 +289,7 @@ def _optimizer_state_dict(
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     from torchneox.models.transformer import Transformer
-    from torchneox.train.optim import build_optimizer
+    from torchneox.optim.builder import build_optimizer
 
     with torch.device("meta"):
         model = Transformer(args)

@@ -31,7 +31,7 @@ import torch
 
 from torchneox.base.errors import NeoXCheckpointError
 from torchneox.models.args import ModelArgs
-from torchneox.models.hf_weights import split_qkv
+from torchneox.models.hf.weights import split_qkv
 
 LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
 

@@ -9,17 +9,9 @@ from pathlib import Path
 import torch
 
 from torchneox.base.errors import ConfigError
-from torchneox.config.derive import derive
-from torchneox.config.load import LoadedConfig, load_mapping
-from torchneox.config.paths import new_output_dir, refuse_non_empty
-from torchneox.config.report import render_yaml
-from torchneox.models import hf
-from torchneox.models.args import ModelArgs, model_args
-from torchneox.models.hf_weights import GPT_NEOX, WeightImporter, hf_tensors
-from torchneox.models.sharing import per_layer_state
-from torchneox.models.transformer import Transformer, merged_state_dict
-from torchneox.train import checkpoint_format, weights
-from torchneox.train.hf_files import (
+from torchneox.checkpoint import files as checkpoint_format
+from torchneox.checkpoint import weights
+from torchneox.checkpoint.hf_files import (
     DEFAULT_SHARD_BYTES,
     DTYPES,
     TOKENIZER_COMPANIONS,
@@ -27,6 +19,16 @@ from torchneox.train.hf_files import (
     write_companions,
     write_shards,
 )
+from torchneox.checkpoint.tensors import refuse_non_finite
+from torchneox.config.derive import derive
+from torchneox.config.load import LoadedConfig, load_mapping
+from torchneox.config.paths import new_output_dir, refuse_non_empty
+from torchneox.config.report import render_yaml
+from torchneox.models.args import ModelArgs, model_args
+from torchneox.models.hf import architectures as hf
+from torchneox.models.hf.weights import GPT_NEOX, WeightImporter, hf_tensors
+from torchneox.models.sharing import per_layer_state
+from torchneox.models.transformer import Transformer, merged_state_dict
 
 
 def _tokenizer_keys(hf_dir: Path, write_dir: Path, out_dir: Path) -> dict[str, str]:
@@ -88,7 +90,7 @@ def _read_hf(
         meter.advance(path.stat().st_size, path.name)
     with hf.naming_errors(hf_dir):
         sd = importer.result()
-    weights.refuse_non_finite(sd, hf_dir, importer.source, "download or export the folder again")
+    refuse_non_finite(sd, hf_dir, importer.source, "download or export the folder again")
     untied = importer.untied  # (compares the stored head with the embedding: once)
     if untied:  # transformers loads the stored head: so does the converted model
         keys = keys | {"no_weight_tying": True} | tokenizer_keys

@@ -14,18 +14,20 @@ from pathlib import Path
 import torch
 
 from torchneox.base.errors import ConfigError, HFError
+from torchneox.checkpoint import files as checkpoint_format
+from torchneox.checkpoint import weights
+from torchneox.checkpoint.hf_files import DTYPES, save_shard
 from torchneox.config.derive import derive
-from torchneox.config.lora import HF_NAMES
+from torchneox.config.features.lora import HF_NAMES
 from torchneox.config.paths import new_output_dir, refuse_non_empty
 from torchneox.config.report import render_yaml
 from torchneox.config.validate import validate
 from torchneox.interop import huggingface
-from torchneox.models import hf, hf_mamba
 from torchneox.models.args import ModelArgs, model_args
-from torchneox.models.hf_weights import GPT_NEOX
+from torchneox.models.hf import architectures as hf
+from torchneox.models.hf import mamba as hf_mamba
+from torchneox.models.hf.weights import GPT_NEOX
 from torchneox.models.transformer import is_adapter
-from torchneox.train import checkpoint_format, weights
-from torchneox.train.hf_files import DTYPES, save_shard
 
 OURS_TO_HF = {ours: theirs for theirs, ours in HF_NAMES.items()}
 SELF_ATTN_OR_MLP = {"attention": "self_attn", "mlp": "mlp"}

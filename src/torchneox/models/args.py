@@ -7,11 +7,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchneox.base.errors import ConfigError
+from torchneox.config.checks.model import layer_attention_types
 from torchneox.config.derive import derive
+from torchneox.config.features.lora import lora_spec
+from torchneox.config.features.sharing import layer_owners
+from torchneox.config.features.soft_prompt import soft_prompt
+from torchneox.config.features.sparsity import (
+    ATTENTION_LAYER_TYPES,
+    SPARSE_TYPES,
+    Sparsity,
+    sparsity,
+)
 from torchneox.config.load import LoadedConfig
-from torchneox.config.lora import lora_spec
 from torchneox.config.schema import NeoXConfig
-from torchneox.config.sharing import layer_owners
 from torchneox.config.sizes import (
     head_dim,
     kv_heads,
@@ -20,9 +28,6 @@ from torchneox.config.sizes import (
     rotary_dims,
     rwkv_widths,
 )
-from torchneox.config.soft_prompt import soft_prompt
-from torchneox.config.sparsity import ATTENTION_LAYER_TYPES, SPARSE_TYPES, Sparsity, sparsity
-from torchneox.config.validate_model import layer_attention_types
 
 
 @dataclass(frozen=True)
@@ -99,13 +104,13 @@ class ModelArgs:
     cpu_matmul: str = "auto"
     """The kernel of fp32 CPU linears (models/linear.py); build_model selects it."""
     lora_rank: int = 0
-    """LoRA adapters' rank (0: none), on the lora_targets of every block (config/lora.py)."""
+    """LoRA adapters' rank (0: none), on the lora_targets of every block (config/features/lora.py)."""
     lora_alpha: float = 0.0
     lora_dropout: float = 0.0
     lora_targets: tuple[str, ...] = ()
     """torchneox's names of the adapted layers (attention.wq, mlp.down, ...)."""
     lora_base_dtype: str = "fp32"
-    """How the frozen base's linear weights are stored (bf16: in bfloat16, config/lora.py)."""
+    """How the frozen base's linear weights are stored (bf16: in bfloat16, config/features/lora.py)."""
 
     layer_types: tuple[str, ...] = ()
     """Each layer's attention_config type (global, flash, a sparse type, mamba, rwkv, gmlp,
@@ -146,7 +151,7 @@ class ModelArgs:
 
     layer_owners: tuple[int, ...] = ()
     """Layer weight sharing: per layer, the layer whose parameters it holds (itself for an
-    owner); empty: nothing shared (config/sharing.py)."""
+    owner); empty: nothing shared (config/features/sharing.py)."""
     soft_prompt_tokens: int = 0
     """soft_prompt_tuning: the trained vectors before the text (0: none)."""
     soft_prompt_range: float = 0.5
@@ -267,7 +272,7 @@ def _mup_fields(cfg: NeoXConfig) -> dict[str, Any]:
     out: dict[str, Any] = {"rp_embedding_mult": t.mup_rp_embedding_mult, "mup": None}
     if not t.use_mup:
         return out
-    from torchneox.config.mup import read_base_shapes, width_mult
+    from torchneox.config.features.mup import read_base_shapes, width_mult
 
     if not t.base_shapes_file:
         raise ConfigError("use_mup needs base_shapes_file", key="base_shapes_file")

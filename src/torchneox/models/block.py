@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from torchneox.config.sparsity import SPARSE_TYPES
+from torchneox.config.features.sparsity import SPARSE_TYPES
 from torchneox.models.args import ModelArgs
 from torchneox.models.init import InitFn
 from torchneox.models.mixers import mamba, rwkv

@@ -16,9 +16,9 @@ products and loses on small ones. ``cpu_matmul``, a setting of each model (its l
 - ``onednn``: oneDNN wherever PyTorch was built with it.
 - ``default``: PyTorch's own choice, as before.
 
-oneDNN serves only plain fp32 CPU tensors outside autocast and ``torch.compile``: a
-tensor-parallel DTensor, bf16 or fp16 autocast (already oneDNN in PyTorch), a GPU and a
-compiled graph all take ``F.linear``. The two kernels agree to float tolerance, not bit for bit.
+oneDNN serves only plain fp32 CPU tensors outside autocast and ``torch.compile``: a layer the
+tensor-parallel plan splits (it marks them: ``Linear.split``), bf16 or fp16 autocast (already
+oneDNN in PyTorch), a GPU and a compiled graph all take ``F.linear``. The two kernels agree to float tolerance, not bit for bit.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from torchneox.models.cpu_kernels import Verdict, cached_verdict, compare
 
@@ -98,8 +97,6 @@ def _plain_fp32_cpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
         x.device.type == "cpu"
         and x.dtype == torch.float32
         and weight.dtype == torch.float32
-        and not isinstance(weight, DTensor)
-        and not isinstance(x, DTensor)
         and not torch.is_autocast_enabled("cpu")
         and not torch.compiler.is_compiling()
         and x.numel() > 0
@@ -132,6 +129,9 @@ class Linear(nn.Linear):
     [rank, in] and ``lora_B.weight`` [out, rank], the names PEFT saves them under."""
 
     cpu_matmul: str = "auto"
+    split: bool = False
+    """Set by the tensor-parallel plan on the layers it splits (parallel/tensor_parallel.py):
+    their products, of DTensors, take ``F.linear``."""
     lora_scale: float = 0.0
     lora_off: bool = False
     """Set (by ``adapters_off``): the layer computes its base alone."""
@@ -145,12 +145,13 @@ class Linear(nn.Linear):
         self.lora_scale = scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear(x, self.weight, self.bias, self.cpu_matmul)
+        mode = "default" if self.split else self.cpu_matmul
+        out = linear(x, self.weight, self.bias, mode)
         a = self._modules.get("lora_A")
         if a is None or self.lora_off:
             return out
-        low = linear(self.lora_dropout(x), a.weight, mode=self.cpu_matmul)
-        return out + self.lora_scale * linear(low, self.lora_B.weight, mode=self.cpu_matmul)
+        low = linear(self.lora_dropout(x), a.weight, mode=mode)
+        return out + self.lora_scale * linear(low, self.lora_B.weight, mode=mode)
 
     def merged_weight(self) -> torch.Tensor:
         """W + scale x B @ A: the weight that computes what the layer and its adapter do."""

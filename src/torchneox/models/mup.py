@@ -11,9 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-import torch
 from mup.infshape import InfShape, zip_infshape
-from mup.shape import make_base_shapes
 
 from torchneox.base.errors import ConfigError
 from torchneox.models.args import ModelArgs, MupScales
@@ -40,19 +38,6 @@ def init_factor(mup: MupScales, name: str, shape: Sequence[int]) -> float:
     shape_inf = infshape(mup, name, shape)
     factor = shape_inf.width_mult() ** -0.5 if shape_inf.ninf() == 2 else 1.0
     return factor * mup.init_scale
-
-
-def base_shapes(args: ModelArgs, delta: ModelArgs) -> dict[str, list[int | None]]:
-    """mup's base shapes of the model ``args`` describes, against its delta (the same model
-    wider): a dimension that differs between the two is a width. Built on the meta device."""
-    from torchneox.models.transformer import Transformer
-
-    def shapes(a: ModelArgs) -> dict[str, torch.Size]:
-        with torch.device("meta"):
-            return {n: p.shape for n, p in Transformer(a).named_parameters()}
-
-    infshapes = make_base_shapes(shapes(args), shapes(delta))
-    return {name: s.base_shape() for name, s in infshapes.items()}
 
 
 def scalings_of(args: ModelArgs, names: Iterable[tuple[str, Sequence[int]]]) -> dict[str, InfShape]:

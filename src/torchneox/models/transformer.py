@@ -21,14 +21,12 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from torchneox.config.lora import is_base_linear
+from torchneox.config.features.lora import is_base_linear
 from torchneox.models import sharing
 from torchneox.models.args import ModelArgs
 from torchneox.models.block import Block, special_init
@@ -90,14 +88,14 @@ def plain_name(name: str) -> str:
     return name
 
 
-def local_part(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...] | None]:
-    """This rank's tensor of ``param`` and where it sits in the whole one (None: it is whole)."""
-    if not isinstance(param, DTensor):
-        return param, None
-    shape, offset = compute_local_shape_and_global_offset(
-        param.shape, param.device_mesh, param.placements
-    )
-    return param.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+PartFn = Callable[[torch.Tensor], tuple[torch.Tensor, tuple[slice, ...] | None]]
+"""This process's tensor of a parameter and where it sits in the whole one (None: it is whole);
+the model holds whole tensors (``whole``), a sharded one is told from outside
+(parallel/shards.py ``local_part``)."""
+
+
+def whole(param: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return param, None
 
 
 def _soft_prompt_init(args: ModelArgs) -> InitFn:
@@ -125,7 +123,12 @@ def _own_init(args: ModelArgs, name: str) -> InitFn | None:
 
 
 def init_parameter(
-    args: ModelArgs, name: str, param: torch.Tensor, seed: int, draw_on: torch.device | None = None
+    args: ModelArgs,
+    name: str,
+    param: torch.Tensor,
+    seed: int,
+    draw_on: torch.device | None = None,
+    part: PartFn = whole,
 ) -> None:
     """Initialise ``param`` (named ``name`` in the unwrapped model) as one process would: by
     its mixer's own rule where it has one (mamba's A_log, D and dt bias, RWKV's mixes and
@@ -133,9 +136,9 @@ def init_parameter(
     output_layer_init_method; every drawn tensor is drawn whole from the generator of its name
     (then, for a shard, only its part kept) on ``draw_on`` (default: where the parameter is;
     a run whose shards live in host memory draws where the model computes, as it would
-    without offload)."""
+    without offload). ``part`` gives this process's part of ``param``."""
     module, _, leaf = name.rpartition(".")
-    local, where = local_part(param)
+    local, where = part(param)
     if name.endswith("lora_B.weight"):  # PEFT's: zeros, so the adapted model starts as its base
         local.zero_()
         return
@@ -293,6 +296,7 @@ class Transformer(nn.Module):
         device: torch.device | str | None = None,
         seed: int = 0,
         only: Collection[str] | None = None,
+        part: PartFn = whole,
     ) -> int:
         """Initialise the parameters as GPT-NeoX's init_method/output_layer_init_method do (all
         of them, or the names in ``only``), after recomputing the position tables on ``device``;
@@ -301,7 +305,7 @@ class Transformer(nn.Module):
         Each parameter draws from its own generator, seeded from ``seed`` and its name, so the
         weights do not depend on which parameters a process holds (a pipeline stage) or which
         part of them (a tensor-, expert- or ZeRO-parallel shard: the whole parameter is drawn,
-        one at a time, and only this rank's part kept)."""
+        one at a time, and only this rank's part kept: ``part`` tells which)."""
         if device is None:
             device = next(self.parameters()).device
         self.init_buffers(device)
@@ -312,7 +316,7 @@ class Transformer(nn.Module):
             plain = plain_name(name)
             if only is not None and plain not in only:
                 continue
-            init_parameter(self.args, plain, param, seed, torch.device(device))
+            init_parameter(self.args, plain, param, seed, torch.device(device), part)
             drawn += 1
         return drawn
 

@@ -13,7 +13,7 @@ from torch.distributed.fsdp import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from torchneox.config.offload import Offload
+from torchneox.config.features.offload import Offload
 from torchneox.models.transformer import Transformer
 
 REDUCE_DTYPES = {

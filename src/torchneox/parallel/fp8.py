@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from torchneox.base.errors import ConfigError
-from torchneox.config.fp8_plan import FP8Plan
+from torchneox.config.features.fp8_plan import FP8Plan
 
 
 def torchao_config(plan: FP8Plan) -> Any:

@@ -26,18 +26,19 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from torchneox.config.fp8_plan import FP8Plan
+from torchneox.config.features.fp8_plan import FP8Plan
+from torchneox.config.features.offload import Offload
 from torchneox.config.layout import Layout
-from torchneox.config.offload import Offload
 from torchneox.models.args import ModelArgs
 from torchneox.models.sharing import tie_layers
-from torchneox.models.transformer import Transformer, is_drawn, local_part, plain_name
+from torchneox.models.transformer import Transformer, is_drawn, plain_name
 from torchneox.parallel.activation_ckpt import apply_activation_checkpointing, compile_blocks
 from torchneox.parallel.data_parallel import apply_data_parallel, shard_frozen
 from torchneox.parallel.dims import ParallelDims
 from torchneox.parallel.expert_parallel import apply_expert_parallel
 from torchneox.parallel.fp8 import apply_fp8
 from torchneox.parallel.pipeline import Pipeline, build_pipeline
+from torchneox.parallel.shards import local_part
 from torchneox.parallel.tensor_parallel import apply_tensor_parallel
 
 EVERY_PARAMETER = None
@@ -147,7 +148,7 @@ def shard(
 
 
 def offloads(options: BuildOptions, layout: Layout) -> bool:
-    """Whether ZeRO-Offload applies: asked for, under ZeRO 1-3 (config/offload.py)."""
+    """Whether ZeRO-Offload applies: asked for, under ZeRO 1-3 (config/features/offload.py)."""
     return options.offload is not None and options.offload.enabled and layout.zero > 0
 
 
@@ -164,7 +165,7 @@ def materialise(
     drawn."""
     host = offload and torch.device(device).type != "meta"  # (the dry run stays on meta)
     model.to_empty(device=torch.device("cpu") if host else device)
-    return model.init_weights(device, seed=seed, only=init)
+    return model.init_weights(device, seed=seed, only=init, part=local_part)
 
 
 def footprint(model: nn.Module, init: Collection[str] | None = NO_PARAMETER) -> Footprint:

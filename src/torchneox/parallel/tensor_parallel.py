@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from torchneox.models.linear import Linear
 from torchneox.models.mixers.sparse import SparseAttention
 from torchneox.models.transformer import Transformer
 
@@ -74,6 +75,7 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
         top["rpe"] = ColwiseParallel(input_layouts=Replicate())
     if top:
         parallelize_module(model, mesh, top)
+        _mark_split(model, list(top))
     _keep_heads(model, mesh)
     for block in model.layers.values():
         # (an MoE layer's experts are whole on every tensor rank, as the tokens are without
@@ -94,10 +96,20 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
                 plan["mlp_norm"] = SequenceParallel()
         adapters = _take_adapters(block, present)  # the plans split a layer's own weights
         parallelize_module(block, mesh, plan)
+        _mark_split(block, present)
         _split_adapters(block, adapters, mesh)
         if isinstance(getattr(block, "attention", None), SparseAttention):
             # its layout per head follows the heads this rank holds
             block.attention.keep_heads(mesh.get_local_rank(), mesh.size())
+
+
+def _mark_split(owner: nn.Module, names: list[str]) -> None:
+    """The linear layers the plan split told so: their products, of DTensors, take
+    ``F.linear`` (models/linear.py: oneDNN is for plain tensors)."""
+    for name in names:
+        layer = owner.get_submodule(name)
+        if isinstance(layer, Linear):
+            layer.split = True
 
 
 def _take_adapters(block: nn.Module, names: list[str]) -> dict[str, tuple[nn.Module, nn.Module]]:

@@ -15,13 +15,15 @@ from typing import Any
 
 import torch
 
-from torchneox.config.curriculum import curriculum
 from torchneox.config.derived import Derived
-from torchneox.config.fp8_plan import FP8Plan
+from torchneox.config.features.curriculum import curriculum
+from torchneox.config.features.fp8_plan import FP8Plan
+from torchneox.config.features.offload import offload_spec
 from torchneox.config.layout import Layout
 from torchneox.config.load import LoadedConfig
-from torchneox.config.offload import offload_spec
 from torchneox.models.args import ModelArgs
+from torchneox.optim.builder import build_optimizer
+from torchneox.optim.lr import Schedule
 from torchneox.parallel.dims import ParallelDims
 from torchneox.parallel.parallelize import (
     BuildOptions,
@@ -29,10 +31,8 @@ from torchneox.parallel.parallelize import (
     build_parallel_model,
     build_reference,
 )
-from torchneox.train.lr import Schedule
-from torchneox.train.metrics import Timers
+from torchneox.reporting.metrics import Timers
 from torchneox.train.objectives import Objective, objective_for
-from torchneox.train.optim import build_optimizer
 from torchneox.train.precision import LossScaler, choose_cpu_attention
 from torchneox.train.step import GradientPolicy, Gradients, TrainStep, Update
 

@@ -8,7 +8,7 @@ component (the loop calls ``prepare``, the model, and ``terms``; it knows no obj
 - ``DPO`` (dpo): ``-logsigmoid(beta * ((pi_c - pi_r) - (ref_c - ref_r)))``, the summed
   log-probabilities of the chosen and rejected answers under the policy and a frozen reference.
 - ``KTO`` (kto): the batch's two halves, each half's KL estimate the other's reference point.
-- ``Reinforce`` (reinforce): GPT-NeoX's online REINFORCE on rollouts (train/reinforce.py).
+- ``Reinforce`` (reinforce): GPT-NeoX's online REINFORCE on rollouts (train/rl/reinforce.py).
 - ``RewardModel`` (rm): Bradley-Terry, ``-logsigmoid(v_chosen - v_rejected)`` on the value at
   each sample's one labelled position, plus ``z_loss`` times the squared values.
 
@@ -18,8 +18,7 @@ metrics are micro-batch means, averaged as lm_loss is.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,87 +26,9 @@ from torch.nn import functional as F
 
 from torchneox.base.errors import DataError
 from torchneox.models.moe import RouterStats, balancing_loss
+from torchneox.train.batch import Prepared, Terms, shifted, text_kept
 from torchneox.train.loss import lm_loss, lm_loss_and_z, token_logp
-from torchneox.train.reinforce import Reinforce
-
-
-@dataclass
-class Terms:
-    """One micro-batch's loss (what is logged as lm_loss), the objective backward runs on, the
-    extra terms it holds, and the objective's own metrics (all detached, for the logs)."""
-
-    loss: torch.Tensor
-    objective: torch.Tensor
-    z_loss: torch.Tensor | None = None
-    moe_aux_loss: torch.Tensor | None = None
-    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-@dataclass
-class Prepared:
-    """A micro-batch as the model sees it: inputs [B, T], the label of each position, whether
-    it counts (the loss mask), and KTO's per-position rewards."""
-
-    inputs: torch.Tensor
-    labels: torch.Tensor
-    mask: torch.Tensor | None
-    rewards: torch.Tensor | None = None
-    reference_logp: torch.Tensor | None = None  # precomputed per position (precompute_model_name)
-    positions: torch.Tensor | None = None  # inter_document_attention_masking: within documents
-    segments: torch.Tensor | None = None  # ... and each token's document
-    context: Any = None  # context parallelism: this rank's part of the sequence (ContextShard)
-    counted: torch.Tensor | None = None  # ... and the whole micro-batch's tokens in the loss
-    advantages: torch.Tensor | None = None  # reinforce: each row's advantage [B]
-    raw_rewards: torch.Tensor | None = None  # ... its reward [B]
-    old_logp: torch.Tensor | None = None  # ... the sampling policy's log-probabilities [B, T]
-
-    @property
-    def context_ranks(self) -> int:
-        return 1 if self.context is None else self.context.ranks
-
-    def model_inputs(self) -> dict[str, Any]:
-        """What the model takes besides the inputs (nothing, unless documents are masked or
-        the sequence is split)."""
-        out: dict[str, Any] = {}
-        if self.segments is not None:
-            out = {"positions_BT": self.positions, "segments_BT": self.segments}
-        if self.context is not None:
-            out["context"] = self.context
-        return out
-
-
-def text_kept(logits: torch.Tensor, prep: Prepared) -> Prepared:
-    """The labels and loss mask of the positions a soft prompt left in (it takes the first
-    n_tokens positions of the sequence, so the last n tokens' labels are not scored)."""
-    kept = logits.shape[1]
-    if kept >= prep.labels.shape[1]:
-        return prep
-    mask = None if prep.mask is None else prep.mask[:, :kept]
-    return dataclasses.replace(prep, labels=prep.labels[:, :kept], mask=mask)
-
-
-def shifted(
-    tokens: torch.Tensor,
-    labels: torch.Tensor | None,
-    eod_id: int | None,
-    zero_masked: bool = False,
-) -> Prepared:
-    """GPT-NeoX's _get_batch: inputs are the tokens but the last; the labels are the label
-    dataset's (masked positions, -100, read as 0) or the next tokens; the loss mask is
-    label >= 0, and without end-of-document inputs under eod_mask_loss (``eod_id``)."""
-    inputs = tokens[:, :-1]
-    mask = None
-    if labels is not None:
-        mask = labels[:, 1:] >= 0
-        target = torch.where(mask, labels[:, 1:], torch.zeros_like(labels[:, 1:]))
-    else:
-        target = tokens[:, 1:]
-        if zero_masked:  # GPT-NeoX's label_mask_zero (dpo, rm): token ids are never negative
-            target = target * (target >= 0)
-    if eod_id is not None:
-        not_eod = inputs != eod_id
-        mask = not_eod if mask is None else mask & not_eod
-    return Prepared(inputs, target, mask)
+from torchneox.train.rl.reinforce import Reinforce
 
 
 def _pair(batch: dict[str, torch.Tensor], eod_id: int | None) -> Prepared:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from torchneox.config.loss_scale import loss_scale_spec
+from torchneox.config.features.loss_scale import loss_scale_spec
 from torchneox.config.schema import PrecisionConfig
 from torchneox.models.mixers.attention import cpu_attention_in_fp32, set_cpu_attention
 

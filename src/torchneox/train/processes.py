@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchneox.config.offload import offload_spec
+from torchneox.config.features.offload import offload_spec
 from torchneox.parallel.dims import init_distributed
 
 

@@ -15,10 +15,11 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from torchneox.base.errors import ConfigError
+from torchneox.config.features.soft_prompt import NAME, soft_prompt
 from torchneox.config.schema import NeoXConfig
-from torchneox.config.soft_prompt import NAME, soft_prompt
 from torchneox.data.tokenizers import build_tokenizer
-from torchneox.models.transformer import Transformer, local_part
+from torchneox.models.transformer import Transformer
+from torchneox.parallel.shards import local_part
 
 
 def prompt_rows(embedding: torch.Tensor, ids: list[int], n_tokens: int) -> torch.Tensor:

@@ -21,10 +21,11 @@ import torch
 
 from torchneox.base.errors import TrainingStopped
 from torchneox.base.faults import fault_point
-from torchneox.config.curriculum import Curriculum
+from torchneox.config.features.curriculum import Curriculum
 from torchneox.data.loader import Batch
 from torchneox.models.moe import MoE
 from torchneox.models.transformer import adapters_off
+from torchneox.optim.builder import clip_grad_norm, shard_gradients_like_parameters
 from torchneox.parallel.collectives import mean_over_dp, plain, sum_over_pp, sum_router_stats
 from torchneox.parallel.context_parallel import split_pipeline_batch, split_sequence
 from torchneox.parallel.data_parallel import set_gradient_sync
@@ -33,10 +34,9 @@ from torchneox.parallel.expert_parallel import sync_expert_gradients
 from torchneox.parallel.parallelize import ParallelModel
 from torchneox.parallel.pipeline import evaluate_pipeline
 from torchneox.parallel.tensor_parallel import loss_context, placed_like
+from torchneox.reporting.metrics import Timers
 from torchneox.train.loss import lm_loss, token_logp
-from torchneox.train.metrics import Timers
 from torchneox.train.objectives import Objective
-from torchneox.train.optim import clip_grad_norm, shard_gradients_like_parameters
 from torchneox.train.pipelined import PipelinedObjective, prepared_batch
 from torchneox.train.precision import LossScaler, autocast
 

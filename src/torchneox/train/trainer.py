@@ -16,9 +16,20 @@ import torch.distributed as dist
 
 from torchneox.base.errors import TrainingStopped
 from torchneox.base.faults import fault_point
+from torchneox.checkpoint.fine_tuning import Resumed, post_training, refuse_fine_tuning_nothing
+from torchneox.checkpoint.hf_io import (
+    check_save_hf,
+    fresh_heads,
+    load_hf_weights,
+    save_hf,
+    save_line,
+)
+from torchneox.checkpoint.manager import CheckpointManager, TrainingState
+from torchneox.checkpoint.tensors import missing_heads
+from torchneox.checkpoint.weights import base_of_adapters, copy_weights
+from torchneox.config.derivations.model import mamba_kernels
 from torchneox.config.derive import derive
-from torchneox.config.derive_model import mamba_kernels
-from torchneox.config.fp8_plan import FP8Plan, fp8_plan
+from torchneox.config.features.fp8_plan import FP8Plan, fp8_plan
 from torchneox.config.layout import require
 from torchneox.config.load import LoadedConfig, with_absolute_paths
 from torchneox.config.report import render_yaml
@@ -27,27 +38,23 @@ from torchneox.data.epochs import apply_train_epochs, cycle_epochs
 from torchneox.data.loader import BatchLoader
 from torchneox.data.tokenizers import build_tokenizer
 from torchneox.models import cpu_kernels
-from torchneox.models.hf_folder import is_hf_folder, with_hf_folder
+from torchneox.models.hf.folder import is_hf_folder, with_hf_folder
 from torchneox.models.transformer import SOFT_PROMPT, is_adapter
+from torchneox.optim.lr import Schedule
 from torchneox.parallel import flight_recorder
 from torchneox.parallel.collectives import any_rank, mean_over_dp, sum_over_dp
 from torchneox.parallel.data_parallel import offloaded_shards
 from torchneox.parallel.dims import ParallelDims
 from torchneox.parallel.fp8 import check_fp8_hardware
 from torchneox.parallel.parallelize import EVERY_PARAMETER
-from torchneox.train import hardware
+from torchneox.reporting import hardware
+from torchneox.reporting.metrics import MetricsLogger, Throughput, Timers, duration
+from torchneox.reporting.profiling import Profiler
 from torchneox.train.assembly import add_step, build_run
-from torchneox.train.checkpoint import CheckpointManager, Resumed, TrainingState
 from torchneox.train.evaluation import Evaluator
-from torchneox.train.fine_tuning import post_training, refuse_fine_tuning_nothing
 from torchneox.train.fits import allocation_failure, refuse_what_cannot_fit
-from torchneox.train.hf_io import check_save_hf, fresh_heads, load_hf_weights, save_hf, save_line
-from torchneox.train.lr import Schedule
-from torchneox.train.metrics import MetricsLogger, Throughput, Timers, duration
 from torchneox.train.processes import context_changes, is_lost_rank, join_processes, pick_device
-from torchneox.train.profiling import Profiler
 from torchneox.train.soft_prompt import start_soft_prompt
-from torchneox.train.weights import base_of_adapters, copy_weights, missing_heads
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGHUP: the terminal went away
 STEP_KEYS = ("lm_loss", "lr", "grad_norm", "skipped", "z_loss", "moe_aux_loss")
@@ -210,7 +217,7 @@ class Trainer:
     def _build_loaders(self) -> None:
         d, cfg, lay = self.derived, self.cfg, self.layout
         if cfg.training.train_impl == "reinforce":  # rollouts, not datasets
-            from torchneox.train.rollout_sources import build_rollouts
+            from torchneox.train.rl.sources import build_rollouts
 
             self.data_notes = []
             loaders = build_rollouts(self, self.parts.module, self.logger.line)
@@ -299,7 +306,7 @@ class Trainer:
         if not resumed.training_state:
             return resumed
         self.iteration = resumed.iteration
-        from torchneox.train.checkpoint_format import checkpoint_config
+        from torchneox.checkpoint.files import checkpoint_config
 
         saved = checkpoint_config(resumed.step_dir)
         if self.cfg.lr.use_checkpoint_lr_scheduler:

@@ -2,7 +2,7 @@
 ``bigbird`` and ``bslongformer`` layers.
 
 The same attention as ``global`` (the same parameters and names), whose scores are limited to
-the blocks of the layer's layout (config/sparsity.py: DeepSpeed's rules, [heads, blocks,
+the blocks of the layer's layout (config/features/sparsity.py: DeepSpeed's rules, [heads, blocks,
 blocks] over ``seq_length``), ANDed with the causal mask and whatever else the call masks
 (padding, documents, ALiBi's biases). The layout is fixed per layer, computed at build from
 the layer's index (each layer its own random blocks) and kept as a non-persistent buffer;
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from torchneox.config.sparsity import build_layout
+from torchneox.config.features.sparsity import build_layout
 from torchneox.models.args import ModelArgs
 from torchneox.models.mixers.attention import Attention, AttentionBias
 

@@ -1,0 +1,72 @@
+"""Whether a run fine-tunes the weights it loads, the refusal of one with nothing to load, and
+where a resume left the run (``Resumed``): read by the trainer and, before any process starts,
+by ``train --nproc``'s launcher, which must not import torch for it (this module does not)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torchneox.base.errors import ConfigError
+from torchneox.models.hf.folder import is_hf_folder
+
+
+def holds_checkpoint(load_dir: Path) -> bool:
+    """A save directory (its ``latest`` or a ``global_stepN`` folder) or one checkpoint (its
+    meta.json): checkpoint_format's names, read without torch."""
+    if (load_dir / "latest").is_file() or (load_dir / "meta.json").is_file():
+        return True
+    return load_dir.is_dir() and any(
+        p.is_dir() and p.name.removeprefix("global_step").isdigit()
+        for p in load_dir.glob("global_step*")
+    )
+
+
+def post_training(cfg: Any) -> str | None:
+    """What makes a run fine-tune the weights it loads (a DPO, KTO or reward-model objective,
+    finetune, or SFT's label datasets), in words; None for pretraining."""
+    impl = cfg.training.train_impl
+    if impl != "normal":
+        return f"train_impl {impl}"
+    if cfg.checkpoint.finetune:
+        return "finetune: true"
+    if cfg.data.train_label_data_paths:
+        return "supervised fine-tuning (train_label_data_paths)"
+    return None
+
+
+def no_weights_to_fine_tune(
+    load_dir: Path, fine_tunes: str, source: str | None = None
+) -> ConfigError:
+    reference = " and its reference" if fine_tunes in ("train_impl dpo", "train_impl kto") else ""
+    return ConfigError(
+        f"{load_dir} holds no checkpoint, and {fine_tunes} fine-tunes the weights it loads "
+        f"(the policy{reference} would start from random weights): point load at the model to "
+        "start from (convert from-hf or from-gpt-neox writes one), or set load: null to train "
+        "from random weights",
+        source=source,
+        key="load",
+    )
+
+
+def refuse_fine_tuning_nothing(loaded: Any) -> None:
+    """Before anything is built or started: a post-training run whose ``load`` holds no
+    checkpoint is refused in one line (a pretraining run starts from scratch, as in GPT-NeoX)."""
+    cfg = loaded.config
+    fine_tunes = post_training(cfg)
+    if cfg.checkpoint.load is None or fine_tunes is None:
+        return
+    load_dir = Path(cfg.checkpoint.load)
+    if not holds_checkpoint(load_dir) and not is_hf_folder(load_dir):
+        raise no_weights_to_fine_tune(load_dir, fine_tunes, loaded.source("load"))
+
+
+@dataclass
+class Resumed:
+    """Where a resume left the run."""
+
+    step_dir: Path
+    iteration: int
+    training_state: bool  # False: weights only (finetune, or a converted checkpoint)
+    reference: bool = False  # the reference model's weights were loaded

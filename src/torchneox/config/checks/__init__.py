@@ -1,0 +1,1 @@
+"""The checks ``config/validate.py`` runs for each concern: the model's keys, Muon, online RL."""

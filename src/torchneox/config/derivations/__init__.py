@@ -1,0 +1,1 @@
+"""What ``config/derive.py`` computes for each concern: the model's values, precision, online RL."""
