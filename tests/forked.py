@@ -1,5 +1,5 @@
-"""``torchneox ARGS`` in a fresh process forked from a server that has imported torchneox once:
-what ``python -m torchneox ARGS`` does, without importing torch again for every run. The tests'
+"""``torchneox train ARGS`` in a fresh process forked from a server that has imported torchneox
+once: what ``python -m torchneox train ARGS`` does, without importing torch again for every run. The tests'
 one-process training runs go through it (tests/helpers.train); the server is the one
 ``train --nproc`` forks its ranks from (torchneox/cli/rank_server.py), and each run is a rank
 of one (torchneox/cli/launch.run_rank) whose output goes to files."""

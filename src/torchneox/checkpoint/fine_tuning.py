@@ -52,11 +52,14 @@ def no_weights_to_fine_tune(
 
 def refuse_fine_tuning_nothing(loaded: Any) -> None:
     """Before anything is built or started: a post-training run whose ``load`` holds no
-    checkpoint is refused in one line (a pretraining run starts from scratch, as in GPT-NeoX)."""
+    checkpoint, and whose ``save`` holds none of its own to resume, is refused in one line (a
+    pretraining run starts from scratch, as in GPT-NeoX)."""
     cfg = loaded.config
     fine_tunes = post_training(cfg)
     if cfg.checkpoint.load is None or fine_tunes is None:
         return
+    if cfg.checkpoint.save is not None and holds_checkpoint(Path(cfg.checkpoint.save)):
+        return  # the run resumes its own checkpoint (CheckpointManager.start_dir)
     load_dir = Path(cfg.checkpoint.load)
     if not holds_checkpoint(load_dir) and not is_hf_folder(load_dir):
         raise no_weights_to_fine_tune(load_dir, fine_tunes, loaded.source("load"))

@@ -74,6 +74,9 @@ class CheckpointManager:
         if self.save_dir is not None:
             ensure_writable(self.save_dir)
         self.save_at = save_iterations(ck, train_iters)
+        self.resuming_own = False
+        """Set by start_dir: the run resumes its own checkpoint, with its whole training state
+        (finetune applies to the start from ``load`` only)."""
         self.lora_base: str | None = None
         """A LoRA run's base checkpoint (set when it loads one): saves hold the adapters only."""
         self.background = None
@@ -168,17 +171,35 @@ class CheckpointManager:
     def start_dir(
         self, load: str | None, step: int | None, fine_tunes: str | None = None
     ) -> Path | None:
-        """What the run starts from: the checkpoint ``load`` resumes (or fine-tunes) from, or
-        the Hugging Face folder it names (read at step 0, unless save already holds this run's
-        checkpoints: then the run resumes from them, as rerunning the command should); None to
-        start from scratch."""
+        """What the run starts from: this run's own newest checkpoint when ``save`` holds one
+        (rerunning the command resumes it, whatever ``load`` names: the starting point of a
+        fresh run only); else the checkpoint ``load`` resumes (or fine-tunes) from, or the
+        Hugging Face folder it names (read at step 0); None to start from scratch."""
+        own = self.own_checkpoint(load, step)
+        if own is not None:
+            return own
         if load is None:
             return None
         if is_hf_folder(load):
-            if self.save_dir is not None and holds_checkpoint(self.save_dir):
-                return self.find(self.save_dir, step)
             return Path(load)
         return self.find(Path(load), step, fine_tunes)
+
+    def own_checkpoint(self, load: str | None, step: int | None) -> Path | None:
+        """The checkpoint of this run that ``save`` holds (its ``step``, or the newest
+        complete one), when ``load`` names something else; said in the start-up line."""
+        save = self.save_dir
+        if save is None or not holds_checkpoint(save):
+            return None
+        if load is not None and Path(load).resolve() == save.resolve():
+            return None  # load is save: GPT-NeoX's resume, find() reads it
+        if step is None and not (save / "latest").is_file() and newest_complete(save) is None:
+            return None  # only a save cut short: nothing of this run to resume
+        found = self.find(save, step)
+        self.resuming_own = found is not None
+        if found is not None:
+            start = f"load ({load}) is where a fresh run starts" if load else "load is not set"
+            self.line(f"resuming this run from its own checkpoint {found} (save holds it); {start}")
+        return found
 
     def find(self, load_dir: Path, step: int | None, fine_tunes: str | None = None) -> Path | None:
         """The checkpoint a resume from ``load_dir`` loads (its ``step``, the step directory
@@ -199,8 +220,9 @@ class CheckpointManager:
 
     def resume(self, step_dir: Path, state: TrainingState) -> Resumed:
         """Load the checkpoint ``step_dir`` into ``state``: the weights always; the optimizer,
-        RNG, data position and loss scale unless finetune (or a weights-only checkpoint) or
-        the no_load keys say otherwise."""
+        RNG, data position and loss scale unless finetune (starting from ``load``, not resuming
+        this run's own checkpoint), a weights-only checkpoint or the no_load keys say
+        otherwise."""
         ck = self.ck
         meta = read_meta(step_dir)
         fresh = load_model_weights(step_dir, state.model)
@@ -213,7 +235,7 @@ class CheckpointManager:
                 f"{step_dir} has no LoRA adapters: they start from their initialisation "
                 "(B zeros: the model computes what its base does)"
             )
-        if ck.finetune or "loaders" not in meta:
+        if (ck.finetune and not self.resuming_own) or "loaders" not in meta:
             why = (
                 "finetune is set"
                 if ck.finetune
