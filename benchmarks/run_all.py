@@ -69,7 +69,7 @@ def machine() -> str:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, as every torchneox verb's mistakes
-        self.exit(2, f"torchneox: error: torchneox bench: {message} (see --help)\n")
+        self.exit(2, f"torchneox: error: bench: {message} (see --help)\n")
 
 
 def main() -> int:

@@ -30,6 +30,12 @@ CASES = [
     ),
     ("unknown-no-match", {"a.yml": "{zzqqxx: 1}"}, [], ["a.yml: zzqqxx: unknown key"]),
     (
+        "quoted-whole-number",
+        {"a.yml": '{hidden_size: "64"}'},
+        [],
+        ["a.yml: hidden_size: expected an integer, got '64' (a string: write 64 without quotes)"],
+    ),
+    (
         "fp8-margin",
         {"a.yml": "{te_fp8_mha: true, te_fp8_margin: 2}"},
         [],

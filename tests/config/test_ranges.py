@@ -42,6 +42,8 @@ BAD_VALUES = [
     ("warmup", ".nan", "in [0, 1]"),
     ("extra_save_iters", "[4, -1]", ">= 0 (each of them)"),
     ("distributed_timeout_minutes", "0", "> 0"),
+    ("num_nodes", "0", "-1 (every node) or >= 1"),
+    ("num_nodes", "-3", "-1 (every node) or >= 1"),
 ]
 VERBS = {  # the words before the config file, and after it
     "config explain": (["config", "explain"], []),

@@ -549,8 +549,20 @@ def test_a_benchmark_that_does_not_exist_is_one_line(capfd):
     """bench hands its arguments to benchmarks/run_all.py, whose mistakes are one line too."""
     assert main(["bench", "--only", "nothing_such"]) == 2
     err = capfd.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("torchneox: error: torchneox bench: "), err
+    assert err.count("\n") == 1 and err.startswith("torchneox: error: bench: "), err
     assert "invalid choice: 'nothing_such'" in err
+
+
+@pytest.mark.parametrize(
+    "argv, verb",
+    [(["--bogus"], ""), (["train", "a.yml", "--bogus"], ""), (["train"], "train: ")],
+)
+def test_a_usage_mistake_names_the_program_once(capfd, argv, verb):
+    """argparse's own mistakes: "torchneox: error: " once, then the verb (not the program's
+    name a second time)."""
+    assert main(argv) == 2
+    err = capfd.readouterr().err
+    assert err.startswith(f"torchneox: error: {verb}") and err.count("torchneox") == 1, err
 
 
 def _leaf_verbs(parser, prefix=()) -> list[tuple[str, ...]]:

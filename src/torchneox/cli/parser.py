@@ -15,7 +15,9 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports usage errors as one line (no usage dump), exit status 2."""
 
     def error(self, message: str) -> NoReturn:
-        raise ConfigError(f"{self.prog}: {message} (see --help)")
+        # the CLI's line starts "torchneox: error: ": the verb follows, not the program again
+        verb = self.prog.removeprefix("torchneox").strip()
+        raise ConfigError(f"{verb + ': ' if verb else ''}{message} (see --help)")
 
 
 def number(

@@ -277,6 +277,9 @@ def _to_int(value: Any) -> int:
         raise _Mismatch
     if isinstance(value, int):
         return value
+    if isinstance(value, str) and not any(c in value for c in "eE"):
+        # a whole number in quotes: YAML 1.1 leaves only exponent forms (1e5) as strings
+        raise _Mismatch
     number = _to_float(value)
     if not number.is_integer():
         raise _Mismatch
@@ -323,8 +326,11 @@ def convert(name: str, value: Any, source: str) -> Any:
             source=source,
             key=name,
         )
+    quoted = ""
+    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        quoted = f" (a string: write {value.strip()} without quotes)"
     raise ConfigError(
-        f"expected {describe_type(spec.type)}, got {value!r}", source=source, key=name
+        f"expected {describe_type(spec.type)}, got {value!r}{quoted}", source=source, key=name
     )
 
 

@@ -518,6 +518,9 @@ def _check_training(ch: Checker) -> None:
         and ck.checkpoint_factor < 2
     ):
         ch.fail("checkpoint_factor", "must be >= 2 with checkpoint_scale: log (it is the base)")
+    nodes = ch.c.launcher.num_nodes
+    if nodes is not None and nodes != -1 and nodes < 1:
+        ch.fail("num_nodes", f"must be -1 (every node) or >= 1, got {nodes}")
     lg = ch.c.logging
     if lg.profile_step_stop < lg.profile_step_start:
         ch.fail(
