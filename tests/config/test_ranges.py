@@ -156,3 +156,23 @@ def test_a_layout_rule_broken_by_a_set_entry_of_a_files_mapping_is_blamed_on_set
     assert main([*args, "--set", "zero_optimization.mics_shard_size=3"]) == 2
     err = _one_line_error(capsys)
     assert "--set: zero_optimization: mics_shard_size 3 must divide the data-parallel size" in err
+
+
+@pytest.mark.parametrize("verb", list(VERBS))
+def test_a_check_of_two_keys_is_blamed_on_set_when_one_came_from_there(
+    tmp_path, monkeypatch, capsys, verb
+):
+    """max_position_embeddings in the file, a longer seq_length given with --set: the file is
+    not at fault, the override is (and without the override, the file is named)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.yml").write_text(BASE.replace('"seq_length": 32', '"seq_length": 8'))
+    (tmp_path / "b.yml").write_text("{max_position_embeddings: 16}")
+    before, after = VERBS[verb]
+    assert main([*before, "a.yml", "b.yml", *after, "--set", "seq_length=32"]) == 2
+    err = _one_line_error(capsys)
+    assert "--set: max_position_embeddings: 16 is shorter than seq_length 32" in err, err
+    (tmp_path / "a.yml").write_text(BASE)  # seq_length 32 in the file
+    assert main([*before, "a.yml", "b.yml", *after]) == 2
+    assert "yml: max_position_embeddings: 16 is shorter than seq_length 32" in (
+        _one_line_error(capsys)
+    )

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import math
+import re
 
 from torchneox.base.errors import ConfigError
 from torchneox.config.schema import KEYS, NeoXConfig
+
+OVERRIDE = "--set"
+"""Where a value given on the command line came from (config/load.py names it so)."""
 
 
 def source_of(origin: dict[str, str], key: str, path: str | None = None) -> str:
@@ -28,8 +32,15 @@ class Checker:
         self.origin = origin
 
     def fail(self, key: str, message: str, *, path: str | None = None) -> None:
-        """``path``: the entry of a mapping key the message is about ('params.lr')."""
-        raise ConfigError(message, source=source_of(self.origin, key, path), key=key)
+        """``path``: the entry of a mapping key the message is about ('params.lr'). A check of
+        several keys is blamed on ``--set`` when one of the others it names came from there
+        (the file did not change; the override did)."""
+        source = source_of(self.origin, key, path)
+        if source != OVERRIDE:
+            named = set(re.findall(r"[a-z][a-z0-9_]+", message)) & KEYS.keys()
+            if any(self.origin.get(k) == OVERRIDE for k in named - {key}):
+                source = OVERRIDE
+        raise ConfigError(message, source=source, key=key)
 
     def ranges(self) -> None:
         """Every key whose field declares a range (``key(..., gt=0)``), in schema order: the

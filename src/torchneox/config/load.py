@@ -20,11 +20,10 @@ from typing import Any, Literal
 import yaml
 
 from torchneox.base.errors import ConfigError, did_you_mean
+from torchneox.config.checker import OVERRIDE
 from torchneox.config.fields import Status
 from torchneox.config.schema import KEYS, NeoXConfig
 from torchneox.config.validate import validate
-
-OVERRIDE = "--set"
 
 
 @dataclass
