@@ -366,3 +366,31 @@ def test_nan_bytes_over_a_weight_are_refused_on_load(
     assert err.count("\n") == 1, err
     assert f"{folder / 'global_step2'}: tensor layers.1.mlp.up.weight holds NaN" in err, err
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_folder_that_is_no_checkpoint_is_said_to_be_none(tmp_path, capsys):
+    """verify, and every verb reading a checkpoint, on a folder with nothing of a checkpoint:
+    one line saying it is not one (not that a save never finished), exit 2."""
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    (folder / "readme.txt").write_text("hello")
+    for argv in (
+        ["checkpoint", "verify", str(folder)],
+        ["generate", "--checkpoint", str(folder), "--prompt", "a"],
+        ["convert", "to-hf", str(folder), str(tmp_path / "hf")],
+    ):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "not a torchneox checkpoint" in err, err
+        assert "never finished" not in err
+
+
+def test_a_damaged_checkpoint_offers_what_generate_takes(make_config, tmp_path, capsys):
+    """generate has no --load-step: the offer names the complete directory to give it."""
+    _, folder = two_checkpoints(make_config, tmp_path)
+    damage_no_manifest(folder / "global_step4")
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(folder), "--prompt", "a"]) == 2
+    err = capsys.readouterr().err
+    assert f"the newest complete checkpoint before it is {folder / 'global_step2'}: give " in err
+    assert "train resumes from it with --load-step 2" in err

@@ -33,6 +33,10 @@ FORMAT = "torchneox-checkpoint-2"  # 2: with manifest.json
 CONFIG_FILE = "config.yml"
 META_FILE = "meta.json"
 MANIFEST_FILE = "manifest.json"
+NOT_A_CHECKPOINT = (
+    "not a torchneox checkpoint (no meta.json, manifest or shards): give a save folder or one "
+    "of its global_stepN folders"
+)
 CHECKSUMMED_BELOW = 1 << 20  # files smaller than this (metadata, config) get a sha256
 
 
@@ -97,6 +101,8 @@ def verify(step_dir: Path, content: bool = False) -> list[str]:
     Checkpoints written before manifests existed are checked for their metadata."""
     step_dir = Path(step_dir)
     if not (step_dir / META_FILE).is_file():
+        if not _holds_checkpoint_files(step_dir):
+            return [f"{step_dir} is {NOT_A_CHECKPOINT}"]
         return [f"{step_dir / META_FILE} is missing: the save never finished"]
     try:
         fmt = read_meta(step_dir).get("format")
@@ -289,6 +295,12 @@ def ensure_writable(root: Path) -> None:
         ) from None
 
 
+def _holds_checkpoint_files(step_dir: Path) -> bool:
+    """Whether anything of a checkpoint is there: a save cut short leaves some of these."""
+    names = (MANIFEST_FILE, CONFIG_FILE, ".metadata")
+    return any((step_dir / n).exists() for n in names) or any(step_dir.glob("*.distcp"))
+
+
 def resolve(path: str | Path, step: int | None = None) -> Path:
     """The global_step directory meant by ``path`` (a save directory or a step directory),
     checked against its manifest. When it is incomplete or damaged, the error names the file
@@ -330,8 +342,8 @@ def _older_offer(root: Path, before: int | None) -> str:
         return "; no older complete checkpoint is there"
     number = older.name.removeprefix("global_step")
     return (
-        f"; the newest complete checkpoint before it is {older}: resume from it with "
-        f"--load-step {number} (or give that directory)"
+        f"; the newest complete checkpoint before it is {older}: give that directory instead "
+        f"(train resumes from it with --load-step {number})"
     )
 
 
