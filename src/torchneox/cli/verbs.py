@@ -450,14 +450,15 @@ def cmd_kernels(args: argparse.Namespace) -> int:
 
 def cmd_checkpoint_verify(args: argparse.Namespace) -> int:
     from torchneox.checkpoint import files as checkpoint_format
+    from torchneox.checkpoint.files import verify
 
     root = Path(args.dir)
     if not root.is_dir():
         raise ConfigError("no such checkpoint directory", source=str(root))
     steps = [p for _, p in checkpoint_format.step_dirs(root)] or [root]
-    if steps == [root] and not (root / "latest").is_file():
-        if checkpoint_format.verify(root) == [f"{root} is {checkpoint_format.NOT_A_CHECKPOINT}"]:
-            raise ConfigError(checkpoint_format.NOT_A_CHECKPOINT, source=str(root))
+    nothing = [f"{root} is {checkpoint_format.NOT_A_CHECKPOINT}"]
+    if steps == [root] and not (root / "latest").is_file() and verify(root) == nothing:
+        raise ConfigError(checkpoint_format.NOT_A_CHECKPOINT, source=str(root))
     bad = 0
     for step in steps:
         problems = checkpoint_format.verify(step, content=True)
