@@ -157,3 +157,17 @@ def test_a_binary_prompt_file_is_one_line_naming_it(tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert f"{prompts}: sample_input_file: not UTF-8 text (invalid start byte at byte 0)" in err
     assert not out.exists()
+
+
+def test_maximum_tokens_past_the_positions_is_said_and_cut(tmp_path, capsys):
+    """The model has 16 positions: asked for 100 tokens, it says so once (and stops at the last
+    position, as GPT-NeoX does)."""
+    from torchneox.cli import main
+
+    _char_checkpoint(tmp_path / "ckpt")
+    args = ["generate", "--checkpoint", str(tmp_path / "ckpt"), "--prompt", "abcd"]
+    assert main([*args, "--maximum-tokens", "100", "--temperature", "0"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.count("maximum_tokens 100 is past the model's 16 positions") == 1
+    assert main([*args, "--maximum-tokens", "5"]) == 0
+    assert "past the model" not in capsys.readouterr().err

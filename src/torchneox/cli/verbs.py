@@ -122,6 +122,17 @@ def has_training_data(settings: Any) -> bool:
     return bool(settings.data.train_data_paths or settings.data.pos_train_data_paths)
 
 
+def _say_positions_cut(maximum_tokens: int, positions: int) -> None:
+    """maximum_tokens past the model's positions: said once, as GPT-NeoX cuts it (each sample
+    stops at the model's last position)."""
+    if maximum_tokens >= positions:
+        print(
+            f"generate: maximum_tokens {maximum_tokens} is past the model's {positions} "
+            "positions: each sample stops at the last position (prompt and text together)",
+            file=sys.stderr,
+        )
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
@@ -163,6 +174,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         tokenizer = build_tokenizer(tok_cfg.tokenizer)
     sampling = sampling_from(settings.textgen, tokenizer.eod_id, args.seed)
     sampling.stop_ids |= generation_stop_ids(tok_cfg.tokenizer.vocab_file)
+    _say_positions_cut(sampling.maximum_tokens, model.args.max_positions)
     generator = TextGenerator(model, tokenizer, sampling)
     if args.prompt is not None:
         print(generator.complete([args.prompt])[0])
