@@ -30,6 +30,18 @@ CASES = [
     ),
     ("unknown-no-match", {"a.yml": "{zzqqxx: 1}"}, [], ["a.yml: zzqqxx: unknown key"]),
     (
+        "optimizer-type-without-its-dict",
+        {"a.yml": "{optimizer_type: sm3}"},
+        [],
+        ["a.yml: optimizer_type: sm3 would not run", "write optimizer: {type: sm3"],
+    ),
+    (
+        "optimizer-type-against-its-dict",
+        {"a.yml": "{optimizer_type: lion}"},
+        [],
+        ["a.yml: optimizer_type: lion would not run: the optimizer dict gives the optimizer (adam"],
+    ),
+    (
         "quoted-whole-number",
         {"a.yml": '{hidden_size: "64"}'},
         [],

@@ -349,6 +349,21 @@ def _pipeline_micro_batches(loaded: LoadedConfig, out: Derived, gas: int) -> Non
 # --------------------------------------------------------------------------- optimizer
 
 
+def _refuse_another_optimizer_type(loaded: LoadedConfig, built: str) -> None:
+    """optimizer_type given as another optimizer than the optimizer dict builds: GPT-NeoX
+    derives the key from the dict (Adam without one), so the value asked for would silently
+    not run."""
+    asked = loaded.config.optimizer.optimizer_type
+    if loaded.given("optimizer_type") and asked != built:
+        raise ConfigError(
+            f"{asked} would not run: the optimizer dict gives the optimizer ({built}; adam when "
+            "there is none), as GPT-NeoX derives optimizer_type from it; write optimizer: "
+            f"{{type: {asked}, params: {{lr: ...}}}} instead",
+            source=loaded.source("optimizer_type"),
+            key="optimizer_type",
+        )
+
+
 def _optimizer(loaded: LoadedConfig, out: Derived) -> None:
     o = loaded.config.optimizer
     spec = optimizer_spec(loaded.config.optimizer)
@@ -357,6 +372,7 @@ def _optimizer(loaded: LoadedConfig, out: Derived) -> None:
         out.put("optimizer_type", "adam", "adam: no optimizer dict given, GPT-NeoX's default")
     else:
         out.put("optimizer_type", spec.kind, f"from optimizer.type {spec.type_name!r}")
+    _refuse_another_optimizer_type(loaded, out["optimizer_type"])
     if "lr" in params:
         out.put("lr", params["lr"], f"{params['lr']:g}, from optimizer.params.lr")
     elif o.lr is not None:
