@@ -148,3 +148,16 @@ def test_infinite_schedule_from_the_config(tmp_path):
     assert schedule.infinite == Infinite(0.005, 20, 30, 3.0)
     assert schedule.lr_at(35) == 0.005 and schedule.lr_at(100) == pytest.approx(1e-4)
     assert "cools down as 1/sqrt(1 + 3 t) to constant_lr 0.005" in derived.reasons["lr_schedule"]
+
+
+def test_a_warmup_of_less_than_one_step_is_said_by_explain_and_at_start(make_config, capsys):
+    """warmup 0.02 of 2 steps: 0.04 steps, so the first update runs at 25 x lr (GPT-NeoX's
+    formula, kept); config explain's notes and the run's start-up lines say so."""
+    from torchneox.cli import main
+
+    cfg = make_config(train_iters=2, warmup=0.02)
+    assert main(["config", "explain", cfg]) == 0
+    said = "warmup of 0.04 steps is less than one step, so the first update uses lr / 0.04 = 25 x lr"
+    assert said in capsys.readouterr().out.split("Notes")[-1]
+    assert main(["train", cfg]) == 0
+    assert f"note: {said}" in capsys.readouterr().out

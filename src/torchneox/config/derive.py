@@ -423,10 +423,12 @@ def _schedule(cfg: NeoXConfig, out: Derived) -> None:
     warm = lr.warmup * iters
     why = f"{warm:g} = warmup {lr.warmup} x lr_decay_iters {iters}"
     if 0 < warm < 1:
-        why += (
-            f"; less than one step, so the first update uses lr / {warm:g} = {1 / warm:.3g} x "
+        steep = (
+            f"less than one step, so the first update uses lr / {warm:g} = {1 / warm:.3g} x "
             "lr (GPT-NeoX's formula, max(1, step) / warmup); raise warmup or set it to 0"
         )
+        why += f"; {steep}"
+        out.notes.append(f"warmup of {warm:g} steps is {steep}")
     out.put("warmup_iters", warm, why)
     peak = out.get("lr")
     shape = {

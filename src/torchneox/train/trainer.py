@@ -90,6 +90,8 @@ class Trainer:
         self.iteration = 0
         self.stop_requested = False
         self._open_outputs()
+        for note in d.notes:  # what config explain lists as notes: warnings of the config
+            self.logger.line(f"note: {note}")
         # the checkpoint to load, known before building: its weights are not drawn first
         step_dir = self.checkpoints.start_dir(cfg.checkpoint.load, load_step, post_training(cfg))
         # a run that continues another computes with its kernels: no verdict timed a second time
