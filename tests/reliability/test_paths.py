@@ -170,6 +170,10 @@ CASES = {
          "--vocab-size", "300", "--force"],
         "corpus.txt", "corpus.txt", "corpus.txt",
     ),
+    "train into the Hugging Face folder it loads": (
+        ["train", "c.yml", "--set", "load=hf", "--set", "save=hf"], "hf", "hf", "hf",
+    ),
+    "train around its config": (["train", "c.yml", "--set", "save=."], "c.yml", ".", "c.yml"),
     "precompute over another dataset": (
         ["generate", "c.yml", "--checkpoint", "run", "--text-gen-type", "precompute",
          "--set", "precompute_model_name=ref"],

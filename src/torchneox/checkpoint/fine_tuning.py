@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from torchneox.base.errors import ConfigError
+from torchneox.config.paths import dataset_files, refuse_overlap
 from torchneox.models.hf.folder import is_hf_folder
 
 
@@ -63,6 +64,21 @@ def refuse_fine_tuning_nothing(loaded: Any) -> None:
     load_dir = Path(cfg.checkpoint.load)
     if not holds_checkpoint(load_dir) and not is_hf_folder(load_dir):
         raise no_weights_to_fine_tune(load_dir, fine_tunes, loaded.source("load"))
+
+
+def refuse_saving_over_inputs(loaded: Any) -> None:
+    """``save`` that is, holds or lies inside what the run reads (its config files, data,
+    tokenizer, or the Hugging Face folder ``load`` names) is refused before anything starts:
+    checkpoints are never written into an input (``load`` equal to ``save`` is GPT-NeoX's
+    resume, and stays allowed for a checkpoint folder)."""
+    cfg = loaded.config
+    if not cfg.checkpoint.save:
+        return
+    tok = cfg.tokenizer
+    inputs = [*loaded.files, *dataset_files(cfg.data), tok.vocab_file, tok.merge_file]
+    if cfg.checkpoint.load and is_hf_folder(cfg.checkpoint.load):
+        inputs.append(cfg.checkpoint.load)
+    refuse_overlap([Path(cfg.checkpoint.save)], inputs, "train (save)")
 
 
 @dataclass

@@ -43,13 +43,17 @@ def _refuse_before_starting(loaded: Any, args: argparse.Namespace) -> None:
     imports no torch (the rank server imports it meanwhile): a CPU's free memory is read only
     where the ranks will run on the CPU for sure (--device cpu, or no GPU driver here); the
     ranks check a GPU's themselves."""
-    from torchneox.checkpoint.fine_tuning import refuse_fine_tuning_nothing
+    from torchneox.checkpoint.fine_tuning import (
+        refuse_fine_tuning_nothing,
+        refuse_saving_over_inputs,
+    )
     from torchneox.config.derive import derive
     from torchneox.config.layout import require
     from torchneox.train.fits import refuse_unaddressable, refuse_what_cannot_fit
 
     if args.load_step is None:  # as the trainer does first
         refuse_fine_tuning_nothing(loaded)
+    refuse_saving_over_inputs(loaded)
     derived = derive(loaded, world_size=args.nproc)
     layout = require(loaded, derived)
     if loaded.config.checkpoint.save_hf:

@@ -16,7 +16,12 @@ import torch.distributed as dist
 
 from torchneox.base.errors import TrainingStopped
 from torchneox.base.faults import fault_point
-from torchneox.checkpoint.fine_tuning import Resumed, post_training, refuse_fine_tuning_nothing
+from torchneox.checkpoint.fine_tuning import (
+    Resumed,
+    post_training,
+    refuse_fine_tuning_nothing,
+    refuse_saving_over_inputs,
+)
 from torchneox.checkpoint.hf_io import (
     check_save_hf,
     fresh_heads,
@@ -73,6 +78,7 @@ class Trainer:
         self.cfg = cfg = loaded.config
         if load_step is None:  # (a step asked for is resolved, or refused, by find)
             refuse_fine_tuning_nothing(loaded)  # before any process group, file or model
+        refuse_saving_over_inputs(loaded)
         self.device = pick_device(device)
         world = join_processes(cfg, self.device)
         self.loaded = loaded = apply_train_epochs(loaded, world)  # train_epochs -> train_iters
