@@ -157,7 +157,9 @@ def test_a_warmup_of_less_than_one_step_is_said_by_explain_and_at_start(make_con
 
     cfg = make_config(train_iters=2, warmup=0.02)
     assert main(["config", "explain", cfg]) == 0
-    said = "warmup of 0.04 steps is less than one step, so the first update uses lr / 0.04 = 25 x lr"
+    said = (
+        "warmup of 0.04 steps is less than one step, so the first update uses lr / 0.04 = 25 x lr"
+    )
     assert said in capsys.readouterr().out.split("Notes")[-1]
     assert main(["train", cfg]) == 0
     assert f"note: {said}" in capsys.readouterr().out

@@ -158,6 +158,13 @@ CASES = {
         ["plot", "run", "--out", "run/metrics.jsonl", "--force"],
         "run", "run/metrics.jsonl", "run/metrics.jsonl",
     ),
+    "plot over its run's checkpoint pointer": (
+        ["plot", "run", "--out", "run/latest", "--force"], "run", "run/latest", "run/latest",
+    ),
+    "plot into its run's checkpoint": (
+        ["plot", "run", "--out", "run/global_step6/loss.png", "--force"],
+        "run", "run/global_step6/loss.png", "run/global_step6",
+    ),
     "data batch over its config": (
         ["data", "batch", "c.yml", "--iteration", "1", "--out", "c.yml", "--force"], "c.yml", "c.yml", "c.yml",
     ),

@@ -123,8 +123,8 @@ def has_training_data(settings: Any) -> bool:
 
 
 def _say_positions_cut(maximum_tokens: int, positions: int) -> None:
-    """maximum_tokens past the model's positions: said once, as GPT-NeoX cuts it (each sample
-    stops at the model's last position)."""
+    """maximum_tokens asked past the model's positions: said once as generation starts, as
+    GPT-NeoX cuts it (each sample stops at the model's last position)."""
     if maximum_tokens >= positions:
         print(
             f"generate: maximum_tokens {maximum_tokens} is past the model's {positions} "
@@ -138,7 +138,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from torchneox.checkpoint import weights
     from torchneox.config.load import load_config
-    from torchneox.data.tokenizers import build_tokenizer, model_tokenizer
     from torchneox.inference.generate import (
         TextGenerator,
         generation_mode,
@@ -155,28 +154,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
         loaded, model = load_hf_model(args.hf, device=device)
     else:
         loaded, model = weights.load_model(args.checkpoint, model_overrides, device=device)
-    settings = load_config(args.files, args.overrides).config if args.files else loaded.config
+    asked = load_config(args.files, args.overrides) if args.files else None
+    settings = asked.config if asked is not None else loaded.config
+    asked_tokens = args.maximum_tokens is not None or (
+        asked is not None and asked.given("maximum_tokens")
+    )
     for name in GEN_FLAGS:
         if getattr(args, name) is not None:
             settings.set(name, getattr(args, name))
     if (settings.textgen.text_gen_type or "") == "precompute":
         return _precompute(model, settings, device)
-    tok_cfg = (
-        settings
-        if settings.tokenizer.vocab_file
-        or settings.tokenizer.tokenizer_type == "CharLevelTokenizer"
-        else loaded.config
-    )
-    tokenizer_set = {o.partition("=")[0].strip() for o in args.overrides} & TOKENIZER_FILE_KEYS
-    if tok_cfg is loaded.config and not tokenizer_set:  # the model's own: say what is missing
-        tokenizer = model_tokenizer(tok_cfg.tokenizer, _model_config_name(args))
-    else:
-        tokenizer = build_tokenizer(tok_cfg.tokenizer)
+    tok_cfg, tokenizer = _generation_tokenizer(args, settings, loaded.config)
     sampling = sampling_from(settings.textgen, tokenizer.eod_id, args.seed)
     sampling.stop_ids |= generation_stop_ids(tok_cfg.tokenizer.vocab_file)
-    _say_positions_cut(sampling.maximum_tokens, model.args.max_positions)
     generator = TextGenerator(model, tokenizer, sampling)
+    positions = model.args.max_positions if asked_tokens else None
     if args.prompt is not None:
+        if positions is not None:
+            _say_positions_cut(sampling.maximum_tokens, positions)
         print(generator.complete([args.prompt])[0])
         return 0
     mode = generation_mode(settings.textgen)
@@ -187,11 +182,30 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         output = Path(settings.textgen.sample_output_file)
         refuse_existing([output], args.force, f"generate ({mode})", inputs=inputs)
+    if positions is not None:
+        _say_positions_cut(sampling.maximum_tokens, positions)
     run_mode(generator, settings.textgen, inputs=inputs)
     return 0
 
 
 TOKENIZER_FILE_KEYS = {"tokenizer_type", "vocab_file", "merge_file"}
+
+
+def _generation_tokenizer(args: argparse.Namespace, settings: Any, model_cfg: Any) -> tuple:
+    """The config whose tokenizer generate uses (the settings' where they name one, else the
+    model's) and that tokenizer."""
+    from torchneox.data.tokenizers import build_tokenizer, model_tokenizer
+
+    tok_cfg = (
+        settings
+        if settings.tokenizer.vocab_file
+        or settings.tokenizer.tokenizer_type == "CharLevelTokenizer"
+        else model_cfg
+    )
+    tokenizer_set = {o.partition("=")[0].strip() for o in args.overrides} & TOKENIZER_FILE_KEYS
+    if tok_cfg is model_cfg and not tokenizer_set:  # the model's own: say what is missing
+        return tok_cfg, model_tokenizer(tok_cfg.tokenizer, _model_config_name(args))
+    return tok_cfg, build_tokenizer(tok_cfg.tokenizer)
 
 
 def _model_config_name(args: argparse.Namespace) -> str:
@@ -487,9 +501,9 @@ def cmd_checkpoint_verify(args: argparse.Namespace) -> int:
 
 def cmd_plot(args: argparse.Namespace) -> int:
     from torchneox.config.paths import refuse_existing
-    from torchneox.reporting.plot import metrics_file, plot_runs
+    from torchneox.reporting.plot import plot_runs, run_files
 
-    read = [metrics_file(Path(r)) for r in args.runs]  # a PNG beside them is fine
+    read = [f for r in args.runs for f in run_files(Path(r))]  # a PNG beside them is fine
     refuse_existing([Path(args.out)], args.force, "plot", inputs=read)
     plot_runs([Path(r) for r in args.runs], Path(args.out), args.metric)
     print(f"wrote {args.out}")

@@ -34,6 +34,13 @@ def metrics_file(run: Path) -> Path:
     return run / "metrics.jsonl" if run.is_dir() else run
 
 
+def run_files(run: Path) -> list[Path]:
+    """What a plot must not write over: the run's metrics and, in a run folder, its
+    checkpoints (the ``latest`` pointer and every ``global_stepN`` folder)."""
+    folder = run if run.is_dir() else run.parent
+    return [metrics_file(run), folder / "latest", *sorted(folder.glob("global_step*"))]
+
+
 def read_metrics(run: Path, metric: str = "lm_loss") -> tuple[list[Point], list[Point]]:
     """The training and validation values of ``metric`` in a run's metrics.jsonl. Lines that are no record
     (a line cut by a kill, damage) are skipped with one warning saying how many and where the
