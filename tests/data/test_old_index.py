@@ -62,3 +62,26 @@ def test_a_damaged_old_index_is_one_line(tiny_data, tmp_path):
     (tmp_path / "cut.idx").write_bytes(raw[: len(raw) - 40])
     with pytest.raises(DataError, match=r"cut\.idx: \d+ bytes, its header promises \d+; truncated"):
         IndexedDataset(tmp_path / "cut")
+
+
+@pytest.mark.parametrize(
+    "where, value, said",
+    [
+        ("offsets", 7, "sequence offsets that do not follow the sequence lengths"),
+        ("sizes", -3, "a negative sequence length at item 5"),
+        ("docs", 10**6, "a document index that does not rise from 0 to the number of sequences"),
+    ],
+)
+def test_an_old_index_damaged_in_place_is_one_line(tiny_data, tmp_path, where, value, said):
+    """The same size, one long changed: the arrays disagree, and the dataset is refused instead
+    of read wrong."""
+    source = IndexedDataset(tiny_data)
+    write_tntidx(source, str(tmp_path / "old"))
+    raw = bytearray((tmp_path / "old.idx").read_bytes())
+    count, header = len(source), 8 + 6 * 8
+    start = {"offsets": count + 1 + 5, "sizes": 2 * (count + 1) + 5, "docs": 3 * count + 3}
+    at = header + 8 * start[where]
+    raw[at : at + 8] = np.array([value], dtype=np.int64).tobytes()
+    (tmp_path / "old.idx").write_bytes(bytes(raw))
+    with pytest.raises(DataError, match=f"old.idx: damaged index \\({said}\\)"):
+        IndexedDataset(tmp_path / "old")

@@ -72,6 +72,7 @@ class IndexedDataset:
             if not p.is_file():
                 raise DataError(f"{p}: no such file (data path prefix {self.prefix!r})")
         self._read_index(idx_path)
+        self._check_index(idx_path)
         expected = (
             int(self.pointers[-1]) + int(self.sizes[-1]) * self.dtype.itemsize
             if len(self.sizes)
@@ -91,6 +92,29 @@ class IndexedDataset:
         self.data = (
             np.memmap(bin_path, dtype=self.dtype, mode="r") if actual else np.zeros(0, self.dtype)
         )
+
+    def _check_index(self, idx_path: Path) -> None:
+        """The index's arrays agree with each other (a damaged index whose size is intact
+        would otherwise read wrong tokens without a word): sequence lengths not negative, each
+        sequence starting where the one before ends, the document index rising from 0 to the
+        number of sequences."""
+        sizes, pointers, docs = self.sizes, self.pointers, self.doc_idx
+        problem = None
+        if len(sizes) and int(sizes.min()) < 0:
+            problem = f"a negative sequence length at item {int(np.argmin(sizes))}"
+        elif len(pointers) and (
+            int(pointers[0]) != 0
+            or not np.array_equal(
+                np.diff(pointers), sizes[:-1].astype(np.int64) * self.dtype.itemsize
+            )
+        ):
+            problem = "sequence offsets that do not follow the sequence lengths"
+        elif len(docs) and (
+            int(docs[0]) != 0 or int(docs[-1]) != len(sizes) or bool((np.diff(docs) < 0).any())
+        ):
+            problem = "a document index that does not rise from 0 to the number of sequences"
+        if problem is not None:
+            raise DataError(f"{idx_path}: damaged index ({problem}); preprocess the data again")
 
     def _read_index(self, idx_path: Path) -> None:
         raw = np.memmap(idx_path, dtype=np.uint8, mode="r")
