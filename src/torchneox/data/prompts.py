@@ -70,6 +70,11 @@ def _prompt(
         record = json.loads(line)
     except json.JSONDecodeError as e:
         raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise DataError(
+            f"{where}: the record is nested too deeply to read (thousands of levels); a prompt "
+            "record is a flat JSON object"
+        ) from None
     if not isinstance(record, dict):
         raise DataError(f"{where}: a JSON object is expected, got {type(record).__name__}")
     if ("prompt" in record) == ("messages" in record):
@@ -90,9 +95,9 @@ def _prompt(
                 "Hugging Face tokenizer.json with its tokenizer_config.json "
                 '(tokenizer_type HFTokenizer); or write the prompt as text, {"prompt": ...}'
             )
+        messages = check_messages(record["messages"], where, "messages", ROLES)
         if not chat:
             chat.append(ChatTokenizer.from_file(chat_tokenizer_json))
-        messages = check_messages(record["messages"], where, "messages", ROLES)
         text = chat[0].render(messages, add_generation_prompt=True)
         ids = chat[0].apply(messages, add_generation_prompt=True, where=where)
     if not ids:
