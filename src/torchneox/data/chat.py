@@ -270,12 +270,12 @@ def reward_value(record: dict, key: str, binary: bool, where: str) -> float:
         if word is False or (not isinstance(word, bool) and word in (*FALSE, 0)):
             return -1
         raise DataError(
-            f"{where}: {key!r} is {value!r}; --binary-reward reads true / false or 1 / 0 "
+            f"{where}: {key!r} is {shown(value)}; --binary-reward reads true / false or 1 / 0 "
             "(booleans, numbers or strings): fix the record, or drop --binary-reward to store "
             "the numbers themselves"
         )
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise DataError(f"{where}: {key!r} is {value!r}, not a number")
+        raise DataError(f"{where}: {key!r} is {shown(value)}, not a number")
     if not math.isfinite(value):
         raise DataError(f"{where}: {key!r} is {value!r}; a reward must be a finite number")
     if abs(value) > INT32:

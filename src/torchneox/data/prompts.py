@@ -22,6 +22,7 @@ from typing import Any
 
 from torchneox.base.errors import DataError
 from torchneox.data.chat import ROLES, ChatTokenizer, check_messages
+from torchneox.data.text_input import TOO_DEEP
 
 
 @dataclass(frozen=True)
@@ -71,10 +72,7 @@ def _prompt(
     except json.JSONDecodeError as e:
         raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
     except RecursionError:
-        raise DataError(
-            f"{where}: the record is nested too deeply to read (thousands of levels); a prompt "
-            "record is a flat JSON object"
-        ) from None
+        raise DataError(f"{where}: {TOO_DEEP}") from None
     if not isinstance(record, dict):
         raise DataError(f"{where}: a JSON object is expected, got {type(record).__name__}")
     if ("prompt" in record) == ("messages" in record):
