@@ -165,7 +165,7 @@ def _recorded(monkeypatch) -> list[list[Group]]:
 def test_served_rollouts_train_as_the_same_completions_sampled_in_the_run(tmp_path, monkeypatch):
     """The data-server source against a real server on loopback: served the completions (and
     rewards) the run sampled, a second run computes the same losses, advantages (the reward
-    history's baseline) and weights."""
+    history's baseline) and weights; the sampling keys it does not read are named."""
     sets = tiny(train_iters=3, kl_div_beta=0.1, advantage_normalization="none")
     sampled = _recorded(monkeypatch)
     assert cli(*sets, f"save={tmp_path / 'sampled'}") == 0
@@ -173,7 +173,12 @@ def test_served_rollouts_train_as_the_same_completions_sampled_in_the_run(tmp_pa
     log = tmp_path / "requests.log"
     with start_server(tmp_path, sampled, log=log, sequence=True) as (_, port):
         served = [f"save={tmp_path / 'served'}", "rollout_prompts=null", "dataset_impl=online"]
-        train(str(EXAMPLE), *sets, *served, f"online_dataserver_ports={port}")
+        run = train(str(EXAMPLE), *sets, *served, f"online_dataserver_ports={port}")
+    # the example's reward function and sampling keys are not read, and said so
+    assert (
+        "warning: reward_function, rollout_max_new_tokens have no effect here: the data servers "
+        "sample the rollouts and send their rewards (no rollout_prompts)\n"
+    ) in run.stdout
     assert log.read_text().split() == ["train"] * 3
     for key in ("lm_loss", "reward", "advantage", "kl", "grad_norm"):
         assert losses(tmp_path / "served", key) == losses(tmp_path / "sampled", key), key
