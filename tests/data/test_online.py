@@ -392,8 +392,7 @@ def test_ctrl_c_interrupts_the_wait_for_a_silent_server(tmp_path):
             timer.cancel()
             restored = signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - began < 5
-    assert one_line(e) == (
-        f"data server 127.0.0.1:{port}: interrupted by SIGINT (Ctrl-C) after 0 s waiting for "
-        "its answer to 'train'; nothing of this step was saved"
-    )
+    text = one_line(e)
+    assert text.startswith(f"data server 127.0.0.1:{port}: interrupted by SIGINT (Ctrl-C) after ")
+    assert text.endswith(" s waiting for its answer to 'train'; nothing of this step was saved")
     assert restored is trainers and asked == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -173,9 +174,10 @@ def test_ctrl_c_interrupts_a_reward_function_that_hangs(config_dir):
         timer.cancel()
         restored = signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - began < 5
-    assert str(e.value) == (
-        "the reward function rewards.py:sleeps was interrupted by SIGINT (Ctrl-C) after 0 s; "
-        "nothing of this step was saved"
+    assert re.fullmatch(
+        r"the reward function rewards\.py:sleeps was interrupted by SIGINT \(Ctrl-C\) after "
+        r"[0-4] s; nothing of this step was saved",
+        str(e.value),
     )
     assert restored is trainers and asked == []
 
