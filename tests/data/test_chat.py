@@ -229,7 +229,9 @@ def test_a_template_s_raise_exception_is_one_line_naming_the_record(tmp_path, ca
         ('"yes"', ["--binary-reward"], "data.jsonl:2: 'reward' is 'yes'; --binary-reward reads"),
         ("-1", ["--binary-reward"], "data.jsonl:2: 'reward' is -1; --binary-reward reads"),
         ("0.5", ["--binary-reward"], "data.jsonl:2: 'reward' is 0.5; --binary-reward reads"),
+        ("[" * 5000 + "]" * 5000, [], "data.jsonl:2: the record is nested too deeply to read"),
     ],
+    ids=lambda v: v[:20] if isinstance(v, str) else None,
 )
 def test_a_reward_that_is_not_finite_within_int32_or_a_truth_is_refused(
     tmp_path, capsys, reward, flags, message

@@ -100,7 +100,9 @@ def test_preprocess_text_and_several_keys(tmp_path):
         ('{"text": 5}\n', "in.jsonl:1: 'text' is not a string"),
         ("", "no documents found (empty input)"),
         ("[1, 2]\n", "in.jsonl:1: a JSON object is expected"),
+        ("[" * 100_000 + "]" * 100_000 + "\n", "in.jsonl:1: the record is nested too deeply"),
     ],
+    ids=lambda v: v[:20] if isinstance(v, str) else None,
 )
 def test_preprocess_errors_name_file_and_line_and_leave_nothing(tmp_path, capsys, content, message):
     (tmp_path / "in.jsonl").write_text(content)
@@ -119,6 +121,15 @@ def test_preprocess_errors_name_file_and_line_and_leave_nothing(tmp_path, capsys
     err = capsys.readouterr().err
     assert status == 2 and message in err and "Traceback" not in err
     assert list(tmp_path.glob("out*")) == []
+
+
+def test_train_tokenizer_names_a_line_nested_too_deeply(tmp_path):
+    from torchneox.data.tokenizers import _texts
+
+    (tmp_path / "in.jsonl").write_text('{"text": "ok"}\n' + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(DataError) as e:
+        list(_texts([str(tmp_path / "in.jsonl")], ("text",), [0]))
+    assert str(e.value).startswith(f"{tmp_path / 'in.jsonl'}:2: the record is nested too deeply")
 
 
 def test_preprocess_missing_input_and_tokenizer_file(tmp_path, capsys):

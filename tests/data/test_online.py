@@ -9,13 +9,16 @@ import io
 import math
 import os
 import pickle
+import signal
 import socket
+import threading
+import time
 
 import numpy as np
 import pytest
 
 from tests.data.dataserver import start_server
-from torchneox.base.errors import ConfigError, DataError
+from torchneox.base.errors import ConfigError, DataError, TrainingStopped
 from torchneox.data.online import (
     DataServer,
     Group,
@@ -256,6 +259,14 @@ def test_safe_loads_refuses_a_truncated_or_corrupt_pickle():
         safe_loads(b"\x80\x02}]K\x01s.", "s")  # a list as a dict key
 
 
+def _deep(levels: int = 100_000) -> list:
+    """[[[...]]], ``levels`` deep: more than repr() can recurse into."""
+    x: list = []
+    for _ in range(levels):
+        x = [x]
+    return x
+
+
 def _record(**change) -> dict:
     return {"prefix": [1, 2], "completions": [[3], [4, 5]], "rewards": [1.0, 0.0]} | change
 
@@ -297,7 +308,22 @@ def _record(**change) -> dict:
             [_record(prefix=["x" * 100])],
             "record 0: 'prefix' token 0 is 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx...",
         ),
+        (  # inf once it is float32, as the rewards train
+            [_record(rewards=[0.5, 1e39])],
+            "record 0: reward 1 is 1e+39, beyond float32 (at most 3.403e+38 in size); every "
+            "reward must be a finite float32",
+        ),
+        (
+            [_record(rewards=[10**400, 0])],
+            "record 0: reward 0 is 100000000000000000...0000000000000000000, beyond float32",
+        ),
+        # nested too deep for repr(): shown a few levels deep
+        ({"a": _deep()}, "the answer is {'a': [[[...]]]}, not a list of records"),
+        ([_deep()], "record 0: it is [[[[...]]]], not a dict of prefix, completions and rewards"),
+        ([_record(rewards={"r": _deep()})], "record 0: 'rewards' is {'r': [[[...]]]}, not a list"),
+        ([_record(rewards=[_deep(), 0.0])], "record 0: reward 0 is [[[[...]]]], not a number"),
     ],
+    ids=lambda v: v[:60] if isinstance(v, str) else None,
 )
 def test_groups_from_answer_names_the_record_and_the_fault(answer, message):
     with pytest.raises(DataError) as e:
@@ -313,3 +339,60 @@ def test_groups_from_answer_reads_records_and_checks_the_vocabulary():
     with pytest.raises(DataError) as e:
         groups_from_answer(records, "s", vocab_size=5)
     assert one_line(e) == "s: record 0: completion 1 token 1 is 5, beyond the vocabulary (5 tokens)"
+
+
+def test_a_deeply_nested_answer_is_read_and_refused_in_one_line():
+    """The unpickler builds it (no recursion), the message shows a few levels of it."""
+    levels = 100_000
+    data = b"\x80\x02" + b"]" * (levels + 1) + b"a" * levels + b"."  # [[[...]]] pickled
+    with pytest.raises(DataError) as e:
+        groups_from_answer(safe_loads(data, "s"), "s")
+    assert (
+        one_line(e)
+        == "s: record 0: it is [[[[...]]]], not a dict of prefix, completions and rewards"
+    )
+
+
+def test_an_answer_longer_than_the_cap_is_refused_as_it_arrives(tmp_path):
+    from torchneox.data.online import MAX_ANSWER_BYTES
+
+    size = len(pickle.dumps(RECORDS))
+    with start_server(tmp_path, RECORDS) as (_, port):
+        assert DataServer("127.0.0.1", port, 0, timeout_s=10, max_bytes=size).fetch("t") == GROUPS
+        with pytest.raises(DataError) as e:
+            DataServer("127.0.0.1", port, 0, timeout_s=10, max_bytes=size - 1).fetch("train")
+    assert one_line(e) == (
+        f"data server 127.0.0.1:{port}: the answer to 'train' is longer than {size - 1:,} bytes, "
+        "the most a data server's answer may be; send fewer or shorter rollouts per answer"
+    )
+    assert MAX_ANSWER_BYTES == 1 << 30  # the default (docs/post-training.md says it)
+
+
+def test_ctrl_c_interrupts_the_wait_for_a_silent_server(tmp_path):
+    """SIGINT while a reinforce run waits for its data server's answer (the trainer's handler
+    would only ask for a stop after the step, i.e. after online_dataserver_timeout): one line
+    naming the server; the replaced handler back after."""
+    from torchneox.train.rl.sources import ServedRollouts
+
+    asked = []
+
+    def trainers(*args):
+        asked.append(args)
+
+    with start_server(tmp_path, RECORDS, mode="silent") as (_, port):
+        source = ServedRollouts(DataServer("127.0.0.1", port, 0, timeout_s=10), "train", "none")
+        previous = signal.signal(signal.SIGINT, trainers)
+        timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+        began = time.monotonic()
+        timer.start()
+        try:
+            with pytest.raises(TrainingStopped) as e:
+                source.make(0)
+        finally:
+            timer.cancel()
+            restored = signal.signal(signal.SIGINT, previous)
+    assert time.monotonic() - began < 5
+    text = one_line(e)
+    assert text.startswith(f"data server 127.0.0.1:{port}: interrupted by SIGINT (Ctrl-C) after ")
+    assert text.endswith(" s waiting for its answer to 'train'; nothing of this step was saved")
+    assert restored is trainers and asked == []

@@ -55,7 +55,14 @@ def test_text_and_chat_prompts_with_their_records(tmp_path):
         ('{"prompt": 3}', "prompts.jsonl:2: 'prompt' is not a string"),
         ('{"messages": [{"role": "user", "content": "hi"}]}', "prompts.jsonl:2: a 'messages'"),
         ('{"messages": [{"role": "king", "content": "hi"}]}', "unknown role 'king'"),
+        # nested too deep for json (a RecursionError), or for a message's repr of it
+        ("[" * 100_000 + "]" * 100_000, "prompts.jsonl:2: the record is nested too deeply"),
+        (
+            '{"messages": [{"role": ' + "[" * 950 + "]" * 950 + ', "content": "hi"}]}',
+            "prompts.jsonl:2: 'messages' message 0 has the unknown role [[[[...]]]]; roles are",
+        ),
     ],
+    ids=lambda v: v[:40] if isinstance(v, str) else None,
 )
 def test_a_bad_record_is_one_line_naming_its_line(tmp_path, line, says):
     path = _write(tmp_path / "prompts.jsonl", '{"prompt": "fine"}', line)

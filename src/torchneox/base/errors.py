@@ -6,7 +6,9 @@ The CLI catches these (and only these) as user mistakes: exit 2, one line, no tr
 from __future__ import annotations
 
 import difflib
+import reprlib
 from collections.abc import Iterable
+from typing import Any
 
 
 class ConfigError(ValueError):
@@ -66,6 +68,53 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
 
 
 def first_line(error: BaseException) -> str:
-    """The first line of a foreign exception's message (its type when it has none), for a
+    """The first line of a foreign exception's message (its type when it has none, or when its
+    message cannot be made: a ``__str__`` that raises, a value nested too deep to show), for a
     one-line error that names what failed."""
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+    try:
+        text = str(error)
+    except Exception:
+        text = ""
+    return (text.strip().splitlines() or [type(error).__name__])[0]
+
+
+class _Bounded(reprlib.Repr):
+    """reprlib's bounded repr (a few levels, items and characters), whose every failure -- a
+    ``__repr__`` that raises, a ``__len__`` that lies -- shows the type instead."""
+
+    def repr1(self, x: Any, level: int) -> str:
+        try:
+            return super().repr1(x, level)
+        except Exception:
+            return f"<{_type_name(x)}>"
+
+    def repr_instance(self, x: Any, level: int) -> str:
+        try:
+            text = repr(x)
+        except Exception:
+            return f"<{_type_name(x)}>"
+        return text if len(text) <= self.maxother else text[: self.maxother - 3] + "..."
+
+
+_BOUNDED = _Bounded()
+_BOUNDED.maxlevel, _BOUNDED.maxstring, _BOUNDED.maxother = 3, 200, 200
+
+
+def _type_name(x: Any) -> str:
+    try:
+        return type(x).__name__
+    except Exception:  # pragma: no cover - a type's name is a str
+        return "object"
+
+
+def shown(value: Any, limit: int = 40) -> str:
+    """A user's value (a data server's answer, a reward, a JSON record) as a message shows it:
+    its repr, depth-limited (``[[[...]]]``, never a RecursionError), at most ``limit``
+    characters and one line, whatever its ``__repr__`` does."""
+    try:
+        text = _BOUNDED.repr(value)
+    except Exception:
+        text = f"<{_type_name(value)}>"
+    if not text.isprintable():
+        text = text.encode("unicode_escape", "backslashreplace").decode("ascii", "replace")
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -15,6 +15,7 @@ from torchneox.base.errors import ConfigError
 from torchneox.config.derivations.model import derive_model
 from torchneox.config.derivations.precision import derive_precision
 from torchneox.config.derivations.rl import derive_rollouts
+from torchneox.config.derivations.unread import unread_keys
 from torchneox.config.derived import Derived
 from torchneox.config.features.curriculum import curriculum
 from torchneox.config.features.deepspeed_dicts import derive_deepspeed_dicts
@@ -54,6 +55,7 @@ def derive(
     _launch(loaded, out)
     derive_deepspeed_dicts(cfg, out)
     _no_effect(loaded, out)
+    unread_keys(loaded, out)
     return out
 
 

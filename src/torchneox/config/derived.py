@@ -14,6 +14,9 @@ class Derived:
     reasons: dict[str, str] = field(default_factory=dict)
     no_effect: dict[str, str] = field(default_factory=dict)
     """Key (or dotted sub-key) the config sets that changes nothing here -> why."""
+    unused: dict[str, str] = field(default_factory=dict)
+    """Those of no_effect that other runs read and this one does not (another objective's, the
+    other rollout source's): train warns of each at start-up."""
     notes: list[str] = field(default_factory=list)
 
     def put(self, name: str, value: Any, reason: str) -> Any:

@@ -20,7 +20,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from torchneox.base.errors import DataError
+from torchneox.base.errors import DataError, shown
 
 IGNORE = -100  # the label of a token the loss leaves out (GPT-NeoX's and Hugging Face's)
 ROLES = ("system", "user", "assistant", "tool", "ipython")
@@ -192,7 +192,10 @@ def _shown(value: Any) -> str:
         return f"the boolean {json.dumps(value)}"
     if isinstance(value, int | float):
         return f"the number {value!r}"
-    text = json.dumps(value, ensure_ascii=False)
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (RecursionError, TypeError, ValueError):  # nested too deep; not JSON
+        text = shown(value)
     return f"the {type(value).__name__} " + (text if len(text) <= 40 else text[:37] + "...")
 
 
@@ -207,7 +210,7 @@ def check_messages(messages: Any, where: str, key: str, roles: tuple[str, ...]) 
             raise DataError(f"{where}: {key!r} message {n} has no 'role' and 'content'")
         if not isinstance(m["role"], str) or m["role"] not in roles:
             raise DataError(
-                f"{where}: {key!r} message {n} has the unknown role {m['role']!r}; roles are "
+                f"{where}: {key!r} message {n} has the unknown role {shown(m['role'])}; roles are "
                 + ", ".join(roles)
             )
         out.append({**m, "content": _content(m["content"], f"{where}: {key!r} message {n}")})
@@ -267,12 +270,12 @@ def reward_value(record: dict, key: str, binary: bool, where: str) -> float:
         if word is False or (not isinstance(word, bool) and word in (*FALSE, 0)):
             return -1
         raise DataError(
-            f"{where}: {key!r} is {value!r}; --binary-reward reads true / false or 1 / 0 "
+            f"{where}: {key!r} is {shown(value)}; --binary-reward reads true / false or 1 / 0 "
             "(booleans, numbers or strings): fix the record, or drop --binary-reward to store "
             "the numbers themselves"
         )
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise DataError(f"{where}: {key!r} is {value!r}, not a number")
+        raise DataError(f"{where}: {key!r} is {shown(value)}, not a number")
     if not math.isfinite(value):
         raise DataError(f"{where}: {key!r} is {value!r}; a reward must be a finite number")
     if abs(value) > INT32:

@@ -13,7 +13,8 @@ persistent ids, extension codes and out-of-band buffers are refused), then it is
 an unpickler whose ``find_class`` and ``persistent_load`` always refuse (the opcode check is
 needed too: an extension code already in copyreg's cache reaches the unpickler without
 ``find_class``). The connection must open, and then the whole answer arrive, each within the
-timeout; each failure is one line naming the server's address.
+timeout; an answer longer than ``MAX_ANSWER_BYTES`` is refused as it arrives (the server's
+memory is not the trainer's to fill); each failure is one line naming the server's address.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from torchneox.base.errors import ConfigError, DataError, first_line
+from torchneox.base.errors import ConfigError, DataError, first_line, shown
 from torchneox.config.derivations.rl import for_rank
 
 IPS_KEY = "online_dataserver_ips"
@@ -37,6 +38,10 @@ DEFAULT_IP = "localhost"  # GPT-NeoX's default: loopback
 DEFAULT_PORT = 10000
 CARRIES = "the data-server protocol carries only lists, dicts, ints, floats and strings"
 CHUNK = 1 << 16
+MAX_ANSWER_BYTES = 1 << 30
+"""The longest answer read (1 GiB; a rollout batch of a million tokens pickles to a few MB)."""
+FP32_MAX = 3.4028234663852886e38
+"""The largest float32: rewards train as float32, so a larger one would become inf."""
 
 # the opcodes that build lists, dicts, tuples, ints, floats, strings, bools and None, and the
 # stack, memo and framing ones; nothing here names or calls anything
@@ -95,7 +100,7 @@ class _PlainUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         text = f"{module}.{name}"
-        raise _Refused(f"a {text}" if text.isprintable() and len(text) <= 80 else _show(text))
+        raise _Refused(f"a {text}" if text.isprintable() and len(text) <= 80 else shown(text))
 
     def persistent_load(self, pid: Any) -> Any:
         raise _Refused("a persistent id")
@@ -140,20 +145,15 @@ def safe_loads(data: bytes, source: str) -> Any:
         raise DataError(f"{source}: the answer is not a valid pickle ({first_line(e)})") from None
 
 
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
 def _tokens(ids: Any, where: str, vocab_size: int | None) -> list[int]:
     """A list of token ids, checked; ``where`` names it in the message."""
     if not isinstance(ids, list):
-        raise ValueError(f"{where} is {_show(ids)}, not a list of token ids")
+        raise ValueError(f"{where} is {shown(ids)}, not a list of token ids")
     if not ids:
         raise ValueError(f"{where} is empty")
     for j, t in enumerate(ids):
         if type(t) is not int:
-            raise ValueError(f"{where} token {j} is {_show(t)}, not a token id (an int)")
+            raise ValueError(f"{where} token {j} is {shown(t)}, not a token id (an int)")
         if t < 0:
             raise ValueError(f"{where} token {j} is {t}, a negative token id")
         if vocab_size is not None and t >= vocab_size:
@@ -165,29 +165,34 @@ def _tokens(ids: Any, where: str, vocab_size: int | None) -> list[int]:
 
 def _rewards(values: Any, n: int) -> list[float]:
     if not isinstance(values, list):
-        raise ValueError(f"'rewards' is {_show(values)}, not a list of numbers")
+        raise ValueError(f"'rewards' is {shown(values)}, not a list of numbers")
     if len(values) != n:
         raise ValueError(f"{len(values)} rewards for {n} completions; give one per completion")
     out = []
     for k, r in enumerate(values):
         if type(r) not in (int, float):
-            raise ValueError(f"reward {k} is {_show(r)}, not a number")
-        if not math.isfinite(r):
+            raise ValueError(f"reward {k} is {shown(r)}, not a number")
+        if type(r) is float and not math.isfinite(r):
             raise ValueError(f"reward {k} is {r}; every reward must be finite")
+        if abs(r) > FP32_MAX:
+            raise ValueError(
+                f"reward {k} is {shown(r)}, beyond float32 (at most {FP32_MAX:.4g} in size); "
+                "every reward must be a finite float32"
+            )
         out.append(float(r))
     return out
 
 
 def _group(record: Any, vocab_size: int | None) -> Group:
     if not isinstance(record, dict):
-        raise ValueError(f"it is {_show(record)}, not a dict of prefix, completions and rewards")
+        raise ValueError(f"it is {shown(record)}, not a dict of prefix, completions and rewards")
     for key in ("prefix", "completions", "rewards"):
         if key not in record:
             raise ValueError(f"no '{key}'")
     prompt = _tokens(record["prefix"], "'prefix'", vocab_size)
     completions = record["completions"]
     if not isinstance(completions, list):
-        raise ValueError(f"'completions' is {_show(completions)}, not a list of completions")
+        raise ValueError(f"'completions' is {shown(completions)}, not a list of completions")
     if not completions:
         raise ValueError("'completions' is empty")
     completions = [_tokens(c, f"completion {k}", vocab_size) for k, c in enumerate(completions)]
@@ -201,7 +206,7 @@ def groups_from_answer(obj: Any, source: str, vocab_size: int | None = None) -> 
     beyond ``vocab_size`` (when given) are refused."""
     if not isinstance(obj, list):
         raise DataError(
-            f"{source}: the answer is {_show(obj)}, not a list of records "
+            f"{source}: the answer is {shown(obj)}, not a list of records "
             "(prefix, completions, rewards)"
         )
     if not obj:
@@ -234,11 +239,11 @@ def check_addresses(
         for entry in entries:
             if kind is str and (type(entry) is not str or not entry):
                 raise ConfigError(
-                    f"{_show(entry)} is not a host name or IP address", source=source, key=key
+                    f"{shown(entry)} is not a host name or IP address", source=source, key=key
                 )
             if kind is int and (type(entry) is not int or not 0 < entry < 65536):
                 raise ConfigError(
-                    f"{_show(entry)} is not a port (1 to 65535)", source=source, key=key
+                    f"{shown(entry)} is not a port (1 to 65535)", source=source, key=key
                 )
 
 
@@ -252,12 +257,14 @@ class DataServer:
         dp_rank: int = 0,
         timeout_s: float = 600.0,
         vocab_size: int | None = None,
+        max_bytes: int = MAX_ANSWER_BYTES,
     ):
         check_addresses(ips, ports, dp_rank + 1)
         self.host: str = for_rank(ips, dp_rank)
         self.port: int = for_rank(ports, dp_rank)
         self.timeout_s = float(timeout_s)
         self.vocab_size = vocab_size
+        self.max_bytes = max_bytes
 
     @property
     def address(self) -> str:
@@ -320,6 +327,12 @@ class DataServer:
                         break
                     chunks.append(chunk)
                     received += len(chunk)
+                    if received > self.max_bytes:
+                        raise DataError(
+                            f"{source}: the answer to '{split}' is longer than "
+                            f"{self.max_bytes:,} bytes, the most a data server's answer may be; "
+                            "send fewer or shorter rollouts per answer"
+                        )
             except TimeoutError:
                 raise DataError(
                     f"{source}: no whole answer to '{split}' within {self.timeout_s:g} s "

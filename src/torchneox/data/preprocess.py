@@ -35,7 +35,7 @@ from torchneox.data.chat import (
     reward_value,
 )
 from torchneox.data.indexed import IndexedDatasetWriter, best_dtype
-from torchneox.data.text_input import Line, read_lines
+from torchneox.data.text_input import TOO_DEEP, Line, read_lines
 from torchneox.data.tokenizers import Tokenizer, build_tokenizer
 
 
@@ -113,6 +113,8 @@ class _Encoder:
                     f"{line.source}:{line.number}: invalid JSON ({e.msg} at column {e.colno})",
                     size,
                 )
+            except RecursionError:
+                return f"{line.source}:{line.number}: {TOO_DEEP}", size
             if not isinstance(record, dict):
                 return (
                     f"{line.source}:{line.number}: a JSON object is expected, got {type(record).__name__}",

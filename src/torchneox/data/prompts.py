@@ -22,6 +22,7 @@ from typing import Any
 
 from torchneox.base.errors import DataError
 from torchneox.data.chat import ROLES, ChatTokenizer, check_messages
+from torchneox.data.text_input import TOO_DEEP
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,8 @@ def _prompt(
         record = json.loads(line)
     except json.JSONDecodeError as e:
         raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise DataError(f"{where}: {TOO_DEEP}") from None
     if not isinstance(record, dict):
         raise DataError(f"{where}: a JSON object is expected, got {type(record).__name__}")
     if ("prompt" in record) == ("messages" in record):
@@ -90,9 +93,9 @@ def _prompt(
                 "Hugging Face tokenizer.json with its tokenizer_config.json "
                 '(tokenizer_type HFTokenizer); or write the prompt as text, {"prompt": ...}'
             )
+        messages = check_messages(record["messages"], where, "messages", ROLES)
         if not chat:
             chat.append(ChatTokenizer.from_file(chat_tokenizer_json))
-        messages = check_messages(record["messages"], where, "messages", ROLES)
         text = chat[0].render(messages, add_generation_prompt=True)
         ids = chat[0].apply(messages, add_generation_prompt=True, where=where)
     if not ids:

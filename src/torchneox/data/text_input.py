@@ -11,6 +11,13 @@ from pathlib import Path
 
 from torchneox.base.errors import DataError
 
+TOO_DEEP = (
+    "the record is nested too deeply to read (thousands of levels); a record is a JSON object "
+    "of a few levels"
+)
+"""What a JSON line json cannot parse without running out of recursion is told (a
+RecursionError, not a JSONDecodeError)."""
+
 
 @dataclass(frozen=True)
 class Line:

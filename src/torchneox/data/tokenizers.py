@@ -10,7 +10,7 @@ from typing import Protocol
 
 from torchneox.base.errors import ConfigError, did_you_mean, first_line
 from torchneox.config.keys.io import TokenizerConfig
-from torchneox.data.text_input import read_lines
+from torchneox.data.text_input import TOO_DEEP, read_lines
 
 END_OF_TEXT = "<|endoftext|>"
 PADDING = "<|padding|>"
@@ -277,6 +277,8 @@ def _texts(paths: list[str], keys: tuple[str, ...], seen: list[int]):
             record = json.loads(line.text)
         except json.JSONDecodeError as e:
             raise DataError(f"{line.source}:{line.number}: invalid JSON ({e.msg})") from None
+        except RecursionError:
+            raise DataError(f"{line.source}:{line.number}: {TOO_DEEP}") from None
         for key in keys:
             if not isinstance(record, dict) or not isinstance(record.get(key), str):
                 raise DataError(f"{line.source}:{line.number}: no text under key {key!r}")

@@ -420,6 +420,10 @@ class Trainer:
         )
         for note in self.data_notes:
             self.logger.line(note)
+        for why in dict.fromkeys(d.unused.values()):  # a line per reason, naming its keys
+            names = sorted(k for k, v in d.unused.items() if v == why)
+            has = "has" if len(names) == 1 else "have"
+            self.logger.line(f"warning: {', '.join(names)} {has} no effect here: {why}")
         slow = hardware.cpu_precision_warning(self.precision) if self.device.type == "cpu" else None
         if slow:
             self.logger.line(slow)

@@ -6,6 +6,11 @@ train exactly as the same completions sampled in the run, and a malicious answer
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -88,6 +93,61 @@ def test_a_reward_function_that_fails_stops_the_run_in_one_line(tmp_path, capsys
     assert not list((tmp_path / "run").glob("global_step*"))
 
 
+HANGS = """
+import pathlib
+import time
+
+HERE = pathlib.Path(__file__).parent
+
+
+def reward(prompts, completions):
+    (HERE / "entered").touch()
+    try:
+        time.sleep(1000)
+    except KeyboardInterrupt:  # the first Ctrl-C reaches it; it swallows it and hangs on
+        (HERE / "interrupted").touch()
+    time.sleep(1000)
+"""
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"no {path.name} within {seconds} s"
+        time.sleep(0.05)
+
+
+def test_ctrl_c_twice_ends_a_run_whose_reward_function_hangs(tmp_path):
+    """`torchneox train` as a terminal runs it: the first Ctrl-C reaches the reward function
+    (as KeyboardInterrupt), the second ends the process though the function swallowed the
+    first, in one line naming it."""
+    (tmp_path / "hangs.py").write_text(HANGS)
+    args = [sys.executable, "-m", "torchneox", "train", str(EXAMPLE)]
+    sets = tiny(reward_function=f"{tmp_path / 'hangs.py'}:reward", train_iters=1)
+    for s in [*sets, f"save={tmp_path / 'run'}"]:
+        args += ["--set", s]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        _wait_for(tmp_path / "entered", proc, 120)
+        proc.send_signal(signal.SIGINT)
+        _wait_for(tmp_path / "interrupted", proc, 30)
+        proc.send_signal(signal.SIGINT)
+        err = proc.communicate(timeout=30)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and [x for x in err.splitlines() if "torchneox" in x] == [
+        f"torchneox: interrupted: the reward function {tmp_path / 'hangs.py'}:reward did not "
+        "return after SIGINT; a second SIGINT ended the run (nothing of this step was saved)"
+    ], err[-3000:]
+
+
 def _recorded(monkeypatch) -> list[list[Group]]:
     """Every rollout batch sampled in the run, as it was sampled."""
     seen: list[list[Group]] = []
@@ -105,7 +165,7 @@ def _recorded(monkeypatch) -> list[list[Group]]:
 def test_served_rollouts_train_as_the_same_completions_sampled_in_the_run(tmp_path, monkeypatch):
     """The data-server source against a real server on loopback: served the completions (and
     rewards) the run sampled, a second run computes the same losses, advantages (the reward
-    history's baseline) and weights."""
+    history's baseline) and weights; the sampling keys it does not read are named."""
     sets = tiny(train_iters=3, kl_div_beta=0.1, advantage_normalization="none")
     sampled = _recorded(monkeypatch)
     assert cli(*sets, f"save={tmp_path / 'sampled'}") == 0
@@ -113,7 +173,12 @@ def test_served_rollouts_train_as_the_same_completions_sampled_in_the_run(tmp_pa
     log = tmp_path / "requests.log"
     with start_server(tmp_path, sampled, log=log, sequence=True) as (_, port):
         served = [f"save={tmp_path / 'served'}", "rollout_prompts=null", "dataset_impl=online"]
-        train(str(EXAMPLE), *sets, *served, f"online_dataserver_ports={port}")
+        run = train(str(EXAMPLE), *sets, *served, f"online_dataserver_ports={port}")
+    # the example's reward function and sampling keys are not read, and said so
+    assert (
+        "warning: reward_function, rollout_max_new_tokens have no effect here: the data servers "
+        "sample the rollouts and send their rewards (no rollout_prompts)\n"
+    ) in run.stdout
     assert log.read_text().split() == ["train"] * 3
     for key in ("lm_loss", "reward", "advantage", "kl", "grad_norm"):
         assert losses(tmp_path / "served", key) == losses(tmp_path / "sampled", key), key
@@ -132,13 +197,22 @@ def test_a_malicious_answer_stops_the_run_in_one_line_and_runs_nothing(tmp_path,
     assert not marker.exists()
 
 
-def test_a_reward_model_scores_the_rollouts(tmp_path, monkeypatch):
+def test_a_reward_model_scores_the_rollouts(tmp_path, monkeypatch, capsys):
     """reward_model: a train_impl rm checkpoint's value of each sampled completion is its
-    reward (the scorer of train/rl/rewards.py, tested where it reads the value)."""
+    reward (the scorer of train/rl/rewards.py, tested where it reads the value); one with
+    another tokenizer than the policy's is refused before step 1."""
     from tests.train.rl.test_rewards import _saved
     from torchneox.train.rl.rewards import RewardModelScorer
 
-    _saved(tmp_path / "rm", "rm")
+    _saved(tmp_path / "char", "rm")  # the character tokenizer's 512 ids
+    sets = tiny(reward_function=None, reward_model=str(tmp_path / "char"))
+    assert cli(*sets, f"save={tmp_path / 'refused'}") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("torchneox: error: reward_model: "), err
+    assert "the reward model's tokenizer (CharLevelTokenizer) is not the policy's" in err
+    _saved(
+        tmp_path / "rm", "rm", tokenizer_type="HFTokenizer", vocab_file=str(HERE / "tokenizer.json")
+    )
     sampled = _recorded(monkeypatch)
     sets = tiny(reward_function=None, reward_model=str(tmp_path / "rm"), train_iters=2)
     assert cli(*sets, f"save={tmp_path / 'run'}") == 0

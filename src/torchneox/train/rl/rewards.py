@@ -4,10 +4,14 @@
 A reward function is ``module:function`` (a module on the import path) or
 ``path/to/file.py:function`` (a relative path is looked for beside the config first, then in
 the working directory). It is called once per rollout batch with the prompts' texts and the
-completions' texts (lists of equal length) and returns one finite number per completion. It
-is given the prompts' whole records too (the ``rollout_prompts`` line: an ``answer`` key, say)
+completions' texts (lists of equal length) and returns one finite number per completion (one
+float32 can hold: at most 3.4e38 in size). It is given the prompts' whole records too (the ``rollout_prompts`` line: an ``answer`` key, say)
 when it can take a third argument: as the third positional argument when it has one, else as
 ``records=`` when it has a ``records`` keyword or ``**kwargs``.
+
+Whatever goes wrong in it stops the run in one line naming it (``TrainingStopped``): an
+exception, ``sys.exit``, a result that is not one finite float32 per completion. It runs
+``Interruptible``: Ctrl-C interrupts it, a second Ctrl-C ends the process.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from typing import Any
 
 import torch
 
-from torchneox.base.errors import ConfigError, TrainingStopped, did_you_mean, first_line
+from torchneox.base.errors import ConfigError, TrainingStopped, did_you_mean, first_line, shown
+from torchneox.data.online import FP32_MAX
+from torchneox.train.rl.interrupt import Interruptible
 
 KEY = "reward_function"
 
@@ -53,35 +59,59 @@ class RewardFunction:
     def __call__(
         self, prompts: list[str], completions: list[str], records: list[dict]
     ) -> list[float]:
-        try:
-            if self.records_as == "positional":
-                out = self.fn(prompts, completions, records)
-            elif self.records_as == "keyword":
-                out = self.fn(prompts, completions, records=records)
-            else:
-                out = self.fn(prompts, completions)
-        except Exception as e:
-            self._stop(f"raised {type(e).__name__}: {first_line(e)}")
-        return self._checked(out, len(completions))
+        with Interruptible(f"the reward function {self.spec}") as watch:
+            try:
+                if self.records_as == "positional":
+                    out = self.fn(prompts, completions, records)
+                elif self.records_as == "keyword":
+                    out = self.fn(prompts, completions, records=records)
+                else:
+                    out = self.fn(prompts, completions)
+            except KeyboardInterrupt:
+                if not watch.interrupted:
+                    self._stop("raised KeyboardInterrupt")
+                self._stop(f"was interrupted by SIGINT (Ctrl-C) after {watch.seconds():.0f} s")
+            except SystemExit as e:
+                self._stop(f"exited (sys.exit({shown(e.code)})) instead of returning rewards")
+            except BaseException as e:
+                text = first_line(e)
+                self._stop(f"raised {type(e).__name__}: {text[:200]}{'...' * (len(text) > 200)}")
+        return self._checked(out, prompts, len(completions))
 
-    def _checked(self, out: Any, count: int) -> list[float]:
+    def _checked(self, out: Any, prompts: list[str], count: int) -> list[float]:
         if not isinstance(out, list | tuple):
             self._stop(f"returned a {type(out).__name__}, not a list of {count} numbers")
         if len(out) != count:
             self._stop(f"returned {len(out)} rewards for {count} completions")
         rewards = []
         for i, value in enumerate(out):
-            if not isinstance(value, numbers.Real):
-                self._stop(f"returned {type(value).__name__} {value!r} at {i}, not a number")
-            if not math.isfinite(float(value)):
-                self._stop(f"returned {value!r} at {i}; a reward must be a finite number")
-            rewards.append(float(value))
+            number = value if type(value) is float else None
+            if number is None:
+                if not isinstance(value, numbers.Real):
+                    what = f"{type(value).__name__} {shown(value)}"
+                    self._stop(f"returned {what} {_at(i, prompts)}, not a number")
+                try:
+                    number = float(value)
+                except Exception as e:
+                    why = f"{type(e).__name__}: {first_line(e)[:100]}"
+                    self._stop(f"returned {shown(value)} {_at(i, prompts)}, not a float ({why})")
+            if not math.isfinite(number) or abs(number) > FP32_MAX:
+                self._stop(
+                    f"returned {shown(value)} {_at(i, prompts)}; a reward must be a finite "
+                    f"number float32 holds (at most {FP32_MAX:.4g} in size)"
+                )
+            rewards.append(number)
         return rewards
 
     def _stop(self, what: str):
         raise TrainingStopped(
             f"the reward function {self.spec} {what}; nothing of this step was saved"
         )
+
+
+def _at(i: int, prompts: list[str]) -> str:
+    """Completion ``i`` as a message names it: its index and its prompt."""
+    return f"at {i} (prompt {shown(prompts[i])})" if i < len(prompts) else f"at {i}"
 
 
 def _module(name: str):
@@ -95,6 +125,8 @@ def _module(name: str):
                 key=KEY,
             ) from None
         raise ConfigError(f"importing {name} failed ({first_line(e)})", key=KEY) from None
+    except SystemExit as e:
+        raise ConfigError(f"importing {name} exited (sys.exit({shown(e.code)}))", key=KEY) from None
     except Exception as e:
         raise ConfigError(
             f"importing {name} failed ({type(e).__name__}: {first_line(e)})", key=KEY
@@ -115,11 +147,14 @@ def _file_module(path: str, config_dir: Path | None):
     sys.modules[name] = module  # dataclasses and pickling look their module up
     try:
         spec.loader.exec_module(module)
-    except Exception as e:
+    except (Exception, SystemExit) as e:
         sys.modules.pop(name, None)
-        raise ConfigError(
-            f"importing {found} failed ({type(e).__name__}: {first_line(e)})", key=KEY
-        ) from None
+        why = (
+            f"exited (sys.exit({shown(e.code)}))"
+            if isinstance(e, SystemExit)
+            else f"failed ({type(e).__name__}: {first_line(e)})"
+        )
+        raise ConfigError(f"importing {found} {why}", key=KEY) from None
     return module
 
 
@@ -147,12 +182,27 @@ class RewardModelScorer:
     FIRST end-of-text after the chat. So a rollout is scored as prompt + completion, then an
     end-of-text unless the completion already ends with one (a rollout that stopped ends with
     its stop token, ``sample_policy``), and the value is read at that end-of-text: the last
-    position. A sequence longer than the model's positions keeps its last ones."""
+    position. A sequence longer than the model's positions keeps its last ones.
 
-    def __init__(self, checkpoint: str, device, eos_id: int | None = None, batch_size: int = 16):
+    ``policy`` (the policy's tokenizer keys) and ``policy_vocab`` (its padded vocabulary): the
+    reward model must read the ids the policy samples, so its tokenizer must be the policy's
+    (the same files, or the same size, end-of-text and ids of a probe text) and its vocabulary
+    at least as large; otherwise a ConfigError at start-up. A score that is not a finite number
+    stops the run (``TrainingStopped``) naming the completion."""
+
+    def __init__(
+        self,
+        checkpoint: str,
+        device,
+        eos_id: int | None = None,
+        batch_size: int = 16,
+        policy: Any = None,
+        policy_vocab: int | None = None,
+    ):
         from torchneox.checkpoint.files import checkpoint_config, resolve
         from torchneox.checkpoint.tensors import missing_heads
         from torchneox.checkpoint.weights import load_model
+        from torchneox.data.tokenizers import model_tokenizer
 
         step_dir = resolve(checkpoint)
         impl = checkpoint_config(step_dir).config.training.train_impl
@@ -170,11 +220,29 @@ class RewardModelScorer:
             )
         loaded, self.model = load_model(step_dir, device=str(device))
         self.model.eval().requires_grad_(False)
-        self.eos_id = eos_id if eos_id is not None else _eos_id(loaded, str(step_dir))
+        self.source = str(step_dir)
+        tokenizer = model_tokenizer(loaded.config.tokenizer, self.source)
+        if policy is not None:
+            _check_tokenizer(loaded.config.tokenizer, tokenizer, policy, self.source)
+        rows = self.model.args.vocab_size
+        if policy_vocab is not None and rows < policy_vocab:
+            raise ConfigError(
+                f"{step_dir} has {rows} vocabulary rows, fewer than the policy's {policy_vocab} "
+                "(padded), any of which the policy may sample; train the reward model with the "
+                "policy's make_vocab_size_divisible_by",
+                key="reward_model",
+            )
+        self.eos_id = eos_id if eos_id is not None else _eos_id(loaded, tokenizer)
         self.batch_size = batch_size
 
     @torch.no_grad()
-    def __call__(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[float]:
+    def __call__(
+        self,
+        prompt_ids: list[list[int]],
+        completion_ids: list[list[int]],
+        prompts: list[str] | None = None,
+    ) -> list[float]:
+        """The score of each completion; ``prompts``: the prompts' texts, which a message names."""
         if len(prompt_ids) != len(completion_ids):
             raise ValueError("one prompt per completion")
         limit = self.model.args.max_positions
@@ -187,6 +255,14 @@ class RewardModelScorer:
         values = []
         for start in range(0, len(rows), self.batch_size):
             values += self._values(rows[start : start + self.batch_size])
+        for i, value in enumerate(values):
+            if not math.isfinite(value) or abs(value) > FP32_MAX:
+                at = f"at {i}" if prompts is None else _at(i, prompts)
+                raise TrainingStopped(
+                    f"the reward model {self.source} scored the completion {at} {value}; a "
+                    "reward must be a finite number (check the reward model's weights); nothing "
+                    "of this step was saved"
+                )
         return values
 
     def _values(self, rows: list[list[int]]) -> list[float]:
@@ -201,12 +277,11 @@ class RewardModelScorer:
         return values.gather(1, last[:, None]).squeeze(1).tolist()
 
 
-def _eos_id(loaded, where: str) -> int:
+def _eos_id(loaded, tokenizer) -> int:
     """The end-of-text ``--for-rm`` ends a chat with: the tokenizer_config.json's eos_token
     beside a Hugging Face tokenizer file, else the tokenizer's end-of-text."""
-    from torchneox.data.tokenizers import _configured_specials, model_tokenizer
+    from torchneox.data.tokenizers import _configured_specials
 
-    tokenizer = model_tokenizer(loaded.config.tokenizer, where)
     vocab = loaded.config.tokenizer.vocab_file
     backend = getattr(tokenizer, "_tok", None)
     if vocab and backend is not None:
@@ -214,3 +289,55 @@ def _eos_id(loaded, where: str) -> int:
         if eos is not None and backend.token_to_id(eos) is not None:
             return backend.token_to_id(eos)
     return tokenizer.eod_id
+
+
+PROBE = "The quick brown fox, 13 lazy dogs.\n\tÜber naïve café — 漢字 😀 <|endoftext|>"
+"""A text both tokenizers encode: the same ids say the same tokenizer (with the same size)."""
+
+
+def _check_tokenizer(mine: Any, tokenizer: Any, policy: Any, where: str) -> None:
+    """The reward model's tokenizer (its keys ``mine``, built: ``tokenizer``) is the policy's
+    (its keys ``policy``), or a ConfigError naming both."""
+    from torchneox.data.tokenizers import build_tokenizer
+
+    if _same_files(mine, policy):
+        return
+    theirs = build_tokenizer(policy)
+    if tokenizer.vocab_size != theirs.vocab_size:
+        why = f"{tokenizer.vocab_size} tokens, the policy's {theirs.vocab_size}"
+    elif tokenizer.eod_id != theirs.eod_id:
+        why = f"end-of-text {tokenizer.eod_id}, the policy's {theirs.eod_id}"
+    elif tokenizer.encode(PROBE) != theirs.encode(PROBE):
+        why = "the same text becomes other token ids"
+    else:
+        return
+    raise ConfigError(
+        f"{where}: the reward model's tokenizer ({_named(mine)}) is not the policy's "
+        f"({_named(policy)}): {why}; a reward model reads the policy's token ids, so train it "
+        "with the policy's tokenizer",
+        key="reward_model",
+    )
+
+
+def _same_files(a: Any, b: Any) -> bool:
+    """Two tokenizer key sets naming the same type and files of the same contents (a file-less
+    type, the character tokenizer, by its type)."""
+    if a.tokenizer_type != b.tokenizer_type:
+        return False
+    if a.tokenizer_type == "CharLevelTokenizer":
+        return True
+    for key in ("vocab_file", "merge_file"):
+        x, y = getattr(a, key), getattr(b, key)
+        if bool(x) != bool(y):
+            return False
+        try:
+            if x and Path(x).read_bytes() != Path(y).read_bytes():
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def _named(tok: Any) -> str:
+    files = [Path(f).name for f in (tok.vocab_file, tok.merge_file) if f]
+    return " ".join([str(tok.tokenizer_type), *files])

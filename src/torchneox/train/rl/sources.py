@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from torchneox.base.errors import DataError
+from torchneox.base.errors import DataError, TrainingStopped
 
 
 def _broadcast(value: Any, group: Any) -> Any:
@@ -100,7 +100,7 @@ class ServedRollouts:
     def make(self, index: int) -> list[Any]:
         groups = None
         if self.group is None or dist.get_rank(self.group) == 0:
-            groups = self.server.fetch(self.split)
+            groups = self._fetch()
         groups = _broadcast(groups, self.group)
         if self.mode == "rloo":
             for i, g in enumerate(groups):
@@ -111,6 +111,22 @@ class ServedRollouts:
                         "with the prompt's others, so send at least 2"
                     )
         return groups
+
+    def _fetch(self) -> list[Any]:
+        """The server's answer; Ctrl-C interrupts the wait (a second ends the process)."""
+        from torchneox.train.rl.interrupt import Interruptible
+
+        what = f"data server {self.server.address}"
+        with Interruptible(what) as watch:
+            try:
+                return self.server.fetch(self.split)
+            except KeyboardInterrupt:
+                if not watch.interrupted:
+                    raise
+                raise TrainingStopped(
+                    f"{what}: interrupted by SIGINT (Ctrl-C) after {watch.seconds():.0f} s "
+                    f"waiting for its answer to '{self.split}'; nothing of this step was saved"
+                ) from None
 
 
 # ------------------------------------------------------------------------------ building
@@ -203,23 +219,28 @@ def _sampled(run: Any, module: torch.nn.Module, line: Callable[[str], None], gro
         with autocast(run.precision, run.device.type):  # the cache in the forward's dtype
             return sample_policy(module, rows, s, pad, generator, dims.tp, lockstep)
 
-    score = _scorer(cfg, run.loaded.origin, tok, stops, run.device)
+    score = _scorer(
+        cfg, run.loaded.origin, tok, stops, run.device, run.derived["padded_vocab_size"]
+    )
     per_batch = run.layout.micro_batch * run.layout.gas // r.rollout_generations  # (derive checked)
     return SampledRollouts(sample, prompts, score, per_batch, r.rollout_generations,
                            cfg.training.seed, dims.dp_rank, dims.dp, run.device, group)  # fmt: skip
 
 
-def _scorer(cfg: Any, origin: dict, tok: Any, stops: set[int], device: torch.device):
+def _scorer(cfg: Any, origin: dict, tok: Any, stops: set[int], device: torch.device, vocab: int):
     """rewards(prompts, completion ids): the reward function on the texts (a completion without
-    its stop token), or the reward model on the ids."""
+    its stop token), or the reward model on the ids (its tokenizer the policy's, its vocabulary
+    holding the policy's ``vocab`` ids)."""
     from pathlib import Path
 
     r = cfg.rollout
     if r.reward_model:
         from torchneox.train.rl.rewards import RewardModelScorer
 
-        model = RewardModelScorer(r.reward_model, device)
-        return lambda prompts, completions: model([p.ids for p in prompts], completions)
+        model = RewardModelScorer(r.reward_model, device, policy=cfg.tokenizer, policy_vocab=vocab)
+        return lambda prompts, completions: model(
+            [p.ids for p in prompts], completions, [p.text for p in prompts]
+        )
     from torchneox.train.rl.rewards import RewardFunction
 
     source = origin.get("reward_function")
