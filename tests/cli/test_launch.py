@@ -1,5 +1,6 @@
 """Two "nodes" on one machine: two torchrun invocations meeting at a c10d rendezvous on
-127.0.0.1 train exactly like one process with the same global batch."""
+127.0.0.1 train exactly like one process with the same global batch. A mistake the ranks of one
+job all find is said once, with the exit status of one process."""
 
 from __future__ import annotations
 
@@ -67,3 +68,35 @@ def test_two_nodes_on_one_machine(make_config, tmp_path):
     assert sorted(two) == [1, 2, 3]
     for k in two:
         assert two[k] == pytest.approx(one[k], rel=1e-5), k
+
+
+def test_a_mistake_every_rank_finds_is_said_once_with_exit_2(make_config, tmp_path):
+    """A data path that is not there, found by the ranks after they start: one line (not one
+    per rank, nor the launcher's 'rank N exited'), exit 2 as in one process."""
+    cfg = make_config(data_path=str(tmp_path / "nothing"), save=str(tmp_path / "r"))
+    run = subprocess.run(
+        [sys.executable, "-m", "torchneox", "train", cfg, "--nproc", "2"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        timeout=240,
+        check=False,
+    )
+    assert run.returncode == 2, run.stderr
+    errors = [x for x in run.stderr.splitlines() if x.startswith("torchneox: error:")]
+    assert errors == [f"torchneox: error: {tmp_path / 'nothing'}.idx: no such file (data path "
+                      f"prefix '{tmp_path / 'nothing'}')"], run.stderr  # fmt: skip
+
+
+def test_under_torchrun_each_line_is_said_by_the_first_rank_only(tmp_path, monkeypatch):
+    """The ranks of one torchrun job agree through a folder named by its run id; distinct lines
+    are each said once; outside a job of several ranks every line is said."""
+    from torchneox.cli.exits import said_first
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    monkeypatch.delenv("TORCHNEOX_ERRORS_SAID", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert [said_first(x) for x in ("a", "a", "b", "a")] == [True, False, True, False]
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert said_first("a") and said_first("a")

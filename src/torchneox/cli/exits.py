@@ -5,9 +5,11 @@ each rank of ``train --nproc`` too."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,12 +24,39 @@ def _one_line(error: BaseException) -> str:
     return re.sub(r"\s*\n\s*", " ", str(error).strip())
 
 
+SAID_ENV = "TORCHNEOX_ERRORS_SAID"
+"""A folder shared by the ranks of one job (train --nproc sets it): each distinct error line
+is printed by the first rank that reaches it."""
+
+
+def said_first(line: str) -> bool:
+    """Whether this process is the first of its job to say ``line`` (always, outside a job of
+    several ranks). Under torchrun the job's folder is named by its run id."""
+    folder = os.environ.get(SAID_ENV)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if folder is None and run_id and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        folder = os.path.join(tempfile.gettempdir(), f"torchneox-said-{run_id}")
+    if folder is None:
+        return True
+    try:
+        os.makedirs(folder, exist_ok=True)
+        name = hashlib.sha256(line.encode()).hexdigest()[:32]
+        os.close(os.open(os.path.join(folder, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    except OSError:  # no shared folder to agree in: every rank says it
+        return True
+    return True
+
+
 def guarded(run: Callable[[], int], argv: list[str]) -> int:
     """``run()``'s exit status, or what went wrong said in one line and its status."""
     try:
         return run()
     except (ConfigError, DataError) as e:
-        print(f"torchneox: error: {_one_line(e)}", file=sys.stderr)
+        line = f"torchneox: error: {_one_line(e)}"
+        if said_first(line):  # the ranks of one job hit the same mistake: said once
+            print(line, file=sys.stderr)
         return EXIT_USER_ERROR
     except TrainingStopped as e:
         print(f"torchneox: error: {_one_line(e)}", file=sys.stderr)

@@ -23,13 +23,17 @@ import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from torchneox.cli.exits import EXIT_USER_ERROR, SAID_ENV
 
 # what the fork server imports once, before it forks any rank
 PRELOAD = ["torchneox.cli.rank_server"]
@@ -101,8 +105,14 @@ def launch_local(args: argparse.Namespace) -> int:
         argv += ["--load-step", str(args.load_step)]
     if args.force:
         argv.append("--force")
-    ranks = _Ranks(context, argv, args.nproc)
-    stopped_by = ranks.run()
+    said = tempfile.mkdtemp(prefix="torchneox-said-")  # each distinct error line said once
+    os.environ[SAID_ENV] = said
+    try:
+        ranks = _Ranks(context, argv, args.nproc)
+        stopped_by = ranks.run()
+    finally:
+        os.environ.pop(SAID_ENV, None)
+        shutil.rmtree(said, ignore_errors=True)
     if stopped_by is not None:
         saved = newest()
         if saved and saved != before and ranks.failed is None:
@@ -118,6 +128,8 @@ def launch_local(args: argparse.Namespace) -> int:
         return 1
     if ranks.failed is not None:
         rank, code = ranks.failed
+        if code == EXIT_USER_ERROR:  # the rank said the mistake in its one line, above
+            return EXIT_USER_ERROR
         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
         print(f"torchneox: error: rank {rank} {how}; its output is above", file=sys.stderr)
         return 1

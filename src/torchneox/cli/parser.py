@@ -274,7 +274,11 @@ def _train_verbs(verbs: argparse._SubParsersAction) -> None:
     )
     train.add_argument("--load-step", type=COUNT, help="resume from global_stepN instead of latest")
     train.add_argument(
-        "--nproc", type=POSITIVE, help="start this many local processes (torchrun --standalone)"
+        "--nproc",
+        type=POSITIVE,
+        help="train on this many local processes, forked by torchneox itself from one server "
+        "that imported the trainer once (no torchrun needed; under torchrun or Slurm, leave it "
+        "out)",
     )
     train.add_argument(
         "--force", action="store_true", help="let save_hf replace a folder that holds something"
