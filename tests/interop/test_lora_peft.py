@@ -265,13 +265,21 @@ def test_lora_straight_from_the_hugging_face_folder(trained, capsys):
     """`load` names the Hugging Face folder itself (no convert step): the run trains the same
     adapters as from the converted base, its checkpoints hold the adapters and name the folder
     as their base, and the PEFT export gives the trained logits."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
     from torchneox.checkpoint.files import read_meta, resolve
 
     tmp, hf_in, _, sft, _ = trained
     seed = tmp / "seed.yml"  # no model keys: the folder's config.json gives them
     seed.write_text("{seed: 1234}")
-    direct = run(tmp, "sft-direct", DATA["sft"] | {"lora": LORA}, hf_in, seed)
-    assert read_meta(resolve(direct))["lora_base"] == str(hf_in.resolve())
+    folder = tmp / "hf_base_copy"
+    shutil.copytree(hf_in, folder)
+    direct = run(tmp, "sft-direct", DATA["sft"] | {"lora": LORA}, folder, seed)
+    meta = read_meta(resolve(direct))
+    assert meta["lora_base"] == str(folder.resolve())
+    assert meta["lora_base_fingerprint"].startswith("sampled-sha256:")
     _, from_folder = load_model(direct)
     _, from_converted = load_model(sft)
     for (name, a), b in zip(
@@ -285,6 +293,17 @@ def test_lora_straight_from_the_hugging_face_folder(trained, capsys):
     ids = tokens()
     with torch.no_grad():
         torch.testing.assert_close(with_adapter(ids).logits, from_folder(ids), rtol=0, atol=1e-5)
+    # the folder's weights replaced by another model of the same shape: the adapters refused
+    tensors = {k: v * 1.5 for k, v in load_file(folder / "model.safetensors").items()}
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()
+    assert main(["convert", "to-hf", "--adapter", str(direct), str(tmp / "replaced")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert (
+        f"{resolve(direct)}: holds only LoRA adapters, trained on the base weights in "
+        f"{folder.resolve()}, which were replaced since" in err
+    ), err
 
 
 def test_a_bf16_base_straight_from_the_folder_trains_as_the_fp32_base(trained):
