@@ -265,13 +265,21 @@ def test_lora_straight_from_the_hugging_face_folder(trained, capsys):
     """`load` names the Hugging Face folder itself (no convert step): the run trains the same
     adapters as from the converted base, its checkpoints hold the adapters and name the folder
     as their base, and the PEFT export gives the trained logits."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
     from torchneox.checkpoint.files import read_meta, resolve
 
     tmp, hf_in, _, sft, _ = trained
     seed = tmp / "seed.yml"  # no model keys: the folder's config.json gives them
     seed.write_text("{seed: 1234}")
-    direct = run(tmp, "sft-direct", DATA["sft"] | {"lora": LORA}, hf_in, seed)
-    assert read_meta(resolve(direct))["lora_base"] == str(hf_in.resolve())
+    folder = tmp / "hf_base_copy"
+    shutil.copytree(hf_in, folder)
+    direct = run(tmp, "sft-direct", DATA["sft"] | {"lora": LORA}, folder, seed)
+    meta = read_meta(resolve(direct))
+    assert meta["lora_base"] == str(folder.resolve())
+    assert meta["lora_base_fingerprint"].startswith("sampled-sha256:")
     _, from_folder = load_model(direct)
     _, from_converted = load_model(sft)
     for (name, a), b in zip(
@@ -285,6 +293,17 @@ def test_lora_straight_from_the_hugging_face_folder(trained, capsys):
     ids = tokens()
     with torch.no_grad():
         torch.testing.assert_close(with_adapter(ids).logits, from_folder(ids), rtol=0, atol=1e-5)
+    # the folder's weights replaced by another model of the same shape: the adapters refused
+    tensors = {k: v * 1.5 for k, v in load_file(folder / "model.safetensors").items()}
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()
+    assert main(["convert", "to-hf", "--adapter", str(direct), str(tmp / "replaced")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert (
+        f"{resolve(direct)}: holds only LoRA adapters, trained on the base weights in "
+        f"{folder.resolve()}, which were replaced since" in err
+    ), err
 
 
 def test_a_bf16_base_straight_from_the_folder_trains_as_the_fp32_base(trained):
@@ -342,3 +361,103 @@ def test_save_hf_of_a_lora_run_writes_the_merged_model(trained):
     ids = tokens()
     with torch.no_grad():
         torch.testing.assert_close(plain(ids).logits, ours(ids), rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def peft_folder(trained):
+    """A PEFT adapter of the base (B drawn, not zeros), saved by peft itself."""
+    tmp, hf_in, _, _, _ = trained
+    folder = tmp / "peft_src"
+    if not folder.is_dir():
+        config = peft.LoraConfig(
+            r=2, lora_alpha=4, target_modules=["k_proj"], init_lora_weights=False,
+            task_type="CAUSAL_LM",
+        )  # fmt: skip
+        torch.manual_seed(3)
+        peft.get_peft_model(
+            transformers.LlamaForCausalLM.from_pretrained(hf_in), config
+        ).save_pretrained(folder)
+    return folder
+
+
+def _damaged(folder, kind: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    config, weights = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    if kind == "cut-json":
+        config.write_text(config.read_text()[:40])
+    elif kind == "no-r":
+        given = json.loads(config.read_text())
+        config.write_text(json.dumps({k: v for k, v in given.items() if k != "r"}))
+    elif kind == "cut-safetensors":
+        weights.write_bytes(weights.read_bytes()[:20])
+    else:
+        tensors = load_file(weights)
+        name = "base_model.model.model.layers.1.self_attn.k_proj.lora_B.weight"
+        tensors[name][0, 0] = float("nan")
+        save_file(tensors, weights)
+
+
+PEFT_DAMAGE = [
+    ("cut-json", "adapter_config.json: is not valid JSON"),
+    ("no-r", "adapter_config.json: has no r (the adapters' rank)"),
+    ("cut-safetensors", "adapter_model.safetensors: cannot be read as safetensors"),
+    (
+        "nan",
+        "adapter_model.safetensors: tensor base_model.model.model.layers.1.self_attn.k_proj"
+        ".lora_B.weight holds NaN or infinite values",
+    ),
+]
+
+
+@pytest.mark.parametrize(("kind", "fragment"), PEFT_DAMAGE, ids=[c[0] for c in PEFT_DAMAGE])
+def test_a_damaged_peft_folder_is_one_line_naming_the_file(
+    trained, peft_folder, tmp_path, capsys, kind, fragment
+):
+    import shutil
+
+    _, hf_in, _, _, _ = trained
+    folder = tmp_path / "peft"
+    shutil.copytree(peft_folder, folder)
+    _damaged(folder, kind)
+    out = tmp_path / "ckpt"
+    assert main(["convert", "from-hf", str(hf_in), str(out), "--adapter", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("torchneox: error: ") and err.count("\n") == 1, err
+    assert fragment in err, err
+    assert not out.exists()
+
+
+def test_a_peft_folder_as_load_is_one_line(trained, peft_folder, capsys):
+    tmp, _, _, _, _ = trained
+    config = [str(tmp / "model.yml"), str(tmp / "sft.yml")]
+    status = main(["train", *config, "--set", f"load={peft_folder}", "--set", "save=null"])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1, err
+    assert f"{peft_folder} is a PEFT adapter folder, which load does not read" in err, err
+
+
+def test_an_fp16_adapter_export_refuses_values_past_fp16(trained, peft_folder, tmp_path, capsys):
+    """As plain to-hf --dtype fp16 refuses them: no inf written, the tensor named."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    _, hf_in, _, _, _ = trained
+    folder = tmp_path / "peft"
+    shutil.copytree(peft_folder, folder)
+    tensors = load_file(folder / "adapter_model.safetensors")
+    tensors["base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight"][0, 1] = 1e5
+    save_file(tensors, folder / "adapter_model.safetensors")
+    ckpt = tmp_path / "ckpt"
+    assert main(["convert", "from-hf", str(hf_in), str(ckpt), "--adapter", str(folder)]) == 0
+    out = tmp_path / "fp16"
+    assert main(["convert", "to-hf", "--adapter", "--dtype", "fp16", str(ckpt), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert (
+        "--dtype fp16: tensor base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight "
+        "holds values up to 100000" in err
+    ), err
+    assert not out.exists()
+    assert main(["convert", "to-hf", "--adapter", "--dtype", "bf16", str(ckpt), str(out)]) == 0

@@ -281,3 +281,33 @@ def test_sgd_groups_are_musgds(make_config, base_file):
             assert got[ref_names[id(p)]] == pytest.approx((g["lr"], g["weight_decay"]))
     assert got["embed.weight"] == pytest.approx((0.04, 0.1 / 4))
     assert got["layers.0.attention.wq.weight"][0] == pytest.approx(0.01)
+
+
+def _damage_shapes(path, kind: str) -> None:
+    """A file cut at an entry's end (valid YAML, an entry gone), or one size made NaN (a cut
+    that leaves invalid YAML was already refused naming the file)."""
+    shapes = yaml.safe_load(path.read_text())
+    if kind == "missing":
+        del shapes["layers.1.mlp.up.weight"]
+    else:
+        shapes["layers.0.mlp.up.weight"][0] = float("nan")
+    path.write_text(yaml.safe_dump(shapes))
+
+
+SHAPES_DAMAGE = [
+    ("missing", "holds no base shape for layers.1.mlp.up.weight"),
+    ("nan", "layers.0.mlp.up.weight: [nan, 32] is not a base shape"),
+]
+
+
+@pytest.mark.parametrize(("kind", "fragment"), SHAPES_DAMAGE, ids=[c[0] for c in SHAPES_DAMAGE])
+def test_a_damaged_base_shapes_file_is_one_line_naming_it(
+    make_config, base_file, capsys, kind, fragment
+):
+    _damage_shapes(base_file, kind)
+    cfg = make_config(base_shapes_file=str(base_file), train_iters=1, save=None, load=None, **MUP)
+    capsys.readouterr()
+    assert main(["train", cfg]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"error: {base_file}: " in err, err
+    assert fragment in err, err

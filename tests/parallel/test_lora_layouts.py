@@ -72,3 +72,17 @@ def test_zero3_saves_the_adapters_and_resumes_as_one_process_trains(config, tmp_
     assert read_meta(resolve(two))["lora_base"] == str(resolve(base).resolve())
     train(config, f"save={two}", f"load={two}", "finetune=false", *zero3, nproc=2)
     assert_same_training(two, reference(one))
+
+
+def test_adapters_merged_into_a_run_without_lora_on_two_tensor_ranks_equal_one(config, tmp_path):
+    """A run without lora from an adapters-only checkpoint takes them merged into its weights,
+    each rank into its part (a column-split layer's B by rows, a row-split one's A by
+    columns): two tensor ranks train as one process does."""
+    base, adapters, one, two = (tmp_path / n for n in ("base", "adapters", "one", "two"))
+    train(config, f"save={base}", "load=null", "lora=null", "train_iters=1")
+    train(config, f"save={adapters}", f"load={base}", "finetune=true", "train_iters=2")
+    full = [f"load={adapters}", "finetune=true", "lora=null", "train_iters=2"]
+    train(config, f"save={one}", *full)
+    ran = train(config, f"save={two}", *full, "model_parallel_size=2", nproc=2)
+    assert "they are merged into the weights they adapt" in ran.stdout, ran.stdout
+    assert_same_training(two, reference(one))

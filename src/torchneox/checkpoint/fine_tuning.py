@@ -12,6 +12,9 @@ from torchneox.base.errors import ConfigError
 from torchneox.config.paths import dataset_files, refuse_overlap
 from torchneox.models.hf.folder import is_hf_folder
 
+PEFT_CONFIG = "adapter_config.json"
+"""What a PEFT adapter folder holds beside its tensors."""
+
 
 def holds_checkpoint(load_dir: Path) -> bool:
     """A save directory (its ``latest`` or a ``global_stepN`` folder) or one checkpoint (its
@@ -57,11 +60,21 @@ def refuse_fine_tuning_nothing(loaded: Any) -> None:
     pretraining run starts from scratch, as in GPT-NeoX)."""
     cfg = loaded.config
     fine_tunes = post_training(cfg)
-    if cfg.checkpoint.load is None or fine_tunes is None:
+    if cfg.checkpoint.load is None:
         return
     if cfg.checkpoint.save is not None and holds_checkpoint(Path(cfg.checkpoint.save)):
         return  # the run resumes its own checkpoint (CheckpointManager.start_dir)
     load_dir = Path(cfg.checkpoint.load)
+    if (load_dir / PEFT_CONFIG).is_file() and not holds_checkpoint(load_dir):
+        raise ConfigError(
+            f"{load_dir} is a PEFT adapter folder, which load does not read (it holds no base "
+            f"weights): convert from-hf BASE_HF_DIR OUT --adapter {load_dir} writes a "
+            "checkpoint of the base with these adapters; load that",
+            source=loaded.source("load"),
+            key="load",
+        )
+    if fine_tunes is None:
+        return
     if not holds_checkpoint(load_dir) and not is_hf_folder(load_dir):
         raise no_weights_to_fine_tune(load_dir, fine_tunes, loaded.source("load"))
 

@@ -93,7 +93,7 @@ def write_shards(
     for name, tensor in tensors:
         t = tensor.detach().to(dtype).contiguous()
         if dtype == torch.float16:
-            _check_fits_fp16(name, tensor, t, source)
+            check_fits_fp16(name, tensor, t, source)
         if shard and size + t.nbytes > max_shard_bytes:
             flush()
         shard[name] = t
@@ -115,7 +115,7 @@ def write_shards(
 FP16_MAX = torch.finfo(torch.float16).max
 
 
-def _check_fits_fp16(name: str, tensor: torch.Tensor, cast: torch.Tensor, source: str) -> None:
+def check_fits_fp16(name: str, tensor: torch.Tensor, cast: torch.Tensor, source: str) -> None:
     """fp16 ends at 65504: a weight beyond it would be stored as inf, so it is refused."""
     if torch.isfinite(cast).all() or not torch.isfinite(tensor).all():
         return

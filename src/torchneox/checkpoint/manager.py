@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-from torchneox.base.errors import CheckpointWriteError, TrainingStopped
+from torchneox.base.errors import CheckpointWriteError, ConfigError, TrainingStopped
 from torchneox.checkpoint.background import BackgroundSaves
 from torchneox.checkpoint.files import (
     META_FILE,
@@ -27,7 +27,15 @@ from torchneox.checkpoint.files import (
 )
 from torchneox.checkpoint.fine_tuning import Resumed, holds_checkpoint, no_weights_to_fine_tune
 from torchneox.checkpoint.s3 import S3Uploads, require_boto3
-from torchneox.checkpoint.weights import LORA_BASE, base_of_adapters, load_model_weights
+from torchneox.checkpoint.weights import (
+    LORA_BASE,
+    LORA_BASE_FINGERPRINT,
+    adapted_kinds,
+    base_fingerprint,
+    base_of_adapters,
+    held_adapters,
+    load_model_weights,
+)
 from torchneox.models.hf.folder import is_hf_folder
 from torchneox.models.transformer import is_adapter, trains_with_lora
 from torchneox.optim.builder import load_optimizer_state
@@ -79,6 +87,8 @@ class CheckpointManager:
         (finetune applies to the start from ``load`` only)."""
         self.lora_base: str | None = None
         """A LoRA run's base checkpoint (set when it loads one): saves hold the adapters only."""
+        self.lora_base_fingerprint: str | None = None
+        """Its fingerprint, recorded beside it (``base_fingerprint``)."""
         self.background = None
         if self.save_dir is not None and ck.async_checkpointing:
             self.background = BackgroundSaves(
@@ -124,6 +134,7 @@ class CheckpointManager:
         }
         if self.lora_base is not None:
             meta[LORA_BASE] = self.lora_base
+            meta[LORA_BASE_FINGERPRINT] = self.lora_base_fingerprint
         if self.background is not None:  # async_checkpointing: finished at a later step
             self._finish_background(wait=True)  # the previous one first (uploaded, rotated)
             self.background.start(iteration, tensors, meta)
@@ -225,21 +236,23 @@ class CheckpointManager:
         otherwise."""
         ck = self.ck
         meta = read_meta(step_dir)
-        fresh = load_model_weights(step_dir, state.model)
+        fresh = load_model_weights(step_dir, state.model, line=self.line)
         if any(is_adapter(n) for n, _ in state.model.named_parameters()):
-            self.lora_base = base_of_adapters(step_dir, self.save_dir)
+            self.adapt(step_dir)
         for key in [k for k in fresh if not is_adapter(k)]:
             self.line(f"{step_dir} has no {key}: it starts from its initialisation")
         if any(is_adapter(k) for k in fresh):
             self.line(
-                f"{step_dir} has no LoRA adapters: they start from their initialisation "
-                "(B zeros: the model computes what its base does)"
+                f"{step_dir} has no LoRA adapters on {', '.join(adapted_kinds(fresh))}: they "
+                "start from their initialisation (B zeros: the model computes what its base does)"
             )
-        if (ck.finetune and not self.resuming_own) or "loaders" not in meta:
+        other = self._other_training(step_dir, state.model, meta)
+        if (ck.finetune and not self.resuming_own) or "loaders" not in meta or other:
             why = (
                 "finetune is set"
                 if ck.finetune
-                else f"it holds weights only ({meta.get('converted_from') or 'no training state'})"
+                else other
+                or f"it holds weights only ({meta.get('converted_from') or 'no training state'})"
             )
             self.line(
                 f"starting at step 0 from the weights of {step_dir}, with a fresh optimizer: {why}"
@@ -247,6 +260,39 @@ class CheckpointManager:
             return Resumed(step_dir, 0, training_state=False)
         reference = self._load_training_state(step_dir, meta, state)
         return Resumed(step_dir, int(meta["iteration"]), True, reference)
+
+    def adapt(self, step_dir: Path) -> None:
+        """A LoRA run loaded ``step_dir``: what its adapters-only saves name as their base
+        (``base_of_adapters``), and its fingerprint."""
+        self.lora_base = base_of_adapters(step_dir, self.save_dir)
+        self.lora_base_fingerprint = (
+            base_fingerprint(Path(self.lora_base)) if self.lora_base is not None else None
+        )
+
+    def _other_training(self, step_dir: Path, model: torch.nn.Module, meta: dict) -> str | None:
+        """Why ``step_dir``'s training state is another kind of run's than this one (a LoRA
+        run from a checkpoint without adapters, or with adapters on fewer layers; a run
+        without lora from one with them): its optimizer holds other parameters, so the run
+        starts from its weights, with a fresh optimizer. None when it is this kind's; refused
+        when it is this run's own checkpoint (lora changed between two runs of one command)."""
+        held = adapted_kinds(held_adapters(step_dir))
+        ours = adapted_kinds(n for n, _ in model.named_parameters())
+        if "loaders" not in meta or held == ours or (self.ck.finetune and not self.resuming_own):
+            return None
+        if self.resuming_own:
+            raise ConfigError(
+                f"save holds this run's own checkpoint {step_dir}, trained with adapters on "
+                f"{', '.join(held) or 'no layer'}, the config's lora on "
+                f"{', '.join(ours) or 'none'}: give lora as it was to resume it, or name "
+                "another save folder",
+                key="lora",
+            )
+        if not ours:
+            return "its adapters are merged (its optimizer state is of a LoRA run's adapters)"
+        new = ", ".join(k for k in ours if k not in held)
+        return f"lora trains new adapters on {new} (its optimizer state is of " + (
+            f"the adapters on {', '.join(held)})" if held else "a run without lora)"
+        )
 
     def _load_training_state(self, step_dir: Path, meta: dict, state: TrainingState) -> bool:
         """Whether the reference model's weights were loaded too."""

@@ -5,7 +5,9 @@ run loads (``load_model_weights``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+import warnings
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -13,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 
 from torchneox.base.errors import ConfigError
 from torchneox.checkpoint.files import (
+    MANIFEST_FILE,
     META_FILE,
     checkpoint_config,
     load_state,
@@ -20,20 +23,49 @@ from torchneox.checkpoint.files import (
     resolve,
 )
 from torchneox.checkpoint.tensors import FRESH_HEADS, missing_heads, refuse_non_finite
-from torchneox.config.features.lora import is_base_linear
+from torchneox.config.features.lora import LoraSpec, is_base_linear, lora_spec
 from torchneox.config.load import LoadedConfig
 from torchneox.models.args import model_args
+from torchneox.models.hf.architectures import weight_files
 from torchneox.models.hf.folder import is_hf_folder
+from torchneox.models.linear import merge_adapter
 from torchneox.models.transformer import Transformer, is_adapter, plain_name, trains_with_lora
+from torchneox.parallel.shards import local_part
 
 LORA_BASE = "lora_base"
 """meta.json's entry of a checkpoint that holds only LoRA adapters: the checkpoint (a step
 directory), or the Hugging Face model folder, that holds the frozen base weights they adapt."""
+LORA_BASE_FINGERPRINT = "lora_base_fingerprint"
+"""meta.json's fingerprint of that base (``base_fingerprint``), checked when it is loaded:
+adapters merged into another model of the same shape compute nonsense."""
+SAMPLES, SAMPLE_BYTES = 16, 4096
+
+
+def base_fingerprint(base: Path) -> str:
+    """What identifies a base's weights without reading them all: a checkpoint's manifest (its
+    files' sizes and content checksums, written when it was saved); else (a Hugging Face
+    folder, a checkpoint older than manifests) each weight file's name, size and 16 samples of
+    4 KiB spread over it (another model of the same shape differs in them all)."""
+    digest = hashlib.sha256()
+    if (base / MANIFEST_FILE).is_file():
+        digest.update((base / MANIFEST_FILE).read_bytes())
+        return f"manifest-sha256:{digest.hexdigest()}"
+    files = weight_files(base) if is_hf_folder(base) else sorted(base.glob("*.distcp"))
+    for path in files:
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}:".encode())
+        with open(path, "rb") as f:
+            for i in range(SAMPLES):
+                f.seek(max(0, size - SAMPLE_BYTES) * i // (SAMPLES - 1))
+                digest.update(f.read(SAMPLE_BYTES))
+    return f"sampled-sha256:{digest.hexdigest()}"
 
 
 def lora_base(step_dir: Path) -> Path | None:
     """The checkpoint holding the frozen base of an adapters-only checkpoint (None: it holds
-    every weight); one line when it is gone."""
+    every weight); one line when it is gone, or holds other weights than the adapters were
+    trained on (its fingerprint changed; checkpoints saved before fingerprints load as
+    before)."""
     meta = read_meta(step_dir) if (step_dir / META_FILE).is_file() else {}
     base = meta.get(LORA_BASE)
     if base is None:
@@ -42,6 +74,14 @@ def lora_base(step_dir: Path) -> Path | None:
         raise ConfigError(
             f"holds only LoRA adapters, and the checkpoint of their base weights, {base}, is "
             "gone; put it back there",
+            source=str(step_dir),
+        )
+    recorded = meta.get(LORA_BASE_FINGERPRINT)
+    if recorded is not None and base_fingerprint(Path(base)) != recorded:
+        raise ConfigError(
+            f"holds only LoRA adapters, trained on the base weights in {base}, which were "
+            "replaced since (its fingerprint differs): the adapters would be merged into "
+            "another model; put the original base back there",
             source=str(step_dir),
         )
     return Path(base)
@@ -60,20 +100,113 @@ def base_of_adapters(step_dir: Path, save_dir: Path | None) -> str | None:
     return str(whole)
 
 
-def load_model_weights(step_dir: Path, model: torch.nn.Module, prefix: str = "model") -> list[str]:
+def load_model_weights(
+    step_dir: Path,
+    model: torch.nn.Module,
+    prefix: str = "model",
+    line: Callable[[str], None] | None = None,
+) -> list[str]:
     """Load the checkpoint's ``prefix`` weights into ``model`` (an adapters-only checkpoint's:
     the base's from the checkpoint it names, then its adapters); returns the fresh heads and
-    LoRA adapters the checkpoint did not have (they keep their initialisation)."""
+    LoRA adapters the checkpoint did not have (they keep their initialisation). The
+    checkpoint's adapters are never dropped: a model without adapters takes them merged into
+    its weights (said by ``line``), one whose lora names fewer layers is refused."""
     base = lora_base(step_dir) if prefix == "model" else None
     if base is None:
-        return _load_weights(step_dir, model, prefix, None)
-    if is_hf_folder(base):  # a run that started from a Hugging Face folder
-        from torchneox.checkpoint.hf_io import load_hf_weights
-
-        load_hf_weights(base, model, model.args, lambda _: None)
+        fresh = _load_weights(step_dir, model, prefix, None)
     else:
-        _load_weights(base, model, prefix, lambda k: not trains_with_lora(k))
-    return _load_weights(step_dir, model, prefix, trains_with_lora)
+        if is_hf_folder(base):  # a run that started from a Hugging Face folder
+            from torchneox.checkpoint.hf_io import load_hf_weights
+
+            load_hf_weights(base, model, model.args, lambda _: None)
+        else:
+            _load_weights(base, model, prefix, lambda k: not trains_with_lora(k))
+        fresh = _load_weights(step_dir, model, prefix, trains_with_lora)
+    held = held_adapters(step_dir, prefix)
+    if held:
+        _take_adapters(step_dir, model, prefix, held, line or (lambda _: None))
+    return fresh
+
+
+def held_adapters(step_dir: Path, prefix: str = "model") -> dict[str, tuple[int, ...]]:
+    """The LoRA adapter tensors ``step_dir`` holds (names under ``prefix``), with their shapes."""
+    metadata = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    start = f"{prefix}."
+    return {
+        k.removeprefix(start): tuple(v.size)
+        for k, v in metadata.items()
+        if k.startswith(start) and is_adapter(k)
+    }
+
+
+def adapted_kinds(names: Iterable[str]) -> list[str]:
+    """The adapted layers' kinds (attention.wq, ...) of adapter tensor names."""
+    return sorted({".".join(plain_name(n).split(".")[2:4]) for n in names if is_adapter(n)})
+
+
+def _take_adapters(
+    step_dir: Path,
+    model: torch.nn.Module,
+    prefix: str,
+    held: dict[str, tuple[int, ...]],
+    line: Callable[[str], None],
+) -> None:
+    """The checkpoint's adapters in a model with adapters: each layer they adapt must have
+    one (the loaded ones); in a model without: merged into the weights they adapt."""
+    kinds = adapted_kinds(held)
+    ours = adapted_kinds(n for n, _ in model.named_parameters())
+    if ours:
+        dropped = [k for k in kinds if k not in ours]
+        if dropped:
+            raise ConfigError(
+                f"holds LoRA adapters on {', '.join(dropped)}, which lora.target_modules does "
+                f"not name ({', '.join(ours)}): they would be dropped; add them to "
+                "target_modules (or leave the lora key out: the adapters are then merged "
+                "into the weights)",
+                source=str(step_dir),
+                key="lora.target_modules",
+            )
+        return
+    spec = lora_spec(checkpoint_config(step_dir).config)
+    merge_adapters(step_dir, model, prefix, held, spec)
+    line(
+        f"{step_dir} holds LoRA adapters (on {', '.join(kinds)}) and this run has no lora key: "
+        f"they are merged into the weights they adapt (W + {spec.scale:g} x B @ A), so it "
+        "starts from the model they trained (keep the lora key to train the adapters on)"
+    )
+
+
+@torch.no_grad()
+def merge_adapters(
+    step_dir: Path,
+    model: torch.nn.Module,
+    prefix: str,
+    held: dict[str, tuple[int, ...]],
+    spec: LoraSpec,
+) -> None:
+    """The checkpoint's adapters (read whole: they are small) merged into ``model``'s weights
+    as ``convert to-hf`` merges them (W + scale x B @ A), into this rank's part of each; a
+    base the run stored in bf16 (lora.base_dtype) rounded to it first, as it trained."""
+    adapters = {k: torch.empty(shape) for k, shape in held.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load({prefix: adapters}, checkpoint_id=str(step_dir), no_dist=True)
+    refuse_non_finite(adapters, step_dir)
+    params = {plain_name(n): p for n, p in model.named_parameters()}
+    for name, param in params.items():
+        if spec.base_dtype == "bf16" and is_base_linear(name):
+            local, _ = local_part(param)
+            local.copy_(local.bfloat16())
+    for layer in sorted({k.rsplit(".lora_", 1)[0] for k in held}):
+        param = params.get(f"{layer}.weight")
+        if param is None:  # another pipeline stage's
+            continue
+        local, where = local_part(param)
+        a, b = adapters[f"{layer}.lora_A.weight"], adapters[f"{layer}.lora_B.weight"]
+        if where is not None:
+            a, b = a[:, where[1]], b[where[0]]
+        device = local.device
+        local.copy_(merge_adapter(local, a.to(device), b.to(device), spec.scale))
 
 
 def _load_weights(

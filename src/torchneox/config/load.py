@@ -8,7 +8,6 @@ files, and dotted keys reach into dicts (``optimizer.params.lr=3e-4``).
 from __future__ import annotations
 
 import copy
-import math
 import os
 import types
 import typing
@@ -22,6 +21,9 @@ import yaml
 from torchneox.base.errors import ConfigError, did_you_mean
 from torchneox.config.checker import OVERRIDE
 from torchneox.config.fields import Status
+from torchneox.config.numbers import Mismatch as _Mismatch
+from torchneox.config.numbers import to_float as _to_float
+from torchneox.config.numbers import to_int as _to_int
 from torchneox.config.schema import KEYS, NeoXConfig
 from torchneox.config.validate import validate
 
@@ -220,10 +222,6 @@ def _plural(tp: Any) -> str:
     )
 
 
-class _Mismatch(Exception):
-    pass
-
-
 def coerce(value: Any, tp: Any) -> Any:
     """``value`` converted to ``tp``, or _Mismatch. Strings like '1e-5' count as numbers."""
     origin = typing.get_origin(tp)
@@ -269,36 +267,6 @@ def coerce(value: Any, tp: Any) -> Any:
             raise _Mismatch
         return value
     raise AssertionError(f"unhandled config type {tp!r}")
-
-
-def _to_int(value: Any) -> int:
-    if isinstance(value, bool):
-        raise _Mismatch
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str) and not any(c in value for c in "eE"):
-        # a whole number in quotes: YAML 1.1 leaves only exponent forms (1e5) as strings
-        raise _Mismatch
-    number = _to_float(value)
-    if not number.is_integer():
-        raise _Mismatch
-    return int(number)
-
-
-def _to_float(value: Any) -> float:
-    if isinstance(value, bool):
-        raise _Mismatch
-    if isinstance(value, int | float):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            number = float(value.strip())
-        except ValueError:
-            raise _Mismatch from None
-        if math.isnan(number):
-            raise _Mismatch
-        return number
-    raise _Mismatch
 
 
 def _literal_choices(tp: Any) -> tuple[str, ...]:

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import torch
 
-from torchneox.base.errors import ConfigError, HFError
+from torchneox.base.errors import ConfigError, HFError, first_line
 from torchneox.checkpoint import files as checkpoint_format
 from torchneox.checkpoint import weights
-from torchneox.checkpoint.hf_files import DTYPES, save_shard
+from torchneox.checkpoint.hf_files import DTYPES, check_fits_fp16, save_shard
+from torchneox.checkpoint.tensors import refuse_non_finite
 from torchneox.config.derive import derive
 from torchneox.config.features.lora import HF_NAMES
 from torchneox.config.paths import new_output_dir, refuse_non_empty
@@ -91,11 +92,13 @@ def to_peft(
             source=str(step_dir),
         )
     _, model = weights.load_model(step_dir)
-    tensors = {
-        peft_name(n): t.detach().to(DTYPES[dtype]).contiguous()
-        for n, t in model.state_dict().items()
-        if is_adapter(n)
-    }
+    tensors = {}
+    for n, t in model.state_dict().items():
+        if is_adapter(n):
+            cast = t.detach().to(DTYPES[dtype]).contiguous()
+            if cast.dtype == torch.float16:  # refused as plain to-hf refuses it, not inf
+                check_fits_fp16(peft_name(n), t, cast, str(step_dir))
+            tensors[peft_name(n)] = cast
     with new_output_dir(out, force, "convert to-hf --adapter", inputs=[ckpt, step_dir]) as tmp:
         save_shard(tensors, tmp / "adapter_model.safetensors")
         config = json.dumps(adapter_config(args), indent=2) + "\n"
@@ -117,7 +120,15 @@ def lora_keys(adapter_dir: Path) -> dict:
         raise HFError(
             "has no adapter_config.json: not a PEFT adapter folder", source=str(adapter_dir)
         )
-    c = json.loads(path.read_text())
+    try:
+        c = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise HFError(
+            f"is not valid JSON ({first_line(e)}): is it cut short? save the adapter again",
+            source=str(path),
+        ) from None
+    if not isinstance(c, dict):
+        raise HFError("is not a PEFT adapter config (not a JSON object)", source=str(path))
     if c.get("peft_type") != "LORA":
         raise HFError(
             f"peft_type {c.get('peft_type')!r}: only LORA adapters import", source=str(path)
@@ -134,6 +145,13 @@ def lora_keys(adapter_dir: Path) -> dict:
         raise HFError(
             f"target_modules {targets!r}: give a list of {', '.join(HF_NAMES)}", source=str(path)
         )
+    for name, what in (("r", "the adapters' rank"), ("lora_alpha", "their scale's alpha")):
+        if name not in c:
+            raise HFError(
+                f"has no {name} ({what}), which PEFT writes: is the file cut or edited? save "
+                "the adapter again",
+                source=str(path),
+            )
     return {
         "rank": c["r"],
         "alpha": c["lora_alpha"],
@@ -143,18 +161,19 @@ def lora_keys(adapter_dir: Path) -> dict:
 
 
 def adapter_tensors(adapter_dir: Path) -> dict[str, torch.Tensor]:
-    """adapter_model.safetensors under torchneox's names."""
-    from safetensors.torch import load_file
-
+    """adapter_model.safetensors under torchneox's names; a cut file, or a tensor holding NaN
+    or inf, refused in one line naming it."""
     path = adapter_dir / "adapter_model.safetensors"
     if not path.is_file():
         raise HFError("has no adapter_model.safetensors", source=str(adapter_dir))
-    out = {}
-    for name, tensor in load_file(str(path)).items():
+    out, theirs = {}, {}
+    for name, tensor in hf.iter_tensors(path):
         m = PEFT_LAYER.match(name)
         if m is None or m[3] not in HF_NAMES:
             raise HFError(f"tensor {name} is not a Llama-family LoRA adapter's", source=str(path))
-        out[f"layers.{m[1]}.{HF_NAMES[m[3]]}.{m[4]}.weight"] = tensor.float()
+        ours = f"layers.{m[1]}.{HF_NAMES[m[3]]}.{m[4]}.weight"
+        out[ours], theirs[ours] = tensor.float(), name
+        refuse_non_finite({ours: tensor}, path, theirs, "save the adapter again")
     return out
 
 

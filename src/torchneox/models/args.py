@@ -42,6 +42,8 @@ class MupScales:
     attn_temp: float = 1.0
     output_temp: float = 1.0
     embedding_mult: float = 1.0
+    file: str | None = None
+    """The base shapes file they were read from (what a refusal names)."""
 
     def base_of(self, name: str) -> tuple[int | None, ...] | None:
         return dict(self.base_shapes).get(name)
@@ -284,6 +286,7 @@ def _mup_fields(cfg: NeoXConfig) -> dict[str, Any]:
         t.mup_attn_temp,
         t.mup_output_temp,
         t.mup_embedding_mult,
+        t.base_shapes_file,
     )
     return out
 

@@ -25,7 +25,9 @@ def infshape(mup: MupScales, name: str, shape: Sequence[int], bases: dict | None
     if base is None or len(base) != len(shape):
         raise ConfigError(
             f"holds no base shape for {name} {tuple(shape)}: this model is not the one the "
-            "file was written for; write it again with save_base_shapes: true at the base width",
+            "file was written for (or the file lost it); write it again with save_base_shapes: "
+            "true at the base width",
+            source=mup.file,
             key="base_shapes_file",
         )
     return zip_infshape(InfShape.from_base_shape(list(base)), list(shape))

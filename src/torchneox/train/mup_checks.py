@@ -171,6 +171,7 @@ def coord_records(
                 t.mup_attn_temp,
                 t.mup_output_temp,
                 t.mup_embedding_mult,
+                t.base_shapes_file,
             )
             args = dataclasses.replace(args, mup=scales)
         torch.manual_seed(cfg.training.seed)

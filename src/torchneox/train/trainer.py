@@ -31,7 +31,7 @@ from torchneox.checkpoint.hf_io import (
 )
 from torchneox.checkpoint.manager import CheckpointManager, TrainingState
 from torchneox.checkpoint.tensors import missing_heads
-from torchneox.checkpoint.weights import base_of_adapters, copy_weights
+from torchneox.checkpoint.weights import copy_weights
 from torchneox.config.derivations.model import mamba_kernels
 from torchneox.config.derive import derive
 from torchneox.config.features.fp8_plan import FP8Plan, fp8_plan
@@ -308,7 +308,7 @@ class Trainer:
             resumed = load_hf_weights(step_dir, self.model, self.args, self.logger.line)
             if any(is_adapter(n) for n, _ in self.model.named_parameters()):
                 # LoRA: the checkpoints hold the adapters and name the folder as their base
-                self.checkpoints.lora_base = base_of_adapters(step_dir, self.checkpoints.save_dir)
+                self.checkpoints.adapt(step_dir)
             return resumed
         resumed = self.checkpoints.resume(step_dir, self.state)
         if not resumed.training_state:

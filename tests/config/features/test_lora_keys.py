@@ -39,6 +39,12 @@ CASES = [
     ),
     ("targets-empty", lora(target_modules=[]), "lora: target_modules must be a list"),
     (
+        "target-string",
+        lora(target_modules="q_proj"),
+        "lora: target_modules must be a list of layer names, got the text 'q_proj': write [q_proj]",
+    ),
+    ("alpha-text", lora(alpha="1e"), "lora: alpha must be a number > 0, got '1e'"),
+    (
         "base-dtype",
         lora(base_dtype="bf61"),
         "lora: base_dtype must be fp32 or bf16, got 'bf61'; did you mean bf16?",
@@ -122,3 +128,52 @@ def test_no_lora_no_row(tmp_path, capsys):
     path.write_text(json.dumps(BASE))
     assert main(["config", "explain", str(path), "--json"]) == 0
     assert "lora_trainable_parameters" not in json.loads(capsys.readouterr().out)
+
+
+TEXT_NUMBERS = [  # YAML reads 1e3 (no dot, or no sign after e) as text: numbers all the same
+    (
+        "lora",
+        lora(rank="4e0", alpha="1e3", dropout="1e-1"),
+        "rank 4, alpha 1000 (scale 250), dropout 0.1",
+    ),
+    (
+        "soft-prompt",
+        {"soft_prompt_tuning": {"enabled": True, "n_tokens": "4e0", "init_range": "1e-2"}},
+        "4 trained vectors before the text (from uniform in [-0.01, 0.01])",
+    ),
+    (
+        "curriculum",
+        {
+            "curriculum_learning": {
+                "enabled": True, "curriculum_type": "seqlen", "min_difficulty": "8",
+                "max_difficulty": "6.4e1", "schedule_type": "fixed_linear",
+                "schedule_config": {"total_curriculum_step": "1e3", "difficulty_step": "8"},
+            }
+        },
+        "8 + (step/1000) x (64 - 8), down to a multiple of 8",
+    ),
+    (
+        "muon",
+        {"optimizer": {"type": "muon", "params": {"lr": "1e-3", "ns_steps": "1e1"}}},
+        "10 Newton-Schulz steps",
+    ),
+    (
+        "amp",
+        {"amp": {"enabled": True, "opt_level": "O2", "loss_scale": "6.5e4"}},
+        "static loss scale 65000",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("keys", "shown"), [c[1:] for c in TEXT_NUMBERS], ids=[c[0] for c in TEXT_NUMBERS]
+)
+def test_numbers_written_as_text_are_read_as_numbers(tmp_path, capsys, keys, shown):
+    """As a flat key's: lora's, soft_prompt_tuning's, curriculum_learning's, muon's and amp's
+    numbers given as text (1e3) are those numbers, not refused."""
+    path = tmp_path / "a.yml"
+    path.write_text(json.dumps(BASE | keys))
+    status = main(["config", "explain", str(path)])
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    assert shown in captured.out, captured.out

@@ -7,6 +7,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from torchneox.config.numbers import whole
+
 MUON_PARAMS = (
     "momentum",
     "nesterov",
@@ -41,11 +43,12 @@ def muon_param(name: str, value: Any, fail: Callable[[str], None]) -> Any:
             )
         return value
     if name == "ns_steps":
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 99:
+        steps = whole(value)  # text such as 1e1 (a string to YAML) counts as the number
+        if steps is None or not 1 <= steps <= 99:
             fail(
                 f"params.ns_steps must be a whole number of Newton-Schulz steps in 1..99, got {value!r}"
             )
-        return value
+        return steps
     if name == "ns_coefficients":
         numbers = isinstance(value, list | tuple) and len(value) == 3
         if not numbers or not all(_finite(v) for v in value):

@@ -19,6 +19,7 @@ from typing import Any
 
 from torchneox.base.errors import did_you_mean
 from torchneox.config.checker import Checker
+from torchneox.config.numbers import whole
 
 KEYS = ("enabled", "curriculum_type", "min_difficulty", "max_difficulty", "schedule_type")
 SCHEDULES = {
@@ -86,8 +87,12 @@ def curriculum(cfg: Any) -> Curriculum | None:
         c = seqlen_metric(cfg.deepspeed.data_efficiency)
     if not c or not c.get("enabled", False):
         return None
+    schedule = {
+        k: [whole(x) for x in v] if isinstance(v, list) else whole(v)
+        for k, v in c["schedule_config"].items()
+    }  # counts each (checked): text such as 1e3 read as the number
     return Curriculum(
-        c["min_difficulty"], c["max_difficulty"], c["schedule_type"], c["schedule_config"]
+        whole(c["min_difficulty"]), whole(c["max_difficulty"]), c["schedule_type"], schedule
     )
 
 
@@ -179,11 +184,16 @@ def _known(ch: Checker, mapping: Any, allowed: tuple[str, ...], where: str) -> N
 
 
 def _count(ch: Checker, mapping: dict, name: str, where: str) -> int:
-    value = mapping[name]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    """``mapping[name]``, an integer >= 1 (text such as 1e3, a string to YAML, counts as the
+    number, as for a flat key), written back as one."""
+    value = whole(mapping[name])
+    if value is None or value < 1:
         ch.fail(
-            NAME, f"{where}{name} must be an integer >= 1, got {value!r}", path=f"{where}{name}"
+            NAME,
+            f"{where}{name} must be an integer >= 1, got {mapping[name]!r}",
+            path=f"{where}{name}",
         )
+    mapping[name] = value
     return value
 
 

@@ -21,6 +21,7 @@ from typing import Any
 from torchneox.base.errors import did_you_mean
 from torchneox.config.derived import Derived
 from torchneox.config.features.curriculum import SEQLEN_METRIC
+from torchneox.config.numbers import number
 
 AMP_USED = ("enabled", "opt_level", "loss_scale", "min_loss_scale")
 AMP_IGNORED = (
@@ -128,12 +129,13 @@ def _check_amp(ch: Any) -> None:
             "(DeepSpeed's advice: it performs like amp O2)",
         )
     scale = pr.amp.get("loss_scale", "dynamic")
-    if scale != "dynamic" and (
-        isinstance(scale, bool) or not isinstance(scale, int | float) or scale <= 0
-    ):
+    value = number(scale)  # text such as 6.5e4 (a string to YAML) counts as the number
+    if scale != "dynamic" and (value is None or value <= 0):
         ch.fail(
             "amp", f"loss_scale must be 'dynamic' or a number > 0, got {scale!r}", path="loss_scale"
         )
+    if scale != "dynamic":
+        pr.amp["loss_scale"] = value
 
 
 def _check_data_efficiency(ch: Any) -> None:

@@ -27,6 +27,7 @@ from torchneox.config.checks.model import layer_attention_types
 from torchneox.config.features.fp8_plan import fp8_plan
 from torchneox.config.features.soft_prompt import soft_prompt
 from torchneox.config.features.sparsity import ATTENTION_LAYER_TYPES
+from torchneox.config.numbers import number, whole
 from torchneox.config.sizes import head_dim, kv_heads, mlp_widths
 
 NAME = "lora"
@@ -150,16 +151,8 @@ def check_lora(ch: Checker) -> None:
     for name in c:
         if name not in KEYS:
             ch.fail(NAME, f"unknown key {name}{did_you_mean(str(name), KEYS)}", path=str(name))
+    _read_numbers(ch, c)
     c = DEFAULTS | c
-    rank = c["rank"]
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        ch.fail(NAME, f"rank must be an integer >= 1, got {rank!r}", path="rank")
-    alpha = c["alpha"]
-    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not alpha > 0:
-        ch.fail(NAME, f"alpha must be a number > 0, got {alpha!r}", path="alpha")
-    p = c["dropout"]
-    if isinstance(p, bool) or not isinstance(p, int | float) or not 0 <= p < 1:
-        ch.fail(NAME, f"dropout must be a number in [0, 1), got {p!r}", path="dropout")
     _check_targets(ch, c["target_modules"])
     base = c.get("base_dtype", "fp32")
     if str(base) not in BASE_DTYPES:
@@ -171,9 +164,31 @@ def check_lora(ch: Checker) -> None:
     _check_use(ch)
 
 
+def _read_numbers(ch: Checker, given: dict) -> None:
+    """rank, alpha and dropout checked, each written back as the number it is (text such as
+    1e3, which YAML reads as a string, counts as that number, as it does for a flat key)."""
+    rules = {
+        "rank": (whole, lambda v: v >= 1, "an integer >= 1"),
+        "alpha": (number, lambda v: v > 0, "a number > 0"),
+        "dropout": (number, lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    }
+    for name, (read, holds, what) in rules.items():
+        if name not in given:
+            continue
+        value = read(given[name])
+        if value is None or not holds(value):
+            ch.fail(NAME, f"{name} must be {what}, got {given[name]!r}", path=name)
+        given[name] = value
+
+
 def _check_targets(ch: Checker, targets: Any) -> None:
-    if isinstance(targets, str):
-        targets = [targets]
+    if isinstance(targets, str):  # PEFT reads a string as a regular expression
+        ch.fail(
+            NAME,
+            f"target_modules must be a list of layer names, got the text {targets!r}: write "
+            f"[{targets}] (a string is a regular expression to PEFT, not built here)",
+            path="target_modules",
+        )
     if not isinstance(targets, list) or not targets:
         ch.fail(NAME, f"target_modules must be a list of layer names, got {targets!r}")
     known = (*OURS, *HF_NAMES)

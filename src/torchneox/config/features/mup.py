@@ -118,11 +118,22 @@ def read_base_shapes(path: str) -> dict[str, list[int | None]]:
             "save_base_shapes: true",
             source=path,
         ) from None
-    good = isinstance(shapes, dict) and all(
-        isinstance(v, list) and all(d is None or isinstance(d, int) for d in v)
-        for v in shapes.values()
-    )
-    if not good or EMBED not in shapes or len(shapes[EMBED]) != 2 or shapes[EMBED][1] is None:
+    for name, v in shapes.items() if isinstance(shapes, dict) else ():
+        sizes = isinstance(v, list) and all(
+            d is None or (isinstance(d, int) and not isinstance(d, bool) and d > 0) for d in v
+        )
+        if not sizes:
+            raise ConfigError(
+                f"{name}: {v!r} is not a base shape (a list of sizes, null where a dimension "
+                "is not a width): write it again with save_base_shapes: true",
+                source=path,
+            )
+    if (
+        not isinstance(shapes, dict)
+        or EMBED not in shapes
+        or len(shapes[EMBED]) != 2
+        or shapes[EMBED][1] is None
+    ):
         raise ConfigError(
             f"is not a torchneox base shapes file (no width for {EMBED}): write it with "
             "save_base_shapes: true",

@@ -15,6 +15,7 @@ from typing import Any
 
 from torchneox.base.errors import did_you_mean
 from torchneox.config.checker import Checker
+from torchneox.config.numbers import number, whole
 
 NAME = "soft_prompt_tuning"
 KEYS = ("enabled", "n_tokens", "init_string", "init_range")
@@ -62,14 +63,18 @@ def check_soft_prompt(ch: Checker) -> None:
             ch.fail(NAME, f"unknown key {name}{hint}", path=str(name))
     if not isinstance(s.get("enabled", False), bool):
         ch.fail(NAME, f"enabled must be true or false, got {s['enabled']!r}", path="enabled")
-    n = s.get("n_tokens", 10)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        ch.fail(NAME, f"n_tokens must be an integer >= 1, got {n!r}", path="n_tokens")
+    # text such as 1e-2 (YAML reads it as a string) counts as the number, as for a flat key
+    n = whole(s.get("n_tokens", 10))
+    if n is None or n < 1:
+        ch.fail(NAME, f"n_tokens must be an integer >= 1, got {s['n_tokens']!r}", path="n_tokens")
     if not isinstance(s.get("init_string", ""), str):
         ch.fail(NAME, "init_string must be a string", path="init_string")
-    r = s.get("init_range", 0.5)
-    if isinstance(r, bool) or not isinstance(r, int | float) or not r > 0:
-        ch.fail(NAME, f"init_range must be a number > 0, got {r!r}", path="init_range")
+    r = number(s.get("init_range", 0.5))
+    if r is None or not r > 0:
+        ch.fail(
+            NAME, f"init_range must be a number > 0, got {s['init_range']!r}", path="init_range"
+        )
+    s.update({k: v for k, v in (("n_tokens", n), ("init_range", r)) if k in s})
     if not s.get("enabled", False):
         return
     seq = c.model.seq_length
