@@ -96,15 +96,7 @@ def launch_local(args: argparse.Namespace) -> int:
         return latest.read_text().strip() if latest and latest.is_file() else None
 
     before = newest()
-    argv = ["train", *args.files]
-    for override in args.overrides:
-        argv += ["--set", override]
-    if args.device:
-        argv += ["--device", args.device]
-    if args.load_step is not None:
-        argv += ["--load-step", str(args.load_step)]
-    if args.force:
-        argv.append("--force")
+    argv = _rank_argv(args)
     said = tempfile.mkdtemp(prefix="torchneox-said-")  # each distinct error line said once
     os.environ[SAID_ENV] = said
     try:
@@ -134,6 +126,20 @@ def launch_local(args: argparse.Namespace) -> int:
         print(f"torchneox: error: rank {rank} {how}; its output is above", file=sys.stderr)
         return 1
     return 0
+
+
+def _rank_argv(args: argparse.Namespace) -> list[str]:
+    """The train command each rank runs: the launcher's, without --nproc."""
+    argv = ["train", *args.files]
+    for override in args.overrides:
+        argv += ["--set", override]
+    if args.device:
+        argv += ["--device", args.device]
+    if args.load_step is not None:
+        argv += ["--load-step", str(args.load_step)]
+    if args.force:
+        argv.append("--force")
+    return argv
 
 
 class _Ranks:

@@ -145,9 +145,9 @@ TEXT_NUMBERS = [  # YAML reads 1e3 (no dot, or no sign after e) as text: numbers
         "curriculum",
         {
             "curriculum_learning": {
-                "enabled": True, "curriculum_type": "seqlen", "min_difficulty": "8",
+                "enabled": True, "curriculum_type": "seqlen", "min_difficulty": "8e0",
                 "max_difficulty": "6.4e1", "schedule_type": "fixed_linear",
-                "schedule_config": {"total_curriculum_step": "1e3", "difficulty_step": "8"},
+                "schedule_config": {"total_curriculum_step": "1e3", "difficulty_step": "8e0"},
             }
         },
         "8 + (step/1000) x (64 - 8), down to a multiple of 8",
