@@ -281,3 +281,56 @@ def test_generate_without_the_model_s_tokenizer_says_what_is_missing(tmp_path, c
     make_chat_tokenizer(tmp_path / "tok")
     vocab = f"vocab_file={tmp_path / 'tok' / 'tokenizer.json'}"
     assert main([*generate, "--checkpoint", str(tmp_path / "named"), "--set", vocab]) == 0
+
+
+def test_a_config_with_model_type_but_no_architectures_converts(tmp_path):
+    """transformers' AutoModelForCausalLM builds a model from model_type alone; so does
+    convert from-hf, to the same logits."""
+    hf_model, folder = _hf_model(tmp_path, "llama-gqa")
+    config = json.loads((folder / "config.json").read_text())
+    del config["architectures"]
+    (folder / "config.json").write_text(json.dumps(config))
+    assert main(["convert", "from-hf", str(folder), str(tmp_path / "ckpt")]) == 0
+    _, ours = load_model(tmp_path / "ckpt")
+    tokens = torch.arange(12).view(1, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(tokens), hf_model(tokens).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "generation_config.json"])
+def test_a_companion_that_is_not_json_is_named_at_conversion(tmp_path, capsys, name):
+    """It was copied along silently (and ignored by generate later)."""
+    _, folder = _hf_model(tmp_path, "llama-gqa")
+    (folder / name).write_text('{"eos_token": "<|endoftext|>",')
+    capsys.readouterr()
+    assert main(["convert", "from-hf", str(folder), str(tmp_path / "ckpt")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{folder / name}: is not valid JSON" in err, err
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_folder_with_both_weight_layouts_says_which_it_reads(tmp_path, capsys):
+    """model.safetensors beside a sharded index: the single file is read, as transformers
+    reads it, and the conversion says so."""
+    _, folder = _hf_model(tmp_path, "llama-gqa")
+    index = {"metadata": {}, "weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    capsys.readouterr()
+    assert main(["convert", "from-hf", str(folder), str(tmp_path / "ckpt")]) == 0
+    assert "reading model.safetensors, as transformers does" in capsys.readouterr().err
+
+
+def test_chat_preprocessing_reads_a_chat_template_jinja_without_tokenizer_config(tmp_path):
+    """A tokenizer folder holding tokenizer.json and chat_template.jinja only (transformers
+    reads the template from it): preprocess --chat renders with it."""
+    tok = make_chat_tokenizer(tmp_path / "tok")
+    config = json.loads((tok / "tokenizer_config.json").read_text())
+    (tok / "chat_template.jinja").write_text(config["chat_template"])
+    (tok / "tokenizer_config.json").unlink()
+    data = tmp_path / "chat.jsonl"
+    chat = [{"role": "user", "content": "a b"}, {"role": "assistant", "content": "c d"}]
+    data.write_text(json.dumps({"messages": chat}) + "\n")
+    args = ["preprocess", "--input", str(data), "--output-prefix", str(tmp_path / "d")]
+    args += ["--tokenizer-path", str(tok), "--jsonl-keys", "messages"]
+    assert main(args) == 0
+    assert (tmp_path / "d_messages_document.bin").stat().st_size > 0

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from torchneox.base.errors import ConfigError
+from torchneox.base.errors import ConfigError, first_line
 from torchneox.config.load import LoadedConfig
 from torchneox.models.hf import architectures as hf
 
@@ -28,6 +28,24 @@ TOKENIZER_COMPANIONS = (
     "generation_config.json",  # eos ids, sampling defaults
 )
 """What travels beside the tokenizer files, both ways, when the source has it."""
+
+
+def check_companions(folder: Path) -> None:
+    """The JSON files among TOKENIZER_COMPANIONS in ``folder`` read as JSON objects: a
+    damaged one is named now, not carried along to be ignored later (generate reads the
+    generation config, preprocessing the tokenizer config)."""
+    for name in TOKENIZER_COMPANIONS:
+        path = folder / name
+        if name.endswith(".json") and path.is_file():
+            try:
+                value = json.loads(path.read_text(encoding="utf-8"))
+            except (ValueError, RecursionError) as e:
+                raise ConfigError(
+                    f"is not valid JSON ({first_line(e)}); download it again or remove it",
+                    source=str(path),
+                ) from None
+            if not isinstance(value, dict):
+                raise ConfigError("is not a JSON object; download it again", source=str(path))
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -167,6 +185,7 @@ def copy_tokenizer(loaded: LoadedConfig, out: Path) -> tuple[int | None, int | N
 
     built = build_tokenizer(loaded.config.tokenizer)
     folder = Path(tok.vocab_file).parent
+    check_companions(folder)
     for name in TOKENIZER_COMPANIONS:
         if (folder / name).is_file():
             shutil.copyfile(folder / name, out / name)

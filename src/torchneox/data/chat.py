@@ -53,18 +53,25 @@ class ChatTokenizer:
         if not path.is_file():
             raise DataError(f"{path}: no such file (a chat template needs the tokenizer.json)")
         config_path = path.with_name("tokenizer_config.json")
-        if not config_path.is_file():
+        beside = path.with_name("chat_template.jinja")  # where transformers >= 4.52 saves it
+        if not config_path.is_file() and not beside.is_file():
             raise DataError(
                 f"{config_path}: no such file; chat preprocessing renders messages with the "
-                "chat_template of the Hugging Face tokenizer_config.json beside tokenizer.json"
+                "chat_template of the Hugging Face tokenizer_config.json beside tokenizer.json "
+                "(or the chat_template.jinja newer transformers save)"
             )
         try:
-            config = json.loads(config_path.read_text(encoding="utf-8"))
+            config = (
+                json.loads(config_path.read_text(encoding="utf-8"))
+                if config_path.is_file()
+                else {}  # the template from chat_template.jinja, as transformers reads it
+            )
             backend = Tokenizer.from_file(str(path))
         except (ValueError, OSError) as e:
             raise DataError(f"{config_path.parent}: cannot read the tokenizer ({e})") from None
+        if not isinstance(config, dict):
+            raise DataError(f"{config_path}: not a JSON object; download it again")
         template = config.get("chat_template")
-        beside = path.with_name("chat_template.jinja")  # where transformers >= 4.52 saves it
         if template is None and beside.is_file():
             template = beside.read_text(encoding="utf-8")
         if isinstance(template, list):  # several named templates: the default one

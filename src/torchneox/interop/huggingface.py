@@ -16,6 +16,7 @@ from torchneox.checkpoint.hf_files import (
     DTYPES,
     TOKENIZER_COMPANIONS,
     Progress,
+    check_companions,
     write_companions,
     write_shards,
 )
@@ -142,6 +143,7 @@ def from_hf(
     tokenizer, its config and chat template, and the generation config beside it."""
     src, out = Path(hf_dir), Path(out_dir)
     hf.read_config(src)  # not a model folder: say so before anything is written
+    check_companions(src)  # nor carry a damaged tokenizer or generation config along
     with new_output_dir(out, force, "convert from-hf", inputs=[hf_dir]) as tmp:
         loaded, sd = _read_hf(src, _tokenizer_keys(src, tmp, out), progress)
         yaml_text = render_yaml(loaded, derive(loaded))

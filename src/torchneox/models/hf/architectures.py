@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -57,14 +58,37 @@ TO_HF_ACTIVATIONS = {
 # ---------------------------------------------------------------------------- reading
 
 
+ARCHITECTURE_OF_TYPE = {
+    "gpt_neox": "GPTNeoXForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "mamba": hf_mamba.MAMBA,
+}
+"""config.json's model_type -> the causal LM transformers' AutoModelForCausalLM builds of it."""
+_SAID_BOTH: set[Path] = set()
+
+
 def read_config(folder: Path) -> dict[str, Any]:
+    """A folder's config.json; one without ``architectures`` names its architecture by
+    ``model_type``, as transformers' AutoModelForCausalLM reads it."""
     path = folder / "config.json"
     if not path.is_file():
         raise HFError("no config.json: not a Hugging Face model folder", source=str(folder))
     try:
-        return json.loads(path.read_text())
-    except ValueError as e:
-        raise HFError(f"config.json is not valid JSON ({e})", source=str(folder)) from None
+        config = json.loads(path.read_text())
+    except (ValueError, RecursionError) as e:
+        raise HFError(
+            f"config.json is not valid JSON ({first_line(e)})", source=str(folder)
+        ) from None
+    if not isinstance(config, dict):
+        raise HFError("config.json is not a JSON object", source=str(folder))
+    if not config.get("architectures") and config.get("model_type") in ARCHITECTURE_OF_TYPE:
+        config["architectures"] = [ARCHITECTURE_OF_TYPE[config["model_type"]]]
+    return config
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -73,6 +97,13 @@ def weight_files(folder: Path) -> list[Path]:
     single = folder / "model.safetensors"
     index = folder / "model.safetensors.index.json"
     if single.is_file():
+        if index.is_file() and folder.resolve() not in _SAID_BOTH:
+            _SAID_BOTH.add(folder.resolve())
+            print(
+                f"{folder}: holds model.safetensors and a sharded model.safetensors.index.json: "
+                "reading model.safetensors, as transformers does (remove the other to be sure)",
+                file=sys.stderr,
+            )
         return [single]
     if index.is_file():
         try:
