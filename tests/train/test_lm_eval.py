@@ -260,3 +260,12 @@ def test_eval_tasks_run_during_training(tmp_path, tiny_data, capsys, monkeypatch
     assert tasks[20]["local_ppl"]["word_perplexity"] == pytest.approx(
         after["local_ppl"]["word_perplexity"], rel=1e-5
     )
+
+
+def test_an_include_path_that_is_not_there_is_named(trained, tmp_path, capsys):
+    run, _, _ = trained
+    missing = tmp_path / "no_tasks"
+    args = ["eval", "--checkpoint", str(run), "--tasks", "x", "--include-path", str(missing)]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{missing}: no such folder of task YAML files" in err, err

@@ -175,6 +175,11 @@ def run_tasks(
     from lm_eval import simple_evaluate
 
     logging.getLogger("lm-eval").setLevel(logging.ERROR)
+    if include_path and not Path(include_path).is_dir():
+        raise ConfigError(
+            "no such folder of task YAML files (--include-path, or eval_tasks_include_path)",
+            source=str(include_path),
+        )
     manager = task_manager(str(include_path) if include_path else None)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
