@@ -128,3 +128,21 @@ def test_explain_shows_the_schedule(tmp_path, capsys):
     assert main(["config", "explain", str(path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["curriculum"].startswith("16 + (step/10) x (64 - 16), down to a multiple of 8")
+
+
+def test_unpacked_data_without_labels_says_the_padding_counts(tmp_path, capsys):
+    """GPT-NeoX's loss over an unpacked sample without a label dataset includes the padding:
+    kept, and said by explain (and the run's start-up lines, which print explain's notes)."""
+    from torchneox.cli import main
+
+    config = tmp_path / "a.yml"
+    keys = {"train_data_paths": ["d"], "valid_data_paths": ["d"], "test_data_paths": ["d"]}
+    config.write_text(json.dumps(keys | {"pack_impl": "unpacked"}))
+    assert main(["config", "explain", str(config)]) == 0
+    assert "and the padding counts in the loss as in GPT-NeoX" in capsys.readouterr().out
+    labels = {"train_label_data_paths": ["l"], "valid_label_data_paths": ["l"]}
+    config.write_text(
+        json.dumps(keys | labels | {"pack_impl": "unpacked", "test_label_data_paths": ["l"]})
+    )
+    assert main(["config", "explain", str(config)]) == 0
+    assert "the padding counts" not in capsys.readouterr().out

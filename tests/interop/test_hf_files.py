@@ -294,7 +294,9 @@ def test_a_config_with_model_type_but_no_architectures_converts(tmp_path):
     _, ours = load_model(tmp_path / "ckpt")
     tokens = torch.arange(12).view(1, 12)
     with torch.no_grad():
-        torch.testing.assert_close(ours.eval()(tokens), hf_model(tokens).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            ours.eval()(tokens), hf_model(tokens).logits, atol=1e-5, rtol=1e-5
+        )
 
 
 @pytest.mark.parametrize("name", ["tokenizer_config.json", "generation_config.json"])

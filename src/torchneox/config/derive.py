@@ -486,6 +486,17 @@ def _data(cfg: NeoXConfig, out: Derived) -> None:
         out.put("data", d.train_data_paths, f"{n} training dataset(s), blended {how}")
     else:
         out.put("data", None, "no data_path or train_data_paths given")
+    if (
+        d.pack_impl == "unpacked"
+        and d.train_data_paths
+        and not d.train_label_data_paths
+        and cfg.training.train_impl in ("normal", "kto")
+    ):
+        out.notes.append(
+            "pack_impl unpacked without label datasets: each sample is padded with token 0, "
+            "and the padding counts in the loss as in GPT-NeoX (its labels are the shifted "
+            "tokens); give train_label_data_paths (preprocess --chat writes them) to leave it out"
+        )
 
 
 # ---------------------------------------------------------------------------- notes
