@@ -91,9 +91,10 @@ def test_a_bf16_base_on_two_processes_trains_as_the_fp32_base(runs, tmp_path, la
 
 def test_a_bf16_base_holds_half_the_bytes_of_its_linear_weights(tmp_path):
     """Measured from outside the process as its first step begins: about 50 M parameters,
-    nearly all of them the blocks' linear weights. glibc's malloc is told to map every
-    allocation over 128 KiB on its own, so a freed temporary (a weight drawn in fp32 before
-    its bf16 copy is kept) goes back to the system instead of staying in the heap."""
+    nearly all of them the blocks' linear weights. Measured with the system's malloc settings:
+    the run fixes glibc's mmap threshold itself (train/processes.fix_malloc_threshold), so a
+    freed temporary (a weight drawn in fp32 before its bf16 copy is kept) goes back to the
+    system instead of staying in the heap."""
     data = post_training_data(tmp_path)
     held = {}
     for name in ("bf16", "fp32"):  # (the first run also writes the data's index caches)
@@ -101,7 +102,7 @@ def test_a_bf16_base_holds_half_the_bytes_of_its_linear_weights(tmp_path):
         keys["lora"] = LORA | {"base_dtype": name}
         path = tmp_path / f"{name}.yml"
         path.write_text(json.dumps(keys))
-        held[name] = status_at_first_step(str(path), MALLOC_MMAP_THRESHOLD_="131072")
+        held[name] = status_at_first_step(str(path))
     args = model_args(load_config([str(tmp_path / "bf16.yml")]))
     with torch.device("meta"):
         model = Transformer(args)

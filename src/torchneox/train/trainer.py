@@ -58,7 +58,13 @@ from torchneox.reporting.profiling import Profiler
 from torchneox.train.assembly import add_step, build_run
 from torchneox.train.evaluation import Evaluator
 from torchneox.train.fits import allocation_failure, refuse_what_cannot_fit
-from torchneox.train.processes import context_changes, is_lost_rank, join_processes, pick_device
+from torchneox.train.processes import (
+    context_changes,
+    fix_malloc_threshold,
+    is_lost_rank,
+    join_processes,
+    pick_device,
+)
 from torchneox.train.soft_prompt import start_soft_prompt
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGHUP: the terminal went away
@@ -80,6 +86,7 @@ class Trainer:
             refuse_fine_tuning_nothing(loaded)  # before any process group, file or model
         refuse_saving_over_inputs(loaded)
         self.device = pick_device(device)
+        fix_malloc_threshold(self.device)  # freed temporaries go back to the system
         world = join_processes(cfg, self.device)
         self.loaded = loaded = apply_train_epochs(loaded, world)  # train_epochs -> train_iters
         self.cfg = cfg = loaded.config
