@@ -57,9 +57,12 @@ def test_text_and_chat_prompts_with_their_records(tmp_path):
         ('{"messages": [{"role": "king", "content": "hi"}]}', "unknown role 'king'"),
         # nested too deep for json (a RecursionError), or for a message's repr of it
         ("[" * 100_000 + "]" * 100_000, "prompts.jsonl:2: the record is nested too deeply"),
-        (
+        (  # (as deep as json still reads where the stack is shallow; deeper under xdist)
             '{"messages": [{"role": ' + "[" * 950 + "]" * 950 + ', "content": "hi"}]}',
-            "prompts.jsonl:2: 'messages' message 0 has the unknown role [[[[...]]]]; roles are",
+            (
+                "prompts.jsonl:2: 'messages' message 0 has the unknown role [[[[...]]]]; roles are",
+                "prompts.jsonl:2: the record is nested too deeply",
+            ),
         ),
     ],
     ids=lambda v: v[:40] if isinstance(v, str) else None,
@@ -69,7 +72,8 @@ def test_a_bad_record_is_one_line_naming_its_line(tmp_path, line, says):
     chat = str(make_chat_tokenizer(tmp_path / "tok") / "tokenizer.json")
     with pytest.raises(DataError) as e:
         read_prompts(path, CharLevelTokenizer(), None if 'role": "user' in line else chat)
-    assert says in str(e.value) and "\n" not in str(e.value)
+    either = says if isinstance(says, tuple) else (says,)
+    assert any(s in str(e.value) for s in either) and "\n" not in str(e.value), str(e.value)
 
 
 def test_an_empty_or_missing_file_is_one_line(tmp_path):

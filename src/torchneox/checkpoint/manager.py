@@ -236,7 +236,16 @@ class CheckpointManager:
         otherwise."""
         ck = self.ck
         meta = read_meta(step_dir)
-        fresh = load_model_weights(step_dir, state.model, line=self.line)
+        try:
+            fresh = load_model_weights(step_dir, state.model, line=self.line)
+        except ConfigError as e:
+            if not self.resuming_own or "in the model the config describes" not in e.message:
+                raise
+            raise ConfigError(
+                f"{e.message}: save holds the checkpoint of another model; name another save "
+                "folder (or move that one away)",
+                source=e.source,
+            ) from None
         if any(is_adapter(n) for n, _ in state.model.named_parameters()):
             self.adapt(step_dir)
         for key in [k for k in fresh if not is_adapter(k)]:
