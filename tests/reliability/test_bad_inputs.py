@@ -600,3 +600,13 @@ def test_the_readme_s_example_mistake_reads_as_shown(tmp_path, monkeypatch, caps
     (tmp_path / name).write_text(f"{{{shown.split(': ')[3]}: 64}}\n")
     assert main(command.split()) == 2
     assert capsys.readouterr().err == shown + "\n"
+
+
+def test_a_run_refused_as_it_starts_leaves_no_save_folder(make_config, tmp_path, capsys):
+    """Data that is not there is found after the save folder was checked: the refused run
+    leaves neither that folder nor an empty metrics.jsonl behind."""
+    save = tmp_path / "fresh_run"
+    cfg = make_config(data_path=str(tmp_path / "nothing"), save=str(save), load=None)
+    assert main(["train", cfg]) == 2
+    assert "nothing.idx: no such file" in capsys.readouterr().err
+    assert not save.exists()

@@ -208,3 +208,15 @@ def dataset_files(data: Any) -> list[str]:
         elif field.name.endswith("data_paths") and value:
             prefixes += list(value)
     return [f"{p}{ext}" for p in prefixes for ext in (".bin", ".idx")]
+
+
+def remove_if_empty(folder: Path) -> bool:
+    """``folder`` removed when nothing in it holds a byte (a folder a refused command made
+    for its outputs); whether it was."""
+    if not folder.is_dir():
+        return False
+    for path in folder.rglob("*"):
+        if path.is_symlink() or (path.is_file() and path.stat().st_size > 0):
+            return False
+    shutil.rmtree(folder, ignore_errors=True)
+    return True

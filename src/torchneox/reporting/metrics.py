@@ -105,16 +105,14 @@ class MetricsLogger:
         self.rank0 = rank0
         self.tty = sys.stdout.isatty()
         self.file = None
+        self.path: Path | None = None
         self.tb = None
         self.wandb = None
         self.comet = None
         if not rank0:
             return
-        if log_dir is not None:
-            log_dir.mkdir(parents=True, exist_ok=True)
-            path = log_dir / "metrics.jsonl"
-            _drop_cut_line(path)
-            self.file = open(path, "a")  # noqa: SIM115 - closed in close()
+        # opened at the first row: a run refused while it starts writes nothing there
+        self.path = log_dir / "metrics.jsonl" if log_dir is not None else None
         if lg.tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -151,6 +149,10 @@ class MetricsLogger:
             k: (None if isinstance(v, float) and not math.isfinite(v) else v)
             for k, v in row.items()
         }
+        if self.file is None and self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            _drop_cut_line(self.path)
+            self.file = open(self.path, "a")  # noqa: SIM115 - closed in close()
         if self.file:
             self.file.write(json.dumps(clean) + "\n")
             self.file.flush()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchneox.base.errors import TrainingStopped
+from torchneox.base.errors import ConfigError, DataError, TrainingStopped
 from torchneox.base.faults import fault_point
 from torchneox.checkpoint.fine_tuning import (
     Resumed,
@@ -37,6 +36,7 @@ from torchneox.config.derive import derive
 from torchneox.config.features.fp8_plan import FP8Plan, fp8_plan
 from torchneox.config.layout import require
 from torchneox.config.load import LoadedConfig, with_absolute_paths
+from torchneox.config.paths import remove_if_empty
 from torchneox.config.report import render_yaml
 from torchneox.data.datasets import build_splits
 from torchneox.data.epochs import apply_train_epochs, cycle_epochs
@@ -53,8 +53,9 @@ from torchneox.parallel.dims import ParallelDims
 from torchneox.parallel.fp8 import check_fp8_hardware
 from torchneox.parallel.parallelize import EVERY_PARAMETER
 from torchneox.reporting import hardware
-from torchneox.reporting.metrics import MetricsLogger, Throughput, Timers, duration
+from torchneox.reporting.metrics import MetricsLogger, Throughput, Timers
 from torchneox.reporting.profiling import Profiler
+from torchneox.reporting.progress import StepProgress
 from torchneox.train.assembly import add_step, build_run
 from torchneox.train.evaluation import Evaluator
 from torchneox.train.fits import allocation_failure, refuse_what_cannot_fit
@@ -79,6 +80,18 @@ class Trainer:
         load_step: int | None = None,
         force: bool = False,
     ):
+        save = loaded.config.checkpoint.save
+        made = save is not None and not Path(save).exists()
+        try:
+            self._start(loaded, device, load_step, force)
+        except (ConfigError, DataError):
+            if made:  # a run refused as it starts leaves no save folder of its own behind
+                remove_if_empty(Path(save))
+            raise
+
+    def _start(
+        self, loaded: LoadedConfig, device: str | None, load_step: int | None, force: bool
+    ) -> None:
         self.loaded = loaded = with_hf_folder(loaded)  # load: a Hugging Face folder's keys
         self.force = force  # save_hf may replace a folder that holds something
         self.cfg = cfg = loaded.config
@@ -459,7 +472,7 @@ class Trainer:
         self._announce()
         if self.iteration == 0 and 0 in self.checkpoints.save_at:
             self.save()
-        progress = _Progress(self, self.derived["train_batch_size"] * self.cfg.model.seq_length)
+        progress = StepProgress(self, self.derived["train_batch_size"] * self.cfg.model.seq_length)
         profiler = Profiler(
             self.cfg.logging,
             self.cfg.checkpoint.save,
@@ -562,42 +575,3 @@ class Trainer:
     def objective_metrics(out: Mapping[str, float]) -> tuple[str, ...]:
         """The names of the objective's own metrics in a step's values."""
         return tuple(k for k in out if k not in STEP_KEYS)
-
-
-class _Progress:
-    """The console and metrics rows of the steps: every log_interval a full row (tokens/s,
-    MFU, ETA), between them one live line."""
-
-    def __init__(self, trainer: Trainer, tokens_per_step: int):
-        self.trainer, self.tokens_per_step = trainer, tokens_per_step
-        self.start_iteration, self.last_row = trainer.iteration, None
-        self.window_start, self.window_steps = time.perf_counter(), 0
-        self.window_tokens = 0
-        self.run_start = time.perf_counter()
-        self.curriculum = getattr(getattr(trainer.step, "gradients", None), "curriculum", None)
-
-    def step_tokens(self, iteration: int) -> int:
-        """The tokens a step trained: a curriculum's steps train on fewer."""
-        if self.curriculum is None:
-            return self.tokens_per_step
-        seq = self.trainer.cfg.model.seq_length
-        return self.tokens_per_step * min(self.curriculum.length(iteration), seq) // seq
-
-    def report(self, out: Mapping[str, float]) -> None:
-        tr, lg = self.trainer, self.trainer.cfg.logging
-        self.window_steps += 1
-        self.window_tokens += self.step_tokens(tr.iteration)
-        done = tr.iteration - self.start_iteration
-        eta = (time.perf_counter() - self.run_start) / done * (tr.train_iters - tr.iteration)
-        if tr.iteration % lg.log_interval and tr.iteration != tr.train_iters:
-            # between log rows the step's loss stays on the device (reading it would wait)
-            tr.logger.live(f"step {tr.iteration}/{tr.train_iters} | ETA {duration(eta)}")
-            return
-        seconds = (time.perf_counter() - self.window_start) / self.window_steps
-        self.last_row = tr.step_row(out, seconds, self.window_tokens // self.window_steps)
-        tr.logger.record(self.last_row)
-        shown = tr.console_metrics(out)
-        tr.logger.line(tr.logger.step_text(self.last_row, tr.train_iters, eta, shown))
-        if lg.wall_clock_breakdown:
-            tr.logger.line("  " + tr.timers.report(self.window_steps))
-        self.window_start, self.window_steps, self.window_tokens = time.perf_counter(), 0, 0
