@@ -394,3 +394,18 @@ def test_a_damaged_checkpoint_offers_what_generate_takes(make_config, tmp_path, 
     err = capsys.readouterr().err
     assert f"the newest complete checkpoint before it is {folder / 'global_step2'}: give " in err
     assert "train resumes from it with --load-step 2" in err
+
+
+@pytest.mark.parametrize("pointer", [b"\xff\xfe\x00junk", b""])
+def test_latest_holding_bytes_or_nothing_is_one_line(make_config, tmp_path, capsys, pointer):
+    """A damaged `latest` (not text, or empty) is named, and the complete checkpoint offered:
+    it was an internal error decoding it."""
+    cfg, folder = two_checkpoints(make_config, tmp_path)
+    (folder / "latest").write_bytes(pointer)
+    capsys.readouterr()
+    assert main(["train", cfg, "--set", "train_iters=6"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "internal error" not in err, err
+    assert str(folder / "latest") in err and "--load-step 4" in err
+    assert main(["checkpoint", "verify", str(folder)]) == 1
+    assert "(missing or damaged)" in capsys.readouterr().out

@@ -225,7 +225,7 @@ def write_failure(root: Path, final: Path, error: BaseException) -> str:
     else:
         what = os_reason(error)
     free = free_space(root)
-    kept = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
+    kept = read_latest(root)
     last = (
         f"{root / kept} is still the latest checkpoint" if kept else "no earlier checkpoint exists"
     )
@@ -280,6 +280,16 @@ def prepare_partial(root: Path, tmp: Path) -> None:
     _barrier()
 
 
+def read_latest(root: Path) -> str | None:
+    """The step directory ``root/latest`` names (None: there is no such file); bytes that are
+    not text read as replacement characters, so a damaged pointer names no directory (and is
+    said to) instead of failing to decode."""
+    latest = Path(root) / "latest"
+    if not latest.is_file():
+        return None
+    return latest.read_bytes().decode("utf-8", errors="replace").strip()
+
+
 def ensure_writable(root: Path) -> None:
     """Fail at start-up, not at the first save, when checkpoints cannot be written to ``root``."""
     try:
@@ -314,7 +324,9 @@ def resolve(path: str | Path, step: int | None = None) -> Path:
     elif (p / META_FILE).is_file() or p.name.startswith("global_step"):
         target, root = p, p.parent
     elif (p / "latest").is_file():
-        name = (p / "latest").read_text().strip()
+        name = read_latest(p) or ""
+        if not name:
+            raise ConfigError(f"{p / 'latest'} is empty{_older_offer(p, None)}", source=str(p))
         target = p / name
         if not target.is_dir():
             raise ConfigError(

@@ -19,6 +19,7 @@ from torchneox.checkpoint.files import (
     ensure_writable,
     load_state,
     newest_complete,
+    read_latest,
     read_meta,
     resolve,
     save_checkpoint,
@@ -103,7 +104,9 @@ class CheckpointManager:
     def last_good(self) -> str:
         latest = self.save_dir / "latest" if self.save_dir is not None else None
         if latest is not None and latest.is_file():
-            return f"the last good checkpoint is {self.save_dir / latest.read_text().strip()}"
+            return (
+                f"the last good checkpoint is {self.save_dir / (read_latest(self.save_dir) or '')}"
+            )
         return "no checkpoint was saved yet"
 
     def save(self, iteration: int, state: TrainingState) -> Path | None:

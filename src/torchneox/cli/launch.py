@@ -93,7 +93,9 @@ def launch_local(args: argparse.Namespace) -> int:
     latest = Path(save) / "latest" if save else None
 
     def newest() -> str | None:
-        return latest.read_text().strip() if latest and latest.is_file() else None
+        if latest is None or not latest.is_file():
+            return None
+        return latest.read_bytes().decode("utf-8", errors="replace").strip()
 
     before = newest()
     argv = _rank_argv(args)

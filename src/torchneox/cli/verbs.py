@@ -492,8 +492,8 @@ def cmd_checkpoint_verify(args: argparse.Namespace) -> int:
         print(f"{step}: " + ("complete" if not problems else "; ".join(problems)))
     latest = root / "latest"
     if latest.is_file():
-        name = latest.read_text().strip()
-        ok = (root / name).is_dir() and not checkpoint_format.verify(root / name)
+        name = checkpoint_format.read_latest(root) or ""
+        ok = bool(name) and (root / name).is_dir() and not checkpoint_format.verify(root / name)
         bad += not ok
         print(f"{latest}: {name}" + ("" if ok else " (missing or damaged)"))
     return 1 if bad else 0
