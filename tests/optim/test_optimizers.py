@@ -261,3 +261,19 @@ def test_explain_names_the_optimizer_and_its_settings(tmp_path, capsys, optimize
     out = " ".join(capsys.readouterr().out.split())
     for text in shown:
         assert " ".join(text.split()) in out, text
+
+
+def test_a_run_resumed_with_another_optimizer_is_one_line(make_config, tmp_path, capsys):
+    """Adam's checkpoint, rerun with muon: its state cannot be muon's (a traceback before)."""
+    from torchneox.cli import main
+
+    cfg = make_config(train_iters=1)
+    assert main(["train", cfg]) == 0
+    muon = '{"type": "muon", "params": {"lr": 0.003}}'
+    capsys.readouterr()
+    assert main(["train", cfg, "--set", "train_iters=2", "--set", f"optimizer={muon}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "its optimizer state does not fit this run's optimizer" in err
+    assert "no_load_optim: true" in err
+    assert main(["train", cfg, "--set", "train_iters=2", "--set", f"optimizer={muon}",
+                 "--set", "no_load_optim=true"]) == 0  # fmt: skip

@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-from torchneox.base.errors import CheckpointWriteError, ConfigError, TrainingStopped
+from torchneox.base.errors import CheckpointWriteError, ConfigError, TrainingStopped, first_line
 from torchneox.checkpoint.background import BackgroundSaves
 from torchneox.checkpoint.files import (
     META_FILE,
@@ -316,10 +317,21 @@ class CheckpointManager:
             tensors["optimizer"] = get_optimizer_state_dict(state.model, state.optimizer)
         if not ck.no_load_rng and meta.get("has_rng", False):
             tensors["rng"] = {"torch": torch.get_rng_state()}
-        if tensors:
-            load_state(step_dir, tensors)
-        if "optimizer" in tensors:
-            load_optimizer_state(state.model, state.optimizer, tensors["optimizer"])
+        try:
+            if tensors:
+                load_state(step_dir, tensors)
+            if "optimizer" in tensors:
+                load_optimizer_state(state.model, state.optimizer, tensors["optimizer"])
+        except (RuntimeError, ValueError, KeyError, CheckpointException) as e:
+            if "optimizer" not in tensors:
+                raise
+            raise ConfigError(
+                f"its optimizer state does not fit this run's optimizer ({first_line(e)[:160]}): "
+                "the optimizer (or use_bnb_optimizer) changed since it was saved; resume with the "
+                "settings it was saved with, set no_load_optim: true to keep its weights with a "
+                "fresh optimizer, or name another save folder",
+                source=str(step_dir),
+            ) from None
         if "rng" in tensors:
             torch.set_rng_state(tensors["rng"]["torch"])
         if state.reference is not None and meta.get("has_reference", False):
