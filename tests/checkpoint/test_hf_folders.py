@@ -178,3 +178,12 @@ def test_errors_are_one_line(tmp_path, tiny_data, capsys):
     err = one_line_error(capsys, ["train", cfg, "--force"])
     assert "save_hf" in err and "would replace the checkpoints in save" in err
     assert (taken / "keep.txt").read_text() == "mine"
+    # a soft prompt has no place in a Hugging Face folder: refused before training
+    prompt = {"enabled": True, "n_tokens": 2}
+    cfg = write_config(
+        tmp_path / "e.yml", data_path=data, load=str(folder), save=str(tmp_path / "e"),
+        save_hf=str(tmp_path / "e_hf"), soft_prompt_tuning=prompt,
+    )  # fmt: skip
+    err = one_line_error(capsys, ["train", cfg])
+    assert "save_hf: cannot hold a soft prompt (soft_prompt_tuning)" in err, err
+    assert not (tmp_path / "e").exists() and not (tmp_path / "e_hf").exists()

@@ -169,10 +169,18 @@ def check_save_hf(loaded: LoadedConfig, force: bool, pp: int) -> None:
             source=loaded.source("save_hf"),
             key="save_hf",
         )
+    args = model_args(loaded)
     try:
-        hf.export_architecture(model_args(loaded))
+        hf.export_architecture(args)
     except HFError as e:
         raise HFError(e.message, source=loaded.source("save_hf"), key="save_hf") from None
+    if args.soft_prompt_tokens:  # as convert to-hf refuses it
+        raise ConfigError(
+            "cannot hold a soft prompt (soft_prompt_tuning): Hugging Face formats have no place "
+            "for one; leave save_hf out and generate with the checkpoints",
+            source=loaded.source("save_hf"),
+            key="save_hf",
+        )
 
 
 class _Gathered(Mapping):
