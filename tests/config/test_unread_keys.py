@@ -52,13 +52,20 @@ IN_RUN = "rollouts are sampled in the run (rollout_prompts); no data server is a
             {"train_reward_data_paths": "only kto reads document rewards, not dpo",
              "kto_beta": "a kto key; train_impl dpo does not read it"},
         ),
+        (  # muP's one-off runs without use_mup; 8-bit state with an optimizer not Adam
+            MODEL | {"coord_check": True, "use_bnb_optimizer": True,
+                     "optimizer": {"type": "sgd", "params": {"lr": 0.01}}},
+            {"coord_check": "use_mup is off: muP's one-off runs do not run",
+             "use_bnb_optimizer": "8-bit state is Adam's (as GPT-NeoX swaps only Adam); sgd "
+                                  "keeps its own"},
+        ),
         (  # what a run reads, or a key at its default or null: nothing
             SAMPLED | {"rollout_updates": 2, "clip_ratio": 0.3, "rollout_temperature": 1.0,
                        "reward_model": None},
             {},
         ),
     ],
-    ids=["sft", "served", "sampled", "switched off", "dpo", "read"],
+    ids=["sft", "served", "sampled", "switched off", "dpo", "muP and 8-bit off", "read"],
 )  # fmt: skip
 def test_keys_this_run_does_not_read_are_named_with_why(config, unused):
     d = derive(load_mapping(config, "run.yml"))

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import fields
 
 from torchneox.config.derived import Derived
+from torchneox.config.features.eight_bit import eight_bit
+from torchneox.config.features.optimizer import optimizer_spec
 from torchneox.config.fields import Status
 from torchneox.config.keys.rl import RolloutConfig
 from torchneox.config.load import DATA_PATH_KEYS, LoadedConfig
@@ -48,6 +50,7 @@ def unread_keys(loaded: LoadedConfig, out: Derived) -> None:
         why |= dict.fromkeys(ROLLOUT_KEYS, f"a reinforce key; train_impl {impl} does not read it")
     else:
         why |= _reinforce(loaded)
+    why |= _switched_off(loaded)
     for name, reason in why.items():
         spec = KEYS[name]
         if spec.info.status is Status.NO_EFFECT or not loaded.given(name):
@@ -73,4 +76,19 @@ def _reinforce(loaded: LoadedConfig) -> dict[str, str]:
         why["clip_ratio"] = "rollout_updates is 1: no importance ratio is clipped"
     if r.kl_div_beta == 0:
         why["kl_impl"] = "kl_div_beta is 0: no KL penalty"
+    return why
+
+
+def _switched_off(loaded: LoadedConfig) -> dict[str, str]:
+    """Keys whose feature another key leaves off: muP's one-off runs without use_mup, 8-bit
+    state with an optimizer other than Adam (GPT-NeoX swaps only Adam)."""
+    cfg, why = loaded.config, {}
+    if not cfg.training.use_mup:
+        off = "use_mup is off: muP's one-off runs do not run"
+        why |= dict.fromkeys(("coord_check", "save_base_shapes"), off)
+    if cfg.optimizer.use_bnb_optimizer and not eight_bit(cfg.optimizer):
+        kind = optimizer_spec(cfg.optimizer).kind
+        why["use_bnb_optimizer"] = (
+            f"8-bit state is Adam's (as GPT-NeoX swaps only Adam); {kind} keeps its own"
+        )
     return why
