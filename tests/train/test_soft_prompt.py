@@ -179,3 +179,9 @@ def test_refusals_in_one_line(make_config, capsys, spec, keys, message):
     assert main(["config", "explain", cfg]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
+
+
+def test_a_prompt_switched_off_with_no_tokens_is_accepted(make_config, capsys):
+    """enabled: false, n_tokens: 0 is how one writes "no prompt": not a mistake."""
+    cfg = make_config(soft_prompt_tuning={"enabled": False, "n_tokens": 0})
+    assert main(["config", "explain", cfg]) == 0

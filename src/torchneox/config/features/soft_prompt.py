@@ -65,8 +65,11 @@ def check_soft_prompt(ch: Checker) -> None:
         ch.fail(NAME, f"enabled must be true or false, got {s['enabled']!r}", path="enabled")
     # text such as 1e-2 (YAML reads it as a string) counts as the number, as for a flat key
     n = whole(s.get("n_tokens", 10))
-    if n is None or n < 1:
-        ch.fail(NAME, f"n_tokens must be an integer >= 1, got {s['n_tokens']!r}", path="n_tokens")
+    low = 1 if s.get("enabled", False) else 0  # (0 tokens with the prompt off is fine)
+    if n is None or n < low:
+        ch.fail(
+            NAME, f"n_tokens must be an integer >= {low}, got {s['n_tokens']!r}", path="n_tokens"
+        )
     if not isinstance(s.get("init_string", ""), str):
         ch.fail(NAME, "init_string must be a string", path="init_string")
     r = number(s.get("init_range", 0.5))
