@@ -126,6 +126,21 @@ def test_its_own_checkpoint_resumed_with_other_adapters_is_refused(runs, tmp_pat
     assert "give lora as it was to resume it" in message
 
 
+def test_its_own_checkpoint_resumed_with_another_alpha_is_refused(runs, tmp_path):
+    """The same layers, another alpha: the adapters would go on at another scale."""
+    config, folders = runs
+    own = tmp_path / "own"
+    shutil.copytree(folders["whole"], own)
+    other = json.dumps(
+        {"rank": 4, "alpha": 32, "target_modules": ["attention.wq", "attention.wv", "mlp.down"]}
+    )
+    with pytest.raises(
+        ConfigError,
+        match="whose adapters trained with rank 4, alpha 8; the config gives rank 4, alpha 32",
+    ):
+        trainer(config, tmp_path, f"save={own}", f"lora={other}")
+
+
 @pytest.mark.parametrize("finetune", [True, False])
 def test_lora_naming_fewer_layers_than_its_checkpoint_is_refused(runs, tmp_path, capsys, finetune):
     config, folders = runs

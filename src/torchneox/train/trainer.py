@@ -34,6 +34,7 @@ from torchneox.checkpoint.weights import copy_weights
 from torchneox.config.derivations.model import mamba_kernels
 from torchneox.config.derive import derive
 from torchneox.config.features.fp8_plan import FP8Plan, fp8_plan
+from torchneox.config.features.lora import refuse_other_adapter_scale
 from torchneox.config.layout import require
 from torchneox.config.load import LoadedConfig, with_absolute_paths
 from torchneox.config.paths import remove_if_empty
@@ -337,6 +338,8 @@ class Trainer:
         from torchneox.checkpoint.files import checkpoint_config
 
         saved = checkpoint_config(resumed.step_dir)
+        if self.checkpoints.resuming_own:
+            refuse_other_adapter_scale(saved.config, self.cfg, resumed.step_dir)
         if self.cfg.lr.use_checkpoint_lr_scheduler:
             sd = derive(saved, world_size=self.dims.world_size)
             self.schedule = Schedule.from_config(saved.config.lr, sd)

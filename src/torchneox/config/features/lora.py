@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from torchneox.base.errors import did_you_mean
+from torchneox.base.errors import ConfigError, did_you_mean
 from torchneox.config.checker import Checker
 from torchneox.config.checks.model import layer_attention_types
 from torchneox.config.features.fp8_plan import fp8_plan
@@ -90,6 +90,21 @@ def lora_spec(cfg: Any) -> LoraSpec | None:
         tuple(t for t in OURS if t in targets),
         BASE_DTYPES[str(c.get("base_dtype", "fp32"))],
     )
+
+
+def refuse_other_adapter_scale(saved: Any, now: Any, step_dir: Any) -> None:
+    """A run resuming its own checkpoint with another lora rank or alpha: its adapters were
+    trained at one scale (alpha / rank) and would go on at another, without a word."""
+    before, after = lora_spec(saved), lora_spec(now)
+    if before is None or after is None:
+        return
+    if (before.rank, before.alpha) != (after.rank, after.alpha):
+        raise ConfigError(
+            f"save holds this run's own checkpoint {step_dir}, whose adapters trained with rank "
+            f"{before.rank}, alpha {before.alpha:g}; the config gives rank {after.rank}, alpha "
+            f"{after.alpha:g}: give lora as it was to resume it, or name another save folder",
+            key="lora",
+        )
 
 
 def is_base_linear(name: str) -> bool:
