@@ -409,3 +409,11 @@ def test_latest_holding_bytes_or_nothing_is_one_line(make_config, tmp_path, caps
     assert str(folder / "latest") in err and "--load-step 4" in err
     assert main(["checkpoint", "verify", str(folder)]) == 1
     assert "(missing or damaged)" in capsys.readouterr().out
+
+
+def test_a_file_given_as_a_checkpoint_is_said_to_be_a_file(tmp_path, capsys):
+    path = tmp_path / "reward.py"
+    path.write_text("def f(): ...\n")
+    assert main(["generate", "--checkpoint", str(path), "--prompt", "a"]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: is a file; a checkpoint is a folder" in err and err.count("\n") == 1

@@ -316,6 +316,11 @@ def resolve(path: str | Path, step: int | None = None) -> Path:
     checked against its manifest. When it is incomplete or damaged, the error names the file
     and, where one exists, the newest older checkpoint that is complete."""
     p = Path(path)
+    if p.is_file():
+        raise ConfigError(
+            "is a file; a checkpoint is a folder (a save folder or one of its global_stepN)",
+            source=str(p),
+        )
     if not p.is_dir():
         raise ConfigError("no such checkpoint directory", source=str(p))
     root = p

@@ -204,7 +204,10 @@ class RewardModelScorer:
         from torchneox.checkpoint.weights import load_model
         from torchneox.data.tokenizers import model_tokenizer
 
-        step_dir = resolve(checkpoint)
+        try:
+            step_dir = resolve(checkpoint)
+        except ConfigError as e:  # the key that named it, too
+            raise ConfigError(e.message, source=e.source, key="reward_model") from None
         impl = checkpoint_config(step_dir).config.training.train_impl
         if impl != "rm":
             raise ConfigError(
