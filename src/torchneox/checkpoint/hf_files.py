@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from torchneox.base.errors import ConfigError, first_line
+from torchneox.base.errors import ConfigError
 from torchneox.config.load import LoadedConfig
+from torchneox.config.paths import read_json_object
 from torchneox.models.hf import architectures as hf
 
 TOKENIZER_COMPANIONS = (
@@ -37,15 +38,7 @@ def check_companions(folder: Path) -> None:
     for name in TOKENIZER_COMPANIONS:
         path = folder / name
         if name.endswith(".json") and path.is_file():
-            try:
-                value = json.loads(path.read_text(encoding="utf-8"))
-            except (ValueError, RecursionError) as e:
-                raise ConfigError(
-                    f"is not valid JSON ({first_line(e)}); download it again or remove it",
-                    source=str(path),
-                ) from None
-            if not isinstance(value, dict):
-                raise ConfigError("is not a JSON object; download it again", source=str(path))
+            read_json_object(path, "; download it again or remove it")
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

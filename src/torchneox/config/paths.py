@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import json
 import os
 import re
 import shutil
@@ -220,3 +221,15 @@ def remove_if_empty(folder: Path) -> bool:
             return False
     shutil.rmtree(folder, ignore_errors=True)
     return True
+
+
+def read_json_object(path: Path, remedy: str, error: type[ConfigError] = ConfigError) -> dict:
+    """The JSON object in the file ``path``; one line naming the file, with ``remedy``, when it
+    is not valid JSON (cut short, not text, nested past reading) or not an object."""
+    try:
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise error(f"is not valid JSON ({first_line(e)}){remedy}", source=str(path)) from None
+    if not isinstance(value, dict):
+        raise error(f"is not a JSON object{remedy}", source=str(path))
+    return value

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import torch
 
-from torchneox.base.errors import ConfigError, HFError, first_line
+from torchneox.base.errors import ConfigError, HFError
 from torchneox.checkpoint import files as checkpoint_format
 from torchneox.checkpoint import weights
 from torchneox.checkpoint.hf_files import DTYPES, check_fits_fp16, save_shard
 from torchneox.checkpoint.tensors import refuse_non_finite
 from torchneox.config.derive import derive
 from torchneox.config.features.lora import HF_NAMES
-from torchneox.config.paths import new_output_dir, refuse_non_empty
+from torchneox.config.paths import new_output_dir, read_json_object, refuse_non_empty
 from torchneox.config.report import render_yaml
 from torchneox.config.validate import validate
 from torchneox.interop import huggingface
@@ -120,15 +120,7 @@ def lora_keys(adapter_dir: Path) -> dict:
         raise HFError(
             "has no adapter_config.json: not a PEFT adapter folder", source=str(adapter_dir)
         )
-    try:
-        c = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise HFError(
-            f"is not valid JSON ({first_line(e)}): is it cut short? save the adapter again",
-            source=str(path),
-        ) from None
-    if not isinstance(c, dict):
-        raise HFError("is not a PEFT adapter config (not a JSON object)", source=str(path))
+    c = read_json_object(path, ": is it cut short? save the adapter again", HFError)
     if c.get("peft_type") != "LORA":
         raise HFError(
             f"peft_type {c.get('peft_type')!r}: only LORA adapters import", source=str(path)
