@@ -124,9 +124,13 @@ def test_save_hf_loads_in_transformers_with_the_trained_logits(tmp_path, tiny_da
     start = transformers.AutoModelForCausalLM.from_pretrained(folder).model.layers[0]
     assert not torch.equal(trained, start.self_attn.q_proj.weight)  # it did train
     # the same command again, one step further: it resumes from save's checkpoint (the folder
-    # gave only the first weights), and --force lets save_hf replace the folder it wrote
+    # gave only the first weights), and save_hf replaces the folder this run wrote without
+    # --force (save records it); another run's save_hf over it would need --force
     before = (out / "model.safetensors").read_bytes()
-    assert main(["train", cfg, "--set", "train_iters=4", "--force"]) == 0
+    assert json.loads((tmp_path / "run" / "save_hf.json").read_text()) == {
+        "save_hf": str(out.resolve())
+    }
+    assert main(["train", cfg, "--set", "train_iters=4"]) == 0
     assert "resumed from" in capsys.readouterr().out
     assert sorted(losses(tmp_path / "run")) == [1, 2, 3, 4]
     assert (out / "model.safetensors").read_bytes() != before
@@ -159,6 +163,12 @@ def test_errors_are_one_line(tmp_path, tiny_data, capsys):
     cfg = write_config(tmp_path / "a.yml", data_path=data, load=str(bare))
     err = one_line_error(capsys, ["train", cfg])
     assert "no config.json: not a Hugging Face model folder" in err and str(bare) in err
+    # a value out of range in config.json is named by config.json's key
+    (bare / "config.json").write_text(
+        json.dumps(json.loads((folder / "config.json").read_text()) | {"num_hidden_layers": -2})
+    )
+    err = one_line_error(capsys, ["train", cfg])
+    assert f"{bare / 'config.json'}: num_hidden_layers (torchneox's num_layers): must be" in err
     # a key the user's file sets that the folder contradicts
     cfg = write_config(tmp_path / "b.yml", data_path=data, load=str(folder), hidden_size=64)
     err = one_line_error(capsys, ["config", "explain", cfg])

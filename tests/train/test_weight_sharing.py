@@ -158,3 +158,16 @@ def test_refusals_in_one_line(make_config, capsys, keys, message):
 def test_check_raises_config_error(make_config):
     with pytest.raises(ConfigError, match="not a multiple"):
         load_config([make_config(num_layers=4, num_unique_layers=3)])
+
+
+def test_rerun_with_a_sharing_key_changed_names_the_key(make_config, tmp_path, capsys):
+    keys = {"num_layers": 4, "num_unique_layers": 2, "train_iters": 1}
+    run = str(tmp_path / "run")
+    cfg = make_config("c.yml", save=run, load=run, **keys)
+    assert main(["train", cfg]) == 0
+    capsys.readouterr()
+    changed = make_config("d.yml", save=run, load=run, **(keys | {"num_unique_layers": None}))
+    assert main(["train", changed, "--set", "train_iters=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "changed since it was saved" in err and "num_unique_layers (2 -> unset)" in err, err

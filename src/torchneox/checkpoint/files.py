@@ -377,3 +377,36 @@ def load_state(step_dir: Path, state: dict[str, Any]) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(state, checkpoint_id=str(step_dir))
+
+
+MODEL_GROUPS = ("model", "moe")
+"""The key groups that shape the model's tensors."""
+
+
+def changed_model_keys(step_dir: Path, config_yaml: str) -> list[str]:
+    """The model keys whose values differ between ``step_dir``'s config and ``config_yaml``
+    (both resolved, as a run writes them), each shown as ``key (then -> now)``; empty when
+    either cannot be read."""
+    import yaml
+
+    from torchneox.config.schema import KEYS
+
+    try:
+        saved = yaml.safe_load((step_dir / CONFIG_FILE).read_text())
+        current = yaml.safe_load(config_yaml)
+    except (OSError, ValueError, yaml.YAMLError):
+        return []
+    if not isinstance(saved, dict) or not isinstance(current, dict):
+        return []
+    changed = []
+    for name, spec in KEYS.items():
+        if spec.group not in MODEL_GROUPS:
+            continue
+        then, now = saved.get(name, spec.default), current.get(name, spec.default)
+        if then != now:
+            changed.append(f"{name} ({_shown(then)} -> {_shown(now)})")
+    return changed
+
+
+def _shown(value: Any) -> str:
+    return "unset" if value is None else json.dumps(value)

@@ -5,6 +5,7 @@ them). The config side, the model keys config.json gives, is ``models/hf/folder.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -23,7 +24,7 @@ from torchneox.checkpoint.hf_files import (
 )
 from torchneox.checkpoint.tensors import FRESH_HEADS, FreshNames, missing_heads, refuse_non_finite
 from torchneox.config.load import LoadedConfig
-from torchneox.config.paths import new_output_dir, refuse_non_empty
+from torchneox.config.paths import atomic_output, new_output_dir, refuse_non_empty
 from torchneox.models.args import ModelArgs, model_args
 from torchneox.models.hf import architectures as hf
 from torchneox.models.hf.folder import is_hf_folder
@@ -152,7 +153,7 @@ def check_save_hf(loaded: LoadedConfig, force: bool, pp: int) -> None:
         return
     tok = cfg.tokenizer
     inputs = [p for p in (cfg.checkpoint.load, tok.vocab_file, tok.merge_file) if p]
-    refuse_non_empty(Path(out), force, VERB, inputs=[*inputs, *loaded.files])
+    refuse_non_empty(Path(out), force or own_export(loaded), VERB, inputs=[*inputs, *loaded.files])
     save = cfg.checkpoint.save
     if save:
         mine, theirs = Path(out).resolve(), Path(save).resolve()
@@ -236,11 +237,33 @@ def save_hf(
         return out
     tok = cfg.tokenizer
     inputs = [p for p in (cfg.checkpoint.load, tok.vocab_file, tok.merge_file) if p]
-    with new_output_dir(out, force, VERB, inputs=[*inputs, *loaded.files]) as tmp:
+    own = own_export(loaded)
+    with new_output_dir(out, force or own, VERB, inputs=[*inputs, *loaded.files]) as tmp:
         meter = Progress("wrote", 1, False)
         write_shards(tensors, tmp, torch.float32, DEFAULT_SHARD_BYTES, meter, str(out))
         write_companions(loaded, tmp, arch, args, torch.float32)
+    if cfg.checkpoint.save:  # a rerun of this run (trained longer) may replace it
+        record = Path(cfg.checkpoint.save) / OWN_EXPORT
+        with atomic_output(record, "record of save_hf", inputs=[]) as tmp_record:
+            tmp_record.write_text(json.dumps({"save_hf": str(out.resolve())}) + "\n")
     return out
+
+
+OWN_EXPORT = "save_hf.json"
+"""In ``save``: the folder this run's ``save_hf`` wrote, which a rerun replaces without
+``--force`` (any other folder holding something needs it)."""
+
+
+def own_export(loaded: LoadedConfig) -> bool:
+    """Whether ``save_hf`` names the folder this run (its ``save``) wrote before."""
+    cfg = loaded.config.checkpoint
+    if not (cfg.save and cfg.save_hf and Path(cfg.save_hf).is_dir()):
+        return False
+    try:
+        written = json.loads((Path(cfg.save) / OWN_EXPORT).read_text())["save_hf"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return written == str(Path(cfg.save_hf).resolve())
 
 
 def save_line(out: Path, args: ModelArgs) -> str:

@@ -16,7 +16,9 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 from torchneox.base.errors import CheckpointWriteError, ConfigError, TrainingStopped, first_line
 from torchneox.checkpoint.background import BackgroundSaves
 from torchneox.checkpoint.files import (
+    CONFIG_FILE,
     META_FILE,
+    changed_model_keys,
     ensure_writable,
     load_state,
     newest_complete,
@@ -32,6 +34,7 @@ from torchneox.checkpoint.s3 import S3Uploads, require_boto3
 from torchneox.checkpoint.weights import (
     LORA_BASE,
     LORA_BASE_FINGERPRINT,
+    OtherModel,
     adapted_kinds,
     base_fingerprint,
     base_of_adapters,
@@ -242,8 +245,16 @@ class CheckpointManager:
         meta = read_meta(step_dir)
         try:
             fresh = load_model_weights(step_dir, state.model, line=self.line)
-        except ConfigError as e:
-            if not self.resuming_own or "in the model the config describes" not in e.message:
+        except OtherModel as e:
+            changed = changed_model_keys(step_dir, self.config_yaml)
+            if changed:
+                raise ConfigError(
+                    f"{e.message}: changed since it was saved ({step_dir / CONFIG_FILE}): "
+                    f"{', '.join(changed)}; give {'it' if len(changed) == 1 else 'them'} as "
+                    "before to resume, or name another save folder",
+                    source=e.source,
+                ) from None
+            if not self.resuming_own:
                 raise
             raise ConfigError(
                 f"{e.message}: save holds the checkpoint of another model; name another save "

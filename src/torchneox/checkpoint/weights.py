@@ -209,6 +209,11 @@ def merge_adapters(
         local.copy_(merge_adapter(local, a.to(device), b.to(device), spec.scale))
 
 
+class OtherModel(ConfigError):
+    """A checkpoint whose tensors are not the model's the config describes (one missing, or of
+    another shape)."""
+
+
 def _load_weights(
     step_dir: Path, model: torch.nn.Module, prefix: str, which: Callable[[str], bool] | None
 ) -> list[str]:
@@ -223,9 +228,9 @@ def _load_weights(
             fresh.append(key)
             continue
         if entry is None:
-            raise ConfigError(f"the checkpoint has no tensor {key}", source=str(step_dir))
+            raise OtherModel(f"the checkpoint has no tensor {key}", source=str(step_dir))
         if tuple(entry.size) != shape:
-            raise ConfigError(
+            raise OtherModel(
                 f"tensor {key} has shape {tuple(entry.size)} in the checkpoint but {shape} in the "
                 "model the config describes",
                 source=str(step_dir),

@@ -112,6 +112,39 @@ def with_hf_folder(loaded: LoadedConfig) -> LoadedConfig:
         return loaded
     folder = Path(load)
     source = str(folder / "config.json")
+    try:
+        return _with_model_keys(loaded, folder, source)
+    except ConfigError as e:
+        if e.source != source or e.key not in HF_KEY_OF:
+            raise
+        raise ConfigError(
+            f"{HF_KEY_OF[e.key]} (torchneox's {e.key}): {e.message}", source=source
+        ) from None
+
+
+HF_KEY_OF = {
+    "num_layers": "num_hidden_layers",
+    "hidden_size": "hidden_size",
+    "num_attention_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "seq_length": "max_position_embeddings",
+    "max_position_embeddings": "max_position_embeddings",
+    "padded_vocab_size": "vocab_size",
+    "intermediate_size": "intermediate_size",
+    "rotary_emb_base": "rope_theta",
+    "rotary_pct": "partial_rotary_factor",
+    "rms_norm_epsilon": "rms_norm_eps",
+    "layernorm_epsilon": "layer_norm_eps",
+    "attention_dropout": "attention_dropout",
+    "hidden_dropout": "hidden_dropout",
+    "sliding_window_width": "sliding_window",
+    "moe_num_experts": "num_local_experts",
+    "moe_top_k": "num_experts_per_tok",
+}
+"""config.json's name of each model key read from it, for an error naming what the file says."""
+
+
+def _with_model_keys(loaded: LoadedConfig, folder: Path, source: str) -> LoadedConfig:
     config, origin = copy.deepcopy(loaded.config), dict(loaded.origin)
     for name, value in model_keys(folder).items():
         theirs = convert(name, value, source)
