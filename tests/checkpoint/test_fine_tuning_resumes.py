@@ -111,12 +111,21 @@ def test_a_killed_fine_tuning_run_resumes_bitwise(bases, tmp_path, objective, ba
 ZERO3 = ("gradient_accumulation_steps=1", "zero_optimization.stage=3")
 
 
-@pytest.mark.parametrize(
-    "objective, base", [("lora", "converted"), ("dpo", "hf"), ("reinforce", "converted")]
-)
+ZERO3_CASES = [
+    ("sft", "hf"),
+    ("lora", "converted"),
+    ("dpo", "hf"),
+    ("kto", "converted"),
+    ("rm", "hf"),
+    ("reinforce", "converted"),
+]
+
+
+@pytest.mark.parametrize("objective, base", ZERO3_CASES)
 def test_under_zero3_on_two_processes_too(bases, tmp_path, objective, base):
-    """Adapters, a reference model and rollouts, from both kinds of base, resumed as sharded
-    runs (the suite's time budget keeps the two-process matrix to these three)."""
+    """Every objective resumed as a sharded run, each kind of base under three of them (the
+    suite's time budget keeps the two-process matrix to one base per objective; the
+    one-process matrix above takes both)."""
     assert_resumes_bitwise(bases, tmp_path, objective, base, *ZERO3)
 
 
