@@ -880,6 +880,31 @@ def _(d):
     return train_args(d, cfg, "--nproc", "2")
 
 
+@case(
+    "sp-left-out-by-next-run",
+    "soft_prompt_tuning",
+    "a trained part dropped (a prompted checkpoint finetuned without a prompt)",
+    "warn",
+    "soft prompt",
+)
+def _(d):
+    must(sp_cfg(d, SP), d)  # saves into run/
+    return train_args(d, base_config(load="run", finetune=True, save="next"))
+
+
+@case(
+    "sp-other-size-next-run",
+    "soft_prompt_tuning",
+    "a trained part of another shape (n_tokens changed)",
+    "error",
+    "soft_prompt_tuning",
+)
+def _(d):
+    must(sp_cfg(d, SP), d)
+    sp = SP | {"n_tokens": 3}
+    return train_args(d, base_config(load="run", finetune=True, save="next", soft_prompt_tuning=sp))
+
+
 # --- S3
 
 

@@ -147,6 +147,28 @@ def test_hf_export_is_refused_in_one_line(make_config, tmp_path, capsys):
     assert not (tmp_path / "hf").exists()
 
 
+def test_a_prompt_left_out_by_the_next_run_is_said_and_one_of_another_size_named(
+    make_config, tmp_path, capsys
+):
+    """A soft prompt cannot be merged into the weights as adapters are: a run started from a
+    prompted checkpoint without soft_prompt_tuning says it leaves it out, and one with another
+    n_tokens names the key that changed."""
+    cfg = make_config(soft_prompt_tuning=PROMPT, train_iters=1, load=None)
+    assert main(["train", cfg]) == 0
+    plain = make_config("p.yml", load=str(tmp_path / "run"), finetune=True, save=None)
+    assert main(["train", plain]) == 0
+    said = capsys.readouterr().out
+    assert f"warning: {tmp_path / 'run' / 'global_step1'} holds a soft prompt (4 tokens)" in said
+    assert "leaves out" in said
+    other = PROMPT | {"n_tokens": 2}
+    longer = make_config("o.yml", load=str(tmp_path / "run"), finetune=True, save=None,
+                         soft_prompt_tuning=other)  # fmt: skip
+    assert main(["train", longer]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "changed since it was saved" in err and "soft_prompt_tuning" in err, err
+    assert len(err.splitlines()) == 1
+
+
 def test_explain_counts_the_trained_parameters(make_config):
     loaded = load_config([make_config(soft_prompt_tuning=PROMPT)])
     d = derive(loaded)

@@ -125,7 +125,30 @@ def load_model_weights(
     held = held_adapters(step_dir, prefix)
     if held:
         _take_adapters(step_dir, model, prefix, held, line or (lambda _: None))
+    _say_left_out(step_dir, model, prefix, line or (lambda _: None))
     return fresh
+
+
+LEFT_OUT = {
+    "soft_prompt.weight": "a soft prompt ({0} tokens), which this run (no soft_prompt_tuning) "
+    "leaves out: the model reads the text without it",
+    "value_head.weight": "a reward model's value head, which this run leaves out (it is not a "
+    "reward model run)",
+}
+"""Trained tensors a checkpoint may hold that a model of another kind has no place for."""
+
+
+def _say_left_out(
+    step_dir: Path, model: torch.nn.Module, prefix: str, line: Callable[[str], None]
+) -> None:
+    """Say which trained tensors of ``step_dir`` the model leaves out (a soft prompt, a value
+    head): they cannot be merged into the weights the way adapters are."""
+    metadata = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    mine = set(model.state_dict())
+    for name, what in LEFT_OUT.items():
+        entry = metadata.get(f"{prefix}.{name}")
+        if entry is not None and name not in mine:
+            line(f"warning: {step_dir} holds {what.format(entry.size[0])}")
 
 
 def held_adapters(step_dir: Path, prefix: str = "model") -> dict[str, tuple[int, ...]]:
