@@ -311,3 +311,22 @@ def test_a_damaged_base_shapes_file_is_one_line_naming_it(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"error: {base_file}: " in err, err
     assert fragment in err, err
+
+
+def test_a_rerun_whose_base_shapes_changed_is_refused_naming_the_file(
+    make_config, base_file, tmp_path, capsys
+):
+    """The base shapes give the multipliers: a run resumed after its file was replaced by
+    another model's would train on with others (the sibling of a LoRA base replaced)."""
+    cfg = make_config("run.yml", hidden_size=64, base_shapes_file=str(base_file), **MUP)
+    assert main(["train", cfg, "--set", "train_iters=1"]) == 0
+    other = tmp_path / "other.yml"
+    wider = make_config(
+        "w.yml", hidden_size=64, save_base_shapes=True, base_shapes_file=str(other), **MUP
+    )
+    assert main(["train", wider]) == 0
+    base_file.write_text(other.read_text())  # the same path, another base
+    capsys.readouterr()
+    assert main(["train", cfg, "--set", "train_iters=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"error: {base_file}: base_shapes_file: changed since" in err and "\n" not in err

@@ -410,3 +410,24 @@ def changed_model_keys(step_dir: Path, config_yaml: str) -> list[str]:
 
 def _shown(value: Any) -> str:
     return "unset" if value is None else json.dumps(value)
+
+
+BASE_SHAPES = "mup_base_shapes"
+"""meta.json's record of muP's base_shapes_file: its path and sha256."""
+
+
+def base_shapes_record(config_yaml: str) -> dict[str, str] | None:
+    """The path and sha256 of the base_shapes_file a muP run (``config_yaml``, resolved) reads;
+    None without muP, or while the file does not exist yet (save_base_shapes writes it)."""
+    import yaml
+
+    try:
+        cfg = yaml.safe_load(config_yaml)
+        path = Path(cfg["base_shapes_file"]) if cfg.get("use_mup") else None
+        shapes = yaml.safe_load(path.read_text()) if path is not None else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, yaml.YAMLError):
+        return None
+    if shapes is None:
+        return None
+    text = json.dumps(shapes, sort_keys=True, default=str)  # its content, not its layout
+    return {"path": str(path), "sha256": hashlib.sha256(text.encode()).hexdigest()}

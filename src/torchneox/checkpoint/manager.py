@@ -16,8 +16,10 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 from torchneox.base.errors import CheckpointWriteError, ConfigError, TrainingStopped, first_line
 from torchneox.checkpoint.background import BackgroundSaves
 from torchneox.checkpoint.files import (
+    BASE_SHAPES,
     CONFIG_FILE,
     META_FILE,
+    base_shapes_record,
     changed_model_keys,
     ensure_writable,
     load_state,
@@ -94,6 +96,9 @@ class CheckpointManager:
         """A LoRA run's base checkpoint (set when it loads one): saves hold the adapters only."""
         self.lora_base_fingerprint: str | None = None
         """Its fingerprint, recorded beside it (``base_fingerprint``)."""
+        self.base_shapes = base_shapes_record(config_yaml)
+        """muP's base_shapes_file and its sha256, kept in each checkpoint's meta.json: a
+        resumed run whose file changed would train with other multipliers."""
         self.background = None
         if self.save_dir is not None and ck.async_checkpointing:
             self.background = BackgroundSaves(
@@ -142,6 +147,8 @@ class CheckpointManager:
         if self.lora_base is not None:
             meta[LORA_BASE] = self.lora_base
             meta[LORA_BASE_FINGERPRINT] = self.lora_base_fingerprint
+        if self.base_shapes is not None:
+            meta[BASE_SHAPES] = self.base_shapes
         if self.background is not None:  # async_checkpointing: finished at a later step
             self._finish_background(wait=True)  # the previous one first (uploaded, rotated)
             self.background.start(iteration, tensors, meta)
@@ -320,6 +327,14 @@ class CheckpointManager:
 
     def _load_training_state(self, step_dir: Path, meta: dict, state: TrainingState) -> bool:
         """Whether the reference model's weights were loaded too."""
+        then = meta.get(BASE_SHAPES)
+        if then is not None and self.base_shapes is not None and then != self.base_shapes:
+            raise ConfigError(
+                f"changed since {step_dir} was saved (muP's multipliers come from it): put back "
+                "the file the run was trained with, or start a new run in another save folder",
+                source=then["path"],
+                key="base_shapes_file",
+            )
         ck, loaded_reference = self.ck, False
         tensors: dict[str, Any] = {}
         if not ck.no_load_optim and meta.get("has_optimizer", False):
