@@ -15,11 +15,6 @@ from torchneox.config.load import load_config, load_mapping
 UNTIED = {"no_weight_tying": True}
 CASES = [
     (
-        "tied-embeddings-with-tensor-parallelism",
-        {"model_parallel_size": 2},
-        "no_weight_tying: tied embeddings with model_parallel_size > 1 are not built yet",
-    ),
-    (
         "tied-embeddings-with-pipeline",
         {"pipe_parallel_size": 2, "gradient_accumulation_steps": 2},
         "no_weight_tying: tied embeddings with pipe_parallel_size >= 2 are not built yet",
@@ -143,8 +138,8 @@ def test_an_unset_key_is_named_without_a_file():
         {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 32}, "x"
     )
     layout = Layout.from_derived(loaded.config, derive(loaded, world_size=2))
-    tp2 = Layout(**{**layout.__dict__, "tp": 2, "dp": 1})
+    pp2 = Layout(**{**layout.__dict__, "pp": 2, "dp": 1})
     with pytest.raises(ConfigError) as e:
-        check_layout(loaded, tp2)
+        check_layout(loaded, pp2)
     assert str(e.value).startswith("no_weight_tying: tied embeddings")
     assert layout_problem(loaded.config, layout) is None

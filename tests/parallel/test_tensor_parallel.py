@@ -93,8 +93,14 @@ RESHARDS = {
 
 @pytest.mark.parametrize("move", list(RESHARDS))
 def test_tensor_parallel_checkpoints_reshard(untied, tmp_path, make_config, move):
+    # tied embeddings (GPT-NeoX's default) in the move into tensor parallelism
+    untied_only = move == "tp2-to-one"
     cfg = make_config(
-        "u6.yml", train_micro_batch_size_per_gpu=4, train_iters=6, no_weight_tying=True, **DP_KEYS
+        "u6.yml",
+        train_micro_batch_size_per_gpu=4,
+        train_iters=6,
+        no_weight_tying=untied_only,
+        **DP_KEYS,
     )
     (first, first_n), (then, then_n) = RESHARDS[move]
     moved = assert_resumes_like_whole(cfg, tmp_path, [], first, first_n, then, then_n)
@@ -108,9 +114,11 @@ def test_moe_under_tensor_parallelism_equals_one_process(moe_config, tmp_path):
     assert_same_training(tmp_path / "tp", baseline)
 
 
-POSITIONS = {
+OPTIONS = {
     # ALiBi's slopes and T5's relative table are cut to each rank's heads; learned positions
-    # are whole on every rank
+    # are whole on every rank; tied embeddings: the head reads the embedding's vocabulary
+    # shards (with sequence parallelism, the final norm's sequence shards gathered first)
+    "tied-sequence-parallel": ["no_weight_tying=false", "sequence_parallel=true"],
     "alibi": ["pos_emb=alibi"],
     "rpe-sequence-parallel": [
         "pos_emb=rpe",
@@ -122,14 +130,12 @@ POSITIONS = {
 }
 
 
-@pytest.mark.parametrize("positions", list(POSITIONS))
-def test_position_schemes_under_tensor_parallelism_equal_one_process(untied, tmp_path, positions):
-    keys = [k for k in POSITIONS[positions] if not k.startswith("sequence")]
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_model_options_under_tensor_parallelism_equal_one_process(untied, tmp_path, option):
+    keys = [k for k in OPTIONS[option] if not k.startswith("sequence")]
     train(untied, f"save={tmp_path / 'one'}", "load=null", *keys)
     out = tmp_path / "tp"
-    train(
-        untied, f"save={out}", "load=null", "model_parallel_size=2", *POSITIONS[positions], nproc=2
-    )
+    train(untied, f"save={out}", "load=null", "model_parallel_size=2", *OPTIONS[option], nproc=2)
     assert_same_training(out, reference(tmp_path / "one"))
 
 

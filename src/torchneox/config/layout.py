@@ -170,13 +170,6 @@ def _whole_heads(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
 def _tied_embeddings(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     if cfg.model.no_weight_tying:
         return None
-    if lay.tp > 1:
-        return _refuse(
-            "tied embeddings with model_parallel_size > 1 are not built yet; set "
-            "no_weight_tying: true",
-            key="no_weight_tying",
-            cause="model_parallel_size",
-        )
     if lay.pp > 1:
         return _refuse(
             "tied embeddings with pipe_parallel_size >= 2 are not built yet (the head would live "

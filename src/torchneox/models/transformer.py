@@ -206,6 +206,9 @@ class Transformer(nn.Module):
         self.rpe = nn.Embedding(args.rpe_buckets, args.num_heads) if args.pos_emb == "rpe" else None
         self.tp_heads: tuple[int, int] | None = None
         """The heads this tensor rank holds (ALiBi's slopes are cut to them)."""
+        self.tied_head_input: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """Set by tensor parallelism: the tied head's input made whole on every tensor rank
+        (the embedding's vocabulary shards then give the logits' shards)."""
         # soft_prompt_tuning: the trained vectors before the text (soft_prompt.weight)
         self.soft_prompt = (
             SoftPrompt(args.soft_prompt_tokens, h) if args.soft_prompt_tokens else None
@@ -502,6 +505,8 @@ class Transformer(nn.Module):
         if mup is not None:  # muP's readout: the hidden states / width_mult (and the temperature)
             x = x / (mup.width_mult * mup.output_temp)
         if self.output is None:
+            if self.tied_head_input is not None:
+                x = self.tied_head_input(x)
             return linear(x, self.embed.weight, mode=self.args.cpu_matmul)
         return self.output(x)
 

@@ -11,11 +11,12 @@ between the blocks' matmuls.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -57,8 +58,9 @@ def split_dim(name: str) -> int | None:
 
 
 def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """Split every layer over ``mesh`` (a layout ``config.layout.check_layout`` accepted:
-    untied embeddings, no sequence parallelism with MoE layers)."""
+    """Split every layer over ``mesh`` (a layout ``config.layout.check_layout`` accepted: no
+    sequence parallelism with MoE layers). Tied embeddings: the head reads the embedding's
+    vocabulary-split weight (one tensor, its gradient summed from both uses)."""
     seq = Shard(1) if sequence_parallel else Replicate()
     top = {}
     # a pipeline stage may hold neither end; with sequence parallelism the hidden states pass
@@ -69,8 +71,11 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
         top["output"] = ColwiseParallel(
             input_layouts=seq, output_layouts=Shard(-1), use_local_output=False
         )
-        if sequence_parallel:
-            top["final_norm"] = SequenceParallel()
+    tied = model.output is None and model.value_head is None and model.final_norm is not None
+    if tied:  # the head is the embedding's weight: its vocabulary shards give the logits'
+        model.tied_head_input = functools.partial(_whole, mesh=mesh, seq=seq)
+    if sequence_parallel and (model.output is not None or tied):
+        top["final_norm"] = SequenceParallel()
     if model.rpe is not None:  # the relative position table, split by heads
         top["rpe"] = ColwiseParallel(input_layouts=Replicate())
     if top:
@@ -101,6 +106,15 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
         if isinstance(getattr(block, "attention", None), SparseAttention):
             # its layout per head follows the heads this rank holds
             block.attention.keep_heads(mesh.get_local_rank(), mesh.size())
+
+
+def _whole(x: torch.Tensor, mesh: DeviceMesh, seq: Shard | Replicate) -> DTensor:
+    """The tied head's input whole on every tensor rank (a DTensor: its product with the
+    embedding's vocabulary-split weight is the logits split by vocabulary, and its gradient is
+    summed over the ranks on the way back), as ColwiseParallel makes an untied head's."""
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, [seq])
+    return x.redistribute(mesh, [Replicate()])
 
 
 def _mark_split(owner: nn.Module, names: list[str]) -> None:
