@@ -393,15 +393,6 @@ CASES = [
         ["norm_position: 'output' (OLMo 2's post-norm) is built for the sequential residual"],
     ),
     (
-        "qk-norm-with-tensor-parallelism",
-        {
-            "a.yml": "{num_layers: 2, hidden_size: 64, num_attention_heads: 4, seq_length: 64, "
-            "use_qk_layernorm: true, model_parallel_size: 2, no_weight_tying: true, pos_emb: rotary}"
-        },
-        [],
-        ["use_qk_layernorm with model_parallel_size > 1 is not built yet"],
-    ),
-    (
         "rope-scaling-missing-field",
         {"a.yml": "{rope_scaling: {type: llama3, factor: 8}}"},
         [],

@@ -118,15 +118,27 @@ OPTIONS = {
     # ALiBi's slopes and T5's relative table are cut to each rank's heads; learned positions
     # are whole on every rank; tied embeddings: the head reads the embedding's vocabulary
     # shards (with sequence parallelism, the final norm's sequence shards gathered first)
-    "tied-sequence-parallel": ["no_weight_tying=false", "sequence_parallel=true"],
-    "alibi": ["pos_emb=alibi"],
+    # use_qk_layernorm: each head's own norm on the rank's heads (Qwen3), or the queries
+    # (keys) gathered whole for a norm over all heads (OLMo 2; GPT-NeoX's own)
+    "tied-qk-head-sequence-parallel": [
+        "no_weight_tying=false",
+        "use_qk_layernorm=true",
+        "qk_norm_scope=head",
+        "sequence_parallel=true",
+    ],
+    "alibi-qk-neox-layernorm": [
+        "pos_emb=alibi",
+        "use_qk_layernorm=true",
+        "norm=layernorm",
+        "num_kv_heads=4",
+    ],
     "rpe-sequence-parallel": [
         "pos_emb=rpe",
         "rpe_num_buckets=8",
         "rpe_max_distance=16",
         "sequence_parallel=true",
     ],
-    "learned": ["pos_emb=learned"],
+    "learned-qk-width": ["pos_emb=learned", "use_qk_layernorm=true", "qk_norm_scope=width"],
 }
 
 

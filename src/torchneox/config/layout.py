@@ -202,14 +202,6 @@ def _tensor_parallel_positions(cfg: NeoXConfig, lay: Layout) -> ConfigError | No
 
 NOT_BUILT_WITH = (
     (
-        "tp",
-        "use_qk_layernorm",
-        "model_parallel_size",
-        "use_qk_layernorm with model_parallel_size > 1 is not built yet (each tensor rank holds "
-        "some heads; the query/key norms would need their gradients summed); use data "
-        "parallelism, ZeRO or pipeline stages",
-    ),
-    (
         "pp",
         "inter_document_attention_masking",
         "pipe_parallel_size",

@@ -16,7 +16,13 @@ import functools
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -102,6 +108,7 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
         adapters = _take_adapters(block, present)  # the plans split a layer's own weights
         parallelize_module(block, mesh, plan)
         _mark_split(block, present)
+        _split_qk_norms(getattr(block, "attention", None), mesh)
         _split_adapters(block, adapters, mesh)
         if isinstance(getattr(block, "attention", None), SparseAttention):
             # its layout per head follows the heads this rank holds
@@ -115,6 +122,43 @@ def _whole(x: torch.Tensor, mesh: DeviceMesh, seq: Shard | Replicate) -> DTensor
     if not isinstance(x, DTensor):
         x = DTensor.from_local(x, mesh, [seq])
     return x.redistribute(mesh, [Replicate()])
+
+
+def _split_qk_norms(attention: nn.Module | None, mesh: DeviceMesh) -> None:
+    """use_qk_layernorm over the heads this rank holds. Each head over its own dimensions
+    (qk_norm_scope head, Qwen3's): the rank's heads normalised where they are, the weight
+    replicated (its gradient summed over the ranks). Over all heads together (width, OLMo 2's;
+    neox, GPT-NeoX's [heads, head_dim] norm): the queries (keys) gathered whole, normalised by
+    the whole weight, and each rank's heads taken back."""
+    scope = getattr(attention, "qk_norm_scope", None)
+    if scope is None:
+        return
+    norms = [attention.qk_norm] if scope == "neox" else [attention.q_norm, attention.k_norm]
+    whole = scope != "head"
+    for norm in norms:
+        distribute_module(
+            norm,
+            mesh,
+            input_fn=_norm_input_whole if whole else _norm_input_heads,
+            output_fn=_norm_output_whole if whole else _norm_output_heads,
+        )
+
+
+def _norm_input_heads(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    return (DTensor.from_local(inputs[0], mesh, [Shard(2)]), *inputs[1:])  # [B, T, heads, ..]
+
+
+def _norm_input_whole(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    x = DTensor.from_local(inputs[0], mesh, [Shard(2)])
+    return (x.redistribute(mesh, [Replicate()]), *inputs[1:])
+
+
+def _norm_output_heads(module: nn.Module, out: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+    return out.to_local()
+
+
+def _norm_output_whole(module: nn.Module, out: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+    return out.redistribute(mesh, [Shard(2)]).to_local()
 
 
 def _mark_split(owner: nn.Module, names: list[str]) -> None:
