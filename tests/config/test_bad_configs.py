@@ -343,12 +343,6 @@ CASES = [
         ["a.yml", "te_fp8_amax_compute_algo: torchao scales fp8 from each tensor's current amax"],
     ),
     (
-        "z-loss-with-tensor-parallelism",
-        {"a.yml": "{lm_z_loss: 0.001, model_parallel_size: 2, no_weight_tying: true}"},
-        [],
-        ["lm_z_loss: is not built for tensor or pipeline parallelism yet"],
-    ),
-    (
         "tanh-and-onnx-gelu",
         {"a.yml": "{bias_gelu_fusion: true, onnx_safe: true}"},
         [],

@@ -132,7 +132,9 @@ OPTIONS = {
         "norm=layernorm",
         "num_kv_heads=4",
     ],
-    "rpe-sequence-parallel": [
+    # (lm_z_loss: logsumexp over the vocabulary shards, reduced without gathering them)
+    "rpe-z-loss-sequence-parallel": [
+        "lm_z_loss=0.01",
         "pos_emb=rpe",
         "rpe_num_buckets=8",
         "rpe_max_distance=16",

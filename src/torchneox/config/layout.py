@@ -332,12 +332,12 @@ def _experts(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
 
 
 def _z_loss(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
-    if cfg.training.lm_z_loss and (lay.tp > 1 or lay.pp > 1):
+    if cfg.training.lm_z_loss and lay.pp > 1:
         return _refuse(
-            "is not built for tensor or pipeline parallelism yet; train with data parallelism "
+            "is not built for pipeline parallelism yet; train with data or tensor parallelism "
             "(any ZeRO stage), or leave lm_z_loss at 0",
             key="lm_z_loss",
-            cause="model_parallel_size" if lay.tp > 1 else "pipe_parallel_size",
+            cause="pipe_parallel_size",
         )
     return None
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from torchneox.models.moe import RouterStats
 from torchneox.parallel.dims import ParallelDims
@@ -60,3 +60,17 @@ def sum_router_stats(stats: RouterStats, mesh: DeviceMesh) -> RouterStats:
     counts = all_reduce(stats.tokens_per_expert.float().detach(), group=group)
     prob_sum = all_reduce(stats.prob_sum, group=group)
     return RouterStats(counts, prob_sum, stats.tokens * mesh.size(), stats.top_k)
+
+
+def vocab_parallel_logsumexp(logits_NV: DTensor) -> DTensor:
+    """logsumexp over the vocabulary of logits split by vocabulary over the tensor ranks,
+    without gathering them: each rank's sum of exp(logit - max) over its shard, the shards'
+    maxima and sums reduced (the sum differentiable: its gradient reaches each rank's shard
+    as exp(logit - lse)). Replicated [N] on every rank."""
+    mesh = logits_NV.device_mesh
+    local = logits_NV.to_local().float()
+    top = local.detach().amax(dim=-1)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=mesh.get_group())
+    sums = (local - top.unsqueeze(-1)).exp().sum(dim=-1)
+    whole = DTensor.from_local(sums, mesh, [Partial()]).redistribute(mesh, [Replicate()])
+    return DTensor.from_local(top, mesh, [Replicate()]) + whole.log()

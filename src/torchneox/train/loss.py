@@ -14,7 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
-from torchneox.parallel.collectives import plain
+from torchneox.parallel.collectives import plain, vocab_parallel_logsumexp
 
 BLOCK_BYTES = 4 << 20  # rows of fp32 logits per block: a few MiB, the size of a core's cache
 
@@ -80,6 +80,8 @@ def _token_terms(
         losses, lse = _BlockedCrossEntropy.apply(flat_NV, labels_N, rows, with_z)
         return losses, lse if with_z else None
     losses = F.cross_entropy(flat_NV.float(), labels_N, reduction="none")
+    if with_z and isinstance(flat_NV, DTensor):  # split by vocabulary (tensor parallelism)
+        return losses, vocab_parallel_logsumexp(flat_NV)
     return losses, torch.logsumexp(flat_NV.float(), dim=-1) if with_z else None
 
 

@@ -26,6 +26,7 @@ from torch.nn import functional as F
 
 from torchneox.base.errors import DataError
 from torchneox.models.moe import RouterStats, balancing_loss
+from torchneox.parallel.collectives import plain
 from torchneox.train.batch import Prepared, Terms, shifted, text_kept
 from torchneox.train.loss import lm_loss, lm_loss_and_z, token_logp
 from torchneox.train.rl.reinforce import Reinforce
@@ -75,7 +76,7 @@ class LanguageModeling:
         prep = text_kept(logits, prep)
         if self.z_weight:
             loss, z = lm_loss_and_z(logits, prep.labels, prep.mask, total=total)
-            out = Terms(loss, loss + self.z_weight * z, z_loss=z.detach())
+            out = Terms(loss, loss + self.z_weight * z, z_loss=plain(z.detach()))
         else:
             loss = lm_loss(logits, prep.labels, prep.mask, total=total)
             out = Terms(loss, loss)
