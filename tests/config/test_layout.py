@@ -69,16 +69,6 @@ CASES = [
         "pos_emb: pos_emb 'rpe' with pipe_parallel_size >= 2 is not built",
     ),
     (
-        "eod-mask-with-pipeline",
-        UNTIED | {"pipe_parallel_size": 2, "gradient_accumulation_steps": 2, "eod_mask_loss": True},
-        "eod_mask_loss: is not supported with pipe_parallel_size >= 2 yet",
-    ),
-    (
-        "z-loss-with-pipeline",
-        UNTIED | {"pipe_parallel_size": 2, "gradient_accumulation_steps": 2, "lm_z_loss": 1e-4},
-        "lm_z_loss: is not built for pipeline parallelism yet",
-    ),
-    (
         "rwkv-with-tensor-parallelism",
         UNTIED | {"model_parallel_size": 2, "attention_config": [[["rwkv"], "all"]]},
         "model_parallel_size: 2 with RWKV layers (attention_config 'rwkv') is not built",
@@ -143,3 +133,16 @@ def test_an_unset_key_is_named_without_a_file():
         check_layout(loaded, pp2)
     assert str(e.value).startswith("no_weight_tying: tied embeddings")
     assert layout_problem(loaded.config, layout) is None
+
+
+@pytest.mark.parametrize("key", ["eod_mask_loss", "lm_z_loss"])
+def test_the_loss_mask_and_z_loss_take_pipelines_but_not_with_context_parallelism(key):
+    keys = UNTIED | {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4}
+    loaded = load_mapping(keys | {"seq_length": 32, key: 0.01 if key == "lm_z_loss" else True}, "x")
+    layout = Layout.from_derived(loaded.config, derive(loaded, world_size=8))
+    pp2 = Layout(**{**layout.__dict__, "pp": 2, "dp": 4, "gas": 2})
+    assert layout_problem(loaded.config, pp2) is None
+    pp2_cp2 = Layout(**{**layout.__dict__, "pp": 2, "cp": 2, "dp": 2, "gas": 2})
+    with pytest.raises(ConfigError) as e:
+        check_layout(loaded, pp2_cp2)
+    assert f"{key}: with pipe_parallel_size >= 2 and context_parallel" in str(e.value)

@@ -11,6 +11,7 @@ import torch
 from tests.helpers import (
     assert_resumes_like_whole,
     assert_same_training,
+    losses,
     reference,
     train,
 )
@@ -77,6 +78,20 @@ def test_pipeline_layouts_equal_one_process(config, tmp_path, baseline, layout):
         tokens = torch.randint(0, 256, (2, 16))
         with torch.no_grad():
             torch.testing.assert_close(hf(tokens).logits, ours.eval()(tokens), atol=1e-5, rtol=1e-5)
+
+
+def test_eod_mask_loss_and_z_loss_through_the_stages_equal_one_process(config, tmp_path):
+    """The last stage's target carries the loss mask (the end-of-document positions left
+    out) and the loss adds PaLM's z-loss, logged beside it as one process logs it."""
+    keys = ["eod_mask_loss=true", "lm_z_loss=0.01"]
+    train(config, f"save={tmp_path / 'one'}", "load=null", *keys)
+    out = tmp_path / "pp"
+    train(config, f"save={out}", "load=null", "pipe_parallel_size=2", *keys, nproc=2)
+    assert_same_training(out, reference(tmp_path / "one"))
+    z_one, z_pp = losses(tmp_path / "one", "z_loss"), losses(out, "z_loss")
+    assert sorted(z_pp) == [1, 2, 3] and all(z_one[k] > 0 for k in z_one)
+    for k in z_one:
+        assert z_pp[k] == pytest.approx(z_one[k], rel=1e-5), k
 
 
 def test_pipeline_checkpoint_resumes_as_data_parallel(config, tmp_path, make_config):

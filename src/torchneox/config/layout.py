@@ -270,11 +270,12 @@ def _sequence_parallel(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
 def _pipeline(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     if lay.pp < 2:
         return None
-    if cfg.training.eod_mask_loss:
+    if cfg.training.eod_mask_loss and lay.cp > 1:
         return _refuse(
-            "is not supported with pipe_parallel_size >= 2 yet",
+            "with pipe_parallel_size >= 2 and context_parallel_size > 1 together is not built "
+            "(the stages' context split carries the tokens alone); either axis alone takes it",
             key="eod_mask_loss",
-            cause="pipe_parallel_size",
+            cause="context_parallel_size",
         )
     if cfg.textgen.eval_tasks:
         return _refuse(
@@ -332,12 +333,12 @@ def _experts(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
 
 
 def _z_loss(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
-    if cfg.training.lm_z_loss and lay.pp > 1:
+    if cfg.training.lm_z_loss and lay.pp > 1 and lay.cp > 1:
         return _refuse(
-            "is not built for pipeline parallelism yet; train with data or tensor parallelism "
-            "(any ZeRO stage), or leave lm_z_loss at 0",
+            "with pipe_parallel_size >= 2 and context_parallel_size > 1 together is not built "
+            "(the stages' context split carries the tokens alone); either axis alone takes it",
             key="lm_z_loss",
-            cause="pipe_parallel_size",
+            cause="context_parallel_size",
         )
     return None
 

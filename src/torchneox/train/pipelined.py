@@ -18,7 +18,7 @@ import torch
 
 from torchneox.parallel.collectives import plain, sum_over_pp
 from torchneox.parallel.dims import ParallelDims
-from torchneox.train.objectives import Objective, Prepared
+from torchneox.train.objectives import LanguageModeling, Objective, Prepared
 
 
 def encode_target(prep: Prepared) -> torch.Tensor:
@@ -57,12 +57,25 @@ class PipelinedObjective:
     def __init__(self, objective: Objective, scale: Callable[[], float]):
         self.objective, self.scale = objective, scale
         self.metrics: list[dict[str, torch.Tensor]] = []
+        self.losses: list[torch.Tensor] = []
+        """Each call's loss (the objective less lm_z_loss's term), as the logs show it."""
 
     def __call__(self, out: torch.Tensor, target: torch.Tensor, scaled: bool = True):
+        """The objective to run backward on (scaled); unscaled (evaluation): the loss."""
         prep = decode_target(target)
         terms = self.objective.terms(out, prep, None)
-        self.metrics.append({k: plain(v).detach().float() for k, v in terms.metrics.items()})
-        return terms.objective * (self.scale() if scaled else 1.0)
+        kept = {k: plain(v).detach().float() for k, v in terms.metrics.items()}
+        if terms.z_loss is not None:
+            kept["z_loss"] = plain(terms.z_loss).detach().float()
+        self.metrics.append(kept)
+        self.losses.append(plain(terms.loss).detach().float())
+        return terms.objective * self.scale() if scaled else terms.loss
+
+    def mean_loss(self, micro_batches: int) -> torch.Tensor:
+        """The mean loss of the last ``micro_batches`` calls (on the last stage)."""
+        mean = torch.stack(self.losses[-micro_batches:]).mean()
+        self.losses = []
+        return mean
 
     def shared_metrics(
         self, names: tuple[str, ...], dims: ParallelDims, device, micro_batches: int
@@ -71,6 +84,8 @@ class PipelinedObjective:
         step calls the loss once more, to learn the shapes), known on every pipeline rank."""
         out = {}
         kept = self.metrics[-micro_batches:]
+        if isinstance(self.objective, LanguageModeling) and self.objective.z_weight:
+            names = (*names, "z_loss")  # lm_z_loss's term, logged beside the loss
         for name in names:
             values = [m[name] for m in kept if name in m]
             local = torch.stack(values).mean() if values else torch.zeros((), device=device)

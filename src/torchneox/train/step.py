@@ -36,7 +36,7 @@ from torchneox.parallel.pipeline import evaluate_pipeline
 from torchneox.parallel.tensor_parallel import loss_context, placed_like
 from torchneox.reporting.metrics import Timers
 from torchneox.train.loss import lm_loss, token_logp
-from torchneox.train.objectives import Objective
+from torchneox.train.objectives import LanguageModeling, Objective
 from torchneox.train.pipelined import PipelinedObjective, prepared_batch
 from torchneox.train.precision import LossScaler, autocast
 
@@ -201,7 +201,10 @@ class Gradients:
     def _pipeline_inputs(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         """The pipeline's input and target for a global batch: tokens and next tokens, or
         post-training micro-batches prepared, with the reference's log-probabilities."""
-        if not isinstance(micro_batches[0], dict):
+        lm = self.objective if isinstance(self.objective, LanguageModeling) else None
+        # eod_mask_loss and lm_z_loss: the target carries the loss mask and the loss its terms
+        masked_or_z = lm is not None and (lm.eod_id is not None or lm.z_weight > 0)
+        if not isinstance(micro_batches[0], dict) and not (masked_or_z and self.dims.cp == 1):
             tokens = torch.cat(micro_batches).to(self.device, non_blocking=True)
             if self.dims.cp > 1:  # this rank's chunks of every sequence, in every stage
                 inputs, target, context = split_pipeline_batch(
@@ -250,7 +253,9 @@ class Gradients:
             with self.timers("pipeline"):
                 p.schedule.step(*args, **kwargs)
         local = torch.zeros((), device=self.device)
-        if p.has_last:
+        if p.has_last and target.is_floating_point():  # the objective's loss, as logged
+            local = self.pipelined.mean_loss(self.grad_accum) / self.dims.cp
+        elif p.has_last:
             local = torch.stack([plain(x).detach().float() for x in losses]).mean()
             local = local / (self.scale() * self.dims.cp)  # cp: its tokens' share
         self._share_pipeline_metrics()
