@@ -59,11 +59,6 @@ CASES = [
         "expert_parallel_size: 2 must divide the data-parallel size 2 and moe_num_experts 3",
     ),
     (
-        "learned-positions-with-sequence-parallelism",
-        UNTIED | {"model_parallel_size": 2, "sequence_parallel": True, "pos_emb": "learned"},
-        "pos_emb: pos_emb 'learned' with sequence_parallel is not built yet",
-    ),
-    (
         "relative-positions-with-pipeline",
         UNTIED | {"pipe_parallel_size": 2, "gradient_accumulation_steps": 2, "pos_emb": "rpe"},
         "pos_emb: pos_emb 'rpe' with pipe_parallel_size >= 2 is not built",

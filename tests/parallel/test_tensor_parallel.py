@@ -140,7 +140,12 @@ OPTIONS = {
         "rpe_max_distance=16",
         "sequence_parallel=true",
     ],
-    "learned-qk-width": ["pos_emb=learned", "use_qk_layernorm=true", "qk_norm_scope=width"],
+    "learned-qk-width-sequence-parallel": [
+        "pos_emb=learned",
+        "use_qk_layernorm=true",
+        "qk_norm_scope=width",
+        "sequence_parallel=true",
+    ],
 }
 
 

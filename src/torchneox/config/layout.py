@@ -182,13 +182,6 @@ def _tied_embeddings(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
 
 def _tensor_parallel_positions(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     pos = cfg.model.pos_emb
-    if lay.sequence_parallel and pos in ("learned", "sinusoidal"):
-        return _refuse(
-            f"pos_emb {pos!r} with sequence_parallel is not built yet (each rank would add its "
-            "slice of the positions); use it without sequence_parallel, or rotary, alibi or rpe",
-            key="pos_emb",
-            cause="sequence_parallel",
-        )
     if lay.pp > 1 and pos == "rpe":
         return _refuse(
             "pos_emb 'rpe' with pipe_parallel_size >= 2 is not built (every layer reads one "

@@ -206,6 +206,9 @@ class Transformer(nn.Module):
         self.rpe = nn.Embedding(args.rpe_buckets, args.num_heads) if args.pos_emb == "rpe" else None
         self.tp_heads: tuple[int, int] | None = None
         """The heads this tensor rank holds (ALiBi's slopes are cut to them)."""
+        self.embedded_output: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """Set by sequence parallelism with learned or sinusoidal positions: the embeddings
+        (added to the whole sequence's positions) cut to this rank's sequence slice."""
         self.tied_head_input: Callable[[torch.Tensor], torch.Tensor] | None = None
         """Set by tensor parallelism: the tied head's input made whole on every tensor rank
         (the embedding's vocabulary shards then give the logits' shards)."""
@@ -529,6 +532,8 @@ class Transformer(nn.Module):
         x = self.embed_dropout(x)
         if self.args.mup is not None and self.args.mup.embedding_mult != 1:
             x = x * self.args.mup.embedding_mult
+        if self.embedded_output is not None:
+            x = self.embedded_output(x)
         return x
 
 

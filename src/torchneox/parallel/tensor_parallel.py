@@ -72,7 +72,13 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
     # a pipeline stage may hold neither end; with sequence parallelism the hidden states pass
     # between stages as each tensor rank's sequence slice
     if model.embed is not None:
-        top["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+        # positions added to the embeddings (learned, sinusoidal) are the whole sequence's:
+        # the embeddings stay whole until they are added, then each rank keeps its slice
+        whole_first = sequence_parallel and model.args.pos_emb in ("learned", "sinusoidal")
+        out = Replicate() if whole_first else seq
+        top["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=out)
+        if whole_first:
+            model.embedded_output = functools.partial(_sequence_slice, mesh=mesh)
     if model.output is not None:
         top["output"] = ColwiseParallel(
             input_layouts=seq, output_layouts=Shard(-1), use_local_output=False
@@ -122,6 +128,13 @@ def _whole(x: torch.Tensor, mesh: DeviceMesh, seq: Shard | Replicate) -> DTensor
     if not isinstance(x, DTensor):
         x = DTensor.from_local(x, mesh, [seq])
     return x.redistribute(mesh, [Replicate()])
+
+
+def _sequence_slice(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """This rank's slice of the sequence of a tensor whole on every tensor rank (the gradient
+    of the slices gathered on the way back)."""
+    whole = DTensor.from_local(x, mesh, [Replicate()])
+    return whole.redistribute(mesh, [Shard(1)]).to_local()
 
 
 def _split_qk_norms(attention: nn.Module | None, mesh: DeviceMesh) -> None:
