@@ -51,7 +51,11 @@ LAYOUTS = {
     "pp2-gpipe": (2, ["pipe_parallel_size=2", "pipeline_schedule=gpipe"]),
     "pp2-interleaved": (2, ["pipe_parallel_size=2", "pipeline_schedule=interleaved_1f1b"]),
     "pp2-zbv": (2, ["pipe_parallel_size=2", "pipeline_schedule=zbv"]),
-    "tp2-pp2": (4, ["pipe_parallel_size=2", "model_parallel_size=2"]),
+    # sequence parallelism: the stages pass each tensor rank's slice of the sequence
+    "tp2-pp2-sequence-parallel": (
+        4,
+        ["pipe_parallel_size=2", "model_parallel_size=2", "sequence_parallel=true"],
+    ),
 }
 # every ZeRO stage with data x pipeline and data x tensor x pipeline parallelism
 for stage in (0, 1, 2, 3):

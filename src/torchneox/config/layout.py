@@ -251,12 +251,6 @@ def _sequence_parallel(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
             key="sequence_parallel",
             cause="model_parallel_size",
         )
-    if lay.pp > 1:
-        return _refuse(
-            "with pipe_parallel_size >= 2 is not supported yet; tensor parallelism without it works",
-            key="sequence_parallel",
-            cause="pipe_parallel_size",
-        )
     return None
 
 

@@ -206,6 +206,9 @@ class Transformer(nn.Module):
         self.rpe = nn.Embedding(args.rpe_buckets, args.num_heads) if args.pos_emb == "rpe" else None
         self.tp_heads: tuple[int, int] | None = None
         """The heads this tensor rank holds (ALiBi's slopes are cut to them)."""
+        self.sequence_shards = 1
+        """Set by sequence parallelism: the tensor ranks the hidden states between blocks are
+        split over along the sequence (a later pipeline stage receives one slice)."""
         self.embedded_output: Callable[[torch.Tensor], torch.Tensor] | None = None
         """Set by sequence parallelism with learned or sinusoidal positions: the embeddings
         (added to the whole sequence's positions) cut to this rank's sequence slice."""
@@ -440,6 +443,7 @@ class Transformer(nn.Module):
         prompted = self.soft_prompt is not None and self.embed is not None
         if self.embed is None:  # a later pipeline stage: the input is hidden states
             x = tokens_BT
+            t *= self.sequence_shards  # (sequence parallelism: this rank's slice of them)
         elif prompted:
             x, positions_BT, key_valid_BS = self._prompted(
                 tokens_BT, positions_BT, key_valid_BS, start

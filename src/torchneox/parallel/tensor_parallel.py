@@ -68,6 +68,7 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
     sequence parallelism with MoE layers). Tied embeddings: the head reads the embedding's
     vocabulary-split weight (one tensor, its gradient summed from both uses)."""
     seq = Shard(1) if sequence_parallel else Replicate()
+    model.sequence_shards = mesh.size() if sequence_parallel else 1
     top = {}
     # a pipeline stage may hold neither end; with sequence parallelism the hidden states pass
     # between stages as each tensor rank's sequence slice
