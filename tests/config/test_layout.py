@@ -15,9 +15,14 @@ from torchneox.config.load import load_config, load_mapping
 UNTIED = {"no_weight_tying": True}
 CASES = [
     (
-        "tied-embeddings-with-pipeline",
-        {"pipe_parallel_size": 2, "gradient_accumulation_steps": 2},
-        "no_weight_tying: tied embeddings with pipe_parallel_size >= 2 are not built yet",
+        "tied-embeddings-with-the-v-schedule",
+        {
+            "pipe_parallel_size": 2,
+            "gradient_accumulation_steps": 2,
+            "pipeline_schedule": "zbv",
+            "num_layers": 4,
+        },
+        "no_weight_tying: tied embeddings with pipeline_schedule zbv are not built",
     ),
     (
         "1f1b-with-fewer-micro-batches-than-stages",
@@ -59,9 +64,16 @@ CASES = [
         "expert_parallel_size: 2 must divide the data-parallel size 2 and moe_num_experts 3",
     ),
     (
-        "relative-positions-with-pipeline",
-        UNTIED | {"pipe_parallel_size": 2, "gradient_accumulation_steps": 2, "pos_emb": "rpe"},
-        "pos_emb: pos_emb 'rpe' with pipe_parallel_size >= 2 is not built",
+        "relative-positions-with-several-stages-per-rank",
+        UNTIED
+        | {
+            "pipe_parallel_size": 2,
+            "gradient_accumulation_steps": 2,
+            "pipeline_schedule": "interleaved_1f1b",
+            "num_layers": 4,
+            "pos_emb": "rpe",
+        },
+        "pos_emb: pos_emb 'rpe' with pipeline_schedule interleaved_1f1b is not built",
     ),
     (
         "rwkv-with-tensor-parallelism",
@@ -120,10 +132,10 @@ def test_a_layout_that_runs_passes(make_config):
 
 def test_an_unset_key_is_named_without_a_file():
     loaded = load_mapping(
-        {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 32}, "x"
+        {"num_layers": 4, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 32}, "x"
     )
     layout = Layout.from_derived(loaded.config, derive(loaded, world_size=2))
-    pp2 = Layout(**{**layout.__dict__, "pp": 2, "dp": 1})
+    pp2 = Layout(**{**layout.__dict__, "pp": 2, "dp": 1, "schedule": "zbv", "gas": 4})
     with pytest.raises(ConfigError) as e:
         check_layout(loaded, pp2)
     assert str(e.value).startswith("no_weight_tying: tied embeddings")

@@ -98,12 +98,39 @@ def test_eod_mask_loss_and_z_loss_through_the_stages_equal_one_process(config, t
         assert z_pp[k] == pytest.approx(z_one[k], rel=1e-5), k
 
 
-def test_pipeline_checkpoint_resumes_as_data_parallel(config, tmp_path, make_config):
-    cfg = make_config("pp6.yml", train_iters=6, **PP_KEYS)
+SHARED_KEYS = {"pos_emb": "rpe", "rpe_num_buckets": 8, "rpe_max_distance": 16}
+SHARED = ["no_weight_tying=false", *(f"{k}={v}" for k, v in SHARED_KEYS.items())]
+
+
+def test_tied_embeddings_and_rpe_across_stages_equal_one_process(config, tmp_path):
+    """Tied embeddings (the first stage's embedding is the last stage's head) and rpe's table
+    (every stage's layers read it): each holding stage keeps a copy, their gradients summed
+    over the stages (sharded by ZeRO-3 within each) and counted once in the norm."""
+    train(config, f"save={tmp_path / 'one'}", "load=null", *SHARED)
+    out = tmp_path / "pp"
+    zero3 = [
+        "pipe_parallel_size=2",
+        "train_micro_batch_size_per_gpu=1",
+        "zero_optimization.stage=3",
+    ]
+    train(config, f"save={out}", "load=null", *zero3, *SHARED, nproc=4)
+    assert_same_training(out, reference(tmp_path / "one"))
+
+
+MOVES = {
     # two pipeline stages, then two data-parallel ranks
-    assert_resumes_like_whole(
-        cfg, tmp_path, [], ["pipe_parallel_size=2"], 2, ["train_micro_batch_size_per_gpu=1"], 2
-    )
+    "pp2-to-dp2": (["pipe_parallel_size=2"], 2, ["train_micro_batch_size_per_gpu=1"], 2),
+    # one process, then two stages: the tied embedding and rpe's table loaded into every copy
+    "one-to-pp2-tied-rpe": ([], 1, ["pipe_parallel_size=2"], 2),
+}
+
+
+@pytest.mark.parametrize("move", list(MOVES))
+def test_pipeline_checkpoints_resume_in_another_layout(config, tmp_path, make_config, move):
+    first, first_n, then, then_n = MOVES[move]
+    keys = PP_KEYS | ({} if move == "pp2-to-dp2" else dict(SHARED_KEYS, no_weight_tying=False))
+    cfg = make_config("pp6.yml", train_iters=6, **keys)
+    assert_resumes_like_whole(cfg, tmp_path, [], first, first_n, then, then_n)
 
 
 @pytest.mark.parametrize("pp", [0, 1])
@@ -121,8 +148,9 @@ def test_stage_split_is_balanced_and_covers_every_layer(config):
         assert [i for r in ranges for i in r] == list(range(10))
         assert max(map(len, ranges)) - min(map(len, ranges)) <= 1
     tied = model_args(load_config([config], ["num_layers=10", "no_weight_tying=false"]))
-    heavy = stage_layers(tied, 2, "parameters")  # the embedding weighs on the first stage
-    assert len(heavy[0]) < len(heavy[1])
+    # the embedding weighs on the first stage, and (tied: the head's copy) on the last
+    ends = stage_layers(tied, 3, "parameters")
+    assert len(ends[1]) > len(ends[0]) and len(ends[1]) > len(ends[2])
     assert rank_stage_indices("zbv", 0, 2, 2) == [0, 3] and rank_stage_indices(
         "interleaved_1f1b", 1, 2, 2
     ) == [1, 3]

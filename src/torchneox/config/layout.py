@@ -170,25 +170,26 @@ def _whole_heads(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
 def _tied_embeddings(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     if cfg.model.no_weight_tying:
         return None
-    if lay.pp > 1:
+    if lay.pp > 1 and lay.schedule == "zbv":
         return _refuse(
-            "tied embeddings with pipe_parallel_size >= 2 are not built yet (the head would live "
-            "on another stage than the embedding); set no_weight_tying: true",
+            "tied embeddings with pipeline_schedule zbv are not built (its V puts the first and "
+            "the last stage on one rank, which would hold two copies of the embedding); use "
+            "another schedule, or no_weight_tying: true",
             key="no_weight_tying",
-            cause="pipe_parallel_size",
+            cause="pipeline_schedule",
         )
     return None
 
 
 def _tensor_parallel_positions(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     pos = cfg.model.pos_emb
-    if lay.pp > 1 and pos == "rpe":
+    if lay.pp > 1 and pos == "rpe" and lay.schedule not in ("gpipe", "1f1b"):
         return _refuse(
-            "pos_emb 'rpe' with pipe_parallel_size >= 2 is not built (every layer reads one "
-            "table; GPT-NeoX's stages would each train their own copy); use data, ZeRO or "
-            "tensor parallelism",
+            f"pos_emb 'rpe' with pipeline_schedule {lay.schedule} is not built (every layer "
+            "reads one table, and a rank holding several stages would hold several copies); "
+            "use gpipe or 1f1b",
             key="pos_emb",
-            cause="pipe_parallel_size",
+            cause="pipeline_schedule",
         )
     return None
 

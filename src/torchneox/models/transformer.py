@@ -206,6 +206,9 @@ class Transformer(nn.Module):
         self.rpe = nn.Embedding(args.rpe_buckets, args.num_heads) if args.pos_emb == "rpe" else None
         self.tp_heads: tuple[int, int] | None = None
         """The heads this tensor rank holds (ALiBi's slopes are cut to them)."""
+        self.first_stage = True
+        """False on a later pipeline stage: its input is hidden states (its embedding, where it
+        holds one, is the tied head's weight)."""
         self.sequence_shards = 1
         """Set by sequence parallelism: the tensor ranks the hidden states between blocks are
         split over along the sequence (a later pipeline stage receives one slice)."""
@@ -440,8 +443,8 @@ class Transformer(nn.Module):
         static = cache if isinstance(cache, StaticKVCache) else None
         if static is not None and positions_BT is None:
             positions_BT = static.queries(t)
-        prompted = self.soft_prompt is not None and self.embed is not None
-        if self.embed is None:  # a later pipeline stage: the input is hidden states
+        prompted = self.soft_prompt is not None and self.first_stage
+        if not self.first_stage:  # a later pipeline stage: the input is hidden states
             x = tokens_BT
             t *= self.sequence_shards  # (sequence parallelism: this rank's slice of them)
         elif prompted:

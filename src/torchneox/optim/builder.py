@@ -140,17 +140,21 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sta
         group.update({k: optimizer.defaults[k] for k in KERNEL_FLAGS if k in optimizer.defaults})
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float, group=None) -> torch.Tensor:
+def clip_grad_norm(
+    params: list[torch.Tensor], max_norm: float, group=None, repeated: frozenset[int] = frozenset()
+) -> torch.Tensor:
     """Global L2 norm of the gradients (sharded DTensor gradients included), clipped to
     ``max_norm`` in place; returns the norm before clipping, as a plain tensor. ``group``: the
-    pipeline group whose stages' norms add up to the model's."""
+    pipeline group whose stages' norms add up to the model's; ``repeated``: the ids of
+    parameters another stage holds too (counted there), clipped but not counted here."""
     from torch.distributed.tensor import DTensor
 
     squares = []
-    plain = [p.grad for p in params if not isinstance(p.grad, DTensor)]
+    counted = [p for p in params if id(p) not in repeated]
+    plain = [p.grad for p in counted if not isinstance(p.grad, DTensor)]
     if plain:
         squares.append(torch.stack(torch._foreach_norm(plain)).float().pow(2).sum())
-    squares += _dtensor_squares([p.grad for p in params if isinstance(p.grad, DTensor)])
+    squares += _dtensor_squares([p.grad for p in counted if isinstance(p.grad, DTensor)])
     device = params[0].device if params else torch.device("cpu")
     total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
     if group is not None:  # pipeline stages hold disjoint parameters: add their squares

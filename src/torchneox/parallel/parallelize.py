@@ -37,7 +37,7 @@ from torchneox.parallel.data_parallel import apply_data_parallel, shard_frozen
 from torchneox.parallel.dims import ParallelDims
 from torchneox.parallel.expert_parallel import apply_expert_parallel
 from torchneox.parallel.fp8 import apply_fp8
-from torchneox.parallel.pipeline import Pipeline, build_pipeline
+from torchneox.parallel.pipeline import Pipeline, build_pipeline, share_across_stages
 from torchneox.parallel.shards import local_part
 from torchneox.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -205,6 +205,7 @@ def build_parallel_model(
             drawn[0] += materialise(part, device, options.seed, init)
 
         pipeline = build_pipeline(args, dims.mesh["pp"], device, layout, pipeline_loss, prepare)
+        share_across_stages(pipeline, dims.mesh, args)
         return ParallelModel(pipeline.container, pipeline.container, pipeline, drawn=drawn[0])
     with torch.device("meta"):
         model = Transformer(args)

@@ -61,8 +61,8 @@ def stage_layers(args: ModelArgs, num_stages: int, method: str) -> list[range]:
     first = last = 0.0
     if method == "parameters":
         first = float(args.vocab_size * args.hidden_size)
-        last = first if not args.tied_embeddings else 0.0
-    cumulative = [first]
+        last = first
+    cumulative = [first]  # (a tied model's last stage holds a copy of the embedding too)
     for c in costs:
         cumulative.append(cumulative[-1] + c)
     total = cumulative[-1] + last
@@ -86,13 +86,16 @@ def rank_stage_indices(schedule: str, pp_rank: int, pp_size: int, virtual: int) 
 
 
 def stage_module(full_meta: Transformer, layers: range, first: bool, last: bool) -> Transformer:
-    """A copy of the meta model keeping only ``layers`` (and the ends it owns)."""
+    """A copy of the meta model keeping only ``layers`` (and the ends it owns: the last stage
+    of a tied model keeps a copy of the embedding, its head's weight)."""
     part = copy.deepcopy(full_meta)
     for name in list(part.layers):
         if int(name) not in layers:
             del part.layers[name]
+    part.first_stage = first
     if not first:
-        part.embed = None
+        if not (last and full_meta.args.tied_embeddings):
+            part.embed = None
         part.pos_embed = None
     if not last:
         part.final_norm = None
@@ -110,6 +113,68 @@ class Pipeline:
     schedule: object
     has_first: bool
     has_last: bool
+    shared: StageShared | None = None
+    """The parameters several stages hold (``share_across_stages``)."""
+
+
+SHARED_ACROSS_STAGES = ("embed.weight", "rpe.weight")
+"""Parameters more than one stage reads: tied embeddings (the first stage's embedding, the last
+stage's head) and ``pos_emb: rpe``'s table (every layer's attention)."""
+
+
+@dataclass
+class StageShared:
+    """One parameter held by several pipeline stages, Megatron's way: each holding rank keeps
+    a copy, drawn alike (every weight's generator is seeded by its name); the copies'
+    gradients are summed over the holders before clipping, so every copy takes the same step
+    and stays bitwise equal to the others, and the gradient norm counts it once (on the first
+    holder). Checkpoints hold it once (the copies have one name)."""
+
+    params: list[torch.nn.Parameter]
+    groups: list[Any]
+    """Per parameter: the process group of its holders."""
+    repeated: set[int]
+    """The ids of this rank's copies the gradient norm leaves out."""
+
+    def sync(self) -> None:
+        from torch.distributed.tensor import DTensor
+
+        for param, group in zip(self.params, self.groups, strict=True):
+            grad = param.grad
+            if grad is None:
+                continue
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            torch.distributed.all_reduce(local, group=group)
+
+
+def share_across_stages(pipeline: Pipeline, mesh: DeviceMesh, args: ModelArgs) -> None:
+    """Set ``pipeline.shared``: the groups of the ranks holding each shared parameter (every
+    rank takes part in making them: new process groups are collective)."""
+    pp_dim = mesh.mesh_dim_names.index("pp")
+    rows = mesh.mesh.movedim(pp_dim, -1).reshape(-1, mesh.size(pp_dim)).tolist()
+    pp_rank, pp_size = mesh["pp"].get_local_rank(), mesh.size(pp_dim)
+    holders = {
+        "embed.weight": [0, pp_size - 1] if args.tied_embeddings else [],
+        "rpe.weight": list(range(pp_size)) if args.pos_emb == "rpe" else [],
+    }
+    held = dict(pipeline.container.named_parameters())
+    params, groups, repeated = [], [], set()
+    for name in SHARED_ACROSS_STAGES:
+        ranks = holders[name]
+        if not ranks:
+            continue
+        if len(ranks) == pp_size:
+            group = mesh["pp"].get_group()
+        else:
+            group, _ = torch.distributed.new_subgroups_by_enumeration(
+                [[row[r] for r in ranks] for row in rows]
+            )
+        if pp_rank in ranks and name in held:
+            params.append(held[name])
+            groups.append(group)
+            if pp_rank != ranks[0]:
+                repeated.add(id(held[name]))
+    pipeline.shared = StageShared(params, groups, repeated)
 
 
 def build_pipeline(
@@ -142,8 +207,12 @@ def build_pipeline(
         parts.append(part)
         for name, block in part.layers.items():
             container.layers[name] = block
+        if part.rpe is not None and not parts[:-1]:  # every stage's copy of rpe's table
+            container.rpe = part.rpe
         if first:
             container.embed, container.pos_embed = part.embed, part.pos_embed
+        elif last and part.embed is not None:  # the tied head's copy of the embedding
+            container.embed = part.embed
         if last:
             container.final_norm, container.output = part.final_norm, part.output
             container.value_head = part.value_head

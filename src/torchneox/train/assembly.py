@@ -152,4 +152,6 @@ def add_step(
         settle_every,
         read_back,
     )
+    if run.parts.pipeline is not None:
+        update.stage_shared = run.parts.pipeline.shared
     run.step = TrainStep(gradients, update)

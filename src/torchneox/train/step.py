@@ -323,6 +323,8 @@ class Update:
         self.line, self.last_good = line, last_good
         self.settle_every, self.read_back = settle_every, read_back
         self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # unchecked steps
+        self.stage_shared: Any = None
+        """A pipeline's parameters held by several stages (parallel/pipeline.StageShared)."""
 
     @property
     def deferred(self) -> bool:
@@ -389,10 +391,14 @@ class Update:
         """Unscale the gradients and clip them; their norm before clipping (not read back)."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         shard_gradients_like_parameters(params)
+        repeated: frozenset[int] = frozenset()
+        if self.stage_shared is not None:  # copies on several stages: their gradients summed
+            self.stage_shared.sync()
+            repeated = frozenset(self.stage_shared.repeated)
         if self.scaler.scale != 1.0:
             torch._foreach_div_([p.grad for p in params], self.scaler.scale)
         clip = self.policy.clip
-        return clip_grad_norm(params, clip if clip > 0 else float("inf"), self.pp_group)
+        return clip_grad_norm(params, clip if clip > 0 else float("inf"), self.pp_group, repeated)
 
     def apply_gradients(self, iteration: int, bad: str | None) -> tuple[float, bool]:
         """Unscale, clip and apply the gradients; returns the gradient norm and whether the step
