@@ -419,5 +419,54 @@ def test_serve_without_fastapi_is_one_line(monkeypatch, capsys, tmp_path):
 )
 def test_serve_mistakes_are_one_line(server, capsys, flags, said):
     assert main(["serve", str(server["ckpt"]), *flags]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and said in err, err
+    err = capsys.readouterr().err  # "serve: loading CKPT", then the one line
+    assert err.count("torchneox: error:") == 1 and "Traceback" not in err, err
+    assert said in err.splitlines()[-1], err
+
+
+def test_a_hugging_face_folder_serves_what_generate_makes_of_it(server, tmp_path):
+    """`convert to-hf` of the checkpoint, served in this process (the app on its engine):
+    its chat template found beside the weights, the greedy text generate's from the folder."""
+    from fastapi.testclient import TestClient
+
+    from torchneox.cli.parser import build_parser
+    from torchneox.cli.serve import served_model
+    from torchneox.inference.serve.app import create_app
+
+    hf = tmp_path / "hf"
+    assert main(["convert", "to-hf", str(server["ckpt"]), str(hf)]) == 0
+    served, what = served_model(build_parser().parse_args(["serve", str(hf), "--device", "cpu"]))
+    assert what.startswith("hf (cpu, fp32, 8 slots of 128 tokens)")
+    served.engine.start()
+    try:
+        with TestClient(create_app(served)) as http:
+            messages = [{"role": "user", "content": "thou art"}]
+            body = {"model": "hf", "messages": messages, "max_tokens": 12, "temperature": 0}
+            r = http.post("/v1/chat/completions", json=body)
+    finally:
+        served.engine.stop()
+    assert r.status_code == 200, r.text
+    out = io.StringIO()
+    args = ["generate", "--hf", str(hf), "--prompt", "<|user|>thou art\n<|assistant|>"]
+    with contextlib.redirect_stdout(out):
+        assert main([*args, "--maximum-tokens", "12", "--temperature", "0"]) == 0
+    assert r.json()["choices"][0]["message"]["content"] == out.getvalue().removesuffix("\n")
+
+
+def test_streamed_text_holds_back_cut_characters_and_stop_prefixes():
+    """Bytes as tokens: a character cut between two tokens is not sent half, and text that may
+    begin a stop sequence waits until the next token says whether it does."""
+    from torchneox.data.tokenizers import CharLevelTokenizer
+    from torchneox.inference.serve.responses import ChoiceText
+
+    text = ChoiceText(CharLevelTokenizer(), ["lo!", "xyz"])
+    sent, going = [], True
+    for byte in "héllo wor".encode():
+        going = going and text.add(byte)
+        sent.append(text.ready())
+    assert sent == ["h", "", "é", "", "l", "", "lo ", "w", "o", "r"]
+    assert "".join(sent) + text.finish() == "héllo wor"
+    text = ChoiceText(CharLevelTokenizer(), ["lo!"])
+    ends = [text.add(b) for b in b"hello!"]
+    assert ends == [True, True, True, True, True, False]
+    assert text.text == "hel" and text.finish() == "hel"

@@ -23,9 +23,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
             f"serve needs FastAPI and uvicorn ({e.name} is not installed): "
             "pip install 'torchneox[serve]'"
         ) from None
+    from torchneox.inference.serve.app import create_app, run
+
+    print(f"serve: loading {args.model}", file=sys.stderr, flush=True)
+    served, what = served_model(args)
+
+    def ready(host: str, port: int) -> None:
+        shown = f"[{host}]" if ":" in host else host
+        print(f"serving {what} at http://{shown}:{port}/v1", flush=True)
+
+    served.engine.start()
+    try:
+        run(create_app(served), args.host, args.port, ready)
+    finally:
+        served.engine.stop(drain=True)
+    print("serve: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def served_model(args: argparse.Namespace) -> tuple[Any, str]:
+    """The model and its adapters loaded, their engine (not started yet), and a line saying
+    what is served."""
     import torch
 
-    from torchneox.inference.serve.app import Served, create_app, run
+    from torchneox.inference.serve.app import Served
     from torchneox.inference.serve.engine import Engine, refuse_unservable
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -44,11 +65,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     refuse_unservable(base.args, max_seq_len, args.model)
     dtype = getattr(torch, DTYPES[args.dtype])
-    models = {name: base.to(dtype)}
+    models = {name: base.to(dtype)}  # before the adapters: they share its converted weights
     for adapter_name, folder in adapters.items():
         from torchneox.interop.peft_adapter import adapted_model
 
-        models[adapter_name] = adapted_model(loaded, base, folder).to(dtype)
+        models[adapter_name] = adapted_model(loaded, base, folder)
     tokenizer, chat, no_chat, stops = _tokenizers(loaded, args.model)
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eod_id
     engine = Engine(models, args.max_batch, max_seq_len, args.max_queue, pad, args.step_delay)
@@ -56,23 +77,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         list(models), tokenizer, chat, no_chat, stops, max_seq_len,
         base.args.vocab_size, engine, args.api_key, args.max_body,
     )  # fmt: skip
-
-    def ready(host: str, port: int) -> None:
-        shown = f"[{host}]" if ":" in host else host
-        others = f" and adapters {', '.join(adapters)}" if adapters else ""
-        print(
-            f"serving {name}{others} ({device}, {args.dtype}, {args.max_batch} slots of "
-            f"{max_seq_len} tokens) at http://{shown}:{port}/v1",
-            flush=True,
-        )
-
-    engine.start()
-    try:
-        run(create_app(served), args.host, args.port, ready)
-    finally:
-        engine.stop(drain=True)
-    print("serve: stopped", file=sys.stderr, flush=True)
-    return 0
+    others = f" and adapters {', '.join(adapters)}" if adapters else ""
+    what = (
+        f"{name}{others} ({device}, {args.dtype}, {args.max_batch} slots of {max_seq_len} tokens)"
+    )
+    return served, what
 
 
 def _adapter_flags(flags: list[str]) -> dict[str, str]:

@@ -240,12 +240,17 @@ class Engine:
                     if self.stopping and not self.waiting and not self.running_count():
                         return
                     admitted = self._admit()
-                self._drop_cancelled()
-                for lane, jobs in admitted.items():
-                    self._guarded(lane, jobs, self._prefill)
-                for name, lane in list(self.lanes.items()):
-                    if lane.running():
-                        self._guarded(name, lane.running(), self._step)
+                try:
+                    self._drop_cancelled()
+                    for lane, jobs in admitted.items():
+                        self._guarded(lane, jobs, self._prefill)
+                    for name, lane in list(self.lanes.items()):
+                        if lane.running():
+                            self._guarded(name, lane.running(), self._step)
+                except Exception as e:  # a bug: every running job fails, the engine goes on
+                    for lane in self.lanes.values():
+                        for job in lane.running():
+                            self._finish(job, "error", f"{type(e).__name__}: {e}")
                 self.steps += 1
                 if self.step_delay:
                     time.sleep(self.step_delay)
@@ -271,7 +276,11 @@ class Engine:
             if job.cancelled:
                 job.sink.done("cancelled")
                 continue
-            lane = self._lane(job.lane)
+            try:
+                lane = self._lane(job.lane)
+            except Exception as e:  # its KV cache does not fit: this job fails
+                job.sink.done("error", f"{type(e).__name__}: {e}")
+                continue
             job.row = lane.free_row()
             lane.jobs[job.row] = job
             admitted.setdefault(job.lane, []).append(job)
