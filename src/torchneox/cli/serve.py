@@ -32,6 +32,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         shown = f"[{host}]" if ":" in host else host
         print(f"serving {what} at http://{shown}:{port}/v1", flush=True)
 
+    served.engine.warm_up()
     served.engine.start()
     try:
         run(create_app(served), args.host, args.port, ready)

@@ -176,6 +176,20 @@ class Engine:
         for model in models.values():
             model.eval()
 
+    def warm_up(self) -> None:
+        """A forward at every power of two of rows up to the largest prefill, for each model:
+        the CPU's kernel choices (models/cpu_kernels.py, timed once per machine and shape) are
+        made here, not while a request waits; a GPU loads its kernels."""
+        widest = min(PREFILL_TOKENS, self.max_batch * self.max_seq_len)
+        with torch.no_grad(), torch.nn.attention.sdpa_kernel(DECODE_BACKENDS):
+            for model in self.models.values():
+                device, rows = model.embed.weight.device, 1
+                while rows <= widest:
+                    width = min(rows, self.max_seq_len)
+                    batch = -(-rows // width)
+                    model(torch.zeros(batch, width, dtype=torch.long, device=device))
+                    rows *= 2
+
     # ------------------------------------------------------------ the callers' side
 
     def submit(self, jobs: list[Job]) -> None:
