@@ -470,3 +470,42 @@ def test_streamed_text_holds_back_cut_characters_and_stop_prefixes():
     ends = [text.add(b) for b in b"hello!"]
     assert ends == [True, True, True, True, True, False]
     assert text.text == "hel" and text.finish() == "hel"
+
+
+def test_the_engine_decodes_what_generate_does_as_requests_come_and_go():
+    """In this process, on a GQA model: 16 prompts of 1-12 tokens submitted while others run
+    (4 slots: each joins as one leaves), each greedy text generate's for it alone."""
+    from tests.helpers import build
+    from torchneox.inference.generate import Sampling, generate
+    from torchneox.inference.serve.engine import Engine, Job
+
+    class Sink:
+        def __init__(self):
+            self.tokens, self.over = [], threading.Event()
+
+        def token(self, token, logprob):
+            self.tokens.append(token)
+            return True
+
+        def done(self, reason, error=None):
+            self.over.set()
+
+    _, model = build("rmsnorm-swiglu-gqa")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(2, 60) for _ in range(rng.randint(1, 12))] for _ in range(16)]
+    lengths = [12 + 9 * (i % 4) for i in range(16)]
+    engine = Engine({"m": model}, max_batch=4, max_seq_len=model.args.max_positions, max_queue=16)
+    engine.start()
+    sinks = [Sink() for _ in prompts]
+    try:
+        for p, n, sink in zip(prompts, lengths, sinks, strict=True):
+            engine.submit([Job("m", p, n, Sampling(temperature=0.0), sink)])
+            time.sleep(0.005)
+        assert all(s.over.wait(60) for s in sinks)
+    finally:
+        engine.stop()
+    want = [
+        generate(model, [p], Sampling(maximum_tokens=n))[0]
+        for p, n in zip(prompts, lengths, strict=True)
+    ]
+    assert [s.tokens for s in sinks] == want

@@ -31,12 +31,16 @@ from torchneox.inference.generate import (
     _left_padded,
     next_tokens,
 )
+from torchneox.models.linear import Linear, onednn_selected
 from torchneox.models.mixers.attention import KVCache
 from torchneox.models.transformer import Transformer
 
-PREFILL_TOKENS = 8192
-"""Prompt tokens (padding included) prefilled in one forward at most: the logits of every
-prompt position are computed, [jobs, longest, vocab] in fp32."""
+WARM_FORWARD_ROWS = 256
+"""warm_up runs forwards of up to this many rows (beyond, it makes the kernel choices only)."""
+PREFILL_TOKENS = 4096
+"""Prompt tokens admitted in one step at most (one prompt at least), and prefilled in one
+forward (padding included): the running sequences wait for a step's prefill, so this bounds
+the pause a new request makes in their streams."""
 
 
 class QueueFull(Exception):
@@ -177,17 +181,23 @@ class Engine:
             model.eval()
 
     def warm_up(self) -> None:
-        """A forward at every power of two of rows up to the largest prefill, for each model:
-        the CPU's kernel choices (models/cpu_kernels.py, timed once per machine and shape) are
-        made here, not while a request waits; a GPU loads its kernels."""
+        """The kernel choices of every product shape a request can meet, made before the
+        first request waits for them: on the CPU, ``cpu_matmul``'s (models/linear.py, timed
+        once per machine and shape, by rows rounded up to a power of two) for every power of
+        two up to the largest prefill; a forward at each up to WARM_FORWARD_ROWS (the decode
+        steps' shapes, and a GPU's kernels loaded)."""
         widest = min(PREFILL_TOKENS, self.max_batch * self.max_seq_len)
         with torch.no_grad(), torch.nn.attention.sdpa_kernel(DECODE_BACKENDS):
             for model in self.models.values():
                 device, rows = model.embed.weight.device, 1
                 while rows <= widest:
-                    width = min(rows, self.max_seq_len)
-                    batch = -(-rows // width)
-                    model(torch.zeros(batch, width, dtype=torch.long, device=device))
+                    if rows <= WARM_FORWARD_ROWS:
+                        width = min(rows, self.max_seq_len)
+                        batch = -(-rows // width)
+                        model(torch.zeros(batch, width, dtype=torch.long, device=device))
+                    elif device.type == "cpu" and model.embed.weight.dtype == torch.float32:
+                        for k, n, mode in _product_shapes(model):
+                            onednn_selected(rows, k, n, mode)
                     rows *= 2
 
     # ------------------------------------------------------------ the callers' side
@@ -279,13 +289,16 @@ class Engine:
                     self._finish(job, "error", f"{type(e).__name__}: {e}")
 
     def _admit(self) -> dict[str, list[Job]]:
-        """Waiting jobs into free rows (first come first served), by lane."""
+        """Waiting jobs into free rows (first come first served, PREFILL_TOKENS of prompts at
+        most), by lane."""
         admitted: dict[str, list[Job]] = {}
         for job in [j for j in self.waiting if j.cancelled]:
             self.waiting.remove(job)
             job.sink.done("cancelled")
-        free = self.max_batch - self.running_count()
+        free, budget = self.max_batch - self.running_count(), PREFILL_TOKENS
         while self.waiting and free > 0:
+            if len(self.waiting[0].prompt) > budget and budget < PREFILL_TOKENS:
+                break  # the next step takes it
             job = self.waiting.popleft()
             if job.cancelled:
                 job.sink.done("cancelled")
@@ -298,7 +311,7 @@ class Engine:
             job.row = lane.free_row()
             lane.jobs[job.row] = job
             admitted.setdefault(job.lane, []).append(job)
-            free -= 1
+            free, budget = free - 1, budget - len(job.prompt)
         return admitted
 
     def _lane(self, name: str) -> _Lane:
@@ -341,8 +354,13 @@ class Engine:
         longest = max(len(p) for p in prompts)
         tokens, positions, valid, padded = _left_padded(prompts, longest, self.pad_id, device)
         own = KVCache(model.args, len(jobs), longest, cache.k.dtype, device)
+        every = any(j.prompt_logprobs for j in jobs)  # else the head reads the last token only
         logits = model(
-            tokens, positions_BT=positions, key_valid_BS=valid if padded else None, cache=own
+            tokens,
+            positions_BT=positions,
+            key_valid_BS=valid if padded else None,
+            cache=own,
+            last_only=not every,
         )
         for i, job in enumerate(jobs):
             n, row = len(job.prompt), job.row
@@ -417,3 +435,20 @@ def _logprobs(
             pairs = list(zip(best.indices[t].tolist(), best.values[t].tolist(), strict=True))
         out.append((chosen[t], pairs))
     return out
+
+
+def _product_shapes(model: Transformer) -> set[tuple[int, int, str]]:
+    """(inner width, output width, cpu_matmul) of every linear product of a forward: each
+    Linear's, its LoRA adapter's two, and a tied head's."""
+    shapes = set()
+    for m in model.modules():
+        if isinstance(m, Linear):
+            shapes.add((m.in_features, m.out_features, m.cpu_matmul))
+            a = m._modules.get("lora_A")
+            if a is not None:
+                shapes |= {(m.in_features, a.out_features, m.cpu_matmul)}
+                shapes |= {(a.out_features, m.out_features, m.cpu_matmul)}
+    if model.output is None:
+        vocab, hidden = model.embed.weight.shape
+        shapes.add((hidden, vocab, model.args.cpu_matmul))
+    return shapes
