@@ -300,6 +300,8 @@ def _error(call) -> tuple[int, dict]:
         ({"max_tokens": 125}, 400, "prompt", "context_length_exceeded"),
         ({"prompt": "x" * 200}, 400, "prompt", "context_length_exceeded"),
         ({"prompt": [[5, 999]]}, 400, "prompt", "invalid_value"),
+        ({"prompt": [[5], []]}, 400, "prompt", "invalid_value"),
+        ({"prompt": ["a"] * 11, "max_tokens": 1}, 400, "prompt", "invalid_value"),
         ({"n": 11, "max_tokens": 1}, 400, "n", "invalid_value"),
         ({"presence_penalty": 1.0}, 400, "presence_penalty", "invalid_value"),
     ],

@@ -202,7 +202,7 @@ async def _answer(
     jobs = _jobs(call, p, budgets, p.model, stops)
     if len(jobs) > engine.max_batch + engine.max_queue:
         raise protocol.invalid(
-            "n",
+            "n" if len(call.prompts) == 1 else "prompt",
             f"{len(jobs)} choices are more than this server holds at once "
             f"({engine.max_batch} running + {engine.max_queue} waiting): ask for fewer",
         )

@@ -221,6 +221,8 @@ def prompts(body: dict, vocab: int) -> list[list[int] | str]:
     for item in value:
         if isinstance(item, str):
             out.append(item)
+        elif isinstance(item, list) and not item:
+            raise invalid("prompt", "a prompt of token ids is empty; give at least one token")
         elif isinstance(item, list) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in item
         ):
