@@ -25,7 +25,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ) from None
     from torchneox.inference.serve.app import create_app, run
 
-    print(f"serve: loading {args.model}", file=sys.stderr, flush=True)
     served, what = served_model(args)
 
     def ready(host: str, port: int) -> None:
@@ -55,6 +54,11 @@ def served_model(args: argparse.Namespace) -> tuple[Any, str]:
     name = args.name or Path(args.model).resolve().name
     if name in adapters:
         raise ConfigError(f"--adapter {name}=...: {name} is MODEL's own name; name it otherwise")
+    if not Path(args.model).exists():
+        raise ConfigError(
+            f"{args.model}: no such folder; give a checkpoint or a Hugging Face folder"
+        )
+    print(f"serve: loading {args.model}", file=sys.stderr, flush=True)
     loaded, base = _load(args.model, device)
     limit = base.args.max_positions
     max_seq_len = args.max_seq_len or limit
@@ -102,8 +106,6 @@ def _adapter_flags(flags: list[str]) -> dict[str, str]:
 def _load(model: str, device: str) -> tuple[Any, Any]:
     from torchneox.models.hf.folder import is_hf_folder
 
-    if not Path(model).exists():
-        raise ConfigError(f"{model}: no such folder; give a checkpoint or a Hugging Face folder")
     if is_hf_folder(model):
         from torchneox.interop.huggingface import load_hf_model
 
