@@ -474,9 +474,12 @@ def test_streamed_text_holds_back_cut_characters_and_stop_prefixes():
     assert text.text == "hel" and text.finish() == "hel"
 
 
-def test_the_engine_decodes_what_generate_does_as_requests_come_and_go():
+@pytest.mark.parametrize("loop", ["dynamic", "static"])
+def test_the_engine_decodes_what_generate_does_as_requests_come_and_go(loop):
     """In this process, on a GQA model: 16 prompts of 1-12 tokens submitted while others run
-    (4 slots: each joins as one leaves), each greedy text generate's for it alone."""
+    (4 slots: each joins as one leaves), each greedy text generate's for it alone; with the
+    dynamic steps (the running rows, up to the longest) and the static ones (every row and
+    column: what a GPU captures as a CUDA graph)."""
     from tests.helpers import build
     from torchneox.inference.generate import Sampling, generate
     from torchneox.inference.serve.engine import Engine, Job
@@ -496,7 +499,8 @@ def test_the_engine_decodes_what_generate_does_as_requests_come_and_go():
     rng = random.Random(0)
     prompts = [[rng.randrange(2, 60) for _ in range(rng.randint(1, 12))] for _ in range(16)]
     lengths = [12 + 9 * (i % 4) for i in range(16)]
-    engine = Engine({"m": model}, max_batch=4, max_seq_len=model.args.max_positions, max_queue=16)
+    engine = Engine({"m": model}, 4, model.args.max_positions, 16, decode_loop=loop)
+    engine.warm_up()
     engine.start()
     sinks = [Sink() for _ in prompts]
     try:

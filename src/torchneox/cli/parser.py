@@ -285,6 +285,13 @@ def _serve_verb(verbs: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
     serve.add_argument(
+        "--decode-loop",
+        choices=("auto", "static", "dynamic"),
+        default="auto",
+        help="static: every slot and position each step, a CUDA graph on a GPU; dynamic: the "
+        "running slots up to the longest; auto: static on CUDA",
+    )
+    serve.add_argument(
         "--device", type=device_name, default=None, help="cpu or cuda (default: cuda if any)"
     )
     serve.add_argument("--step-delay", type=number(float, 0), default=0.0, help=argparse.SUPPRESS)

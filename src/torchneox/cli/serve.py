@@ -77,7 +77,9 @@ def served_model(args: argparse.Namespace) -> tuple[Any, str]:
         models[adapter_name] = adapted_model(loaded, base, folder)
     tokenizer, chat, no_chat, stops = _tokenizers(loaded, args.model)
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eod_id
-    engine = Engine(models, args.max_batch, max_seq_len, args.max_queue, pad, args.step_delay)
+    engine = Engine(
+        models, args.max_batch, max_seq_len, args.max_queue, pad, args.step_delay, args.decode_loop
+    )
     served = Served(
         list(models), tokenizer, chat, no_chat, stops, max_seq_len,
         base.args.vocab_size, engine, args.api_key, args.max_body,

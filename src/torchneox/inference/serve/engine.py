@@ -15,6 +15,7 @@ wait, and ``submit`` refuses past that (``QueueFull``: the server's 429).
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import deque
@@ -28,8 +29,11 @@ from torchneox.inference.generate import (
     DECODE_BACKENDS,
     Sampling,
     _cache_dtype,
+    _cuda_graph,
     _left_padded,
+    graph_capturable,
     next_tokens,
+    static_decoding,
 )
 from torchneox.models.linear import Linear, onednn_selected
 from torchneox.models.mixers.attention import KVCache
@@ -92,6 +96,9 @@ class SlotKVCache(KVCache):
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.rows = batch
         self.width = 0
+        self.slot = torch.zeros((), dtype=torch.long, device=device)
+        """What ``generate``'s CUDA-graph capture puts back after its warm-up steps (nothing
+        moves it here: a step writes where ``lengths`` say, which only the engine changes)."""
 
     @property
     def length(self) -> int:  # the model's start column: this step's scratch column
@@ -136,8 +143,8 @@ def refuse_unservable(args, max_seq_len: int, where: str) -> None:
 class _Lane:
     """One model's rows: its cache, which job holds each row, each row's last token."""
 
-    def __init__(self, model: Transformer, slots: int, max_seq_len: int):
-        self.model = model
+    def __init__(self, model: Transformer, slots: int, max_seq_len: int, static: bool):
+        self.model, self.static = model, static
         device = model.embed.weight.device
         self.cache = SlotKVCache(
             model.args, slots, max_seq_len, _cache_dtype(model, device), device
@@ -148,6 +155,32 @@ class _Lane:
         self.last = [0] * slots
         """Each row's last token, the next step's input."""
         self.columns = torch.arange(max_seq_len, device=device)
+        self.tokens = torch.zeros(slots, 1, dtype=torch.long, device=device)
+        """The static steps' input (its buffer: a captured graph reads it where it is)."""
+        self.graph = None
+
+    def static_step(self) -> torch.Tensor:
+        """[slots, vocab] the next logits of every row: a step of fixed shapes over all the
+        rows and all the columns (the scratch column the last one), replayed as a CUDA graph
+        on a GPU (``generate``'s capture) where the model allows one."""
+        cache = self.cache
+        cache.rows, cache.width = len(self.jobs), self.columns.numel() - 1
+
+        def step() -> torch.Tensor:
+            valid = self.columns[None, :] < cache.lengths[:, None]
+            lengths = cache.lengths[:, None]
+            return self.model(self.tokens, positions_BT=lengths, key_valid_BS=valid, cache=cache)[
+                :, -1
+            ]
+
+        if self.graph is None:
+            self.graph = step
+            if self.tokens.device.type == "cuda" and graph_capturable(self.model):
+                try:
+                    self.graph = _cuda_graph(step, cache)
+                except Exception as e:  # a model the capture refuses: the same steps, eager
+                    print(f"serve: decoding without a CUDA graph ({e})", file=sys.stderr)
+        return self.graph()
 
     def running(self) -> list[Job]:
         return [j for j in self.jobs if j is not None]
@@ -167,8 +200,9 @@ class Engine:
         max_queue: int,
         pad_id: int = 0,
         step_delay: float = 0.0,
+        decode_loop: str = "auto",
     ):
-        self.models = models
+        self.models, self.decode_loop = models, decode_loop
         self.max_batch, self.max_seq_len, self.max_queue = max_batch, max_seq_len, max_queue
         self.pad_id, self.step_delay = pad_id, step_delay
         self.lanes: dict[str, _Lane] = {}
@@ -185,7 +219,8 @@ class Engine:
         first request waits for them: on the CPU, ``cpu_matmul``'s (models/linear.py, timed
         once per machine and shape, by rows rounded up to a power of two) for every power of
         two up to the largest prefill; a forward at each up to WARM_FORWARD_ROWS (the decode
-        steps' shapes, and a GPU's kernels loaded)."""
+        steps' shapes, and a GPU's kernels loaded). With static decoding, each model's lane is
+        made here and its step captured as a CUDA graph (on a GPU)."""
         widest = min(PREFILL_TOKENS, self.max_batch * self.max_seq_len)
         with torch.no_grad(), torch.nn.attention.sdpa_kernel(DECODE_BACKENDS):
             for model in self.models.values():
@@ -199,6 +234,9 @@ class Engine:
                         for k, n, mode in _product_shapes(model):
                             onednn_selected(rows, k, n, mode)
                     rows *= 2
+            for name, model in self.models.items():  # each lane's graph captured (static)
+                if static_decoding(self.decode_loop, model.embed.weight.device):
+                    self._lane(name).static_step()
 
     # ------------------------------------------------------------ the callers' side
 
@@ -316,7 +354,9 @@ class Engine:
 
     def _lane(self, name: str) -> _Lane:
         if name not in self.lanes:
-            self.lanes[name] = _Lane(self.models[name], self.max_batch, self.max_seq_len)
+            model = self.models[name]
+            static = static_decoding(self.decode_loop, model.embed.weight.device)
+            self.lanes[name] = _Lane(model, self.max_batch, self.max_seq_len, static)
         return self.lanes[name]
 
     def _drop_cancelled(self) -> None:
@@ -376,6 +416,14 @@ class Engine:
     def _step(self, name: str, jobs: list[Job]) -> None:
         """One token for every running row of the lane."""
         lane = self.lanes[name]
+        if lane.static:
+            lane.cache.lengths.copy_(torch.tensor(lane.lengths), non_blocking=True)
+            lane.tokens.copy_(torch.tensor(lane.last)[:, None], non_blocking=True)
+            logits = lane.static_step()
+            for job in jobs:
+                lane.lengths[job.row] += 1
+            self._advance(lane, jobs, logits, index=[j.row for j in jobs])
+            return
         cache, device = lane.cache, lane.columns.device
         rows = max(j.row for j in jobs) + 1
         cache.rows, cache.width = rows, max(lane.lengths[:rows])
