@@ -421,8 +421,7 @@ class Transformer(nn.Module):
         are real, not padding; ``segments_BT`` numbers each token's document, and a token
         attends only to its own (``attention.documents`` gives both for a packed batch);
         ``context``: the tokens are this rank's part of each sequence (context parallelism);
-        ``last_only``: the logits of each row's last token only, [B, 1, vocab] (a prefill that
-        samples from it, without the head's product over every prompt token)."""
+        ``last_only``: [B, 1, vocab], the last token's logits only (a prefill that samples)."""
         t = tokens_BT.shape[1]
         start = cache.length if cache is not None else 0
         length = None
@@ -459,9 +458,7 @@ class Transformer(nn.Module):
             cache.length += t
         if prompted:  # the prompt's own outputs are never scored or sampled
             x = x[:, self.args.soft_prompt_tokens :]
-        if last_only:
-            x = x[:, -1:]
-        out = self._head(x)
+        out = self._head(x[:, -1:] if last_only else x)
         return (out, stats) if router_stats else out
 
     def _prompted(
