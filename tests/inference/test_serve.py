@@ -373,6 +373,14 @@ def test_a_client_that_goes_away_frees_its_slot(server):
     stream.close()
     gone = _wait_for(server, lambda h: h["running"] == 0, seconds=1.0)
     assert gone["steps"] - steps < 60  # freed long before its 100 tokens
+    # a client waiting for a whole answer that gives up: freed too (the server looks every 0.5 s)
+    body = {"model": "tiny", "prompt": "my", "max_tokens": 100, "ignore_eos": True}
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server['url']}/completions", json=body, headers=auth, timeout=0.3)
+    steps = health(server)["steps"]
+    gone = _wait_for(server, lambda h: h["running"] == 0, seconds=1.5)
+    assert gone["steps"] - steps < 75
 
 
 def test_a_full_queue_answers_429(server):

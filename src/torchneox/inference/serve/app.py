@@ -28,6 +28,7 @@ from torchneox.inference.serve.engine import Engine, Job, QueueFull
 from torchneox.inference.serve.protocol import APIError, Params
 from torchneox.inference.serve.responses import Call
 
+DISCONNECT_LOOK = 0.25
 COMPLETION_MAX_TOKENS = 16
 """OpenAI's default max_tokens of a completion (a chat's runs to the context's end)."""
 
@@ -218,19 +219,24 @@ async def _answer(
         ) from None
     if p.stream:
         return StreamingResponse(_stream(engine, call, jobs, p), media_type="text/event-stream")
+    watcher = asyncio.create_task(_cancel_when_gone(request, engine, jobs))
     try:
         while call.open:
-            try:
-                await asyncio.wait_for(call.next(), timeout=0.5)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    engine.cancel(jobs)
-                    return JSONResponse({}, status_code=499)
+            await call.next()
     finally:
+        watcher.cancel()
         if call.open:
             engine.cancel(jobs)
     _raise_failures(call)
     return call.response(p.echo, p.logprobs)
+
+
+async def _cancel_when_gone(request: Request, engine: Engine, jobs: list[Job]) -> None:
+    """A client waiting for a whole answer that goes away: its jobs cancelled (looked at every
+    DISCONNECT_LOOK seconds; a stream's client is seen gone when a chunk cannot be sent)."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_LOOK)
+    engine.cancel(jobs)
 
 
 def _raise_failures(call: Call) -> None:
