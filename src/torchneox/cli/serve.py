@@ -51,7 +51,10 @@ def served_model(args: argparse.Namespace) -> tuple[Any, str]:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     adapters = _adapter_flags(args.adapter)
-    name = args.name or Path(args.model).resolve().name
+    folder = Path(args.model).resolve()
+    if folder.name.startswith("global_step"):  # one step of a run: named as the run
+        folder = folder.parent
+    name = args.name or folder.name
     if name in adapters:
         raise ConfigError(f"--adapter {name}=...: {name} is MODEL's own name; name it otherwise")
     if not Path(args.model).exists():
