@@ -264,12 +264,12 @@ def _serve_verb(verbs: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--name", help="the model name of MODEL itself (default: its folder's)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
-    serve.add_argument("--port", type=number(int, 0, 65535), default=8000, help="0: any free")
+    serve.add_argument("--port", type=number(int, 0, 65535), default=8000, help="8000; 0: any free")
     serve.add_argument(
         "--max-batch", type=POSITIVE, default=8, help="sequences decoded together (8)"
     )
     serve.add_argument(
-        "--max-queue", type=COUNT, default=64, help="sequences waiting beyond those; then 429"
+        "--max-queue", type=COUNT, default=64, help="sequences waiting beyond those (64); then 429"
     )
     serve.add_argument(
         "--max-seq-len", type=POSITIVE, help="prompt and completion tokens per sequence "

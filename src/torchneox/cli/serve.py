@@ -31,6 +31,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         shown = f"[{host}]" if ":" in host else host
         print(f"serving {what} at http://{shown}:{port}/v1", flush=True)
 
+    if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(
+            f"serve: warning: listening on {args.host} without --api-key: anyone who reaches "
+            "the port can use the model",
+            file=sys.stderr,
+            flush=True,
+        )
     served.engine.warm_up()
     served.engine.start()
     try:
