@@ -62,10 +62,10 @@ def _train(folder: Path) -> tuple[Path, Path]:
         "pos_emb": "rotary", "norm": "rmsnorm", "activation": "swiglu",
         "tokenizer_type": "HFTokenizer", "vocab_file": str(tok / "tokenizer.json"),
         "make_vocab_size_divisible_by": 64, "train_micro_batch_size_per_gpu": 8,
-        "train_iters": 150, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+        "train_iters": 120, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
         "precision": "fp32", "seed": 1234, "data_path": str(folder / "d_text_document"),
         "split": "100,0,0", "num_workers": 0, "eval_interval": 1000, "eval_iters": 0,
-        "log_interval": 100, "save": str(folder / "ckpt"), "checkpoint_factor": 150,
+        "log_interval": 100, "save": str(folder / "ckpt"), "checkpoint_factor": 120,
     }  # fmt: skip
     (folder / "c.yml").write_text(json.dumps(keys))
     assert main(["train", str(folder / "c.yml")]) == 0
@@ -174,17 +174,17 @@ def test_greedy_completions_equal_generate(server):
     c = client(server)
     for model, ckpt in (("tiny", server["ckpt"]), ("sft", server["merged"])):
         for prompt in PROMPTS[:2]:
-            want = generated(ckpt, prompt, 20)
-            r = c.completions.create(model=model, prompt=prompt, max_tokens=20, temperature=0)
+            want = generated(ckpt, prompt, 16)
+            r = c.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0)
             (choice,) = r.choices
             assert choice.text == want, (model, prompt)
             assert r.usage.prompt_tokens == len(
                 prompt.replace("<|user|>", "U").replace("<|assistant|>", "A")
             )
-            assert choice.finish_reason == ("length" if r.usage.completion_tokens == 20 else "stop")
+            assert choice.finish_reason == ("length" if r.usage.completion_tokens == 16 else "stop")
             assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
-    adapted = c.completions.create(model="sft", prompt=PROMPTS[0], max_tokens=20, temperature=0)
-    plain = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=20, temperature=0)
+    adapted = c.completions.create(model="sft", prompt=PROMPTS[0], max_tokens=16, temperature=0)
+    plain = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=16, temperature=0)
     assert adapted.choices[0].text != plain.choices[0].text  # the adapter is on
 
 
@@ -212,14 +212,14 @@ def test_eight_concurrent_streams_each_equal_generate(server):
 def test_chat_is_the_template_rendered_then_generated(server):
     c = client(server)
     messages = [{"role": "user", "content": "the king"}]
-    r = c.chat.completions.create(model="tiny", messages=messages, max_tokens=30, temperature=0)
-    want = generated(server["ckpt"], "<|user|>the king\n<|assistant|>", 30)
+    r = c.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0)
+    want = generated(server["ckpt"], "<|user|>the king\n<|assistant|>", 20)
     assert r.choices[0].message.content == want
     assert r.choices[0].message.role == "assistant"
     assert r.usage.prompt_tokens == 1 + 8 + 1 + 1
     chunks = list(
         c.chat.completions.create(
-            model="tiny", messages=messages, max_tokens=30, temperature=0, stream=True,
+            model="tiny", messages=messages, max_tokens=20, temperature=0, stream=True,
             stream_options={"include_usage": True},
         )
     )  # fmt: skip
@@ -244,15 +244,15 @@ def test_n_choices_are_seeded_samples(server):
 
 def test_stop_sequences_cut_the_text(server):
     c = client(server)
-    whole = generated(server["ckpt"], PROMPTS[0], 30)
+    whole = generated(server["ckpt"], PROMPTS[0], 24)
     stop = whole[4:6]
     cut = whole[: whole.find(stop)]
     r = c.completions.create(
-        model="tiny", prompt=PROMPTS[0], max_tokens=30, temperature=0, stop=[stop, "zzz"]
+        model="tiny", prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=[stop, "zzz"]
     )
     assert (r.choices[0].text, r.choices[0].finish_reason) == (cut, "stop")
     chunks = c.completions.create(
-        model="tiny", prompt=PROMPTS[0], max_tokens=30, temperature=0, stop=stop, stream=True
+        model="tiny", prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=stop, stream=True
     )
     assert "".join(ch.choices[0].text for ch in chunks) == cut
 
@@ -399,9 +399,9 @@ def test_a_full_queue_answers_429(server):
 def test_sigterm_lets_the_stream_in_flight_finish_then_exits_0(server):
     """The last test: the server goes."""
     proc = server["proc"]
-    want = generated(server["ckpt"], PROMPTS[1], 40)
+    want = generated(server["ckpt"], PROMPTS[1], 30)
     chunks = client(server).completions.create(
-        model="tiny", prompt=PROMPTS[1], max_tokens=40, temperature=0, stream=True
+        model="tiny", prompt=PROMPTS[1], max_tokens=30, temperature=0, stream=True
     )
     it = iter(chunks)
     text = next(it).choices[0].text
