@@ -15,17 +15,8 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    try:
-        import fastapi  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as e:
-        raise ConfigError(
-            f"serve needs FastAPI and uvicorn ({e.name} is not installed): "
-            "pip install 'torchneox[serve]'"
-        ) from None
-    from torchneox.inference.serve.app import create_app, run
-
     served, what = served_model(args)
+    from torchneox.inference.serve.app import create_app, run
 
     def ready(host: str, port: int) -> None:
         shown = f"[{host}]" if ":" in host else host
@@ -53,7 +44,6 @@ def served_model(args: argparse.Namespace) -> tuple[Any, str]:
     what is served."""
     import torch
 
-    from torchneox.inference.serve.app import Served
     from torchneox.inference.serve.engine import Engine, refuse_unservable
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -68,6 +58,16 @@ def served_model(args: argparse.Namespace) -> tuple[Any, str]:
         raise ConfigError(
             f"{args.model}: no such folder; give a checkpoint or a Hugging Face folder"
         )
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(
+            f"serve needs FastAPI and uvicorn ({e.name} is not installed): "
+            "pip install 'torchneox[serve]'"
+        ) from None
+    from torchneox.inference.serve.app import Served
+
     print(f"serve: loading {args.model}", file=sys.stderr, flush=True)
     loaded, base = _load(args.model, device)
     limit = base.args.max_positions
