@@ -51,7 +51,17 @@ BENCHMARKS = {
         ["--layers", "2", "--hidden", "128", "--seq", "64", "--steps", "12", "--threads", "1"],
         False,
     ),
+    "serve": (  # TTFT, inter-token latency, tokens/s and bandwidth use at 1, 4, 16 clients
+        "serve.py",
+        ["--shape", "70m", "--clients", "1", "4", "16", "--tokens", "32", "--requests", "1"],
+        False,
+    ),
     "gpu_check": ("gpu_check.py", ["--steps", "10"], True),
+    "serve_gpu": (
+        "serve.py",
+        ["--shape", "1b", "--device", "cuda", "--dtype", "bf16", "--clients", "1", "4", "16"],
+        True,
+    ),
     "lora_gpu": ("lora_gpu.py", ["--big", "6.9b"], True),
 }
 

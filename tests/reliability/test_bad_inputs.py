@@ -503,6 +503,8 @@ VERB_CASES = {
         ],
         "no built-in corpus 'wiki'",
     ),
+    "serve-no-model": (["serve", "nope"], "nope: no such folder"),
+    "serve-bad-adapter": (["serve", "empty.yml", "--adapter", "x"], "give NAME=PEFT_FOLDER"),
     "train-tokenizer-no-input": (
         ["train-tokenizer", "--input", "nope.txt", "--output", "t.json"],
         "nope.txt: no such file",

@@ -34,6 +34,7 @@ def _run(argv: list[str]) -> int:
             "demo": verbs.cmd_demo,
             "convert": verbs.cmd_convert,
             "generate": verbs.cmd_generate,
+            "serve": verbs.cmd_serve,
             "train": verbs.cmd_train,
             "preprocess": verbs.cmd_preprocess,
             "train-tokenizer": verbs.cmd_train_tokenizer,

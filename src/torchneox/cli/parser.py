@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -247,6 +248,55 @@ def _generate_verb(verbs: argparse._SubParsersAction) -> None:
     )
 
 
+def _serve_verb(verbs: argparse._SubParsersAction) -> None:
+    serve = verbs.add_parser(
+        "serve",
+        help="an OpenAI-compatible server (completions, chat) of a checkpoint or a Hugging Face "
+        "folder, with continuous batching",
+    )
+    serve.add_argument("model", metavar="MODEL", help="a torchneox checkpoint or a HF folder")
+    serve.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="NAME=PEFT_DIR",
+        help="a PEFT LoRA adapter folder, served as model NAME (several allowed)",
+    )
+    serve.add_argument("--name", help="the model name of MODEL itself (default: its folder's)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    serve.add_argument("--port", type=number(int, 0, 65535), default=8000, help="8000; 0: any free")
+    serve.add_argument(
+        "--max-batch", type=POSITIVE, default=8, help="sequences decoded together (8)"
+    )
+    serve.add_argument(
+        "--max-queue", type=COUNT, default=64, help="sequences waiting beyond those (64); then 429"
+    )
+    serve.add_argument(
+        "--max-seq-len", type=POSITIVE, help="prompt and completion tokens per sequence "
+        "(default: the model's positions); each slot's KV cache holds this many"
+    )  # fmt: skip
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("TORCHNEOX_API_KEY"),
+        help="requests must carry it as a Bearer token (default: $TORCHNEOX_API_KEY)",
+    )
+    serve.add_argument(
+        "--max-body", type=_byte_size, default=8 << 20, help="largest request body (8MiB)"
+    )
+    serve.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    serve.add_argument(
+        "--decode-loop",
+        choices=("auto", "static", "dynamic"),
+        default="auto",
+        help="static: every slot and position each step, a CUDA graph on a GPU; dynamic: the "
+        "running slots up to the longest; auto: static on CUDA",
+    )
+    serve.add_argument(
+        "--device", type=device_name, default=None, help="cpu or cuda (default: cuda if any)"
+    )
+    serve.add_argument("--step-delay", type=number(float, 0), default=0.0, help=argparse.SUPPRESS)
+
+
 def _dry_run_arguments(train: argparse.ArgumentParser) -> None:
     dry = train.add_argument_group(
         "dry run",
@@ -455,6 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
         _config_verbs,
         _convert_verbs,
         _generate_verb,
+        _serve_verb,
         _train_verbs,
         _data_verbs,
         _eval_verbs,

@@ -188,6 +188,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from torchneox.cli.serve import cmd_serve
+
+    return cmd_serve(args)
+
+
 TOKENIZER_FILE_KEYS = {"tokenizer_type", "vocab_file", "merge_file"}
 
 

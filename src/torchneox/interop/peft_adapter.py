@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,7 +29,7 @@ from torchneox.models.args import ModelArgs, model_args
 from torchneox.models.hf import architectures as hf
 from torchneox.models.hf import mamba as hf_mamba
 from torchneox.models.hf.weights import GPT_NEOX
-from torchneox.models.transformer import is_adapter
+from torchneox.models.transformer import Transformer, is_adapter
 
 OURS_TO_HF = {ours: theirs for theirs, ours in HF_NAMES.items()}
 SELF_ATTN_OR_MLP = {"attention": "self_attn", "mlp": "mlp"}
@@ -190,3 +191,33 @@ def from_hf_with_adapter(
             tmp, 0, {"model": sd}, render_yaml(loaded, derive(loaded)), {"converted_from": arch}
         )
     return out / step.name
+
+
+def adapted_model(loaded: Any, base: Transformer, adapter_dir: str | Path) -> Transformer:
+    """``base`` (a model of ``loaded``'s config) with a PEFT adapter folder's LoRA adapters on
+    top, for serving: the base's weights are shared, not copied (the adapters alone are new)."""
+    import copy
+
+    adapter = Path(adapter_dir)
+    if base.args.lora_rank:
+        raise ConfigError(
+            "holds LoRA adapters of its own; serve a model without them (convert to-hf merges "
+            "them into the weights) to add --adapter folders",
+            source=str(adapter),
+        )
+    mine = copy.deepcopy(loaded)
+    mine.config.set("lora", lora_keys(adapter))
+    mine.origin["lora"] = str(adapter / "adapter_config.json")
+    validate(mine.config, mine.origin)
+    args = model_args(mine)
+    device = base.embed.weight.device
+    dtype = base.embed.weight.dtype
+    state = base.state_dict()
+    state |= {k: v.to(device, dtype) for k, v in adapter_tensors(adapter).items()}
+    huggingface._check_shapes(args, state, str(adapter))
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device=device)
+    model.init_buffers(device)
+    model.load_state_dict(state, assign=True)
+    return model.eval()

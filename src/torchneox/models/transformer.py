@@ -425,13 +425,15 @@ class Transformer(nn.Module):
         router_stats: bool = False,
         segments_BT: torch.Tensor | None = None,
         context: ContextShard | None = None,
+        last_only: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, list[RouterStats]]:
         """Logits [B, T, vocab] (a middle pipeline stage: hidden states), and with
         ``router_stats`` each MoE layer's ``RouterStats`` too. ``positions_BT`` default to 0..
         (after the cache's length); ``key_valid_BS`` marks the keys (cache + new tokens) that
         are real, not padding; ``segments_BT`` numbers each token's document, and a token
         attends only to its own (``attention.documents`` gives both for a packed batch);
-        ``context``: the tokens are this rank's part of each sequence (context parallelism)."""
+        ``context``: the tokens are this rank's part of each sequence (context parallelism);
+        ``last_only``: [B, 1, vocab], the last token's logits only (a prefill that samples)."""
         t = tokens_BT.shape[1]
         start = cache.length if cache is not None else 0
         length = None
@@ -469,7 +471,7 @@ class Transformer(nn.Module):
             cache.length += t
         if prompted:  # the prompt's own outputs are never scored or sampled
             x = x[:, self.args.soft_prompt_tokens :]
-        out = self._head(x)
+        out = self._head(x[:, -1:] if last_only else x)
         return (out, stats) if router_stats else out
 
     def _prompted(
