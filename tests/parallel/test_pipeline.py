@@ -120,8 +120,10 @@ def test_tied_embeddings_and_rpe_across_stages_equal_one_process(config, tmp_pat
 MOVES = {
     # two pipeline stages, then two data-parallel ranks
     "pp2-to-dp2": (["pipe_parallel_size=2"], 2, ["train_micro_batch_size_per_gpu=1"], 2),
-    # one process, then two stages: the tied embedding and rpe's table loaded into every copy
-    "one-to-pp2-tied-rpe": ([], 1, ["pipe_parallel_size=2"], 2),
+    # two stages, then two stages: each stage's optimizer state kept under its parameters'
+    # names (the nested form numbered its groups, and the stages overwrote each other's), the
+    # tied embedding and rpe's table saved once and loaded into every copy
+    "pp2-to-pp2-tied-rpe": (["pipe_parallel_size=2"], 2, ["pipe_parallel_size=2"], 2),
 }
 
 

@@ -431,3 +431,10 @@ def base_shapes_record(config_yaml: str) -> dict[str, str] | None:
         return None
     text = json.dumps(shapes, sort_keys=True, default=str)  # its content, not its layout
     return {"path": str(path), "sha256": hashlib.sha256(text.encode()).hexdigest()}
+
+
+def numbered_optimizer_groups(step_dir: Path) -> bool:
+    """Whether ``step_dir`` holds its optimizer state in torch's nested form (groups numbered),
+    not keyed by parameter names (a pipeline run's: ``optim.builder.optimizer_state``)."""
+    keys = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    return "optimizer.param_groups.0.params" in keys  # (the flat form has no "params")

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from torchneox.base.errors import CheckpointWriteError, ConfigError, TrainingStopped, first_line
 from torchneox.checkpoint.background import BackgroundSaves
@@ -24,6 +24,7 @@ from torchneox.checkpoint.files import (
     ensure_writable,
     load_state,
     newest_complete,
+    numbered_optimizer_groups,
     read_latest,
     read_meta,
     resolve,
@@ -45,7 +46,7 @@ from torchneox.checkpoint.weights import (
 )
 from torchneox.models.hf.folder import is_hf_folder
 from torchneox.models.transformer import is_adapter, trains_with_lora
-from torchneox.optim.builder import load_optimizer_state
+from torchneox.optim.builder import load_optimizer_state, optimizer_state
 
 
 def save_iterations(ck: Any, train_iters: int) -> set[int]:
@@ -74,6 +75,9 @@ class TrainingState:
     scaler: Any  # LossScaler: state_dict / load_state_dict
     loaders: dict[str, Any]  # name -> BatchLoader (train, and valid when there is one)
     reference: torch.nn.Module | None = None  # DPO's and KTO's frozen reference model
+    by_name: bool = False
+    """Save the optimizer state keyed by parameter names (``optimizer_state``): a pipeline
+    stage's, whose parameters are not the other stages'."""
 
 
 class CheckpointManager:
@@ -132,7 +136,7 @@ class CheckpointManager:
         # dict would create it with a zero-rate step counted (Adam's bias correction would
         # then be one step off for the rest of the run), so saving never changes training
         if not ck.no_save_optim and state.optimizer.state:
-            tensors["optimizer"] = get_optimizer_state_dict(state.model, state.optimizer)
+            tensors["optimizer"] = optimizer_state(state.model, state.optimizer, state.by_name)
         if not ck.no_save_rng:
             tensors["rng"] = {"torch": torch.get_rng_state()}
         if state.reference is not None:
@@ -337,17 +341,19 @@ class CheckpointManager:
             )
         ck, loaded_reference = self.ck, False
         tensors: dict[str, Any] = {}
+        flat = False
         if not ck.no_load_optim and meta.get("has_optimizer", False):
             if hasattr(state.optimizer, "init_state"):  # SM3, madgrad_wd, LAMB (see there)
                 state.optimizer.init_state()
-            tensors["optimizer"] = get_optimizer_state_dict(state.model, state.optimizer)
+            flat = not numbered_optimizer_groups(step_dir)
+            tensors["optimizer"] = optimizer_state(state.model, state.optimizer, flat)
         if not ck.no_load_rng and meta.get("has_rng", False):
             tensors["rng"] = {"torch": torch.get_rng_state()}
         try:
             if tensors:
                 load_state(step_dir, tensors)
             if "optimizer" in tensors:
-                load_optimizer_state(state.model, state.optimizer, tensors["optimizer"])
+                load_optimizer_state(state.model, state.optimizer, tensors["optimizer"], flat)
         except (RuntimeError, ValueError, KeyError, CheckpointException) as e:
             if "optimizer" not in tensors:
                 raise

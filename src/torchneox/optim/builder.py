@@ -129,13 +129,27 @@ def _dtensor_squares(grads: list[Any]) -> list[torch.Tensor]:
 KERNEL_FLAGS = ("fused", "foreach", "capturable", "differentiable")
 
 
-def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: Any) -> None:
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, flat: bool) -> Any:
+    """The optimizer's state as checkpoints hold it: torch's nested form, its groups numbered,
+    or (``flat``: pipeline stages, whose ranks hold different parameters) every entry keyed by
+    its parameter's name, so no two stages write one key with different values (each stage's
+    group 0 would overwrite the others')."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(flatten_optimizer_state_dict=flat)
+    return get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def load_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: Any, flat: bool = False
+) -> None:
     """Load a saved optimizer state (saved in any layout) and keep this run's kernel choices:
     torch restores each group's saved flags (fused, foreach, ...), which belong to the layout
     that saved them (a tensor-parallel run's AdamW without foreach, say), not to this run."""
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    set_optimizer_state_dict(model, optimizer, state)
+    options = StateDictOptions(flatten_optimizer_state_dict=flat)
+    set_optimizer_state_dict(model, optimizer, state, options=options)
     for group in optimizer.param_groups:
         group.update({k: optimizer.defaults[k] for k in KERNEL_FLAGS if k in optimizer.defaults})
 

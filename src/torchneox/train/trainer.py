@@ -309,7 +309,10 @@ class Trainer:
         loaders = {"train": self.train_loader}
         if self.valid_loader is not None:
             loaders["valid"] = self.valid_loader
-        return TrainingState(self.model, self.optimizer, self.scaler, loaders, self.parts.reference)
+        pipelined = self.parts.pipeline is not None
+        return TrainingState(
+            self.model, self.optimizer, self.scaler, loaders, self.parts.reference, pipelined
+        )
 
     @property
     def peak_tflops(self) -> float | None:
