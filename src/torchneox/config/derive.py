@@ -476,7 +476,8 @@ def _data(cfg: NeoXConfig, out: Derived) -> None:
         parts = ", ".join(
             f"{name} {f:.1%}" for name, f in zip(("train", "valid", "test"), fractions, strict=True)
         )
-        out.put("data", d.data_path, f"one dataset split by documents '{d.split}': {parts}")
+        held = " (streamed: each by a hash of its file and line or row)" if streams(d) else ""
+        out.put("data", d.data_path, f"one dataset split by documents '{d.split}'{held}: {parts}")
     elif d.train_data_paths:
         n = len(d.train_data_paths)
         how = (
