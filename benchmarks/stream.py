@@ -14,6 +14,7 @@ its workers (/proc/PID/status VmRSS) every half second.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -23,10 +24,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from preprocess import synthetic  # noqa: E402
+from preprocess import synthetic
 
-from torchneox.config.load import load_config  # noqa: E402
-from torchneox.data.stream.build import build_loaders  # noqa: E402
+from torchneox.config.load import load_config
+from torchneox.data.stream.build import build_loaders
 
 SEQ, MICRO = 2048, 8
 
@@ -86,10 +87,8 @@ def rss_kib(pid: int) -> int:
     threads started them)."""
     total, pids = 0, [pid]
     for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
+        with contextlib.suppress(OSError):
             pids += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
     for p in pids:
         try:
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
@@ -100,16 +99,18 @@ def rss_kib(pid: int) -> int:
     return total
 
 
-def memory(folder: Path, vocab: str, gb: float, workers: int) -> dict:
-    corpus = folder / "large.jsonl"
-    synthetic(corpus, gb * 1000)
+def memory(folder: Path, vocab: str, gb: float, workers: int, corpus: Path | None) -> dict:
+    corpus = corpus or folder / "large.jsonl"
+    if not corpus.is_file() or corpus.stat().st_size < gb * 1e9:
+        synthetic(corpus, gb * 1000)
     size = corpus.stat().st_size
     cfg = folder / "large.json"
     run_config(folder, corpus, vocab, workers)
     (folder / f"stream{workers}.json").rename(cfg)
     tokens = int(size / 4.6)  # about one epoch of the synthetic corpus (~4.6 bytes a token)
     code = f"import sys; sys.argv = ['x']; import stream; stream.stream_once({str(cfg)!r}, {tokens})"
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent))
+    here = str(Path(__file__).resolve().parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
     child = subprocess.Popen([sys.executable, "-c", code], env=env)
     samples, start = [], time.perf_counter()
     while child.poll() is None:
@@ -133,11 +134,12 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--memory-gb", type=float)
+    parser.add_argument("--corpus", type=Path, help="--memory-gb: the corpus file (kept)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         if args.memory_gb:
-            print(json.dumps(memory(folder, args.vocab_file, args.memory_gb, args.workers[-1])))
+            print(json.dumps(memory(folder, args.vocab_file, args.memory_gb, args.workers[-1], args.corpus)))
             return
         corpus = folder / "synthetic.jsonl"
         synthetic(corpus, args.mb)

@@ -129,6 +129,7 @@ class StreamSplit:
     def __init__(self, sources: list[Any], weights: list[float], names: list[str]):
         self.sources, self.weights, self.names = sources, normalize(weights), names
         self.taken = [0] * len(sources)
+        self.skipped = 0  # bad records skipped before the position last loaded
 
     def next(self) -> np.ndarray:
         x = max(float(sum(self.taken)), 1.0)
@@ -138,16 +139,23 @@ class StreamSplit:
         return self.sources[best].sample()
 
     def state(self) -> dict[str, Any]:
-        return {"taken": list(self.taken), "sources": [s.state() for s in self.sources]}
+        return {
+            "taken": list(self.taken),
+            "sources": [s.state() for s in self.sources],
+            "skipped": self.bad_records,
+        }
 
     def load(self, state: dict[str, Any]) -> None:
         self.taken = [int(t) for t in state["taken"]]
+        self.skipped = int(state.get("skipped", 0))
+        for source in self.sources:
+            source.bad = 0
         for source, position in zip(self.sources, state["sources"], strict=True):
             source.load(position)
 
     @property
     def bad_records(self) -> int:
-        return sum(s.bad for s in self.sources)
+        return self.skipped + sum(s.bad for s in self.sources)
 
     def set_tokenize(self, tokenize: TokenizeFn) -> None:
         for s in self.sources:
