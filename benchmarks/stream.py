@@ -71,11 +71,15 @@ def throughput(folder: Path, corpus: Path, vocab: str, workers: int, seconds: fl
 
 
 def stream_once(config_path: str, tokens: int) -> None:
-    """The child of --memory-gb: stream ``tokens`` tokens, printing progress."""
+    """The child of --memory-gb: stream the corpus once through (until its second epoch
+    begins; at most ``tokens`` tokens), printing progress."""
     train = loader(load_config([config_path]).config)
     done, start = 0, time.perf_counter()
     while done < tokens:
         train.next()
+        if train.state_dict()["stream"]["ranks"][0]["sources"][0]["window"]["epoch"] > 0:
+            print(f"the corpus read once: {done:,} tokens", flush=True)
+            break
         done += MICRO * SEQ
         if done % (MICRO * SEQ * 500) == 0:
             print(f"{done:,} tokens, {done / (time.perf_counter() - start):,.0f}/s", flush=True)
@@ -107,8 +111,10 @@ def memory(folder: Path, vocab: str, gb: float, workers: int, corpus: Path | Non
     cfg = folder / "large.json"
     run_config(folder, corpus, vocab, workers)
     (folder / f"stream{workers}.json").rename(cfg)
-    tokens = int(size / 4.6)  # about one epoch of the synthetic corpus (~4.6 bytes a token)
-    code = f"import sys; sys.argv = ['x']; import stream; stream.stream_once({str(cfg)!r}, {tokens})"
+    tokens = size  # a bound: fewer tokens than bytes
+    code = (
+        f"import sys; sys.argv = ['x']; import stream; stream.stream_once({str(cfg)!r}, {tokens})"
+    )
     here = str(Path(__file__).resolve().parent)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
     child = subprocess.Popen([sys.executable, "-c", code], env=env)
@@ -139,7 +145,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         if args.memory_gb:
-            print(json.dumps(memory(folder, args.vocab_file, args.memory_gb, args.workers[-1], args.corpus)))
+            print(
+                json.dumps(
+                    memory(folder, args.vocab_file, args.memory_gb, args.workers[-1], args.corpus)
+                )
+            )
             return
         corpus = folder / "synthetic.jsonl"
         synthetic(corpus, args.mb)
