@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import WORDS, shared_dir
-from torchneox.base.errors import DataError
+from torchneox.base.errors import ConfigError, DataError
 from torchneox.cli import main
 from torchneox.config.load import load_config
 from torchneox.data.indexed import IndexedDataset
@@ -262,3 +262,22 @@ def test_data_batch_and_explain_show_a_stream(corpus, tmp_path, capsys):
     assert main(["data", "batch", str(cfg), "--iteration", "1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{bad}:2: no key 'text'" in err
+
+
+def test_another_data_parallel_size_or_other_data_is_refused_on_resume(corpus, tmp_path):
+    from torchneox.data.stream.build import build_loaders
+
+    cfg = make_config(tmp_path, train_data_paths=[str(corpus["jsonl"])])
+    counts = {"train": 100, "valid": 0, "test": 0}
+    two = build_loaders(cfg, counts, 2, 1, dp_rank=0, dp_size=2, gather=lambda x: [x, (1, x[1])])
+    two["train"].next()
+    saved = json.loads(json.dumps(two["train"].state_dict()))
+    one = build_loaders(cfg, counts, 2, 1)["train"]
+    with pytest.raises(ConfigError, match="read by 2 data-parallel ranks, this run has 1: "):
+        one.load_state_dict(saved)
+    other = make_config(tmp_path, train_data_paths=[str(corpus["jsonl"])], seed=5)
+    moved = build_loaders(other, counts, 2, 1, dp_rank=1, dp_size=2)["train"]
+    with pytest.raises(ConfigError, match="the streamed data changed since"):
+        moved.load_state_dict(saved)
+    with pytest.raises(ConfigError, match=r"from \.bin/\.idx datasets"):
+        moved.load_state_dict({"consumed_samples": 4})
