@@ -281,3 +281,16 @@ def test_another_data_parallel_size_or_other_data_is_refused_on_resume(corpus, t
         moved.load_state_dict(saved)
     with pytest.raises(ConfigError, match=r"from \.bin/\.idx datasets"):
         moved.load_state_dict({"consumed_samples": 4})
+
+
+def test_a_held_out_split_without_documents_is_not_evaluated(corpus, tmp_path):
+    from torchneox.data.stream.build import build_loaders
+
+    cfg = make_config(tmp_path, data_path=str(corpus["jsonl"]), split="969,30,1")
+    counts = {"train": 100, "valid": 8, "test": 8}
+    loaders = build_loaders(cfg, counts, 2, 1)
+    assert loaders["valid"].has_full_batch()  # 3% of 90 documents
+    assert loaders["valid"].next()[0].shape == (2, SEQ + 1)
+    assert not loaders["test"].has_full_batch()  # 0.1%: none of them
+    with pytest.raises(DataError, match="no documents for this split"):
+        loaders["test"].next()

@@ -22,6 +22,7 @@ import torch
 
 from torchneox.base.errors import ConfigError
 from torchneox.data.stream.encode import Encoder, Tokenize
+from torchneox.data.stream.order import EmptySplit
 from torchneox.data.stream.samples import StreamSplit
 
 Gather = Callable[[Any], list[Any]]
@@ -56,6 +57,8 @@ class StreamLoader:
         self._thread: threading.Thread | None = None
         self._queue: queue.Queue = queue.Queue(maxsize=2)
         self._stop = threading.Event()
+        self._peeked: Any = None  # an evaluation batch produced by has_full_batch
+        self._empty: EmptySplit | None = None
         self.stats: dict[str, float] = {"skipped_records": 0.0} if skip_bad else {}
         self.console = ("skipped_records",) if skip_bad else ()
 
@@ -87,8 +90,13 @@ class StreamLoader:
 
     def next(self) -> list[torch.Tensor]:
         """This rank's micro-batches ([mb, seq + 1] int64 each) of the next global batch."""
-        if not self.prefetch:
-            item: Any = self._produce()
+        if self._empty is not None:
+            raise self._empty
+        if self._peeked is not None:
+            item: Any = self._peeked
+            self._peeked = None
+        elif not self.prefetch:
+            item = self._produce()
         else:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="stream", daemon=True)
@@ -103,7 +111,18 @@ class StreamLoader:
         return batches
 
     def has_full_batch(self) -> bool:
-        return True  # a stream runs epoch after epoch
+        """A stream runs epoch after epoch; an evaluation split without documents (a small
+        corpus's held-out share, on some rank) is not evaluated, on any rank."""
+        if self.prefetch:
+            return True
+        if self._peeked is None and not self._empty:
+            try:
+                self._peeked = self._produce()
+            except EmptySplit as e:
+                self._empty = e
+        if self.gather is None:
+            return self._empty is None
+        return not any(self.gather(self._empty is not None))
 
     def state_dict(self) -> dict[str, Any]:
         mine = (self.dp_rank, copy.deepcopy(self._position))
@@ -140,6 +159,7 @@ class StreamLoader:
                 "with the data keys it was saved with"
             )
         self._halt()
+        self._peeked, self._empty = None, None
         self._position = copy.deepcopy(saved["ranks"][self.dp_rank])
         self.split.load(self._position)
         self.consumed = int(state["consumed_samples"])

@@ -25,6 +25,11 @@ from torchneox.data.stream.sources import Source
 MASK = (1 << 64) - 1
 
 
+class EmptySplit(DataError):
+    """A source with no documents for a split (or a rank): an evaluation split is then not
+    evaluated, a training split stops the run."""
+
+
 def start() -> dict[str, int]:
     return {"epoch": 0, "unit": 0, "row": 0, "byte": 0, "kept": 0, "window": 0}
 
@@ -100,7 +105,7 @@ class DocStream:
             if window:
                 yield first, self._shuffled(window, epoch, number)
             if whole and not got:
-                raise DataError(
+                raise EmptySplit(
                     f"{self.source.path}: no documents for this split"
                     + (f" on data-parallel rank {p.rank} of {p.ranks}" if p.ranks > 1 else "")
                     + "; add data, or give the split its own paths"
