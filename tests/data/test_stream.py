@@ -7,7 +7,6 @@ from __future__ import annotations
 import gzip
 import itertools
 import json
-import os
 import random
 import shutil
 from pathlib import Path
@@ -118,36 +117,50 @@ def documents_of(stream: np.ndarray, eod: int) -> list[tuple[int, ...]]:
     return [tuple(x) for x in np.split(stream, cuts + 1)[:-1]]
 
 
-def test_every_source_kind_streams_what_preprocess_writes(corpus, tmp_path):
+def test_every_source_kind_streams_what_preprocess_writes(corpus, tmp_path, monkeypatch):
     """Shuffle off: one epoch of each source equals, token for token, the .bin preprocess
     writes from the jsonl with --append-eod (the 20B tokenizer), then the next epoch begins."""
     if TOKENIZER_20B is None:
         pytest.skip("the 20B tokenizer in ../shared is not on this machine")
     import datasets
 
+    from torchneox.data.stream.sources import resolve
+
     ref = preprocessed(tmp_path, corpus["jsonl"], "HFTokenizer", TOKENIZER_20B)
-    disk = tmp_path / "saved"
-    datasets.Dataset.from_dict({"text": corpus["docs"]}).save_to_disk(str(disk))
+    disk, splits = tmp_path / "saved", tmp_path / "splits"
+    whole = datasets.Dataset.from_dict({"text": corpus["docs"]})
+    whole.save_to_disk(str(disk))
+    datasets.DatasetDict({"train": whole, "validation": whole.select(range(5))}).save_to_disk(
+        str(splits)
+    )
+    assert "validation" in resolve(str(splits), "valid").units[0].file
     cache = tmp_path / "hf-cache"
     prepared = cache / "someone___corpus" / "default" / "0.0.0" / "abc123"
     prepared.mkdir(parents=True)
     shutil.copy(next(disk.glob("*.arrow")), prepared / "corpus-train.arrow")
-    os.environ["HF_DATASETS_CACHE"] = str(cache)
-    try:
-        kinds = ["jsonl", "gz", "zst", "parquet", "arrow", "folder", disk, "hf://someone/corpus"]
-        for kind in kinds:
-            path = str(corpus[kind]) if kind in corpus else str(kind)
-            cfg = make_config(
-                tmp_path,
-                tokenizer_type="HFTokenizer",
-                vocab_file=TOKENIZER_20B,
-                train_data_paths=[path],
-            )
-            got = token_stream(split_of(cfg), len(ref) + 40)
-            assert np.array_equal(got[: len(ref)], ref), kind
-            assert np.array_equal(got[len(ref) :], ref[:40]), kind  # the next epoch
-    finally:
-        del os.environ["HF_DATASETS_CACHE"]
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(cache))
+    kinds = [
+        "jsonl",
+        "gz",
+        "zst",
+        "parquet",
+        "arrow",
+        "folder",
+        disk,
+        splits,
+        "hf://someone/corpus",
+    ]
+    for kind in kinds:
+        path = str(corpus[kind]) if kind in corpus else str(kind)
+        cfg = make_config(
+            tmp_path,
+            tokenizer_type="HFTokenizer",
+            vocab_file=TOKENIZER_20B,
+            train_data_paths=[path],
+        )
+        got = token_stream(split_of(cfg), len(ref) + 40)
+        assert np.array_equal(got[: len(ref)], ref), kind
+        assert np.array_equal(got[len(ref) :], ref[:40]), kind  # the next epoch
 
 
 def test_order_is_the_seeds_shuffled_held_out_and_shared_by_ranks(corpus, tmp_path):
