@@ -22,6 +22,7 @@ from torchneox.config.features.deepspeed_dicts import derive_deepspeed_dicts
 from torchneox.config.features.eight_bit import derive_eight_bit
 from torchneox.config.features.offload import PIN_KEY, derive_offload, offload_notes
 from torchneox.config.features.optimizer import describe_optimizer, optimizer_spec
+from torchneox.config.features.streaming import describe, split_paths, streams
 from torchneox.config.fields import Status
 from torchneox.config.layout import Layout, compile_scope
 from torchneox.config.load import LoadedConfig
@@ -475,7 +476,8 @@ def _data(cfg: NeoXConfig, out: Derived) -> None:
         parts = ", ".join(
             f"{name} {f:.1%}" for name, f in zip(("train", "valid", "test"), fractions, strict=True)
         )
-        out.put("data", d.data_path, f"one dataset split by documents '{d.split}': {parts}")
+        held = " (streamed: each by a hash of its file and line or row)" if streams(d) else ""
+        out.put("data", d.data_path, f"one dataset split by documents '{d.split}'{held}: {parts}")
     elif d.train_data_paths:
         n = len(d.train_data_paths)
         how = (
@@ -486,6 +488,12 @@ def _data(cfg: NeoXConfig, out: Derived) -> None:
         out.put("data", d.train_data_paths, f"{n} training dataset(s), blended {how}")
     else:
         out.put("data", None, "no data_path or train_data_paths given")
+    if streams(d) and cfg.training.train_impl != "reinforce":
+        for split in ("train", "valid", "test"):
+            for i, path in enumerate(split_paths(d, split)):
+                if d.data_path and split != "train":
+                    break  # data_path: one source, its documents held out by hash
+                out.put(f"data source {split} {i}", path, describe(path, d))
     if (
         d.pack_impl == "unpacked"
         and d.train_data_paths

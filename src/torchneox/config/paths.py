@@ -208,7 +208,11 @@ def dataset_files(data: Any) -> list[str]:
             prefixes.append(value)
         elif field.name.endswith("data_paths") and value:
             prefixes += list(value)
-    return [f"{p}{ext}" for p in prefixes for ext in (".bin", ".idx")]
+    from torchneox.config.features.streaming import is_stream
+
+    return [p for p in prefixes if is_stream(p)] + [
+        f"{p}{ext}" for p in prefixes if not is_stream(p) for ext in (".bin", ".idx")
+    ]
 
 
 def remove_if_empty(folder: Path) -> bool:

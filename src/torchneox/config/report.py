@@ -104,6 +104,8 @@ def render_text(loaded: LoadedConfig, derived: Derived) -> str:
     lines = [f"torchneox config explain: {' + '.join(loaded.files)}"]
     for title, names in SECTIONS.items():
         present = [n for n in names if n in derived.values]
+        if title == "Data":  # one row per streamed source (features/streaming.py)
+            present += [n for n in derived.values if n.startswith("data source ")]
         if not present:
             continue
         lines += ["", title]

@@ -33,6 +33,7 @@ from torchneox.config.features.offload import OFFLOAD_KEYS, offload_problem
 from torchneox.config.features.sharing import check_sharing
 from torchneox.config.features.soft_prompt import check_soft_prompt
 from torchneox.config.features.sparsity import ATTENTION_LAYER_TYPES
+from torchneox.config.features.streaming import check_streaming
 from torchneox.config.schema import NeoXConfig
 
 SUPPORTED_OPTIMIZERS = (
@@ -139,6 +140,7 @@ def validate(config: NeoXConfig, origin: dict[str, str]) -> None:
     _check_precision(check)
     _check_training(check)
     _check_data(check)
+    check_streaming(check)
     check_train_epochs(check)
     check_curriculum(check)
     check_lora(check)

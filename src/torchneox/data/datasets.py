@@ -8,6 +8,7 @@ from typing import Protocol
 import numpy as np
 
 from torchneox.base.errors import ConfigError, DataError
+from torchneox.config.features.streaming import streams
 from torchneox.config.load import LoadedConfig
 from torchneox.config.schema import DataConfig, NeoXConfig
 from torchneox.config.validate import split_shares
@@ -255,6 +256,8 @@ def step_batch(
     train_iters = loaded.config.training.train_iters
     if iteration < 1 or (train_iters and iteration > train_iters):
         raise ConfigError(f"--iteration must be between 1 and train_iters ({train_iters})")
+    if streams(loaded.config.data):
+        return (iteration - 1) * tbs, _streamed_batch(loaded.config, iteration, tbs)
     samples = cycle_epochs(loaded.config, build_splits(loaded.config, tbs).train, d)
     assert samples is not None
     start = (iteration - 1) * tbs
@@ -262,3 +265,18 @@ def step_batch(
     if isinstance(rows[0], dict):
         return start, {k: np.stack([r[k] for r in rows]) for k in rows[0]}
     return start, np.stack(rows)
+
+
+def _streamed_batch(cfg: NeoXConfig, iteration: int, tbs: int) -> np.ndarray:
+    """A streamed run's batch of step ``iteration`` as one process reads it: the samples
+    before it read (and tokenized) on the way."""
+    from torchneox.data.stream.build import stream_split
+    from torchneox.data.stream.encode import Encoder, Tokenize
+
+    split = stream_split(cfg, "train", num_samples(cfg, tbs)["train"])
+    assert split is not None
+    tokenize = Tokenize(Encoder(cfg.tokenizer, cfg.data.jsonl_keys[0]), 0)
+    split.set_tokenize(tokenize)
+    for _ in range((iteration - 1) * tbs):
+        split.next()
+    return np.stack([split.next() for _ in range(tbs)])

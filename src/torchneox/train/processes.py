@@ -77,3 +77,20 @@ def context_changes(saved: Any, now: Any) -> list[str]:
         if before != after:
             out.append(f"{key} {before if before is not None else 'unset'} -> {after}")
     return out
+
+
+def stream_loaders(cfg: Any, derived: Any, layout: Any, dims: Any) -> dict[str, Any]:
+    """A streamed run's train/valid/test loaders for this rank (data/stream/), their positions
+    gathered from every rank when a checkpoint is saved."""
+    from torchneox.data.datasets import num_samples
+    from torchneox.data.stream.build import build_loaders
+
+    def gather(mine: Any) -> list[Any]:
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, mine)
+        return out
+
+    counts = num_samples(cfg, derived["train_batch_size"])
+    many = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    share = {"dp_rank": dims.dp_rank, "dp_size": dims.dp, "gather": gather if many else None}
+    return build_loaders(cfg, counts, layout.micro_batch, layout.gas, **share)

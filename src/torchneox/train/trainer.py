@@ -35,6 +35,7 @@ from torchneox.config.derivations.model import mamba_kernels
 from torchneox.config.derive import derive
 from torchneox.config.features.fp8_plan import FP8Plan, fp8_plan
 from torchneox.config.features.lora import refuse_other_adapter_scale
+from torchneox.config.features.streaming import streams
 from torchneox.config.layout import require
 from torchneox.config.load import LoadedConfig, with_absolute_paths
 from torchneox.config.paths import remove_if_empty
@@ -66,6 +67,7 @@ from torchneox.train.processes import (
     is_lost_rank,
     join_processes,
     pick_device,
+    stream_loaders,
 )
 from torchneox.train.soft_prompt import start_soft_prompt
 
@@ -252,6 +254,11 @@ class Trainer:
             loaders = build_rollouts(self, self.parts.module, self.logger.line)
             self.train_loader = loaders["train"]
             self.valid_loader, self.test_loader = loaders.get("valid"), loaders.get("test")
+            return
+        if streams(cfg.data):  # raw text tokenized as it trains
+            self.data_notes, loaders = [], stream_loaders(cfg, d, lay, self.dims)
+            self.train_loader, self.valid_loader = loaders["train"], loaders["valid"]
+            self.test_loader = loaders["test"]
             return
         splits = build_splits(cfg, d["train_batch_size"], d["padded_vocab_size"])
         splits.train = cycle_epochs(cfg, splits.train, d)
@@ -563,7 +570,7 @@ class Trainer:
         local = torch.tensor([stats[n] for n in names], dtype=torch.float64, device=self.device)
         out = dict(zip(names, mean_over_dp(local, self.dims).tolist(), strict=True))
         for name in names:
-            if name.endswith("tokens_per_sec"):
+            if name.endswith(("tokens_per_sec", "_records")):  # sums over the ranks
                 out[name] *= self.dims.dp
         return out
 

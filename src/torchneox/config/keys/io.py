@@ -16,7 +16,11 @@ WANDB = "only used with use_wandb"
 class DataConfig:
     """Token datasets, their split and their blend."""
 
-    data_path: str | None = key(None, "Prefix of one .bin/.idx dataset, split by 'split'.")
+    data_path: str | None = key(
+        None,
+        "Prefix of one .bin/.idx dataset, or raw text streamed (jsonl, parquet, arrow, a folder, "
+        "a datasets folder, hf://NAME), split by 'split'.",
+    )
     split: str = key("969, 30, 1", "Train, validation, test proportions of data_path's documents.")
     train_data_paths: list[str] | None = key(None, "Training dataset prefixes, blended.")
     valid_data_paths: list[str] | None = key(None, "Validation dataset prefixes, blended.")
@@ -52,7 +56,29 @@ class DataConfig:
         "Unpacked and pack_until_overflow data: keep documents longer than a sample (cut); "
         "false leaves them out.",
     )
-    num_workers: int = key(2, "Background processes that prepare batches.", ge=0)
+    num_workers: int = key(
+        2,
+        "Background processes that prepare batches (streamed sources: that tokenize them).",
+        ge=0,
+    )
+    jsonl_keys: list[str] = extension(
+        ["text"],
+        "Streamed sources: the field (jsonl key, parquet/arrow column) holding each document's "
+        "text, as preprocess's --jsonl-keys chooses it; one.",
+    )
+    stream_shuffle: bool = extension(
+        True,
+        "Streamed sources: files, row groups and documents (in a bounded buffer) shuffled by "
+        "the seed each epoch; false reads them in order.",
+    )
+    stream_shuffle_buffer: int = extension(
+        1024, "Streamed sources: documents shuffled together (and held in memory) at a time.", ge=1
+    )
+    skip_bad_records: bool = extension(
+        False,
+        "Streamed sources: skip (and count) records that are not JSON, lack the text field or "
+        "are not UTF-8, instead of stopping the run at the first.",
+    )
     use_shared_fs: bool = key(
         True, "Index files are built once on a shared filesystem (else once per node)."
     )
