@@ -184,6 +184,8 @@ def problems(args: ModelArgs) -> list[str]:
             out.append("an attention output bias (Qwen2-MoE's o_proj has none)")
     elif args.attn_bias != args.attn_out_bias:
         out.append(f"q/k/v biases without an output bias ({name}'s attention_bias is all four)")
+    if arch == OLMOE and args.head_dim * args.num_heads != args.hidden_size:
+        out.append("head_dim (OLMoE's query norm is hidden_size wide)")
     if arch != MIXTRAL and args.sliding_window:
         out.append(f"sliding_window_width ({name} has no sliding window here)")
     if args.norm_position != "input":
