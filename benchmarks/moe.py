@@ -1,8 +1,11 @@
 """Mixture of experts: the MoE layer's forward + backward throughput with grouped GEMMs against
-the per-expert loop, and how balanced routing stays over a short training run (topk against
-sinkhorn routing, with the load-balancing loss).
+the per-expert loop, how balanced routing stays over a short training run (topk against
+sinkhorn routing, with the load-balancing loss), and (``--balancing``) DeepSeek-V3's
+auxiliary-loss-free router bias against the auxiliary loss on one small MoE: the busiest
+expert's load and the validation loss.
 
     python benchmarks/moe.py [--experts 8 32] [--tokens 4096] [--hidden 256] [--train-steps 40]
+    python benchmarks/moe.py --balancing [--train-steps 300]
 """
 
 from __future__ import annotations
@@ -101,6 +104,79 @@ def routing_balance(router: str, steps: int, folder: Path) -> dict:
     }
 
 
+BALANCING = {
+    "neither": {},
+    "aux loss 0.01": {"moe_aux_loss_coeff": 0.01},
+    "bias 0.001": {"moe_router_bias_update_rate": 0.001},
+    "bias 0.01": {"moe_router_bias_update_rate": 0.01},
+    "sigmoid, bias 0.01": {
+        "moe_score_func": "sigmoid",
+        "moe_renormalize_top_k": True,
+        "moe_router_bias_update_rate": 0.01,
+    },
+}
+"""The variants compared, on the top-k router (softmax scores unless said)."""
+
+
+def balancing(name: str, steps: int, prefix: str, folder: Path, seed: int = 1234) -> dict:
+    """One variant trained ``steps`` steps: the busiest expert's assignments over the mean
+    (the largest over the layers, averaged over the last quarter of the steps), the last
+    step's auxiliary loss (logged whatever its weight) and the validation loss at the end."""
+    keys = {
+        "num_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "seq_length": 64,
+        "pos_emb": "rotary",
+        "no_weight_tying": True,
+        "moe_num_experts": 8,
+        "moe_top_k": 2,
+        "moe_router_type": "topk",
+        "train_micro_batch_size_per_gpu": 8,
+        "train_iters": steps,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.003}},
+        "tokenizer_type": "CharLevelTokenizer",
+        "data_path": prefix,
+        "split": "95,5,0",
+        "eval_interval": steps,
+        "eval_iters": 8,
+        "num_workers": 0,
+        "log_interval": 1,
+        "seed": seed,
+        "save": str(folder / f"{name.replace(' ', '_').replace(',', '')}-{seed}"),
+    } | BALANCING[name]
+    Trainer(load_mapping(keys, "moe-balancing"), device="cpu").run()
+    rows = [json.loads(x) for x in (Path(keys["save"]) / "metrics.jsonl").read_text().splitlines()]
+    steps_rows = [r for r in rows if "moe_max_load" in r]
+    tail = steps_rows[-max(1, len(steps_rows) // 4) :]
+    valid = [r["valid_lm_loss"] for r in rows if "valid_lm_loss" in r]
+    return {
+        "benchmark": "moe_balancing",
+        "variant": name,
+        "seed": seed,
+        "steps": steps,
+        "busiest_expert_over_mean_first": round(steps_rows[0]["moe_max_load"], 2),
+        "busiest_expert_over_mean_last_quarter": round(
+            sum(r["moe_max_load"] for r in tail) / len(tail), 2
+        ),
+        "aux_loss_last": round(steps_rows[-1]["moe_aux_loss"], 4),
+        "valid_lm_loss": round(valid[-1], 4),
+    }
+
+
+def data(folder: Path) -> str:
+    builtin.write_jsonl("pydocs", folder / "docs.jsonl", max_bytes=400_000)
+    (prefix,) = preprocess(
+        PreprocessArgs(
+            [str(folder / "docs.jsonl")],
+            str(folder / "docs"),
+            "CharLevelTokenizer",
+            append_eod=True,
+        )
+    )
+    return str(prefix)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--experts", type=int, nargs="+", default=[8, 32])
@@ -108,7 +184,18 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--train-steps", type=int, default=40)
+    parser.add_argument("--balancing", action="store_true", help="only the balancing comparison")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1234])
+    parser.add_argument("--variants", nargs="+", default=list(BALANCING), choices=list(BALANCING))
     args = parser.parse_args()
+    if args.balancing:
+        with tempfile.TemporaryDirectory() as tmp:
+            prefix = data(Path(tmp))
+            for seed in args.seeds:
+                for name in args.variants:
+                    row = balancing(name, args.train_steps, prefix, Path(tmp), seed)
+                    print(json.dumps(row), flush=True)
+        return
     for e in args.experts:
         loop = layer_speed(e, args.tokens, args.hidden, args.top_k, grouped=False)
         grouped = layer_speed(e, args.tokens, args.hidden, args.top_k, grouped=True)

@@ -141,8 +141,8 @@ def _convert_verbs(verbs: argparse._SubParsersAction) -> None:
     convert_verbs.required = True
     from_hf = convert_verbs.add_parser(
         "from-hf",
-        help="a local GPTNeoX/Llama/Mistral/Qwen2/Qwen3/OLMo 2/Mixtral folder -> a torchneox "
-        "checkpoint",
+        help="a local GPTNeoX/Llama/Mistral/Qwen2/Qwen3/OLMo 2/Mixtral/Qwen2-MoE/Qwen3-MoE/OLMoE/"
+        "Mamba folder -> a torchneox checkpoint",
     )
     from_hf.add_argument("hf_dir", metavar="HF_DIR")
     from_hf.add_argument("out_dir", metavar="OUT_DIR")

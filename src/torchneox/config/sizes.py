@@ -140,12 +140,26 @@ def attention_layer(config: NeoXConfig, layer: int) -> LayerCounts:
     if not is_moe_layer(e, layer):
         return LayerCounts(params + mlp, params + mlp, forward + 2 * mlp_matmul)
     router = h * e.moe_num_experts
+    shared, shared_matmul = shared_expert(config)
     return LayerCounts(
-        params + router + e.moe_num_experts * mlp,
-        params + router + e.moe_top_k * mlp,
-        forward + 2 * (router + e.moe_top_k * mlp_matmul),
+        params + router + e.moe_num_experts * mlp + shared,
+        params + router + e.moe_top_k * mlp + shared,
+        forward + 2 * (router + e.moe_top_k * mlp_matmul + shared_matmul),
         moe=True,
     )
+
+
+def shared_expert(config: NeoXConfig) -> tuple[int, int]:
+    """An MoE layer's shared expert (moe_shared_expert_intermediate_size wide, with its
+    sigmoid gate): (parameters, weights a token multiplies by); (0, 0) without one."""
+    m, e = config.model, config.moe
+    width, h = e.moe_shared_expert_intermediate_size, m.hidden_size
+    assert h is not None
+    if not width:
+        return 0, 0
+    ups = 2 if m.activation in GATED_ACTIVATIONS else 1
+    matmul = h * width * ups + width * h + (h if e.moe_shared_expert_gate else 0)
+    return matmul + ((ups * width + h) if m.use_bias_in_mlp else 0), matmul
 
 
 def gmlp_width(hidden_size: int) -> int:

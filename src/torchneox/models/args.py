@@ -97,6 +97,14 @@ class ModelArgs:
     moe_jitter_eps: float | None = None
     moe_renormalize: bool = False
     """Mixtral's gates: each token's top-k probabilities divided by their sum."""
+    moe_score_func: str = "softmax"
+    """The top-k router's scores: softmax or sigmoid (DeepSeek-V3)."""
+    moe_bias_update_rate: float = 0.0
+    """DeepSeek-V3's auxiliary-loss-free balancing: the router bias's step (0: no bias)."""
+    moe_shared_width: int = 0
+    """Shared experts: the width of the always-on MLP beside the routed ones (0: none)."""
+    moe_shared_gate: bool = False
+    """Qwen2-MoE: the shared expert's output scaled by sigmoid(Linear(h, 1))."""
     qk_norm: str | None = None
     """Query/key normalisation: None, or its qk_norm_scope (neox, head, width)."""
     norm_position: str = "input"
@@ -229,6 +237,10 @@ class ModelArgs:
             moe_router_type=cfg.moe.moe_router_type,
             moe_jitter_eps=cfg.moe.moe_jitter_eps,
             moe_renormalize=cfg.moe.moe_renormalize_top_k,
+            moe_score_func=cfg.moe.moe_score_func,
+            moe_bias_update_rate=cfg.moe.moe_router_bias_update_rate,
+            moe_shared_width=cfg.moe.moe_shared_expert_intermediate_size,
+            moe_shared_gate=cfg.moe.moe_shared_expert_gate,
             qk_norm=m.qk_norm_scope if m.use_qk_layernorm else None,
             norm_position=m.norm_position,
             value_head=cfg.training.train_impl == "rm",

@@ -15,10 +15,19 @@ experts x sum over experts of token share x mean router probability, 1.0 when ba
 Routing is GPT-NeoX's ``moe_router_type`` (see ``MoE.route``). GPT-NeoX adds no
 load-balancing loss; torchneox computes it always (it is logged) and adds it with the weight
 ``moe_aux_loss_coeff``, 0 by default.
+
+torchneox's own routing options, for the top-k router (none of them GPT-NeoX's; their defaults
+route as it does): sigmoid scores (``moe_score_func``, DeepSeek-V3), DeepSeek-V3's
+auxiliary-loss-free balancing (``moe_router_bias_update_rate``: a per-expert bias, the
+``router_bias`` buffer, added to the scores to choose the experts but not to weight them, and
+moved after each step by ``update_router_bias``), and shared experts (an always-on MLP beside
+the routed ones, ``shared_expert``, optionally scaled by Qwen2-MoE's sigmoid gate
+``shared_expert_gate``).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -27,7 +36,7 @@ from torch.nn import functional as F
 
 from torchneox.models.args import ModelArgs
 from torchneox.models.linear import Linear
-from torchneox.models.mlp import ACTIVATIONS
+from torchneox.models.mlp import ACTIVATIONS, MLP
 
 
 def sinkhorn(cost_NE: torch.Tensor, tol: float | None = 1e-4, max_iter: int = 3) -> torch.Tensor:
@@ -100,6 +109,18 @@ def balancing_loss(stats: RouterStats) -> torch.Tensor:
     return experts * (share * stats.prob_sum / max(tokens, 1.0)).sum()
 
 
+def update_router_bias(
+    bias_E: torch.Tensor, tokens_per_expert: torch.Tensor, rate: float
+) -> torch.Tensor:
+    """DeepSeek-V3's auxiliary-loss-free balancing, in place: each expert's bias moves by
+    ``rate`` towards balance, up where the expert took fewer than the mean assignments of the
+    step, down where it took more, unchanged where exactly the mean (the sign of mean - load;
+    Megatron's ``get_updated_expert_bias``). ``tokens_per_expert``: the whole step's load."""
+    load = tokens_per_expert.to(torch.float64)
+    bias_E.add_(torch.sign(load.mean() - load).to(bias_E.dtype), alpha=rate)
+    return bias_E
+
+
 class LocalTokenDispatcher:
     """Every expert on this device: rows go to them as they are, with nothing sent."""
 
@@ -125,7 +146,9 @@ class LocalTokenDispatcher:
 
 class MoE(nn.Module):
     """The MLP of an MoE layer. State dict: router.weight [E, H]; experts_up, experts_gate
-    [E, H, F]; experts_down [E, F, H]; and their biases when the model's MLPs have them."""
+    [E, H, F]; experts_down [E, F, H]; and their biases when the model's MLPs have them; with
+    the options, router_bias [E] (a buffer), shared_expert.{up,gate,down}.weight (an MLP of
+    width moe_shared_width) and shared_expert_gate.weight [1, H]."""
 
     sinkhorn_tol: float | None = 1e-4
     """GPT-NeoX's early-stopping tolerance of the Sinkhorn rounds (None: always all three)."""
@@ -141,8 +164,13 @@ class MoE(nn.Module):
         self.router_type = args.moe_router_type
         self.jitter = args.moe_jitter_eps
         self.renormalize = args.moe_renormalize
+        self.score_func = args.moe_score_func
+        self.bias_rate = args.moe_bias_update_rate
         self.act = ACTIVATIONS[args.activation]
         self.router = Linear(h, e, bias=False)
+        # saved with the weights (a resume routes as the run did); None without the option
+        bias = torch.zeros(e, dtype=torch.float32) if self.bias_rate > 0 else None
+        self.register_buffer("router_bias", bias)
         self.experts_up = nn.Parameter(torch.empty(e, h, w))
         self.experts_gate = nn.Parameter(torch.empty(e, h, w)) if args.gated else None
         self.experts_down = nn.Parameter(torch.empty(e, w, h))
@@ -151,6 +179,20 @@ class MoE(nn.Module):
         self.experts_gate_bias = nn.Parameter(torch.empty(e, w)) if bias and args.gated else None
         self.experts_down_bias = nn.Parameter(torch.empty(e, h)) if bias else None
         self.dispatcher = LocalTokenDispatcher()
+        shared = args.moe_shared_width
+        self.shared_expert = MLP(replace(args, mlp_width=shared)) if shared else None
+        self.shared_expert_gate = Linear(h, 1, bias=False) if args.moe_shared_gate else None
+
+    def init_buffers(self, device: torch.device | str) -> None:
+        """The bias starts at zero (after ``to_empty``; a checkpoint then brings its own)."""
+        if self.router_bias is not None:
+            self.router_bias = torch.zeros(self.num_experts, dtype=torch.float32, device=device)
+
+    @torch.no_grad()
+    def update_router_bias(self, tokens_per_expert: torch.Tensor) -> None:
+        """Move the bias by the step's load (summed over every rank that split the batch)."""
+        if self.router_bias is not None:
+            update_router_bias(self.router_bias, tokens_per_expert, self.bias_rate)
 
     def _experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Rows sorted by (this device's) expert through their experts' MLPs."""
@@ -183,6 +225,10 @@ class MoE(nn.Module):
             noise = torch.empty_like(x_TH).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
             x_TH = x_TH * noise
         logits = self.router(x_TH)
+        if self.router_type == "topk" and (
+            self.score_func != "softmax" or self.router_bias is not None
+        ):
+            return self._route_scored(logits)
         probs = logits.float().softmax(-1)
         if self.router_type == "sinkhorn":
             scores = torch.sigmoid(logits.float()) if self.top_k == 1 else probs
@@ -195,6 +241,28 @@ class MoE(nn.Module):
                 gates, experts = scores.topk(self.top_k, dim=-1)
         else:
             gates, experts = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            gates = gates / gates.sum(-1, keepdim=True)
+        return experts, gates, probs
+
+    def _route_scored(
+        self, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The top-k router with torchneox's options (DeepSeek-V3's): softmax or sigmoid
+        scores; the experts chosen by score + router_bias, weighted by the score alone;
+        renormalised with ``moe_renormalize_top_k``. The probabilities the balancing loss
+        reads are the scores divided by their sum (DeepSeek-V3's normalised sigmoid)."""
+        logits = logits.float()
+        if self.score_func == "sigmoid":
+            scores = torch.sigmoid(logits)
+            probs = scores / scores.sum(-1, keepdim=True)
+        else:
+            scores = probs = logits.softmax(-1)
+        choose = scores.detach()
+        if self.router_bias is not None:
+            choose = choose + self.router_bias
+        experts = choose.topk(self.top_k, dim=-1).indices
+        gates = scores.gather(-1, experts)
         if self.renormalize:
             gates = gates / gates.sum(-1, keepdim=True)
         return experts, gates, probs
@@ -214,4 +282,10 @@ class MoE(nn.Module):
         out = torch.zeros(x_TH.shape[0], shape[-1], dtype=weighted.dtype, device=x.device)
         out.index_add_(0, token_of_row, weighted)
         stats = RouterStats(counts_t.detach(), probs.sum(0), x_TH.shape[0], self.top_k)
-        return out.reshape(shape).to(x.dtype), stats
+        out = out.reshape(shape).to(x.dtype)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:  # Qwen2-MoE
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out, stats

@@ -59,7 +59,12 @@ WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
 ADAPTER_TENSORS = ("lora_A.weight", "lora_B.weight")
 """A LoRA adapter's parameters, under the layer it adapts (layers.0.attention.wq.lora_A.weight)."""
 
-OUTPUT_LAYERS = ("attention.wo.weight", "mlp.down.weight", "mlp.experts_down")
+OUTPUT_LAYERS = (
+    "attention.wo.weight",
+    "mlp.down.weight",
+    "mlp.experts_down",
+    "mlp.shared_expert.down.weight",
+)
 """The parameters output_layer_init_method initialises (the rest: init_method)."""
 
 

@@ -26,7 +26,13 @@ from torchneox.data.loader import Batch
 from torchneox.models.moe import MoE
 from torchneox.models.transformer import adapters_off
 from torchneox.optim.builder import clip_grad_norm, shard_gradients_like_parameters
-from torchneox.parallel.collectives import mean_over_dp, plain, sum_over_pp, sum_router_stats
+from torchneox.parallel.collectives import (
+    mean_over_dp,
+    plain,
+    sum_over_dp,
+    sum_over_pp,
+    sum_router_stats,
+)
 from torchneox.parallel.context_parallel import split_pipeline_batch, split_sequence
 from torchneox.parallel.data_parallel import set_gradient_sync
 from torchneox.parallel.dims import ParallelDims
@@ -170,6 +176,19 @@ class Gradients:
         for i, s in enumerate(stats or []):
             self.moe_counts[i] += s.tokens_per_expert
         return terms
+
+    @torch.no_grad()
+    def update_router_bias(self) -> None:
+        """DeepSeek-V3's router bias moved by this step's load, the same on every rank: each
+        layer's tokens per expert summed over the ranks that split the batch."""
+        layers = [i for i, m in enumerate(self.moe_layers) if m.router_bias is not None]
+        if not layers or not self.moe_counts:
+            return
+        load = torch.stack([self.moe_counts[i] for i in layers])
+        if self.dims.batch_ranks > 1:
+            load = sum_over_dp(load, self.dims)
+        for i, layer_load in zip(layers, load, strict=True):
+            self.moe_layers[i].update_router_bias(layer_load)
 
     @torch.no_grad()
     def _reference(self, prep: Any) -> torch.Tensor | None:
@@ -443,6 +462,7 @@ class TrainStep:
         loss, metrics = self.gradients(iteration, micro_batches)
         with self.gradients.timers("optimizer"):
             known, lazy = self.update(iteration, lr, loss)
+        self.gradients.update_router_bias()
         if self.gradients.curriculum is not None:
             known = known | {"curriculum_seqlen": self.gradients.curriculum.length(iteration)}
         return StepValues(known, metrics | lazy, self.update.settle)

@@ -551,6 +551,12 @@ class Trainer:
             row["moe_aux_loss"] = out["moe_aux_loss"]
             counts = sum_over_dp(torch.stack(self.step.gradients.moe_counts), self.dims)
             row["moe_tokens_per_expert"] = counts.tolist()  # [MoE layer][expert], this step
+            row["moe_max_load"] = (
+                (counts.amax(1) / counts.float().mean(1).clamp(min=1)).max().item()
+            )
+            biases = [m.router_bias for m in self.step.gradients.moe_layers]
+            if any(b is not None for b in biases):  # moe_router_bias_update_rate
+                row["moe_router_bias"] = [[] if b is None else b.tolist() for b in biases]
         return row
 
     @property

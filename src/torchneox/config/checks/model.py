@@ -349,3 +349,15 @@ def _check_moe(ch: Checker) -> None:
     e = ch.c.moe
     if e.moe_num_experts > 1 and e.moe_top_k > e.moe_num_experts:
         ch.fail("moe_top_k", f"{e.moe_top_k} is more than moe_num_experts {e.moe_num_experts}")
+    if e.moe_router_type == "sinkhorn":
+        for name, value in (
+            ("moe_score_func", e.moe_score_func != "softmax"),
+            ("moe_router_bias_update_rate", e.moe_router_bias_update_rate > 0),
+        ):
+            if value:
+                ch.fail(name, "applies to the top-k router only; set moe_router_type: topk")
+    if e.moe_shared_expert_gate and not e.moe_shared_expert_intermediate_size:
+        ch.fail(
+            "moe_shared_expert_gate",
+            "gates a shared expert; set moe_shared_expert_intermediate_size too",
+        )

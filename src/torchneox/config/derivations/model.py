@@ -288,6 +288,15 @@ def layer_runs(kinds: list[str]) -> str:
     return ", ".join(f"{a}-{b} {k}" if b > a else f"{a} {k}" for a, b, k in runs)
 
 
+def _shared_text(cfg: NeoXConfig) -> str:
+    """What explain says of the MoE layers' shared expert (empty without one)."""
+    params, _ = sizes.shared_expert(cfg)
+    if not params:
+        return ""
+    gate = ", sigmoid-gated" if cfg.moe.moe_shared_expert_gate else ""
+    return f", and a shared expert of {params:,} parameters each ({_human(params)}{gate})"
+
+
 def _counts(cfg: NeoXConfig, out: Derived, padded: int) -> None:
     m = cfg.model
     counts = sizes.count(cfg, padded)
@@ -303,7 +312,8 @@ def _counts(cfg: NeoXConfig, out: Derived, padded: int) -> None:
             "num_active_parameters",
             counts.active,
             f"{counts.active:,} ({_human(counts.active)}) reach each token: {counts.moe_layers} MoE "
-            f"layers of {cfg.moe.moe_num_experts} experts, top-{cfg.moe.moe_top_k}",
+            f"layers of {cfg.moe.moe_num_experts} experts, top-{cfg.moe.moe_top_k}"
+            + _shared_text(cfg),
         )
     kinds = layer_attention_types(cfg)
     mixing = [

@@ -376,3 +376,29 @@ class MoEConfig:
         "default) adds none, as GPT-NeoX adds none; it is logged as moe_aux_loss either way.",
         ge=0,
     )
+    moe_score_func: Literal["softmax", "sigmoid"] = extension(
+        "softmax",
+        "The top-k router's scores: softmax over the experts (GPT-NeoX, Mixtral, Qwen-MoE) or "
+        "each expert's sigmoid (DeepSeek-V3; with moe_renormalize_top_k the chosen k are "
+        "divided by their sum).",
+    )
+    moe_router_bias_update_rate: float = extension(
+        0.0,
+        "DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to the top-k "
+        "router's scores to choose the experts (not to weight them), moved by this much after "
+        "each step, up for an expert that took fewer than the mean tokens, down for one that "
+        "took more (DeepSeek-V3: 0.001); 0 (the default): no bias.",
+        ge=0,
+    )
+    moe_shared_expert_intermediate_size: int = extension(
+        0,
+        "Shared experts: the width of an always-on MLP every token passes beside its routed "
+        "experts (Qwen2-MoE's shared_expert_intermediate_size; DeepSeek's n_shared_experts x "
+        "moe_intermediate_size); 0 (the default): none.",
+        ge=0,
+    )
+    moe_shared_expert_gate: bool = extension(
+        False,
+        "Scale the shared expert's output by sigmoid(Linear(hidden_size, 1)) of the token "
+        "(Qwen2-MoE's shared_expert_gate).",
+    )

@@ -1,4 +1,5 @@
-"""Hugging Face interop: configs of GPTNeoX, Llama, Mistral, Qwen2/3, OLMo 2, Mixtral and Mamba as
+"""Hugging Face interop: configs of GPTNeoX, Llama, Mistral, Qwen2/3, OLMo 2, Mixtral, Mamba and
+the MoE families of models/hf/moe_families.py (Qwen2-MoE, Qwen3-MoE, OLMoE) as
 GPT-NeoX keys and back, and the weight files of a local folder (models/hf/weights.py maps the
 tensors' names).
 
@@ -22,6 +23,7 @@ from torchneox.base.errors import ConfigError, HFError, first_line
 from torchneox.config.features.sparsity import SPARSE_TYPES
 from torchneox.models.args import ModelArgs
 from torchneox.models.hf import mamba as hf_mamba
+from torchneox.models.hf import moe_families as moe
 from torchneox.models.hf.defaults import DEFAULTS, rope, with_defaults
 
 ARCHITECTURES = (
@@ -32,6 +34,7 @@ ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Olmo2ForCausalLM",
     "MixtralForCausalLM",
+    *moe.FAMILIES,
     hf_mamba.MAMBA,
 )
 # Hugging Face hidden_act -> GPT-NeoX config keys. The tanh gelus (gelu_new, gelu_fast,
@@ -67,6 +70,7 @@ ARCHITECTURE_OF_TYPE = {
     "olmo2": "Olmo2ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "mamba": hf_mamba.MAMBA,
+    **{kind: arch for arch, kind in moe.MODEL_TYPES.items()},
 }
 """config.json's model_type -> the causal LM transformers' AutoModelForCausalLM builds of it."""
 _SAID_BOTH: set[Path] = set()
@@ -266,7 +270,8 @@ def _llama_family_keys(hf: dict[str, Any], arch: str, act: str) -> dict[str, Any
         "use_bias_in_mlp": bool(hf["mlp_bias"]) if "mlp_bias" in DEFAULTS[arch] else False,
         "num_kv_heads": hf["num_key_value_heads"],
     }
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and hf.get("use_sliding_window"):
+    qwen = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", moe.QWEN2_MOE, moe.QWEN3_MOE)
+    if arch in qwen and hf.get("use_sliding_window"):
         raise HFError(
             f"{arch}'s per-layer sliding window (use_sliding_window) is not supported",
             key="use_sliding_window",
@@ -279,6 +284,8 @@ def _llama_family_keys(hf: dict[str, Any], arch: str, act: str) -> dict[str, Any
         keys.update(use_qk_layernorm=True, qk_norm_scope="width", norm_position="output")
     if arch == "MixtralForCausalLM":
         keys.update(_mixtral_keys(hf))
+    if arch in moe.FAMILIES:
+        keys.update(moe.neox_keys(hf, arch))
     window = hf.get("sliding_window") if arch in SLIDING_WINDOW else None
     if window:
         keys["sliding_window_width"] = window
@@ -398,37 +405,18 @@ def _llama_problems(args: ModelArgs) -> list[str]:
     if args.rotary_dims != args.head_dim:
         problems.append("rotary_pct < 1 with rmsnorm/swiglu (Llama rotates whole heads)")
     olmo = args.qk_norm == "width"
-    if olmo != (args.norm_position == "output"):
+    if args.moe_num_experts == 1 and olmo != (args.norm_position == "output"):
         problems.append(
             "query/key norms over all heads (qk_norm_scope width) go with norm_position output "
-            "only (OLMo 2 has both, every other architecture neither)"
+            "only (OLMo 2 has both, every other dense architecture neither)"
         )
     qkv_bias_only = args.attn_bias and not args.attn_out_bias
-    if qkv_bias_only and (args.sliding_window or args.qk_norm or args.moe_num_experts > 1):
-        problems.append("q/k/v biases only (Qwen2's) with a sliding window, qk norms or experts")
+    if qkv_bias_only and args.moe_num_experts == 1 and (args.sliding_window or args.qk_norm):
+        problems.append("q/k/v biases only (Qwen2's) with a sliding window or qk norms")
     if args.qk_norm and args.sliding_window:
         problems.append("query/key norms with sliding_window_width (Qwen3 and OLMo 2 have none)")
     if args.moe_num_experts > 1:
-        problems += _mixtral_problems(args)
-    return problems
-
-
-def _mixtral_problems(args: ModelArgs) -> list[str]:
-    """Mixtral: top-k experts in every layer, gates renormalised, no biases or qk norms."""
-    problems = []
-    if args.moe_interval != 1:
-        problems.append("moe_expert_interval > 1 (Mixtral's every MLP is an MoE layer)")
-    if args.moe_router_type != "topk":
-        problems.append(f"moe_router_type {args.moe_router_type!r} (Mixtral routes top-k)")
-    if not args.moe_renormalize:
-        problems.append(
-            "GPT-NeoX's top-k gates, which Mixtral renormalises to sum to 1 (train with "
-            "moe_renormalize_top_k: true to export as Mixtral)"
-        )
-    if args.mlp_bias or args.attn_bias:
-        problems.append("biases with mixture-of-experts layers (Mixtral has none)")
-    if args.qk_norm:
-        problems.append("query/key norms with mixture-of-experts layers (Mixtral has none)")
+        problems += moe.problems(args)
     return problems
 
 
@@ -436,7 +424,7 @@ def _causal_architecture(args: ModelArgs, llama_like: bool) -> str:
     if not llama_like:
         return "GPTNeoXForCausalLM"
     if args.moe_num_experts > 1:
-        return "MixtralForCausalLM"
+        return moe.architecture(args)
     if args.qk_norm == "width":
         return "Olmo2ForCausalLM"
     if args.qk_norm == "head":
@@ -529,6 +517,7 @@ MODEL_TYPES = {
     "Qwen3ForCausalLM": "qwen3",
     "Olmo2ForCausalLM": "olmo2",
     "MixtralForCausalLM": "mixtral",
+    **moe.MODEL_TYPES,
 }
 
 
@@ -560,6 +549,8 @@ def _llama_family_config(arch: str, args: ModelArgs, rope: dict[str, Any]) -> di
             "router_jitter_noise": 0.0,
             "output_router_logits": False,
         }
+    if arch in moe.FAMILIES:
+        out = moe.hf_config(arch, args, out)
     return out
 
 

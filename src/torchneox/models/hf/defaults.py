@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from torchneox.base.errors import HFError
+from torchneox.models.hf import moe_families
 
 _LLAMA = {
     "vocab_size": 32000,
@@ -72,6 +73,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "use_parallel_residual": True,
         "attention_bias": True,
     },
+    **moe_families.DEFAULTS,
 }
 """Per causal architecture, the keys torchneox reads and transformers' value for each when
 config.json has none. Keys an architecture's modelling code does not read are absent: its

@@ -17,6 +17,7 @@ import torch
 from torchneox.base.errors import HFError
 from torchneox.models.args import ModelArgs
 from torchneox.models.hf import mamba as hf_mamba
+from torchneox.models.hf.moe_families import FAMILIES as MOE_FAMILIES
 
 GPT_NEOX = "GPTNeoXForCausalLM"
 OLMO2 = "Olmo2ForCausalLM"
@@ -42,6 +43,14 @@ OLMO2_LAYER = {k: v for k, v in LLAMA_LAYER.items() if k != "input_layernorm"} |
     "post_feedforward_layernorm": "mlp_norm",
 }
 MIXTRAL_LAYER = LLAMA_LAYER | {"block_sparse_moe.gate": "mlp.router", "mlp.gate": "mlp.router"}
+# Qwen2-MoE, Qwen3-MoE, OLMoE: the router is mlp.gate; Qwen2-MoE's shared expert and its gate
+MOE_LAYER = LLAMA_LAYER | {
+    "mlp.gate": "mlp.router",
+    "mlp.shared_expert.gate_proj": "mlp.shared_expert.gate",
+    "mlp.shared_expert.up_proj": "mlp.shared_expert.up",
+    "mlp.shared_expert.down_proj": "mlp.shared_expert.down",
+    "mlp.shared_expert_gate": "mlp.shared_expert_gate",
+}
 GPT_NEOX_LAYER = {
     "input_layernorm": "attention_norm",
     "post_attention_layernorm": "mlp_norm",
@@ -52,6 +61,12 @@ GPT_NEOX_LAYER = {
 # Mixtral's experts: w1 gates, w3 goes up, w2 comes down; each [out, in] where torchneox
 # stacks [experts, in, out]
 EXPERT_MATRICES = {"w1": "experts_gate", "w3": "experts_up", "w2": "experts_down"}
+# theirs: mlp.experts.{e}.{gate,up,down}_proj.weight, each [out, in]
+MOE_EXPERT_MATRICES = {
+    "gate_proj": "experts_gate",
+    "up_proj": "experts_up",
+    "down_proj": "experts_down",
+}
 IGNORED = re.compile(r".*(rotary_emb\.inv_freq|attention\.bias|attention\.masked_bias)$")
 """Buffers older GPTNeoX checkpoints saved; torchneox recomputes them."""
 LAYER = re.compile(r"(?:model|gpt_neox|backbone)\.layers\.(\d+)\.(.+)\.(weight|bias|A_log|D)$")
@@ -62,6 +77,8 @@ def layer_names(arch: str) -> dict[str, str]:
         return GPT_NEOX_LAYER
     if arch == hf_mamba.MAMBA:
         return hf_mamba.LAYER
+    if arch in MOE_FAMILIES:
+        return MOE_LAYER
     return {OLMO2: OLMO2_LAYER, MIXTRAL: MIXTRAL_LAYER}.get(arch, LLAMA_LAYER)
 
 
@@ -140,6 +157,14 @@ class WeightImporter:
         if expert:
             layer, e, matrix = expert.groups()
             self._expert(f"layers.{layer}.mlp.{EXPERT_MATRICES[matrix]}", int(e), tensor.T)
+            return True
+        expert = re.fullmatch(
+            r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight",
+            name,
+        )
+        if expert and self.arch in MOE_FAMILIES:
+            layer, e, matrix = expert.groups()
+            self._expert(f"layers.{layer}.mlp.{MOE_EXPERT_MATRICES[matrix]}", int(e), tensor.T)
             return True
         fused = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", name)
         if fused:  # transformers >= 5 in memory: [E, 2I, H] and [E, H, I]
@@ -232,6 +257,7 @@ def hf_tensors(
     prefixes = {GPT_NEOX: "gpt_neox.", hf_mamba.MAMBA: "backbone."}
     prefix = prefixes.get(arch, "model.")
     expert_of = {ours: theirs for theirs, ours in EXPERT_MATRICES.items()}
+    moe_expert_of = {ours: theirs for theirs, ours in MOE_EXPERT_MATRICES.items()}
     for name, tensor in sd.items():
         module, _, kind = name.rpartition(".")
         if name == "value_head.weight":
@@ -243,6 +269,10 @@ def hf_tensors(
         _, layer, rest = name.split(".", 2)
         dst = f"{prefix}layers.{layer}."
         module, _, kind = rest.rpartition(".")
+        if kind in expert_of and arch in MOE_FAMILIES:
+            for e in range(tensor.shape[0]):
+                yield f"{dst}mlp.experts.{e}.{moe_expert_of[kind]}.weight", tensor[e].T
+            continue
         if kind in expert_of:  # Mixtral: one [out, in] matrix per expert
             for e in range(tensor.shape[0]):
                 yield f"{dst}block_sparse_moe.experts.{e}.{expert_of[kind]}.weight", tensor[e].T
