@@ -54,6 +54,22 @@ def layer_speed(experts: int, tokens: int, hidden: int, top_k: int, grouped: boo
     return tokens * n / (time.perf_counter() - start)
 
 
+SMALL_MOE = {
+    "num_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "seq_length": 64,
+    "pos_emb": "rotary",
+    "no_weight_tying": True,
+    "moe_num_experts": 8,
+    "moe_top_k": 2,
+    "train_micro_batch_size_per_gpu": 8,
+    "optimizer": {"type": "Adam", "params": {"lr": 0.003}},
+    "tokenizer_type": "CharLevelTokenizer",
+}
+"""The small MoE both routing benchmarks train."""
+
+
 def routing_balance(router: str, steps: int, folder: Path) -> dict:
     builtin.write_jsonl("pydocs", folder / "docs.jsonl", max_bytes=400_000)
     (prefix,) = preprocess(
@@ -64,20 +80,9 @@ def routing_balance(router: str, steps: int, folder: Path) -> dict:
             append_eod=True,
         )
     )
-    keys = {
-        "num_layers": 2,
-        "hidden_size": 64,
-        "num_attention_heads": 4,
-        "seq_length": 64,
-        "pos_emb": "rotary",
-        "no_weight_tying": True,
-        "moe_num_experts": 8,
-        "moe_top_k": 2,
+    keys = SMALL_MOE | {
         "moe_router_type": router,
-        "train_micro_batch_size_per_gpu": 8,
         "train_iters": steps,
-        "optimizer": {"type": "Adam", "params": {"lr": 0.003}},
-        "tokenizer_type": "CharLevelTokenizer",
         "data_path": str(prefix),
         "split": "100,0,0",
         "eval_iters": 0,
@@ -122,29 +127,22 @@ def balancing(name: str, steps: int, prefix: str, folder: Path, seed: int = 1234
     """One variant trained ``steps`` steps: the busiest expert's assignments over the mean
     (the largest over the layers, averaged over the last quarter of the steps), the last
     step's auxiliary loss (logged whatever its weight) and the validation loss at the end."""
-    keys = {
-        "num_layers": 2,
-        "hidden_size": 64,
-        "num_attention_heads": 4,
-        "seq_length": 64,
-        "pos_emb": "rotary",
-        "no_weight_tying": True,
-        "moe_num_experts": 8,
-        "moe_top_k": 2,
-        "moe_router_type": "topk",
-        "train_micro_batch_size_per_gpu": 8,
-        "train_iters": steps,
-        "optimizer": {"type": "Adam", "params": {"lr": 0.003}},
-        "tokenizer_type": "CharLevelTokenizer",
-        "data_path": prefix,
-        "split": "95,5,0",
-        "eval_interval": steps,
-        "eval_iters": 8,
-        "num_workers": 0,
-        "log_interval": 1,
-        "seed": seed,
-        "save": str(folder / f"{name.replace(' ', '_').replace(',', '')}-{seed}"),
-    } | BALANCING[name]
+    keys = (
+        SMALL_MOE
+        | {
+            "moe_router_type": "topk",
+            "train_iters": steps,
+            "data_path": prefix,
+            "split": "95,5,0",
+            "eval_interval": steps,
+            "eval_iters": 8,
+            "num_workers": 0,
+            "log_interval": 1,
+            "seed": seed,
+            "save": str(folder / f"{name.replace(' ', '_').replace(',', '')}-{seed}"),
+        }
+        | BALANCING[name]
+    )
     Trainer(load_mapping(keys, "moe-balancing"), device="cpu").run()
     rows = [json.loads(x) for x in (Path(keys["save"]) / "metrics.jsonl").read_text().splitlines()]
     steps_rows = [r for r in rows if "moe_max_load" in r]

@@ -381,3 +381,14 @@ def post_training_data(folder: Path) -> dict[str, dict]:
         | paths("rm", "", "label", sides=("pos_", "neg_")),
         "kto": common | {"train_impl": "kto"} | paths("kto", "", "label", "reward"),
     }  # fmt: skip
+
+
+def assert_same_safetensors(original: Path, back: Path) -> None:
+    """A Hugging Face folder's ``model.safetensors`` written back identically: the same
+    tensors under the same names, equal to the bit."""
+    from safetensors.torch import load_file
+
+    theirs, ours = load_file(original / "model.safetensors"), load_file(back / "model.safetensors")
+    assert set(theirs) == set(ours)
+    for key, tensor in theirs.items():
+        assert torch.equal(tensor, ours[key]), key

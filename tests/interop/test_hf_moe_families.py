@@ -10,8 +10,8 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
+from tests.helpers import assert_same_safetensors
 from torchneox.checkpoint.weights import load_model
 from torchneox.cli import main
 from torchneox.interop import huggingface as convert
@@ -65,11 +65,7 @@ def test_converts_in_to_transformers_logits_and_back_to_identical_tensors(tmp_pa
         expected = hf_model(tokens).logits
         torch.testing.assert_close(ours.eval()(tokens), expected, atol=1e-5, rtol=1e-5)
     convert.to_hf(tmp_path / "ckpt", tmp_path / "back")
-    original = load_file(folder / "model.safetensors")
-    back = load_file(tmp_path / "back" / "model.safetensors")
-    assert set(original) == set(back)
-    for key, tensor in original.items():
-        assert torch.equal(tensor, back[key]), key
+    assert_same_safetensors(folder, tmp_path / "back")
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
     assert type(reloaded) is type(hf_model)
     for key in ("norm_topk_prob", "num_experts", "num_experts_per_tok", "head_dim"):

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from tests.helpers import BASE, VARIANTS
+from tests.helpers import BASE, VARIANTS, assert_same_safetensors
 from torchneox.base.errors import HFError
 from torchneox.checkpoint.weights import load_model
 from torchneox.config.load import load_mapping
@@ -57,11 +56,7 @@ def test_logits_equal_transformers_and_round_trip_is_identical(tmp_path, case):
             ours.eval()(tokens), hf_model(tokens).logits, atol=1e-5, rtol=1e-5
         )
     convert.to_hf(tmp_path / "ckpt", tmp_path / "back")
-    original = load_file(folder / "model.safetensors")
-    back = load_file(tmp_path / "back" / "model.safetensors")
-    assert set(original) == set(back)
-    for key, tensor in original.items():
-        assert torch.equal(tensor, back[key]), key
+    assert_same_safetensors(folder, tmp_path / "back")
     reloaded = transformers.MambaForCausalLM.from_pretrained(tmp_path / "back").eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(tokens).logits, hf_model(tokens).logits, atol=0, rtol=0)
