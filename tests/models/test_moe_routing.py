@@ -168,19 +168,13 @@ def test_a_run_with_the_bias_logs_it_and_resumes_bitwise(make_config, tmp_path):
         assert torch.equal(saved, torch.tensor(rows[-1]["moe_router_bias"][layer]))
 
 
-LAYOUTS = {
-    "dp2-ep2": ["expert_parallel_size=2", "train_micro_batch_size_per_gpu=2"],
-    "tp2": ["model_parallel_size=2"],
-}
-
-
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_the_bias_and_the_shared_expert_in_parallel_layouts_equal_one_process(
-    make_config, tmp_path, layout
+def test_the_bias_and_the_shared_expert_under_expert_parallelism_equal_one_process(
+    make_config, tmp_path
 ):
     """dp2 x ep2: the load summed over the ranks moves every rank's bias as one process's; the
-    shared expert is dense (reduced by DDP, not split over ep). tp2: the shared expert is whole
-    on each tensor rank, as the routed experts are."""
+    shared expert is dense (reduced by DDP, not split over ep). (Under tensor parallelism the
+    shared expert is whole on each tensor rank, as the routed experts are, whose tensor-parallel
+    parity tests/parallel/test_tensor_parallel.py holds.)"""
     config = make_config(
         **KEYS | OPTIONS | {"padded_vocab_size": 512, "moe_aux_loss_coeff": 0.1},
         train_batch_size=4,
@@ -188,8 +182,9 @@ def test_the_bias_and_the_shared_expert_in_parallel_layouts_equal_one_process(
         gradient_accumulation_steps=1,
         train_iters=4,
     )
-    one, out = trained_once(config), tmp_path / layout
-    train(config, f"save={out}", "load=null", *LAYOUTS[layout], nproc=2)
+    one, out = trained_once(config), tmp_path / "dp2-ep2"
+    layout = ["expert_parallel_size=2", "train_micro_batch_size_per_gpu=2"]
+    train(config, f"save={out}", "load=null", *layout, nproc=2)
     assert_same_training(out, reference(one))
     rows = {r["iteration"]: r for r in metric_rows(one) if "lm_loss" in r}
     for r in metric_rows(out):

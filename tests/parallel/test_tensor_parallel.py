@@ -120,12 +120,6 @@ OPTIONS = {
     # shards (with sequence parallelism, the final norm's sequence shards gathered first)
     # use_qk_layernorm: each head's own norm on the rank's heads (Qwen3), or the queries
     # (keys) gathered whole for a norm over all heads (OLMo 2; GPT-NeoX's own)
-    "tied-qk-head-sequence-parallel": [
-        "no_weight_tying=false",
-        "use_qk_layernorm=true",
-        "qk_norm_scope=head",
-        "sequence_parallel=true",
-    ],
     "alibi-qk-neox-layernorm": [
         "pos_emb=alibi",
         "use_qk_layernorm=true",
@@ -133,7 +127,10 @@ OPTIONS = {
         "num_kv_heads=4",
     ],
     # (lm_z_loss: logsumexp over the vocabulary shards, reduced without gathering them)
-    "rpe-z-loss-sequence-parallel": [
+    "rpe-tied-qk-head-z-loss-sequence-parallel": [
+        "no_weight_tying=false",
+        "use_qk_layernorm=true",
+        "qk_norm_scope=head",
         "lm_z_loss=0.01",
         "pos_emb=rpe",
         "rpe_num_buckets=8",
