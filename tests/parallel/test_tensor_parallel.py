@@ -56,9 +56,10 @@ TP_LAYOUTS = {
         ],
     ),
 }
-# (ZeRO-2 runs ZeRO-1's code, FSDP2 keeping the gathered weights through backward: its parity
-# is tests/parallel/test_data_parallel.py's)
-for stage in (0, 1, 3):
+# ZeRO 1 and 3: ZeRO-2 runs ZeRO-1's code (FSDP2 keeping the gathered weights through
+# backward; its parity is tests/parallel/test_data_parallel.py's), and so does ZeRO 0 beside
+# tensor parallelism (DDP takes no DTensor: parallel/data_parallel.py)
+for stage in (1, 3):
     TP_LAYOUTS[f"dp2-tp2-zero{stage}"] = (
         4,
         [
