@@ -71,15 +71,7 @@ SMALL_MOE = {
 
 
 def routing_balance(router: str, steps: int, folder: Path) -> dict:
-    builtin.write_jsonl("pydocs", folder / "docs.jsonl", max_bytes=400_000)
-    (prefix,) = preprocess(
-        PreprocessArgs(
-            [str(folder / "docs.jsonl")],
-            str(folder / "docs"),
-            "CharLevelTokenizer",
-            append_eod=True,
-        )
-    )
+    prefix = data(folder)
     keys = SMALL_MOE | {
         "moe_router_type": router,
         "train_iters": steps,
