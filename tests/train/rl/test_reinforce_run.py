@@ -101,8 +101,8 @@ HERE = pathlib.Path(__file__).parent
 
 
 def reward(prompts, completions):
-    (HERE / "entered").touch()
-    try:
+    try:  # "entered" inside the try: a Ctrl-C right after it must land here
+        (HERE / "entered").touch()
         time.sleep(1000)
     except KeyboardInterrupt:  # the first Ctrl-C reaches it; it swallows it and hangs on
         (HERE / "interrupted").touch()
