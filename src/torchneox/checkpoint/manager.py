@@ -168,6 +168,11 @@ class CheckpointManager:
         """Finish a background save whose files every rank has written (at a step boundary)."""
         self._finish_background(wait=False)
 
+    def wait(self) -> None:
+        """Wait for a background save in flight and finish it (the run goes on)."""
+        if self.background is not None:
+            self._finish_background(wait=True)
+
     def finish(self) -> None:
         """Wait for a background save and finish it, then for the last upload (before the
         run ends)."""

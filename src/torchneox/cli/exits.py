@@ -59,7 +59,9 @@ def guarded(run: Callable[[], int], argv: list[str]) -> int:
             print(line, file=sys.stderr)
         return EXIT_USER_ERROR
     except TrainingStopped as e:
-        print(f"torchneox: error: {_one_line(e)}", file=sys.stderr)
+        line = f"torchneox: error: {_one_line(e)}"
+        if said_first(line):  # every rank stopped for one reason (a step's check): said once
+            print(line, file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("torchneox: interrupted", file=sys.stderr)

@@ -32,6 +32,7 @@ from torchneox.parallel.parallelize import (
     build_reference,
 )
 from torchneox.reporting.metrics import Timers
+from torchneox.train.guards import CorruptionCheck
 from torchneox.train.objectives import Objective, objective_for
 from torchneox.train.precision import LossScaler, choose_cpu_attention
 from torchneox.train.step import GradientPolicy, Gradients, TrainStep, Update
@@ -154,4 +155,8 @@ def add_step(
     )
     if run.parts.pipeline is not None:
         update.stage_shared = run.parts.pipeline.shared
-    run.step = TrainStep(gradients, update)
+    check = None
+    if cfg.guards.sdc_check_interval:
+        interval = cfg.guards.sdc_check_interval
+        check = CorruptionCheck(interval, run.parts.model, run.dims, run.device, last_good)
+    run.step = TrainStep(gradients, update, check)

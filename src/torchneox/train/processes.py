@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from torchneox.config.features.offload import offload_spec
+from torchneox.parallel import flight_recorder
 from torchneox.parallel.dims import init_distributed
 
 
@@ -94,3 +95,21 @@ def stream_loaders(cfg: Any, derived: Any, layout: Any, dims: Any) -> dict[str, 
     many = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     share = {"dp_rank": dims.dp_rank, "dp_size": dims.dp, "gather": gather if many else None}
     return build_loaders(cfg, counts, layout.micro_batch, layout.gas, **share)
+
+
+def lost_rank_message(trainer: Any, error: RuntimeError) -> str:
+    """The one line of a rank whose collective did not complete: the step, the timeout, the
+    last collective it entered (torch's flight recorder) and the last good checkpoint."""
+    minutes = trainer.cfg.parallel.distributed_timeout_minutes
+    first = str(error).strip().splitlines()[0]
+    path, last = flight_recorder.dump(trainer.checkpoints.save_dir, trainer.dims.rank)
+    where = ""
+    if last is not None:
+        where = f"; the last collective it entered: {last}"
+        where += f" (flight record: {path})" if path is not None else ""
+    return (
+        f"rank {trainer.dims.rank}: a collective did not complete at step "
+        f"{trainer.iteration + 1} (distributed_timeout_minutes is {minutes:g}): another rank "
+        f"died or hangs ({first}){where}; {trainer.checkpoints.last_good()}; rerun the same "
+        "command to resume once every rank is healthy"
+    )

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from torchneox.base.errors import TrainingStopped
-from torchneox.base.faults import fault_point
+from torchneox.base.faults import fault_fires, fault_point
 from torchneox.config.features.curriculum import Curriculum
 from torchneox.data.loader import Batch
 from torchneox.models.moe import MoE
@@ -136,8 +136,21 @@ class Gradients:
         if self.dims.ep > 1:
             sync_expert_gradients(self.parts.model, self.dims.mesh, self.dims.dp)
         fault_point("step.backward", iteration)
+        total = self._faults(iteration, total)
         loss = mean_over_dp(total / self.grad_accum, self.dims)
         return loss, self.averaged_metrics(sums)
+
+    def _faults(self, iteration: int, total: torch.Tensor) -> torch.Tensor:
+        """The guards' tests (base/faults.py): a spike (the loss and gradients x 1000) or one
+        bit of the first gradient flipped."""
+        grads = [p.grad for p in self.parts.model.parameters() if p.grad is not None]
+        if fault_fires("step.backward", iteration, "spike"):
+            torch._foreach_mul_(grads, 1000.0)
+            return total * 1000.0
+        if fault_fires("step.backward", iteration, "flip") and grads:
+            first = grads[0].to_local() if hasattr(grads[0], "to_local") else grads[0]
+            first.view(-1)[:1].view(torch.uint8)[0] ^= 1  # the lowest bit of its first value
+        return total
 
     def _autocast(self):
         return autocast(self.precision, self.device.type)
@@ -454,12 +467,16 @@ class Update:
 class TrainStep:
     """One optimizer step: ``gradients`` over a global batch, then ``update`` applies them."""
 
-    def __init__(self, gradients: Gradients, update: Update):
+    def __init__(self, gradients: Gradients, update: Update, check: Any = None):
         self.gradients, self.update = gradients, update
+        self.check = check  # sdc_check_interval: train/guards.py's CorruptionCheck
 
     def __call__(self, iteration: int, lr: float, micro_batches: list[Batch]) -> StepValues:
         """Train on one global batch and apply the gradients; the step's logged values."""
-        loss, metrics = self.gradients(iteration, micro_batches)
+        if self.check is not None and self.check.due(iteration):
+            loss, metrics = self.check(iteration, micro_batches, self.gradients)
+        else:
+            loss, metrics = self.gradients(iteration, micro_batches)
         with self.gradients.timers("optimizer"):
             known, lazy = self.update(iteration, lr, loss)
         self.gradients.update_router_bias()

@@ -48,7 +48,6 @@ from torchneox.models import cpu_kernels
 from torchneox.models.hf.folder import is_hf_folder, with_hf_folder
 from torchneox.models.transformer import SOFT_PROMPT, is_adapter
 from torchneox.optim.lr import Schedule
-from torchneox.parallel import flight_recorder
 from torchneox.parallel.collectives import any_rank, mean_over_dp, sum_over_dp
 from torchneox.parallel.data_parallel import offloaded_shards
 from torchneox.parallel.dims import ParallelDims
@@ -61,11 +60,13 @@ from torchneox.reporting.progress import StepProgress
 from torchneox.train.assembly import add_step, build_run
 from torchneox.train.evaluation import Evaluator
 from torchneox.train.fits import allocation_failure, refuse_what_cannot_fit
+from torchneox.train.guards import Guards
 from torchneox.train.processes import (
     context_changes,
     fix_malloc_threshold,
     is_lost_rank,
     join_processes,
+    lost_rank_message,
     pick_device,
     stream_loaders,
 )
@@ -290,6 +291,7 @@ class Trainer:
             self.assembly.schedule,
             self.assembly.step,
         )
+        self.guards = Guards(cfg.guards, self.dims, self.device, self.logger.line)
 
     def _build_evaluator(self) -> Evaluator:
         tg = self.cfg.textgen
@@ -368,15 +370,17 @@ class Trainer:
 
     # -------------------------------------------------------------------------- step
 
-    def train_step(self) -> Mapping[str, float]:
+    def train_step(self) -> Mapping[str, float] | None:
         iteration = self.iteration + 1
         fault_point("step.start", iteration)
         lr = self.schedule.lr_for_update(iteration)
         with self.timers("data"):
             micro_batches = self.train_loader.next()
+        self.guards.step_start()  # straggler_factor: each rank's own time measured
         out = self.step(iteration, lr, micro_batches)
         self.iteration = iteration
-        return out
+        # a spike rewound (spike_action rewind): the run is back at its last checkpoint
+        return None if self.guards.rewound(self, out) else out
 
     def evaluate(self, loader: BatchLoader, iters: int) -> float:
         return self.evaluator.loss(loader, iters)
@@ -409,7 +413,7 @@ class Trainer:
         except RuntimeError as e:
             if not is_lost_rank(e):
                 raise
-            raise TrainingStopped(self._lost_rank_message(e)) from None
+            raise TrainingStopped(lost_rank_message(self, e)) from None
         finally:
             for s, handler in old.items():
                 signal.signal(s, handler)
@@ -426,21 +430,6 @@ class Trainer:
         return (
             f"standard output went away (a closed pipe or terminal) during training; {saved}; "
             f"{then}"
-        )
-
-    def _lost_rank_message(self, error: RuntimeError) -> str:
-        minutes = self.cfg.parallel.distributed_timeout_minutes
-        first = str(error).strip().splitlines()[0]
-        path, last = flight_recorder.dump(self.checkpoints.save_dir, self.dims.rank)
-        where = ""
-        if last is not None:
-            where = f"; the last collective it entered: {last}"
-            where += f" (flight record: {path})" if path is not None else ""
-        return (
-            f"rank {self.dims.rank}: a collective did not complete at step {self.iteration + 1} "
-            f"(distributed_timeout_minutes is {minutes:g}): another rank died or hangs ({first})"
-            f"{where}; {self.checkpoints.last_good()}; rerun the same command to resume once "
-            "every rank is healthy"
         )
 
     def _announce(self) -> None:
@@ -496,6 +485,8 @@ class Trainer:
         first = self.iteration + 1
         while self.iteration < self.train_iters:
             out = self.train_step()
+            if out is None:  # rewound to the last checkpoint, past the spike's batches
+                continue
             if self.iteration == first:
                 self._report_memory("after the first step")
                 self._report_kernels()
@@ -546,7 +537,7 @@ class Trainer:
         if "z_loss" in out:
             row["z_loss"] = out["z_loss"]
         row |= {k: out[k] for k in self.objective_metrics(out)}
-        row |= self._loader_row()
+        row |= self._loader_row() | self.guards.row(self.iteration)
         if "moe_aux_loss" in out:
             row["moe_aux_loss"] = out["moe_aux_loss"]
             counts = sum_over_dp(torch.stack(self.step.gradients.moe_counts), self.dims)
