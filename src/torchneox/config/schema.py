@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchneox.config.fields import KeyInfo, info
+from torchneox.config.keys.ft import FaultToleranceConfig
 from torchneox.config.keys.io import (
     DataConfig,
     DeepSpeedConfig,
@@ -46,6 +47,7 @@ class NeoXConfig:
     training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    ft: FaultToleranceConfig = dataclasses.field(default_factory=FaultToleranceConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = dataclasses.field(default_factory=TokenizerConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)

@@ -13,6 +13,7 @@ from typing import Any
 
 from torchneox.base.errors import did_you_mean
 from torchneox.config.checker import Checker
+from torchneox.config.checks.ft import check_replicas
 from torchneox.config.checks.model import (
     ATTENTION_TYPES_OK,
     ATTENTION_TYPES_REFUSED,
@@ -150,6 +151,7 @@ def validate(config: NeoXConfig, origin: dict[str, str]) -> None:
     _check_textgen(check)
     _check_post_training(check)
     check_reinforce(check)
+    check_replicas(check)
 
 
 def _check_sharing(ch: Checker) -> None:

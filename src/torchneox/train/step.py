@@ -460,6 +460,12 @@ class TrainStep:
     def __call__(self, iteration: int, lr: float, micro_batches: list[Batch]) -> StepValues:
         """Train on one global batch and apply the gradients; the step's logged values."""
         loss, metrics = self.gradients(iteration, micro_batches)
+        return self.apply(iteration, lr, loss, metrics)
+
+    def apply(
+        self, iteration: int, lr: float, loss: torch.Tensor, metrics: dict[str, torch.Tensor]
+    ) -> StepValues:
+        """Apply the gradients accumulated (replica groups: once the quorum committed them)."""
         with self.gradients.timers("optimizer"):
             known, lazy = self.update(iteration, lr, loss)
         self.gradients.update_router_bias()
