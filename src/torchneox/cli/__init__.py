@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from torchneox.cli import verbs
 from torchneox.cli.exits import guarded
+from torchneox.cli.lighthouse import cmd_lighthouse
 from torchneox.cli.parser import build_parser
 
 
@@ -43,5 +44,6 @@ def _run(argv: list[str]) -> int:
             "bench": verbs.cmd_bench,
             "eval": verbs.cmd_eval,
             "kernels": verbs.cmd_kernels,
+            "lighthouse": cmd_lighthouse,
         }[args.verb]
     return handler(args)

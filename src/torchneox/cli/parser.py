@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from torchneox.base.errors import ConfigError
+from torchneox.cli.lighthouse import add_lighthouse_verb
 
 
 class _Parser(argparse.ArgumentParser):
@@ -485,6 +486,8 @@ def _tool_verbs(verbs: argparse._SubParsersAction) -> None:
         "completion_length of a reinforce run",
     )
     plot.add_argument("--force", action="store_true", help="replace an existing --out file")
+
+    add_lighthouse_verb(verbs)
 
     demo = verbs.add_parser("demo", help="what `make demo` shows: preprocess, train, generate")
     demo.add_argument("--dir", default="runs/demo", help="where the demo's data and checkpoints go")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchneox.config.fields import KeyInfo, info
+from torchneox.config.keys.ft import FaultToleranceConfig
 from torchneox.config.keys.guards import GuardConfig
 from torchneox.config.keys.io import (
     DataConfig,
@@ -48,6 +49,7 @@ class NeoXConfig:
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     guards: GuardConfig = dataclasses.field(default_factory=GuardConfig)
+    ft: FaultToleranceConfig = dataclasses.field(default_factory=FaultToleranceConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = dataclasses.field(default_factory=TokenizerConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)

@@ -13,6 +13,7 @@ from typing import Any
 
 from torchneox.base.errors import did_you_mean
 from torchneox.config.checker import Checker
+from torchneox.config.checks.ft import check_replicas
 from torchneox.config.checks.guards import check_guards
 from torchneox.config.checks.model import (
     ATTENTION_TYPES_OK,
@@ -152,6 +153,7 @@ def validate(config: NeoXConfig, origin: dict[str, str]) -> None:
     _check_post_training(check)
     check_reinforce(check)
     check_guards(check)
+    check_replicas(check)
 
 
 def _check_sharing(ch: Checker) -> None:

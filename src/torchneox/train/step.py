@@ -473,10 +473,22 @@ class TrainStep:
 
     def __call__(self, iteration: int, lr: float, micro_batches: list[Batch]) -> StepValues:
         """Train on one global batch and apply the gradients; the step's logged values."""
+        loss, metrics = self.checked_gradients(iteration, micro_batches)
+        return self.apply(iteration, lr, loss, metrics)
+
+    def checked_gradients(
+        self, iteration: int, micro_batches: list[Batch]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The step's gradients; at sdc_check_interval's steps computed twice and compared (a
+        mismatch stops this process: with replica groups, its group leaves the quorum)."""
         if self.check is not None and self.check.due(iteration):
-            loss, metrics = self.check(iteration, micro_batches, self.gradients)
-        else:
-            loss, metrics = self.gradients(iteration, micro_batches)
+            return self.check(iteration, micro_batches, self.gradients)
+        return self.gradients(iteration, micro_batches)
+
+    def apply(
+        self, iteration: int, lr: float, loss: torch.Tensor, metrics: dict[str, torch.Tensor]
+    ) -> StepValues:
+        """Apply the gradients accumulated (replica groups: once the quorum committed them)."""
         with self.gradients.timers("optimizer"):
             known, lazy = self.update(iteration, lr, loss)
         self.gradients.update_router_bias()

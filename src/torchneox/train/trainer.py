@@ -70,6 +70,7 @@ from torchneox.train.processes import (
     pick_device,
     stream_loaders,
 )
+from torchneox.train.replicas import data_share, groups, start_replicas
 from torchneox.train.soft_prompt import start_soft_prompt
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGHUP: the terminal went away
@@ -142,6 +143,7 @@ class Trainer:
         )
         self.evaluator = self._build_evaluator()
         resumed = self._resume_or_start(step_dir)
+        self.replicas = start_replicas(self)  # ft_lighthouse: this run is one replica group
         if self.parts.reference is not None and not (resumed and resumed.reference):
             copy_weights(self.model, self.parts.reference)  # the policy as training starts
 
@@ -261,10 +263,10 @@ class Trainer:
             self.train_loader, self.valid_loader = loaders["train"], loaders["valid"]
             self.test_loader = loaders["test"]
             return
-        splits = build_splits(cfg, d["train_batch_size"], d["padded_vocab_size"])
+        splits = build_splits(cfg, d["train_batch_size"] * groups(cfg), d["padded_vocab_size"])
         splits.train = cycle_epochs(cfg, splits.train, d)
         self.data_notes = splits.notes
-        share = {"dp_rank": self.dims.dp_rank, "dp_size": self.dims.dp}
+        share = data_share(cfg, self.dims)  # replica groups: this group's share of each batch
 
         def loader(split: Any, prefetch: bool) -> BatchLoader | None:
             if not split:
@@ -286,11 +288,8 @@ class Trainer:
             self.checkpoints.last_good,
             settle_every=cfg.logging.log_interval,
         )
-        self.optimizer, self.schedule, self.step = (
-            self.assembly.optimizer,
-            self.assembly.schedule,
-            self.assembly.step,
-        )
+        run = self.assembly
+        self.optimizer, self.schedule, self.step = run.optimizer, run.schedule, run.step
         self.guards = Guards(cfg.guards, self.dims, self.device, self.logger.line)
 
     def _build_evaluator(self) -> Evaluator:
@@ -371,6 +370,8 @@ class Trainer:
     # -------------------------------------------------------------------------- step
 
     def train_step(self) -> Mapping[str, float] | None:
+        if self.replicas is not None:  # the step committed by the live replica groups
+            return self.replicas.train_step()
         iteration = self.iteration + 1
         fault_point("step.start", iteration)
         lr = self.schedule.lr_for_update(iteration)
@@ -419,6 +420,8 @@ class Trainer:
                 signal.signal(s, handler)
             self.train_loader.close()
             self.logger.close()
+            if self.replicas is not None:
+                self.replicas.close()
 
     def _stdout_lost_message(self) -> str:
         saved = f"step {self.iteration} is saved" if self.checkpoints.save_dir else "no save is set"

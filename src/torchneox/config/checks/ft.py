@@ -1,0 +1,64 @@
+"""Checks of replica groups (torchft): the keys against each other, then, for training, that
+torchft is installed and that the group's layout is one the replicas can average over."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from torchneox.base.errors import ConfigError
+from torchneox.config.checker import Checker
+
+
+def replicated(c) -> bool:
+    """Whether the run is one replica group of several (ft_lighthouse set)."""
+    return c.ft.ft_lighthouse is not None
+
+
+def check_replicas(ch: Checker) -> None:
+    f = ch.c.ft
+    if not replicated(ch.c):
+        if f.ft_replica_groups > 1 or f.ft_replica_group > 0:
+            ch.fail(
+                "ft_replica_groups",
+                "replica groups agree through a torchft lighthouse: set ft_lighthouse to the "
+                "address `torchneox lighthouse` prints",
+            )
+        return
+    if f.ft_replica_group >= f.ft_replica_groups:
+        ch.fail(
+            "ft_replica_group",
+            f"is {f.ft_replica_group}, but the groups are numbered 0 to "
+            f"{f.ft_replica_groups - 1} (ft_replica_groups is {f.ft_replica_groups})",
+        )
+    if f.ft_min_replicas > f.ft_replica_groups:
+        ch.fail(
+            "ft_min_replicas",
+            f"is {f.ft_min_replicas}, more than the {f.ft_replica_groups} replica groups "
+            "(ft_replica_groups); no step could commit",
+        )
+
+
+REFUSED = (
+    ("pipe_parallel_size", lambda lay, c: lay.pp > 1, "pipeline stages"),
+    ("expert_parallel_size", lambda lay, c: lay.ep > 1, "expert parallelism"),
+    ("train_impl", lambda lay, c: c.training.train_impl == "reinforce", "REINFORCE's rollouts"),
+)
+
+
+def require_replicas(c, layout) -> None:
+    """Training as a replica group: torchft importable, and a layout it averages over (every
+    gradient a tensor, or a data-parallel shard, that each group holds alike)."""
+    if not replicated(c):
+        return
+    if importlib.util.find_spec("torchft") is None:
+        raise ConfigError(
+            "replica groups need torchft: pip install 'torchneox[ft]' (or unset ft_lighthouse)",
+            key="ft_lighthouse",
+        )
+    for key, refused, what in REFUSED:
+        if refused(layout, c):
+            raise ConfigError(
+                f"replica groups (ft_lighthouse) do not take {what} yet: train each group with "
+                "ZeRO 0-3, tensor or context parallelism, or unset ft_lighthouse",
+                key=key,
+            )
