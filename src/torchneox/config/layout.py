@@ -243,18 +243,6 @@ def _hybrid_sharding(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     return None
 
 
-def _sequence_parallel(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
-    if not lay.sequence_parallel:
-        return None
-    if cfg.moe.moe_num_experts > 1:
-        return _refuse(
-            "with mixture-of-experts layers is not built yet; tensor parallelism without it works",
-            key="sequence_parallel",
-            cause="model_parallel_size",
-        )
-    return None
-
-
 def _pipeline(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     if lay.pp < 2:
         return None
@@ -505,7 +493,6 @@ RULES = (
     _pipeline,
     _experts,
     _z_loss,
-    _sequence_parallel,
     _tied_embeddings,
     _tensor_parallel_positions,
     _not_built_with,
