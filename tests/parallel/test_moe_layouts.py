@@ -20,3 +20,20 @@ def test_moe_under_sequence_parallelism_equals_one_process(moe_config, tmp_path)
     assert_same_training(tmp_path / "sp", reference(tmp_path / "one"))
     one_aux = losses(tmp_path / "one", "moe_aux_loss")
     assert losses(tmp_path / "sp", "moe_aux_loss") == pytest.approx(one_aux, rel=1e-5)
+
+
+def test_context_parallelism_beside_expert_parallelism_equals_one_process(moe_config, tmp_path):
+    """Two context ranks x two expert-parallel ranks: each context rank's tokens reach the
+    experts of its own group; the expert gradients are summed over the context ranks too."""
+    keys = ["moe_aux_loss_coeff=0.1", "train_iters=3"]
+    train(moe_config, f"save={tmp_path / 'one'}", "load=null", *keys)
+    # micro-batches of 2 on each of the 2 data-parallel ranks: one process's micro-batches of 4
+    layout = [
+        "context_parallel_size=2",
+        "expert_parallel_size=2",
+        "train_micro_batch_size_per_gpu=2",
+    ]
+    train(moe_config, f"save={tmp_path / 'cp'}", "load=null", *keys, *layout, nproc=4)
+    assert_same_training(tmp_path / "cp", reference(tmp_path / "one"))
+    one_aux = losses(tmp_path / "one", "moe_aux_loss")
+    assert losses(tmp_path / "cp", "moe_aux_loss") == pytest.approx(one_aux, rel=1e-5)

@@ -331,7 +331,6 @@ def _context_parallel(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
             cause="seq_length",
         )
     others = (
-        (lay.ep > 1, "expert_parallel_size > 1", "expert_parallel_size"),
         (lay.hybrid, "mics_shard_size (hybrid sharding)", "zero_optimization"),
         (
             cfg.training.train_impl != "normal",

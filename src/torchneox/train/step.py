@@ -134,7 +134,8 @@ class Gradients:
             for m, tokens in enumerate(micro_batches):
                 total += self.forward_backward(tokens, m == len(micro_batches) - 1, sums)
         if self.dims.ep > 1:
-            sync_expert_gradients(self.parts.model, self.dims.mesh, self.dims.dp)
+            replicas = self.dims.axis("expert_replicas")
+            sync_expert_gradients(self.parts.model, replicas, self.dims.batch_ranks)
         fault_point("step.backward", iteration)
         loss = mean_over_dp(total / self.grad_accum, self.dims)
         return loss, self.averaged_metrics(sums)
