@@ -298,13 +298,6 @@ def _experts(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
             key="expert_parallel_size",
             cause="moe_num_experts",
         )
-    if experts > 1 and lay.pp > 1:
-        return _refuse(
-            "mixture-of-experts layers together with pipeline parallelism are not built yet; "
-            "use data, tensor and expert parallelism",
-            key="moe_num_experts",
-            cause="pipe_parallel_size",
-        )
     return None
 
 
