@@ -49,16 +49,6 @@ CASES = [
         "pipe_parallel_size: 2 stages but only 1 layers; each stage needs one",
     ),
     (
-        "moe-with-sequence-parallelism",
-        UNTIED | {"model_parallel_size": 2, "sequence_parallel": True, "moe_num_experts": 4},
-        "sequence_parallel: with mixture-of-experts layers is not built yet",
-    ),
-    (
-        "moe-with-pipeline",
-        UNTIED | {"pipe_parallel_size": 2, "gradient_accumulation_steps": 2, "moe_num_experts": 4},
-        "moe_num_experts: mixture-of-experts layers together with pipeline parallelism",
-    ),
-    (
         "experts-that-do-not-split",
         {"moe_num_experts": 3, "expert_parallel_size": 2},
         "expert_parallel_size: 2 must divide the data-parallel size 2 and moe_num_experts 3",

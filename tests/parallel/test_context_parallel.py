@@ -135,12 +135,10 @@ def test_interleaved_pipeline_stages_resume_as_one_process(make_config, tmp_path
     ("keys", "nproc", "said"),
     [
         (["seq_length=36"], 4, "seq_length 36 must be a multiple of 2 x context_parallel_size = 8"),
-        (["moe_num_experts=2", "expert_parallel_size=2", "train_micro_batch_size_per_gpu=2"], 8,
-         "with expert_parallel_size > 1 is not built yet"),
         (["model_parallel_size=3"], 8, "world size 8 is not divisible by pipeline stages 1 x "
          "model_parallel_size 3 x context_parallel_size 4"),
     ],
-    ids=["seq-length", "experts", "world"],
+    ids=["seq-length", "world"],
 )  # fmt: skip
 def test_what_is_not_built_is_one_line(config, keys, nproc, said):
     args = [sys.executable, "-m", "torchneox", "train", config, "--nproc", str(nproc)]

@@ -64,12 +64,6 @@ def test_expert_parallel_checkpoint_resumes_in_one_process(moe_config, tmp_path)
             "expert_parallel_size",
             "must divide the data-parallel",
         ),
-        (
-            2,
-            ["pipe_parallel_size=2", "train_micro_batch_size_per_gpu=4"],
-            "moe_num_experts",
-            "with pipeline parallelism",
-        ),
     ],
 )
 def test_a_bad_expert_layout_is_refused_before_any_process_starts(

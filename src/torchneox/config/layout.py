@@ -244,18 +244,6 @@ def _hybrid_sharding(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     return None
 
 
-def _sequence_parallel(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
-    if not lay.sequence_parallel:
-        return None
-    if cfg.moe.moe_num_experts > 1:
-        return _refuse(
-            "with mixture-of-experts layers is not built yet; tensor parallelism without it works",
-            key="sequence_parallel",
-            cause="model_parallel_size",
-        )
-    return None
-
-
 def _pipeline(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     if lay.pp < 2:
         return None
@@ -311,13 +299,6 @@ def _experts(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
             key="expert_parallel_size",
             cause="moe_num_experts",
         )
-    if experts > 1 and lay.pp > 1:
-        return _refuse(
-            "mixture-of-experts layers together with pipeline parallelism are not built yet; "
-            "use data, tensor and expert parallelism",
-            key="moe_num_experts",
-            cause="pipe_parallel_size",
-        )
     return None
 
 
@@ -344,7 +325,6 @@ def _context_parallel(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
             cause="seq_length",
         )
     others = (
-        (lay.ep > 1, "expert_parallel_size > 1", "expert_parallel_size"),
         (lay.hybrid, "mics_shard_size (hybrid sharding)", "zero_optimization"),
         (
             cfg.training.train_impl != "normal",
@@ -506,7 +486,6 @@ RULES = (
     _pipeline,
     _experts,
     _z_loss,
-    _sequence_parallel,
     _tied_embeddings,
     _tensor_parallel_positions,
     _not_built_with,

@@ -97,6 +97,8 @@ PartFn = Callable[[torch.Tensor], tuple[torch.Tensor, tuple[slice, ...] | None]]
 """This process's tensor of a parameter and where it sits in the whole one (None: it is whole);
 the model holds whole tensors (``whole``), a sharded one is told from outside
 (parallel/shards.py ``local_part``)."""
+RouterSink = Callable[[torch.Tensor, list[RouterStats]], torch.Tensor]
+"""A pipeline stage's exit for its router statistics (``Transformer.router_sink``)."""
 
 
 def whole(param: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -237,6 +239,10 @@ class Transformer(nn.Module):
         )
         # a reward model's head (GPT-NeoX's rm_linear): one value per position
         self.value_head = Linear(h, 1, bias=False) if args.value_head else None
+        self.router_sink: RouterSink | None = None
+        """Set on a pipeline stage with MoE layers: it takes the stage's hidden states and its
+        layers' ``RouterStats`` after the blocks, and returns the hidden states (the schedule
+        keeps only a stage's output, so the statistics and the balancing loss leave here)."""
         self.stage_context: ContextShard | None = None
         """A pipeline stage under context parallelism: the ``context`` of every forward (the
         schedule passes a later stage only the hidden states)."""
@@ -470,6 +476,8 @@ class Transformer(nn.Module):
             x, layer_stats = block(x, rope, bias, cache)
             if layer_stats is not None:
                 stats.append(layer_stats)
+        if self.router_sink is not None and stats and not router_stats:
+            x = self.router_sink(x, stats)
         if static is not None:
             static.advance(t)
         elif cache is not None:

@@ -94,14 +94,7 @@ class ParallelDims:
         if not self.distributed:
             return None
         if self.ep > 1:
-            # data parallel = (replicas of the experts) x (expert-parallel ranks)
-            self.mesh = init_device_mesh(
-                self.device_type,
-                (self.pp, self.dp // self.ep, self.ep, self.tp),
-                mesh_dim_names=("pp", "dp_replicate", "ep", "tp"),
-            )
-            self.flat = {"dp": self.mesh["dp_replicate", "ep"]._flatten("dp")}
-            return self.mesh
+            return self._expert_mesh()
         if self.dp_shard is not None:
             # hybrid sharding: data parallel = (replicas) x (ranks one shard group spans)
             self.mesh = init_device_mesh(
@@ -125,6 +118,27 @@ class ParallelDims:
         return self.mesh
 
     HYBRID = ("dp_hybrid_replicate", "dp_hybrid_shard")
+
+    def _expert_mesh(self) -> DeviceMesh:
+        """Data parallel = (replicas of the experts) x (expert-parallel ranks); with context
+        parallelism its ranks sit between them and tensor parallel, and each context rank's
+        tokens reach the experts of its own expert-parallel group. ``expert_replicas``: the
+        ranks holding the same experts (the replicas, and the context ranks beside them)."""
+        names = ["pp", "dp_replicate", "ep", "tp"]
+        shape = [self.pp, self.dp // self.ep, self.ep, self.tp]
+        if self.cp > 1:
+            names.insert(3, "cp")
+            shape.insert(3, self.cp)
+        self.mesh = init_device_mesh(self.device_type, tuple(shape), mesh_dim_names=tuple(names))
+        self.flat = {"dp": self.mesh["dp_replicate", "ep"]._flatten("dp")}
+        if self.cp > 1:
+            self.flat["dp_cp"] = self.mesh["dp_replicate", "ep", "cp"]._flatten("dp_cp")
+            self.flat["expert_replicas"] = self.mesh["dp_replicate", "cp"]._flatten(
+                "expert_replicas"
+            )
+        else:
+            self.flat["expert_replicas"] = self.mesh["dp_replicate"]
+        return self.mesh
 
     def shard_mesh(self) -> DeviceMesh:
         """The mesh ZeRO shards over: the data-parallel axis (with context parallelism, the

@@ -4,7 +4,8 @@ data parallelism), tokens sent to the rank holding their expert and back with al
 Expert weights become DTensors sharded on dim 0 (experts) over ``ep``, so checkpoints hold
 whole [experts, ...] tensors and load into any other layout. Their gradients are not reduced
 by DDP (the all-to-all's backward already gathered every ep rank's tokens); they are summed
-over the expert replicas (``dp_replicate``) and divided by the data-parallel size here, which
+over the expert replicas (``dp_replicate``, and the context ranks) and divided by the ranks
+that split the batch here, which
 makes them the gradient of the global mean loss, as DDP's average does for the rest.
 """
 
@@ -53,9 +54,11 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> list[str]:
     return names
 
 
-def sync_expert_gradients(model: nn.Module, mesh: DeviceMesh, dp_size: int) -> None:
-    """Sum the expert gradients over the expert replicas, then average like DDP does."""
-    replicate = mesh["dp_replicate"].get_group() if mesh["dp_replicate"].size() > 1 else None
+def sync_expert_gradients(model: nn.Module, replicas: DeviceMesh, batch_ranks: int) -> None:
+    """Sum the expert gradients over the ranks holding the same experts (``replicas``: the
+    expert replicas, and with context parallelism the context ranks beside them), then average
+    over the ``batch_ranks`` that split the batch, as DDP does."""
+    replicate = replicas.get_group() if replicas.size() > 1 else None
     for module in model.modules():
         if not isinstance(module, MoE):
             continue
@@ -66,7 +69,7 @@ def sync_expert_gradients(model: nn.Module, mesh: DeviceMesh, dp_size: int) -> N
             local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
             if replicate is not None:
                 dist.all_reduce(local, group=replicate)
-            local.div_(dp_size)
+            local.div_(batch_ranks)
 
 
 class AllToAllTokenDispatcher(LocalTokenDispatcher):

@@ -26,6 +26,7 @@ from torch.distributed.tensor import (
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -64,8 +65,8 @@ def split_dim(name: str) -> int | None:
 
 
 def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """Split every layer over ``mesh`` (a layout ``config.layout.check_layout`` accepted: no
-    sequence parallelism with MoE layers). Tied embeddings: the head reads the embedding's
+    """Split every layer over ``mesh`` (a layout ``config.layout.check_layout`` accepted).
+    Tied embeddings: the head reads the embedding's
     vocabulary-split weight (one tensor, its gradient summed from both uses)."""
     seq = Shard(1) if sequence_parallel else Replicate()
     model.sequence_shards = mesh.size() if sequence_parallel else 1
@@ -96,8 +97,8 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
         _mark_split(model, list(top))
     _keep_heads(model, mesh)
     for block in model.layers.values():
-        # (an MoE layer's experts are whole on every tensor rank, as the tokens are without
-        # sequence parallelism: each rank computes the same expert outputs)
+        # (an MoE layer's experts are whole on every tensor rank, and so are its tokens: each
+        # rank computes the same expert outputs, see _moe_plan)
         present = [n for n in COLUMN_SPLIT + ROW_SPLIT if _linear(block, n)]
         plan: dict = {n: ColwiseParallel() for n in present if n in COLUMN_SPLIT}
         plan |= {n: RowwiseParallel(output_layouts=seq) for n in present if n in ROW_SPLIT}
@@ -107,9 +108,7 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
                 input_layouts=(Shard(1), None, None, None),
                 desired_input_layouts=(Replicate(), None, None, None),
             )
-            plan["mlp"] = PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-            )
+            plan["mlp"] = _moe_plan() if getattr(block, "is_moe", False) else _mlp_input()
             if block.mlp_norm is not None:
                 plan["mlp_norm"] = SequenceParallel()
         adapters = _take_adapters(block, present)  # the plans split a layer's own weights
@@ -120,6 +119,25 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
         if isinstance(getattr(block, "attention", None), SparseAttention):
             # its layout per head follows the heads this rank holds
             block.attention.keep_heads(mesh.get_local_rank(), mesh.size())
+
+
+def _mlp_input() -> PrepareModuleInput:
+    return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+
+
+def _moe_plan() -> PrepareModuleInputOutput:
+    """An MoE layer under sequence parallelism: the sequence gathered before routing, so that
+    every tensor rank routes the whole sequence as one process does (the router's choices, its
+    statistics and the expert gradients are those of tensor parallelism without it), then each
+    rank keeps its slice of the output (its gradient gathered whole on the way back)."""
+    return PrepareModuleInputOutput(
+        input_layouts=(Shard(1),),
+        desired_input_layouts=(Replicate(),),
+        use_local_input=True,
+        output_layouts=(Replicate(), None),
+        desired_output_layouts=(Shard(1), None),
+        use_local_output=True,
+    )
 
 
 def _whole(x: torch.Tensor, mesh: DeviceMesh, seq: Shard | Replicate) -> DTensor:

@@ -12,11 +12,13 @@ The objective's metrics are kept on the last stage, then shared with the other s
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 
-from torchneox.parallel.collectives import plain, sum_over_pp
+from torchneox.models.moe import MoE, RouterStats, balancing_loss
+from torchneox.parallel.collectives import plain, sum_over_pp, sum_router_stats
 from torchneox.parallel.dims import ParallelDims
 from torchneox.train.objectives import LanguageModeling, Objective, Prepared
 
@@ -101,3 +103,70 @@ def prepared_batch(
     preps = [objective.prepare(b) for b in micro_batches]
     inputs = torch.cat([p.inputs for p in preps])
     return inputs, torch.cat([encode_target(p) for p in preps]), preps
+
+
+class _AuxGradient(torch.autograd.Function):
+    """The hidden states unchanged, and the balancing loss ``aux`` given the gradient
+    ``scale`` on the way back (Megatron's way of adding a stage's term to a loss that only
+    the last stage computes; the schedule then divides every gradient by the micro-batches)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, aux: torch.Tensor, scale: float):
+        ctx.scale = scale
+        ctx.save_for_backward(aux)
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, ctx.scale), None
+
+
+class StageRouters:
+    """MoE layers through pipeline stages: each stage's router statistics, taken as its hidden
+    states leave it (``Transformer.router_sink``). Per micro-batch: the statistics summed over
+    the ranks that split the batch (the stage's data- and context-parallel ranks run the same
+    schedule), the stage's balancing losses weighted by ``moe_aux_loss_coeff`` / the model's MoE
+    layers into the gradients, and both kept for the logs and the router bias.
+
+    A schedule's first step runs each stage once more, on placeholder inputs, to learn the
+    shapes: only the last ``micro_batches`` calls of a step count."""
+
+    def __init__(self, gradients, parts: list, aux_weight: float, moe_layers: int):
+        self.gradients, self.aux_weight, self.moe_layers = gradients, aux_weight, moe_layers
+        self.calls: list[list[tuple[torch.Tensor, list[torch.Tensor]]]] = [[] for _ in parts]
+        for k, part in enumerate(parts):
+            part.router_sink = functools.partial(self._sink, k)
+
+    def _sink(self, part: int, hidden: torch.Tensor, stats: list[RouterStats]) -> torch.Tensor:
+        if not torch.is_grad_enabled():  # evaluation: routed, nothing kept
+            return hidden
+        dims = self.gradients.dims
+        whole = stats
+        if dims.batch_ranks > 1:
+            whole = [sum_router_stats(s, dims.batch_mesh) for s in stats]
+        aux = torch.stack([balancing_loss(s) for s in whole]).sum()
+        self.calls[part].append((aux.detach(), [s.tokens_per_expert.detach() for s in stats]))
+        if self.aux_weight:
+            scale = self.aux_weight * self.gradients.scale() / self.moe_layers
+            hidden = _AuxGradient.apply(hidden, aux, scale)
+        return hidden
+
+    def collect(
+        self, micro_batches: int, counts: list[torch.Tensor], index: dict[int, int]
+    ) -> torch.Tensor:
+        """Add the step's tokens per expert to ``counts`` (``index``: by a module's id, its place)
+        and return the step's mean balancing loss (as the logs show it, every stage's
+        layers counted); forget the step's calls."""
+        dims = self.gradients.dims
+        total = torch.zeros((), device=self.gradients.device)
+        for part, calls in zip(self.gradients.parts.pipeline.parts, self.calls, strict=True):
+            kept = calls[-micro_batches:] if calls else []  # (a stage without MoE layers)
+            layers = [index[id(m)] for m in part.modules() if isinstance(m, MoE)]
+            for aux, loads in kept:
+                total = total + aux.float()
+                for i, load in zip(layers, loads, strict=True):
+                    counts[i] += load
+            calls.clear()
+        local = total / (micro_batches * self.moe_layers * dims.cp)
+        return sum_over_pp(local, dims)

@@ -43,7 +43,7 @@ from torchneox.parallel.tensor_parallel import loss_context, placed_like
 from torchneox.reporting.metrics import Timers
 from torchneox.train.loss import lm_loss, token_logp
 from torchneox.train.objectives import LanguageModeling, Objective
-from torchneox.train.pipelined import PipelinedObjective, prepared_batch
+from torchneox.train.pipelined import PipelinedObjective, StageRouters, prepared_batch
 from torchneox.train.precision import LossScaler, autocast
 
 
@@ -110,6 +110,12 @@ class Gradients:
         self.pipelined = PipelinedObjective(objective, scale)
         self.pipeline_metrics: dict[str, torch.Tensor] = {}
         self.moe_counts: list[torch.Tensor] = []  # this step's tokens per expert, per MoE layer
+        self.routers = None  # a pipeline's MoE layers: their statistics, stage by stage
+        args = parts.model.args
+        if parts.pipeline is not None and args.moe_num_experts > 1:
+            layers = sum(args.is_moe_layer(i) for i in range(args.num_layers))
+            aux_weight = getattr(objective, "aux_weight", 0.0)
+            self.routers = StageRouters(self, parts.pipeline.parts, aux_weight, layers)
         self.curriculum: Curriculum | None = None  # curriculum_learning: each step's length
 
     def __call__(
@@ -129,12 +135,17 @@ class Gradients:
             total = self._pipeline_batch(micro_batches, train=True) * self.grad_accum
             for name, value in self.pipeline_metrics.items():
                 sums[name] = value * self.grad_accum
+            if self.routers is not None:
+                index = {id(m): i for i, m in enumerate(self.moe_layers)}
+                aux = self.routers.collect(self.grad_accum, self.moe_counts, index)
+                sums["moe_aux_loss"] = aux * self.grad_accum
         else:
             total = torch.zeros((), device=self.device)
             for m, tokens in enumerate(micro_batches):
                 total += self.forward_backward(tokens, m == len(micro_batches) - 1, sums)
         if self.dims.ep > 1:
-            sync_expert_gradients(self.parts.model, self.dims.mesh, self.dims.dp)
+            replicas = self.dims.axis("expert_replicas")
+            sync_expert_gradients(self.parts.model, replicas, self.dims.batch_ranks)
         fault_point("step.backward", iteration)
         total = self._faults(iteration, total)
         loss = mean_over_dp(total / self.grad_accum, self.dims)
@@ -301,7 +312,7 @@ class Gradients:
         """The step's other logged values, each a mean over the data-parallel ranks: the MoE
         balancing loss, the z-loss, the objective's metrics (as GPT-NeoX averages them)."""
         out = {}
-        if self.moe_layers:
+        if self.moe_layers or self.routers is not None:
             aux = sums.get("moe_aux_loss", torch.zeros((), device=self.device))
             out["moe_aux_loss"] = mean_over_dp(aux / self.grad_accum, self.dims)
         if "z_loss" in sums:  # lm_z_loss is set

@@ -1,0 +1,47 @@
+"""Mixture-of-experts layers in the layouts that split them further: through pipeline stages
+(expert parallelism per stage), with context parallelism beside expert parallelism, and under
+sequence parallelism; with shared experts and DeepSeek-V3's router bias. Each gives the
+losses, gradient norms, balancing losses and weights of one process."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import assert_same_training, losses, reference, train
+
+DEEPSEEK = [
+    "moe_aux_loss_coeff=0.1",
+    "moe_score_func=sigmoid",
+    "moe_renormalize_top_k=true",
+    "moe_router_bias_update_rate=0.01",
+    "moe_shared_expert_intermediate_size=32",
+    "moe_shared_expert_gate=true",
+    "train_iters=3",
+]
+# one step in each layout, each resuming the one before: micro-batches of 2 on each of 2
+# data-parallel ranks, or 4 on one, are one process's micro-batches of 4
+LEGS = [
+    (4, ["pipe_parallel_size=2", "expert_parallel_size=2", "train_micro_batch_size_per_gpu=2"]),
+    (4, ["context_parallel_size=2", "expert_parallel_size=2", "train_micro_batch_size_per_gpu=2"]),
+    (2, ["model_parallel_size=2", "sequence_parallel=true"]),
+]
+
+
+def test_moe_layouts_equal_one_process_and_resume_into_each_other(moe_config, tmp_path):
+    """Step 1 on two pipeline stages x two expert-parallel ranks per stage (each stage's
+    balancing loss reaches the gradients, its load moves its layers' bias); step 2 resumed on
+    two context ranks x two expert-parallel ranks (each context rank's tokens reach its own
+    group's experts); step 3 resumed on two tensor ranks with sequence parallelism (the
+    sequence gathered before routing). Together they equal one process never stopped."""
+    train(moe_config, f"save={tmp_path / 'one'}", "load=null", *DEEPSEEK)
+    moved = tmp_path / "moved"
+    for k, (nproc, layout) in enumerate(LEGS):
+        stop = "exit_interval=null" if k == len(LEGS) - 1 else f"exit_interval={k + 1}"
+        train(moe_config, f"save={moved}", f"load={moved}", *DEEPSEEK, *layout, stop, nproc=nproc)
+    one = reference(tmp_path / "one")
+    assert sorted(losses(moved)) == [1, 2, 3]
+    assert_same_training(moved, one)
+    one_aux = losses(tmp_path / "one", "moe_aux_loss")
+    assert losses(moved, "moe_aux_loss") == pytest.approx(one_aux, rel=1e-5)
+    biases = [name for name in one[2] if name.endswith("router_bias")]
+    assert biases and all(one[2][name].abs().sum() > 0 for name in biases)
