@@ -39,6 +39,7 @@ from torchneox.models.mixers.attention import (
     StaticKVCache,
 )
 from torchneox.models.moe import RouterStats
+from torchneox.models.mtp import build_mtp, with_mtp
 from torchneox.models.norms import build_norm
 from torchneox.models.positions import (
     alibi_slopes,
@@ -237,6 +238,7 @@ class Transformer(nn.Module):
         )
         # a reward model's head (GPT-NeoX's rm_linear): one value per position
         self.value_head = Linear(h, 1, bias=False) if args.value_head else None
+        self.mtp = build_mtp(args)  # multi-token prediction (models/mtp.py): mtp.{k}.*
         self.stage_context: ContextShard | None = None
         """A pipeline stage under context parallelism: the ``context`` of every forward (the
         schedule passes a later stage only the hidden states)."""
@@ -431,6 +433,7 @@ class Transformer(nn.Module):
         segments_BT: torch.Tensor | None = None,
         context: ContextShard | None = None,
         last_only: bool = False,
+        mtp_tokens_BT: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, list[RouterStats]]:
         """Logits [B, T, vocab] (a middle pipeline stage: hidden states), and with
         ``router_stats`` each MoE layer's ``RouterStats`` too. ``positions_BT`` default to 0..
@@ -438,10 +441,9 @@ class Transformer(nn.Module):
         are real, not padding; ``segments_BT`` numbers each token's document, and a token
         attends only to its own (``attention.documents`` gives both for a packed batch);
         ``context``: the tokens are this rank's part of each sequence (context parallelism);
-        ``last_only``: [B, 1, vocab], the last token's logits only (a prefill that samples)."""
-        t = tokens_BT.shape[1]
-        start = cache.length if cache is not None else 0
-        length = None
+        ``last_only``: [B, 1, vocab], the last token's logits only (a prefill that samples);
+        ``mtp_tokens_BT``: the inputs, for MTP's depths (training; models/mtp.py)."""
+        t, start, length = tokens_BT.shape[1], cache.length if cache is not None else 0, None
         context = context if context is not None else self.stage_context
         if context is not None:
             length = context.length
@@ -477,6 +479,7 @@ class Transformer(nn.Module):
         if prompted:  # the prompt's own outputs are never scored or sampled
             x = x[:, self.args.soft_prompt_tokens :]
         out = self._head(x[:, -1:] if last_only else x)
+        out = with_mtp(self, out, x, mtp_tokens_BT, rope, bias, stats)
         return (out, stats) if router_stats else out
 
     def _prompted(
@@ -518,6 +521,10 @@ class Transformer(nn.Module):
         x = self.final_norm(x)
         if self.value_head is not None:
             return self.value_head(x)
+        return self.logits(x)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The output head's logits of normalised hidden states."""
         mup = self.args.mup
         if mup is not None:  # muP's readout: the hidden states / width_mult (and the temperature)
             x = x / (mup.width_mult * mup.output_temp)
