@@ -182,6 +182,28 @@ def _tied_embeddings(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     return None
 
 
+def _multi_token(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
+    """MTP reads the tokens ahead of each position and embeds them where the last layer is."""
+    if not cfg.model.mtp_num_layers:
+        return None
+    for on, what, cause in (
+        (lay.tp > 1, "model_parallel_size > 1", "model_parallel_size"),  # parity not yet held
+        (lay.sequence_parallel, "sequence_parallel", "sequence_parallel"),
+        (lay.cp > 1, "context_parallel_size > 1", "context_parallel_size"),
+        (lay.pp > 1 and lay.schedule == "zbv", "pipeline_schedule zbv", "pipeline_schedule"),
+    ):
+        if on:
+            return _refuse(
+                f"with {what} is not built yet (tensor parallelism's parity is not held yet; "
+                "the tokens ahead of a position may lie on another rank, or the last stage's "
+                "copy of the embedding on the first's rank); use another layout, or "
+                "mtp_num_layers: 0",
+                key="mtp_num_layers",
+                cause=cause,
+            )
+    return None
+
+
 def _tensor_parallel_positions(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     pos = cfg.model.pos_emb
     if lay.pp > 1 and pos == "rpe" and lay.schedule not in ("gpipe", "1f1b"):
@@ -487,6 +509,7 @@ RULES = (
     _experts,
     _z_loss,
     _tied_embeddings,
+    _multi_token,
     _tensor_parallel_positions,
     _not_built_with,
     _hybrid_sharding,

@@ -293,6 +293,19 @@ class ModelCounts:
     flops_per_token: int
     """Training FLOPs (forward + backward) per token, model FLOPs (no recomputation)."""
     moe_layers: int
+    mtp: int = 0
+    """The multi-token prediction modules' parameters (in ``total``; training only)."""
+
+
+def mtp_module(config: NeoXConfig, last: LayerCounts) -> LayerCounts:
+    """One MTP module (models/mtp.py): a block of the last layer's kind (``last``), its three
+    norms (enorm, hnorm, shared_head.norm) and eh_proj; the shared output head's FLOPs are
+    the caller's to add (they depend on the padded vocabulary)."""
+    m = config.model
+    assert m.hidden_size
+    h = m.hidden_size
+    own = 3 * norm_params(m) + 2 * h * h
+    return LayerCounts(last.params + own, last.active + own, last.forward_flops + 4 * h * h)
 
 
 def count(config: NeoXConfig, vocab: int) -> ModelCounts:
@@ -325,10 +338,18 @@ def count(config: NeoXConfig, vocab: int) -> ModelCounts:
             active += counts.active
         forward += counts.forward_flops
         moe_layers += counts.moe
+    mtp = 0
+    if m.mtp_num_layers:  # D modules, each with a block of the last layer's kind
+        module = mtp_module(config, counts)
+        mtp = m.mtp_num_layers * module.params
+        total += mtp
+        active += m.mtp_num_layers * module.active
+        forward += m.mtp_num_layers * (module.forward_flops + 2 * head)
     return ModelCounts(
         total=total,
         embedding=embedding + (head if own_head else 0),
         active=active,
         flops_per_token=3 * forward,
         moe_layers=moe_layers,
+        mtp=mtp,
     )

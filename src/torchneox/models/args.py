@@ -121,6 +121,8 @@ class ModelArgs:
     """torchneox's names of the adapted layers (attention.wq, mlp.down, ...)."""
     lora_base_dtype: str = "fp32"
     """How the frozen base's linear weights are stored (bf16: in bfloat16, config/features/lora.py)."""
+    mtp_depth: int = 0
+    """Multi-token prediction modules after the last layer (mtp_num_layers; 0: none)."""
 
     layer_types: tuple[str, ...] = ()
     """Each layer's attention_config type (global, flash, a sparse type, mamba, rwkv, gmlp,
@@ -244,6 +246,7 @@ class ModelArgs:
             qk_norm=m.qk_norm_scope if m.use_qk_layernorm else None,
             norm_position=m.norm_position,
             value_head=cfg.training.train_impl == "rm",
+            mtp_depth=m.mtp_num_layers,
             cpu_matmul=cfg.precision.cpu_matmul,
             **_lora(cfg),
             **(_layer_families(cfg) | _mup_fields(cfg)),

@@ -105,9 +105,12 @@ def family_of(args: ModelArgs, layer: int) -> Family:
 def special_init(args: ModelArgs, name: str) -> InitFn | None:
     """The initialisation of parameter ``name`` its layer's family asks for (None: the
     model's default rule)."""
-    if not name.startswith("layers."):
+    if name.startswith("mtp."):  # an MTP module's block: the last layer's kind
+        layer, rest = str(args.num_layers - 1), name.split(".", 2)[2]
+    elif name.startswith("layers."):
+        layer, _, rest = name.removeprefix("layers.").partition(".")
+    else:
         return None
-    layer, _, rest = name.removeprefix("layers.").partition(".")
     family = family_of(args, int(layer))
     if family.layer_init_rule is not None:
         return family.layer_init_rule(args, int(layer), rest)

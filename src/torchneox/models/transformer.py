@@ -19,8 +19,6 @@ Build it on the meta device, move it with ``to_empty`` and call ``init_weights()
 from __future__ import annotations
 
 import contextlib
-import math
-import zlib
 from collections.abc import Callable, Collection, Iterator
 
 import torch
@@ -29,8 +27,7 @@ from torch import nn
 from torchneox.config.features.lora import is_base_linear
 from torchneox.models import sharing
 from torchneox.models.args import ModelArgs
-from torchneox.models.block import Block, special_init
-from torchneox.models.init import InitFn, init_function
+from torchneox.models.block import Block
 from torchneox.models.linear import Linear, linear
 from torchneox.models.mixers.attention import (
     AttentionBias,
@@ -39,7 +36,22 @@ from torchneox.models.mixers.attention import (
     StaticKVCache,
 )
 from torchneox.models.moe import RouterStats
+from torchneox.models.mtp import build_mtp, with_mtp
 from torchneox.models.norms import build_norm
+from torchneox.models.params import (  # noqa: F401 (the names other modules import from here)
+    ADAPTER_TENSORS,
+    OUTPUT_LAYERS,
+    SOFT_PROMPT,
+    WRAPPERS,
+    PartFn,
+    SoftPrompt,
+    init_parameter,
+    is_adapter,
+    is_drawn,
+    plain_name,
+    trains_with_lora,
+    whole,
+)
 from torchneox.models.positions import (
     alibi_slopes,
     relative_position_buckets,
@@ -48,151 +60,16 @@ from torchneox.models.positions import (
 )
 from torchneox.models.stable_embedding import StableEmbedding
 
-
-def _param_seed(seed: int, name: str) -> int:
-    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
-
-
-WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
-"""What activation checkpointing and torch.compile insert into parameter names."""
-
-ADAPTER_TENSORS = ("lora_A.weight", "lora_B.weight")
-"""A LoRA adapter's parameters, under the layer it adapts (layers.0.attention.wq.lora_A.weight)."""
-
-OUTPUT_LAYERS = (
-    "attention.wo.weight",
-    "mlp.down.weight",
-    "mlp.experts_down",
-    "mlp.shared_expert.down.weight",
-)
-"""The parameters output_layer_init_method initialises (the rest: init_method)."""
-
-
-def is_drawn(name: str) -> bool:
-    """Whether initialisation draws parameter ``name`` from a generator (a norm's parameters
-    and the biases are set in place: every norm module's name ends in "norm")."""
-    module, _, leaf = name.rpartition(".")
-    return not (module.endswith("norm") or leaf == "bias" or leaf.endswith("_bias"))
-
-
-def is_adapter(name: str) -> bool:
-    """Whether parameter ``name`` is a LoRA adapter's."""
-    return name.endswith(ADAPTER_TENSORS)
-
-
-def trains_with_lora(name: str) -> bool:
-    """Whether a run with lora trains parameter ``name`` (and its checkpoints hold it): the
-    adapters, and a reward model's value head."""
-    return is_adapter(name) or name.endswith("value_head.weight")
-
-
-def plain_name(name: str) -> str:
-    """A parameter's name in the unwrapped model (what its seed and the checkpoints use)."""
-    for wrapper in WRAPPERS:
-        name = name.replace(wrapper, "")
-    return name
-
-
-PartFn = Callable[[torch.Tensor], tuple[torch.Tensor, tuple[slice, ...] | None]]
-"""This process's tensor of a parameter and where it sits in the whole one (None: it is whole);
-the model holds whole tensors (``whole``), a sharded one is told from outside
-(parallel/shards.py ``local_part``)."""
 RouterSink = Callable[[torch.Tensor, list[RouterStats]], torch.Tensor]
 """A pipeline stage's exit for its router statistics (``Transformer.router_sink``)."""
 
 
-def whole(param: torch.Tensor) -> tuple[torch.Tensor, None]:
-    return param, None
-
-
-def _soft_prompt_init(args: ModelArgs) -> InitFn:
-    """The soft prompt uniform in [-init_range, init_range] (init_string's embeddings replace
-    it where the run gives one: train/soft_prompt.py)."""
-    r = args.soft_prompt_range
-
-    def init(tensor: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        return tensor.uniform_(-r, r, generator=generator)
-
-    return init
-
-
-def _own_init(args: ModelArgs, name: str) -> InitFn | None:
-    """The initialisation of a parameter with one of its own (None: the default rules): a
-    mixer's, the soft prompt's, PEFT's for a LoRA A, GPT-NeoX's xavier normal for the relative
-    position table."""
-    if name == SOFT_PROMPT:
-        return _soft_prompt_init(args)
-    if name.endswith("lora_A.weight"):  # PEFT's: kaiming-uniform with a = sqrt(5)
-        return _kaiming_uniform
-    if name == "rpe.weight":  # GPT-NeoX's ParallelRelativePositionBias
-        return init_function("xavier_normal", args.init_std, args.num_layers, args.hidden_size)
-    return None if is_adapter(name) else special_init(args, name)
-
-
-def init_parameter(
-    args: ModelArgs,
-    name: str,
-    param: torch.Tensor,
-    seed: int,
-    draw_on: torch.device | None = None,
-    part: PartFn = whole,
-) -> None:
-    """Initialise ``param`` (named ``name`` in the unwrapped model) as one process would: by
-    its mixer's own rule where it has one (mamba's A_log, D and dt bias, RWKV's mixes and
-    decays), else a norm's scale to one, biases to zero, weights by init_method or
-    output_layer_init_method; every drawn tensor is drawn whole from the generator of its name
-    (then, for a shard, only its part kept) on ``draw_on`` (default: where the parameter is;
-    a run whose shards live in host memory draws where the model computes, as it would
-    without offload). ``part`` gives this process's part of ``param``."""
-    module, _, leaf = name.rpartition(".")
-    local, where = part(param)
-    if name.endswith("lora_B.weight"):  # PEFT's: zeros, so the adapted model starts as its base
-        local.zero_()
-        return
-    init = _own_init(args, name)
-    if init is None and not is_drawn(name):
-        scale = module.endswith("norm") and leaf in ("weight", "g")
-        local.fill_(1.0 if scale else 0.0)
-        return
-    if where is not None and local.numel() == 0:  # an empty shard: nothing of it is kept
-        return
-    factor = 1.0
-    if init is None:
-        method = args.output_init_method if name.endswith(OUTPUT_LAYERS) else args.init_method
-        init = init_function(method, args.init_std, args.num_layers, args.hidden_size)
-        if args.mup is not None:  # muP's re-drawn weights (models/mup.py)
-            from torchneox.models.mup import init_factor
-
-            factor = init_factor(args.mup, name, param.shape)
-    if draw_on is None or torch.device(draw_on).type == local.device.type:
-        draw_on = local.device
-    generator = torch.Generator(device=draw_on).manual_seed(_param_seed(seed, name))
-    if where is None and draw_on == local.device and local.dtype != torch.bfloat16:
-        init(local, generator)
-    else:
-        # drawn in fp32 where the parameter is stored lower (a LoRA base in bf16): the rounded
-        # weights of the fp32 draw
-        dtype = torch.float32 if local.dtype == torch.bfloat16 else local.dtype
-        whole = torch.empty(param.shape, dtype=dtype, device=draw_on)
-        init(whole, generator)
-        local.copy_(whole if where is None else whole[where])
-    if factor != 1.0:
-        local.mul_(factor)
-
-
-SOFT_PROMPT = "soft_prompt.weight"
-
-
-class SoftPrompt(nn.Module):
-    """soft_prompt_tuning's ``n_tokens`` vectors, put before the text's embeddings."""
-
-    def __init__(self, n_tokens: int, hidden_size: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(n_tokens, hidden_size))
-
-
-def _kaiming_uniform(tensor: torch.Tensor, generator: torch.Generator) -> None:
-    nn.init.kaiming_uniform_(tensor, a=math.sqrt(5), generator=generator)
+def _advance(cache: KVCache | None, t: int) -> None:
+    """The cache past the ``t`` tokens a forward added."""
+    if isinstance(cache, StaticKVCache):
+        cache.advance(t)
+    elif cache is not None:
+        cache.length += t
 
 
 class Transformer(nn.Module):
@@ -239,10 +116,10 @@ class Transformer(nn.Module):
         )
         # a reward model's head (GPT-NeoX's rm_linear): one value per position
         self.value_head = Linear(h, 1, bias=False) if args.value_head else None
+        # a pipeline stage with MoE layers: takes the stage's hidden states and RouterStats
+        # after the blocks (a schedule keeps only a stage's output) and returns the states
         self.router_sink: RouterSink | None = None
-        """Set on a pipeline stage with MoE layers: it takes the stage's hidden states and its
-        layers' ``RouterStats`` after the blocks, and returns the hidden states (the schedule
-        keeps only a stage's output, so the statistics and the balancing loss leave here)."""
+        self.mtp = build_mtp(args)  # multi-token prediction (models/mtp.py): mtp.{k}.*
         self.stage_context: ContextShard | None = None
         """A pipeline stage under context parallelism: the ``context`` of every forward (the
         schedule passes a later stage only the hidden states)."""
@@ -437,6 +314,7 @@ class Transformer(nn.Module):
         segments_BT: torch.Tensor | None = None,
         context: ContextShard | None = None,
         last_only: bool = False,
+        mtp_tokens_BT: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, list[RouterStats]]:
         """Logits [B, T, vocab] (a middle pipeline stage: hidden states), and with
         ``router_stats`` each MoE layer's ``RouterStats`` too. ``positions_BT`` default to 0..
@@ -444,10 +322,9 @@ class Transformer(nn.Module):
         are real, not padding; ``segments_BT`` numbers each token's document, and a token
         attends only to its own (``attention.documents`` gives both for a packed batch);
         ``context``: the tokens are this rank's part of each sequence (context parallelism);
-        ``last_only``: [B, 1, vocab], the last token's logits only (a prefill that samples)."""
-        t = tokens_BT.shape[1]
-        start = cache.length if cache is not None else 0
-        length = None
+        ``last_only``: [B, 1, vocab], the last token's logits only (a prefill that samples);
+        ``mtp_tokens_BT``: the inputs, for MTP's depths (training; models/mtp.py)."""
+        t, start, length = tokens_BT.shape[1], cache.length if cache is not None else 0, None
         context = context if context is not None else self.stage_context
         if context is not None:
             length = context.length
@@ -478,13 +355,11 @@ class Transformer(nn.Module):
                 stats.append(layer_stats)
         if self.router_sink is not None and stats and not router_stats:
             x = self.router_sink(x, stats)
-        if static is not None:
-            static.advance(t)
-        elif cache is not None:
-            cache.length += t
+        _advance(cache, t)
         if prompted:  # the prompt's own outputs are never scored or sampled
             x = x[:, self.args.soft_prompt_tokens :]
         out = self._head(x[:, -1:] if last_only else x)
+        out = with_mtp(self, out, x, mtp_tokens_BT, rope, bias, stats)
         return (out, stats) if router_stats else out
 
     def _prompted(
@@ -526,6 +401,10 @@ class Transformer(nn.Module):
         x = self.final_norm(x)
         if self.value_head is not None:
             return self.value_head(x)
+        return self.logits(x)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The output head's logits of normalised hidden states."""
         mup = self.args.mup
         if mup is not None:  # muP's readout: the hidden states / width_mult (and the temperature)
             x = x / (mup.width_mult * mup.output_temp)

@@ -87,21 +87,28 @@ def rank_stage_indices(schedule: str, pp_rank: int, pp_size: int, virtual: int) 
 
 def stage_module(full_meta: Transformer, layers: range, first: bool, last: bool) -> Transformer:
     """A copy of the meta model keeping only ``layers`` (and the ends it owns: the last stage
-    of a tied model keeps a copy of the embedding, its head's weight)."""
+    of a tied model keeps a copy of the embedding, its head's weight, as does the last stage
+    of a model with MTP modules, which embed the tokens ahead)."""
     part = copy.deepcopy(full_meta)
     for name in list(part.layers):
         if int(name) not in layers:
             del part.layers[name]
     part.first_stage = first
     if not first:
-        if not (last and full_meta.args.tied_embeddings):
+        if not (last and embeds_on_last(full_meta.args)):
             part.embed = None
         part.pos_embed = None
     if not last:
         part.final_norm = None
         part.output = None
         part.value_head = None
+        part.mtp = None
     return part
+
+
+def embeds_on_last(args: ModelArgs) -> bool:
+    """Whether the last stage holds a copy of the embedding (its tied head, its MTP modules)."""
+    return args.tied_embeddings or args.mtp_depth > 0
 
 
 @dataclass
@@ -154,7 +161,7 @@ def share_across_stages(pipeline: Pipeline, mesh: DeviceMesh, args: ModelArgs) -
     rows = mesh.mesh.movedim(pp_dim, -1).reshape(-1, mesh.size(pp_dim)).tolist()
     pp_rank, pp_size = mesh["pp"].get_local_rank(), mesh.size(pp_dim)
     holders = {
-        "embed.weight": [0, pp_size - 1] if args.tied_embeddings else [],
+        "embed.weight": [0, pp_size - 1] if embeds_on_last(args) else [],
         "rpe.weight": list(range(pp_size)) if args.pos_emb == "rpe" else [],
     }
     held = dict(pipeline.container.named_parameters())
@@ -215,7 +222,7 @@ def build_pipeline(
             container.embed = part.embed
         if last:
             container.final_norm, container.output = part.final_norm, part.output
-            container.value_head = part.value_head
+            container.value_head, container.mtp = part.value_head, part.mtp
         stages.append(PipelineStage(part, index, total_stages, device, group=pp_mesh.get_group()))
     kind = getattr(schedules, SINGLE.get(schedule) or MULTI[schedule])
     runner = kind(

@@ -96,7 +96,8 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
         parallelize_module(model, mesh, top)
         _mark_split(model, list(top))
     _keep_heads(model, mesh)
-    for block in model.layers.values():
+    mtp = list(model.mtp.values()) if model.mtp is not None else []  # MTP's blocks alike
+    for block in [*model.layers.values(), *mtp]:
         # (an MoE layer's experts are whole on every tensor rank, and so are its tokens: each
         # rank computes the same expert outputs, see _moe_plan)
         present = [n for n in COLUMN_SPLIT + ROW_SPLIT if _linear(block, n)]

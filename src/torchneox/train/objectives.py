@@ -4,7 +4,8 @@ component (the loop calls ``prepare``, the model, and ``terms``; it knows no obj
 - ``LanguageModeling`` (normal): GPT-NeoX's mean next-token cross-entropy over the positions
   that count: all, or with label datasets (SFT) those whose label is >= 0, without the
   positions after an end-of-document token under ``eod_mask_loss``; plus PaLM's z-loss
-  (``lm_z_loss``) and the MoE routers' load-balancing loss (``moe_aux_loss_coeff``).
+  (``lm_z_loss``) and the MoE routers' load-balancing loss (``moe_aux_loss_coeff``); with
+  multi-token prediction (``mtp_num_layers``), lambda / D x each depth's loss, each logged.
 - ``DPO`` (dpo): ``-logsigmoid(beta * ((pi_c - pi_r) - (ref_c - ref_r)))``, the summed
   log-probabilities of the chosen and rejected answers under the policy and a frozen reference.
 - ``KTO`` (kto): the batch's two halves, each half's KL estimate the other's reference point.
@@ -26,6 +27,7 @@ from torch.nn import functional as F
 
 from torchneox.base.errors import DataError
 from torchneox.models.moe import RouterStats, balancing_loss
+from torchneox.models.mtp import ahead
 from torchneox.parallel.collectives import plain
 from torchneox.train.batch import Prepared, Terms, shifted, text_kept
 from torchneox.train.loss import lm_loss, lm_loss_and_z, token_logp
@@ -52,8 +54,13 @@ class LanguageModeling:
     eod_id: int | None = None  # eod_mask_loss: the end-of-document token, else None
     z_weight: float = 0.0  # lm_z_loss
     aux_weight: float = 0.0  # moe_aux_loss_coeff
+    mtp_depth: int = 0  # mtp_num_layers
+    mtp_weight: float = 0.0  # mtp_loss_scaling_factor
     needs_reference = False
-    metric_names: tuple[str, ...] = ()
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        return tuple(f"mtp_loss_{k}" for k in range(1, self.mtp_depth + 1))
 
     def prepare(self, batch: torch.Tensor | dict[str, torch.Tensor]) -> Prepared:
         if isinstance(batch, dict):
@@ -73,6 +80,9 @@ class LanguageModeling:
         # context parallel: each rank's loss is its tokens' share of the micro-batch's, and its
         # gradient counts ``context_ranks`` times (the reduction averages over those ranks too)
         share, total = prep.context_ranks, prep.counted
+        depths = None
+        if isinstance(logits, tuple):  # multi-token prediction: each depth's logits too
+            logits, *depths = logits
         prep = text_kept(logits, prep)
         if self.z_weight:
             loss, z = lm_loss_and_z(logits, prep.labels, prep.mask, total=total)
@@ -80,6 +90,8 @@ class LanguageModeling:
         else:
             loss = lm_loss(logits, prep.labels, prep.mask, total=total)
             out = Terms(loss, loss)
+        if depths:
+            self._add_mtp(out, depths, prep)
         if share > 1:
             out.objective = out.objective * share
         if router_stats:
@@ -88,6 +100,19 @@ class LanguageModeling:
             out.objective = out.objective + (placed(weighted, loss) if placed else weighted)
             out.moe_aux_loss = aux.detach().float() / share  # every rank has the whole value
         return out
+
+    def _add_mtp(self, out: Terms, depths: list[torch.Tensor], prep: Prepared) -> None:
+        """Depth k's logits at t score the label at t + k, under the loss mask moved alike (the
+        last k positions count for nothing); the objective adds lambda / D x their sum."""
+        mask = (
+            prep.mask if prep.mask is not None else torch.ones_like(prep.labels, dtype=torch.bool)
+        )
+        losses = []
+        for k, logits_k in enumerate(depths, start=1):
+            loss_k = lm_loss(logits_k, ahead(prep.labels, k), ahead(mask, k))
+            out.metrics[f"mtp_loss_{k}"] = plain(loss_k.detach()).float()
+            losses.append(loss_k)
+        out.objective = out.objective + sum(losses[1:], losses[0]) * (self.mtp_weight / len(depths))
 
 
 def _summed(logp: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -323,7 +348,11 @@ def objective_for(cfg: Any, eod_id: int | None) -> Objective:
     documents = eod_id if cfg.model.inter_document_attention_masking else None
     precomputed = bool(cfg.textgen.precompute_model_name)
     moe = cfg.moe.moe_aux_loss_coeff
-    return build_objective(t, moe, eod, precomputed, documents, cfg.rollout)
+    objective = build_objective(t, moe, eod, precomputed, documents, cfg.rollout)
+    lm = getattr(objective, "inner", objective)
+    if isinstance(lm, LanguageModeling):  # (the checks refuse mtp_num_layers elsewhere)
+        lm.mtp_depth, lm.mtp_weight = cfg.model.mtp_num_layers, cfg.model.mtp_loss_scaling_factor
+    return objective
 
 
 def _objective(

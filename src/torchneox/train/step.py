@@ -178,18 +178,23 @@ class Gradients:
             prep = split_sequence(prep, self.dims.mesh["cp"])
         return prep
 
+    def _mtp_inputs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What the model takes for multi-token prediction in training (nothing without)."""
+        return {"mtp_tokens_BT": inputs} if getattr(self.objective, "mtp_depth", 0) else {}
+
     def _forward(self, batch: Batch, sums: dict) -> Any:
         prep = self._prepare(batch)
         stats = whole = None
+        kwargs = prep.model_inputs() | self._mtp_inputs(prep.inputs)
         if self.moe_layers:
-            out, stats = self.parts.module(prep.inputs, router_stats=True, **prep.model_inputs())
+            out, stats = self.parts.module(prep.inputs, router_stats=True, **kwargs)
             # the load-balancing loss sees the whole batch: the router statistics summed
             # over the ranks that split it (one process's loss, in any layout)
             whole = stats
             if self.dims.batch_ranks > 1:
                 whole = [sum_router_stats(s, self.dims.batch_mesh) for s in stats]
         else:
-            out = self.parts.module(prep.inputs, **prep.model_inputs())
+            out = self.parts.module(prep.inputs, **kwargs)
         terms = self.objective.terms(out, prep, self._reference(prep), whole, placed_like)
         for name in ("z_loss", "moe_aux_loss"):
             value = getattr(terms, name)
@@ -247,6 +252,7 @@ class Gradients:
         lm = self.objective if isinstance(self.objective, LanguageModeling) else None
         # eod_mask_loss and lm_z_loss: the target carries the loss mask and the loss its terms
         masked_or_z = lm is not None and (lm.eod_id is not None or lm.z_weight > 0)
+        masked_or_z = masked_or_z or (lm is not None and lm.mtp_depth > 0)  # ... and MTP's terms
         if not isinstance(micro_batches[0], dict) and not (masked_or_z and self.dims.cp == 1):
             tokens = torch.cat(micro_batches).to(self.device, non_blocking=True)
             if self.dims.cp > 1:  # this rank's chunks of every sequence, in every stage
@@ -293,6 +299,8 @@ class Gradients:
             losses: list[torch.Tensor] = []
             args = (inputs,) if p.has_first else ()
             kwargs = {"target": target, "losses": losses} if p.has_last else {}
+            if p.has_last:  # the last stage's MTP modules embed the tokens ahead
+                kwargs |= self._mtp_inputs(inputs)
             with self.timers("pipeline"):
                 p.schedule.step(*args, **kwargs)
         local = torch.zeros((), device=self.device)
@@ -330,7 +338,9 @@ class Gradients:
         mean for a pipeline)."""
         if self.parts.pipeline is not None:
             loss = self._pipeline_batch(micro_batches, train=False)
-            return [{"lm_loss": loss, **self.pipeline_metrics}]
+            # (evaluation scores the next token only: no MTP term)
+            kept = {k: v for k, v in self.pipeline_metrics.items() if not k.startswith("mtp_")}
+            return [{"lm_loss": loss, **kept}]
         values = []
         for batch in micro_batches:
             prep = self._prepare(to_device(batch, self.device))

@@ -81,6 +81,18 @@ def _check_model(ch: Checker) -> None:
     _check_mamba(ch, types)
     if "rwkv" in types:
         _check_rwkv(ch)
+    if m.mtp_num_layers:
+        _check_mtp(ch)
+
+
+def _check_mtp(ch: Checker) -> None:
+    """Multi-token prediction is a term of language modelling's loss (train_impl normal)."""
+    impl = ch.c.training.train_impl
+    if impl != "normal":
+        ch.fail("mtp_num_layers", f"trains with language modelling only, not train_impl {impl}")
+    sp = ch.c.model.soft_prompt_tuning
+    if sp and sp.get("enabled", False):
+        ch.fail("mtp_num_layers", "cannot be set with soft_prompt_tuning (which freezes it)")
 
 
 def _check_gmlp(ch: Checker, types: list[str]) -> None:

@@ -305,7 +305,10 @@ def _counts(cfg: NeoXConfig, out: Derived, padded: int) -> None:
         "num_parameters",
         counts.total,
         f"{counts.total:,} ({_human(counts.total)}), of which {counts.embedding:,} in embeddings; "
-        f"output head {tied}",
+        f"output head {tied}"
+        + (
+            f"; {counts.mtp:,} in {m.mtp_num_layers} MTP modules (training only)" * bool(counts.mtp)
+        ),
     )
     if counts.moe_layers:
         out.put(

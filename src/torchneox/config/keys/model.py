@@ -338,6 +338,22 @@ class ModelConfig:
         "RWKV's channel-mix width: intermediate_size, else expansion_factor (3.5) x hidden_size, "
         "rounded down to a multiple of 32 (GPT-NeoX overwrites a given value).",
     )
+    mtp_num_layers: int = extension(
+        0,
+        "Multi-token prediction (DeepSeek-V3's MTP): this many modules after the last layer, "
+        "module k predicting the token k + 1 positions past the next one from the previous "
+        "depth's hidden state and the embedding of the token k ahead, through one block of the "
+        "last layer's kind and the shared head; training only (generation leaves them out); "
+        "0 (the default): none.",
+        ge=0,
+    )
+    mtp_loss_scaling_factor: float = extension(
+        0.1,
+        "With mtp_num_layers: the weight lambda of the MTP losses; the loss trained on is the "
+        "next-token loss + lambda / mtp_num_layers x the sum of each depth's loss (Megatron's "
+        "name and default).",
+        ge=0,
+    )
 
 
 @dataclass

@@ -263,6 +263,8 @@ def hf_tensors(
         if name == "value_head.weight":
             yield "score.weight", tensor
             continue
+        if name.startswith("mtp."):  # training's MTP modules: no family here holds them
+            continue
         if module in theirs_of_top:
             yield f"{theirs_of_top[module]}.{kind}", tensor
             continue

@@ -1,0 +1,96 @@
+"""DeepSeek-V3's multi-token prediction (MTP): ``mtp_num_layers`` modules after the last layer.
+
+Module k (1..D) reads the previous depth's hidden state h (depth 0: the last layer's output,
+before the final norm) and, at each position t, the embedding of the token k positions ahead:
+
+    h_k = block_k(eh_proj([enorm(embed(token[t + k])), hnorm(h_{k-1})]))
+    logits_k = head(shared_head.norm(h_k))
+
+a block of the last layer's kind, and the model's own embedding and output head (shared, not
+copied). Depth k's logits at t predict the token k + 1 past the next one (the label at t + k);
+the last k positions have no token ahead and count for nothing (their loss mask is 0). The
+parameters are named as DeepSeek-V3's, so a Hugging Face name maps by one rule:
+``mtp.{k-1}.{enorm,hnorm,eh_proj,shared_head.norm}`` and the block's own names
+(``mtp.{k-1}.attention.wq.weight``...) are its ``model.layers.{num_layers + k - 1}.*``.
+
+Training reads them (the model's forward given ``mtp_tokens_BT``); generation leaves them out.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from torchneox.models.args import ModelArgs
+from torchneox.models.block import Block
+from torchneox.models.linear import Linear
+from torchneox.models.mixers.attention import AttentionBias
+from torchneox.models.moe import RouterStats
+from torchneox.models.norms import build_norm
+
+
+def ahead(x_BT: torch.Tensor, k: int) -> torch.Tensor:
+    """``x_BT`` moved k positions left, the last k positions zero (False, for a mask)."""
+    t = x_BT.shape[1]
+    pad = x_BT.new_zeros(x_BT.shape[0], min(k, t))
+    return torch.cat([x_BT[:, k:], pad], dim=1)
+
+
+class SharedHead(nn.Module):
+    """DeepSeek-V3's ``shared_head``: the module's own norm before the model's output head."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.norm = build_norm(args.norm, args.hidden_size, args.norm_eps, args.norm_bias)
+
+
+class MTPLayer(Block):
+    """One MTP depth: the two norms, eh_proj (2h -> h), a block of the last layer's kind (its
+    sublayers are this module's own, under the block's names) and ``shared_head.norm``."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args, args.num_layers - 1)
+        h = args.hidden_size
+        self.enorm = build_norm(args.norm, h, args.norm_eps, args.norm_bias)
+        self.hnorm = build_norm(args.norm, h, args.norm_eps, args.norm_bias)
+        self.eh_proj = Linear(2 * h, h, bias=False)
+        self.shared_head = SharedHead(args)
+
+    def forward(  # type: ignore[override]
+        self,
+        h: torch.Tensor,
+        embedded: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        bias: AttentionBias,
+    ) -> tuple[torch.Tensor, RouterStats | None]:
+        """This depth's hidden state (before ``shared_head.norm``) and its router statistics."""
+        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1))
+        return super().forward(x, rope, bias)
+
+
+def build_mtp(args: ModelArgs) -> nn.ModuleDict | None:
+    if not args.mtp_depth:
+        return None
+    return nn.ModuleDict({str(k): MTPLayer(args) for k in range(args.mtp_depth)})
+
+
+def mtp_logits(model: nn.Module, h, tokens_BT, rope, bias, stats: list) -> list[torch.Tensor]:
+    """Each depth's logits from the last layer's output ``h`` and the inputs ``tokens_BT``
+    (``model``: the Transformer; its embedding and head are the ones used); each MoE block's
+    statistics appended to ``stats``."""
+    out = []
+    for k, layer in enumerate(model.mtp.values(), start=1):
+        h, layer_stats = layer(h, model.embed(ahead(tokens_BT, k)), rope, bias)
+        if layer_stats is not None:
+            stats.append(layer_stats)
+        out.append(model.logits(layer.shared_head.norm(h)))
+    return out
+
+
+def with_mtp(model: nn.Module, logits, h, tokens_BT, rope, bias, stats: list):
+    """``logits`` alone, or (logits, depth 1's logits, ..., depth D's) when the forward was
+    given ``tokens_BT`` and ``model`` holds the MTP modules and its head (a pipeline's last
+    stage): tensors, as a stage's output must be."""
+    if tokens_BT is None or model.mtp is None or model.final_norm is None:
+        return logits
+    return (logits, *mtp_logits(model, h, tokens_BT, rope, bias, stats))
