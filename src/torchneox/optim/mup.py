@@ -66,11 +66,11 @@ def _adapter_groups(
         name = names[id(p)]
         base = bases.get(adapted_weight(name.rsplit(".lora_", 1)[0]))
         dim = 0 if p.dim() == 2 else 2  # a linear's [out, in], an expert's [E, in, out]
-        if base is None:
+        a = name.endswith("lora_A.weight")
+        width = None if base is None else base[1 if a else dim]  # None: not a width
+        if width is None or not (a or kind == "sgd"):
             scale = 1.0
-        elif name.endswith("lora_A.weight"):
-            scale = base[1] / p.shape[1]
         else:
-            scale = p.shape[dim] / base[dim] if kind == "sgd" else 1.0
+            scale = width / p.shape[1] if a else p.shape[dim] / width
         out.append(group | {"params": [p], "lr": lr * scale, "lr_scale": scale})
     return out
