@@ -80,8 +80,8 @@ def mixed(make_module_config, tmp_path_factory):
     return trainer, before, tmp
 
 
-def test_every_family_trains_its_adapters_and_its_loss_falls(mixed, make_module_config):
-    trainer, before, tmp = mixed
+def test_every_family_trains_its_adapters_and_its_loss_falls(mixed):
+    trainer, before, _ = mixed
     run = losses(trainer.cfg.checkpoint.save)
     assert run[4] < run[1]
     now = trainer.model.state_dict()
@@ -133,3 +133,43 @@ def test_under_mup_a_takes_the_width_scaled_rate_and_b_the_base_rate(mixed):
     assert scales["layers.0.attention.wq.lora_A.weight"] == 0.5  # in 64 over the base's 32
     assert scales["layers.0.mlp.experts_up_lora.lora_A.weight"] == 0.5
     assert scales["layers.0.attention.wq.lora_B.weight"] == 1.0
+
+
+def test_fp8_linears_carry_their_adapters_beside_them(make_config):
+    pytest.importorskip("torchao.float8")
+    from torchao.float8.float8_linear import Float8Linear
+
+    lora = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    cfg = make_config(
+        precision="bfloat16", fp8_recipe="tensorwise", train_iters=2, lora=lora, save=None,
+        load=None, optimizer=MIXED["optimizer"], warmup=0.0,
+    )  # fmt: skip
+    trainer = Trainer(load_config([cfg]), device="cpu")
+    before = {n: t.clone() for n, t in trainer.model.state_dict().items()}
+    trainer.run()
+    model = trainer.model
+    fp8 = {n for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+    adapted = {n.rsplit(".lora_", 1)[0] for n, p in model.named_parameters() if p.requires_grad}
+    assert adapted == {f"layers.{i}.{m}" for i in (0, 1) for m in LORA_FP8} and adapted <= fp8
+    now = model.state_dict()
+    changed = {n for n, t in before.items() if not torch.equal(t, now[n])}
+    assert changed == {n for n in now if ".lora_" in n}  # the adapters train, the base not
+    assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if ".lora_" in n)
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    layer = model.layers["0"].attention.wq
+    seen = []
+    layer.register_forward_hook(lambda m, args, out: seen.append((args[0], out)))
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        model.eval()(tokens)
+        with adapters_off(model):
+            model(tokens)
+    (x, adapted_out), (_, base_out) = seen
+    term = (
+        layer.lora_scale
+        * (x @ layer.lora_A.weight.T.to(x.dtype))
+        @ layer.lora_B.weight.T.to(x.dtype)
+    )
+    torch.testing.assert_close(adapted_out.float(), (base_out + term.to(base_out.dtype)).float())
+
+
+LORA_FP8 = ("attention.wq", "attention.wv", "mlp.down")
