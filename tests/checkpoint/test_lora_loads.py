@@ -18,7 +18,7 @@ from torchneox.checkpoint.files import read_meta, resolve, write_manifest
 from torchneox.checkpoint.weights import load_model
 from torchneox.cli import main
 from torchneox.config.load import load_config
-from torchneox.models.transformer import merged_state_dict
+from torchneox.models.lora import merged_state_dict
 from torchneox.train.trainer import Trainer
 
 TARGETS = ["attention.wq", "attention.wv", "mlp.down"]

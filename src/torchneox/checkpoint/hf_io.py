@@ -29,7 +29,7 @@ from torchneox.models.args import ModelArgs, model_args
 from torchneox.models.hf import architectures as hf
 from torchneox.models.hf.folder import is_hf_folder
 from torchneox.models.hf.weights import WeightImporter, hf_tensors
-from torchneox.models.linear import merge_adapter
+from torchneox.models.lora import merge_any
 from torchneox.models.transformer import Transformer, is_adapter, plain_name
 from torchneox.parallel.shards import local_part
 
@@ -201,13 +201,14 @@ class _Gathered(Mapping):
         return whole.cpu()  # the shard being filled waits in host memory, not the GPU's
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        layer = name.removesuffix(".weight")
+        # a linear's adapter sits under it, an MoE expert weight's beside it (models/lora.py)
+        layer = name.removesuffix(".weight") if name.endswith(".weight") else f"{name}_lora"
         if f"{layer}.lora_A.weight" not in self.params:
             return self._whole(name)
         w, a, b = (
             self._whole(n) for n in (name, f"{layer}.lora_A.weight", f"{layer}.lora_B.weight")
         )
-        return merge_adapter(w, a, b, self.scale)
+        return merge_any(w, a, b, self.scale)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)

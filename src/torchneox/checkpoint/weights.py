@@ -28,7 +28,7 @@ from torchneox.config.load import LoadedConfig
 from torchneox.models.args import model_args
 from torchneox.models.hf.architectures import weight_files
 from torchneox.models.hf.folder import is_hf_folder
-from torchneox.models.linear import merge_adapter
+from torchneox.models.lora import adapted_weight, merge_any
 from torchneox.models.transformer import Transformer, is_adapter, plain_name, trains_with_lora
 from torchneox.parallel.shards import local_part
 
@@ -164,7 +164,8 @@ def held_adapters(step_dir: Path, prefix: str = "model") -> dict[str, tuple[int,
 
 def adapted_kinds(names: Iterable[str]) -> list[str]:
     """The adapted layers' kinds (attention.wq, ...) of adapter tensor names."""
-    return sorted({".".join(plain_name(n).split(".")[2:4]) for n in names if is_adapter(n)})
+    layers = (plain_name(n).rsplit(".lora_", 1)[0] for n in names if is_adapter(n))
+    return sorted({".".join(layer.split(".")[2:]) for layer in layers})
 
 
 def _take_adapters(
@@ -221,15 +222,17 @@ def merge_adapters(
             local, _ = local_part(param)
             local.copy_(local.bfloat16())
     for layer in sorted({k.rsplit(".lora_", 1)[0] for k in held}):
-        param = params.get(f"{layer}.weight")
+        param = params.get(adapted_weight(layer))
         if param is None:  # another pipeline stage's
             continue
         local, where = local_part(param)
         a, b = adapters[f"{layer}.lora_A.weight"], adapters[f"{layer}.lora_B.weight"]
-        if where is not None:
+        if where is not None and local.dim() == 3:  # experts [E, in, out]
+            a, b = a[where[0], where[1]], b[where[0], :, where[2]]
+        elif where is not None:
             a, b = a[:, where[1]], b[where[0]]
         device = local.device
-        local.copy_(merge_adapter(local, a.to(device), b.to(device), spec.scale))
+        local.copy_(merge_any(local, a.to(device), b.to(device), spec.scale))
 
 
 class OtherModel(ConfigError):

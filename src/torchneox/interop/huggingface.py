@@ -28,8 +28,9 @@ from torchneox.config.report import render_yaml
 from torchneox.models.args import ModelArgs, model_args
 from torchneox.models.hf import architectures as hf
 from torchneox.models.hf.weights import GPT_NEOX, WeightImporter, hf_tensors
+from torchneox.models.lora import merged_state_dict
 from torchneox.models.sharing import per_layer_state
-from torchneox.models.transformer import Transformer, merged_state_dict
+from torchneox.models.transformer import Transformer
 
 
 def _tokenizer_keys(hf_dir: Path, write_dir: Path, out_dir: Path) -> dict[str, str]:

@@ -147,11 +147,17 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mode = "default" if self.split else self.cpu_matmul
         out = linear(x, self.weight, self.bias, mode)
+        term = self.adapter_term(x, mode)
+        return out if term is None else out + term
+
+    def adapter_term(self, x: torch.Tensor, mode: str = "default") -> torch.Tensor | None:
+        """scale x B(A(dropout(x))), the adapter's part of the output (None without one, or
+        while ``adapters_off``): for a caller that computes the base product itself."""
         a = self._modules.get("lora_A")
         if a is None or self.lora_off:
-            return out
+            return None
         low = linear(self.lora_dropout(x), a.weight, mode=mode)
-        return out + self.lora_scale * linear(low, self.lora_B.weight, mode=mode)
+        return self.lora_scale * linear(low, self.lora_B.weight, mode=mode)
 
     def merged_weight(self) -> torch.Tensor:
         """W + scale x B @ A: the weight that computes what the layer and its adapter do."""

@@ -36,6 +36,7 @@ from torch.nn import functional as F
 
 from torchneox.models.args import ModelArgs
 from torchneox.models.linear import Linear
+from torchneox.models.lora import expert_term
 from torchneox.models.mlp import ACTIVATIONS, MLP
 
 
@@ -195,25 +196,30 @@ class MoE(nn.Module):
             update_router_bias(self.router_bias, tokens_per_expert, self.bias_rate)
 
     def _experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Rows sorted by (this device's) expert through their experts' MLPs."""
+        """Rows sorted by (this device's) expert through their experts' MLPs (and their LoRA
+        adapters, models/lora.py)."""
         local = self.dispatcher.local
-        up_w, gate_w, down_w = (
-            local(self.experts_up),
-            local(self.experts_gate),
-            local(self.experts_down),
-        )
         grouped = self.grouped
         if grouped is None:
             grouped = rows.device.type != "cpu" or len(counts) >= 16
-        run = expert_grouped if grouped and grouped_fits(rows, up_w) else expert_loop
-        up = run(rows, up_w, counts, local(self.experts_up_bias))
-        if gate_w is not None:
-            hidden = self.act(run(rows, gate_w, counts, local(self.experts_gate_bias))) * up
+        grouped = grouped and grouped_fits(rows, self.experts_up)  # the down product's too
+
+        def pick(x: torch.Tensor, w: torch.Tensor):
+            return expert_grouped if grouped and grouped_fits(x, w) else expert_loop
+
+        def product(x: torch.Tensor, which: str) -> torch.Tensor:
+            w = local(getattr(self, f"experts_{which}"))
+            out = pick(x, w)(x, w, counts, local(getattr(self, f"experts_{which}_bias")))
+            adapter = self._modules.get(f"experts_{which}_lora")
+            term = expert_term(adapter, x, counts, local, pick)
+            return out if term is None else out + term.to(out.dtype)
+
+        up = product(rows, "up")
+        if self.experts_gate is not None:
+            hidden = self.act(product(rows, "gate")) * up
         else:
             hidden = self.act(up)
-        if not grouped_fits(hidden, down_w):
-            run = expert_loop
-        return run(hidden, down_w, counts, local(self.experts_down_bias))
+        return product(hidden, "down")
 
     def route(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(experts [T, k], gates [T, k], router probabilities [T, E]), as GPT-NeoX routes:

@@ -13,12 +13,14 @@ from torch import nn
 from torchneox.models.args import ModelArgs
 from torchneox.models.block import special_init
 from torchneox.models.init import InitFn, init_function
+from torchneox.models.lora import expert_adapter_init, is_expert_adapter
 
 
 def _param_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
+SOFT_PROMPT = "soft_prompt.weight"
 WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
 """What activation checkpointing and torch.compile insert into parameter names."""
 
@@ -48,8 +50,8 @@ def is_adapter(name: str) -> bool:
 
 def trains_with_lora(name: str) -> bool:
     """Whether a run with lora trains parameter ``name`` (and its checkpoints hold it): the
-    adapters, and a reward model's value head."""
-    return is_adapter(name) or name.endswith("value_head.weight")
+    adapters, a reward model's value head and a soft prompt."""
+    return is_adapter(name) or name.endswith(("value_head.weight", SOFT_PROMPT))
 
 
 def plain_name(name: str) -> str:
@@ -86,6 +88,8 @@ def _own_init(args: ModelArgs, name: str) -> InitFn | None:
     position table."""
     if name == SOFT_PROMPT:
         return _soft_prompt_init(args)
+    if is_expert_adapter(name) and name.endswith("lora_A.weight"):  # per expert, as PEFT's
+        return expert_adapter_init
     if name.endswith("lora_A.weight"):  # PEFT's: kaiming-uniform with a = sqrt(5)
         return _kaiming_uniform
     if name == "rpe.weight":  # GPT-NeoX's ParallelRelativePositionBias
@@ -142,9 +146,6 @@ def init_parameter(
         local.copy_(whole if where is None else whole[where])
     if factor != 1.0:
         local.mul_(factor)
-
-
-SOFT_PROMPT = "soft_prompt.weight"
 
 
 class SoftPrompt(nn.Module):

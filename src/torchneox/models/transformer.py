@@ -12,20 +12,20 @@ Parallelism is applied from outside. Parameter names are stable:
     soft_prompt.weight (soft_prompt_tuning; under num_unique_layers a layer that shares
     another's weights holds that layer's parameters, named once, by the first layer)
     layers.{i}.mamba_norm.*           layers.{i}.mamba.{in_proj,conv1d,x_proj,dt_proj,out_proj,A_log,D}
+    LoRA (models/lora.py): {layer}.lora_A.weight, {layer}.lora_B.weight under each adapted
+    linear; layers.{i}.mlp.experts_{up,gate,down}_lora.lora_{A,B}.weight per expert
 
 Build it on the meta device, move it with ``to_empty`` and call ``init_weights()``.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection
 
 import torch
 from torch import nn
 
-from torchneox.config.features.lora import is_base_linear
-from torchneox.models import sharing
+from torchneox.models import lora, sharing
 from torchneox.models.args import ModelArgs
 from torchneox.models.block import Block
 from torchneox.models.linear import Linear, linear
@@ -133,28 +133,20 @@ class Transformer(nn.Module):
         self.freeze_for_prompt()
 
     def _add_adapters(self) -> None:
-        """LoRA adapters on the targeted linears of every block; every other parameter frozen."""
-        a = self.args
-        for name, module in self.named_modules():
-            _, _, rest = name.partition(".")[2].partition(".")
-            if isinstance(module, Linear) and name.startswith("layers.") and rest in a.lora_targets:
-                module.add_adapter(a.lora_rank, a.lora_alpha / a.lora_rank, a.lora_dropout)
+        """LoRA adapters on the targeted layers of every block (models/lora.py); every other
+        parameter frozen but the value head and the soft prompt."""
+        lora.add_adapters(self)
         for name, param in self.named_parameters():
             param.requires_grad_(trains_with_lora(name))
-        if a.lora_base_dtype == "bf16":  # the frozen base's linear weights kept in bfloat16
-            for name, module in self.named_modules():
-                for leaf in ("weight", "bias"):
-                    param = module._parameters.get(leaf)
-                    if param is not None and is_base_linear(f"{name}.{leaf}"):
-                        setattr(module, leaf, nn.Parameter(param.bfloat16(), requires_grad=False))
 
     def freeze_for_prompt(self) -> None:
-        """soft_prompt_tuning: every parameter but the prompt frozen (no gradient, no optimizer
-        state); nothing changes without a soft prompt."""
+        """soft_prompt_tuning: every parameter but the prompt (and LoRA's adapters, which
+        train beside it) frozen (no gradient, no optimizer state); nothing changes without a
+        soft prompt."""
         if self.soft_prompt is None:
             return
-        for param in self.parameters():
-            param.requires_grad_(False)
+        for name, param in self.named_parameters():
+            param.requires_grad_(bool(self.args.lora_rank) and trains_with_lora(name))
         self.soft_prompt.weight.requires_grad_(True)
 
     def _apply(self, fn, recurse=True):
@@ -448,27 +440,3 @@ def build_model(
     model.to_empty(device=device)
     model.init_weights(device, seed=seed or 0)
     return model
-
-
-def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``model``'s state dict with each LoRA adapter merged into the weight it adapts
-    (W + scale x B @ A) and no adapter tensors: the plain model that computes the same."""
-    sd = model.state_dict()
-    merged = {}
-    for name, module in model.named_modules():
-        if isinstance(module, Linear) and "lora_A" in module._modules:
-            merged[f"{name}.weight"] = module.merged_weight().detach()
-    return {k: merged.get(k, v) for k, v in sd.items() if not is_adapter(k)}
-
-
-@contextlib.contextmanager
-def adapters_off(model: nn.Module) -> Iterator[None]:
-    """``model`` computes its base, every LoRA adapter left out (DPO's and KTO's reference)."""
-    layers = [m for m in model.modules() if isinstance(m, Linear) and "lora_A" in m._modules]
-    for layer in layers:
-        layer.lora_off = True
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer.lora_off = False

@@ -21,6 +21,7 @@ from torch import nn
 
 from torchneox.base.errors import ConfigError
 from torchneox.config.features.fp8_plan import FP8Plan
+from torchneox.models.lora import attach_adapter, take_adapter
 
 
 def torchao_config(plan: FP8Plan) -> Any:
@@ -64,7 +65,8 @@ def check_fp8_hardware(plan: FP8Plan, device: torch.device) -> None:
 
 def apply_fp8(model: nn.Module, plan: FP8Plan) -> int:
     """Swap the linears ``plan`` covers for torchao's Float8Linear in place (names and
-    parameters unchanged, so checkpoints are the same files); the number swapped. torchao's
+    parameters unchanged, so checkpoints are the same files; a LoRA adapter stays beside its
+    layer under the same names); the number swapped. torchao's
     kernels need both dimensions divisible by 16: other linears stay as they are."""
     from torchao.float8 import convert_to_float8_training
 
@@ -80,10 +82,21 @@ def apply_fp8(model: nn.Module, plan: FP8Plan) -> int:
             swapped.append(name)
         return ok
 
+    # a LoRA adapter is taken off its layer and put back beside the Float8Linear that
+    # replaces it: the base product in fp8, the adapter's in the autocast dtype
+    adapters = {n: take_adapter(m) for n, m in model.named_modules() if n.startswith("layers.")}
+    adapters = {n: parts for n, parts in adapters.items() if parts is not None}
+    scales = {n: model.get_submodule(n).lora_scale for n in adapters}
     convert_to_float8_training(model, module_filter_fn=covered, config=torchao_config(plan))
     modules = dict(model.named_modules())
     for name in swapped:
         modules[name].register_forward_pre_hook(_cpu_autocast_input)
+    for name, parts in adapters.items():
+        layer = modules[name]
+        if name in swapped:
+            attach_adapter(layer, parts, scales[name])
+        else:  # still torchneox's Linear, which computes its adapter itself
+            layer.lora_A, layer.lora_B, layer.lora_dropout = parts
     if not swapped:
         raise ConfigError(
             "no linear of the blocks has both dimensions divisible by 16, as torchao's fp8 "

@@ -23,8 +23,8 @@ from torchneox.base.errors import TrainingStopped
 from torchneox.base.faults import fault_fires, fault_point
 from torchneox.config.features.curriculum import Curriculum
 from torchneox.data.loader import Batch
+from torchneox.models.lora import adapters_off
 from torchneox.models.moe import MoE
-from torchneox.models.transformer import adapters_off
 from torchneox.optim.builder import clip_grad_norm, shard_gradients_like_parameters
 from torchneox.parallel.collectives import (
     mean_over_dp,

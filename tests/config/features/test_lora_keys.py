@@ -60,24 +60,15 @@ CASES = [
         "lora: lora with pipe_parallel_size > 1 and train_impl rm is not built yet",
     ),
     (
-        "moe",
-        {**lora(), "moe_num_experts": 2},
-        "lora: lora with moe_num_experts > 1 is not built yet",
-    ),
-    (
-        "mamba",
+        "no-such-family",
         {**lora(), "attention_config": [[["mamba"], "all"]]},
-        "lora: lora with mamba layers is not built yet",
+        "lora: target_modules names attention.wq, a layer of attention blocks, and "
+        "attention_config gives no attention layer",
     ),
     (
-        "soft-prompt",
-        {**lora(), "soft_prompt_tuning": {"enabled": True, "n_tokens": 4}},
-        "lora: lora with soft_prompt_tuning (each freezes the other's) is not built yet",
-    ),
-    (
-        "shared-layers",
-        {**lora(), "num_unique_layers": 1},
-        "lora: lora with num_unique_layers (shared layers) is not built yet",
+        "router-without-moe",
+        lora(target_modules=["mlp.router"]),
+        "lora: target_modules names mlp.router, and the model has no MoE layer",
     ),
 ]
 

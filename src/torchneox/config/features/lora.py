@@ -18,17 +18,25 @@ base's embeddings, norms and the adapters stay fp32 (autocast reads them in fp32
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from torchneox.base.errors import ConfigError, did_you_mean
 from torchneox.config.checker import Checker
 from torchneox.config.checks.model import layer_attention_types
-from torchneox.config.features.fp8_plan import fp8_plan
-from torchneox.config.features.soft_prompt import soft_prompt
-from torchneox.config.features.sparsity import ATTENTION_LAYER_TYPES
+from torchneox.config.features.sharing import layer_owners
 from torchneox.config.numbers import number, whole
-from torchneox.config.sizes import head_dim, kv_heads, mlp_widths
+from torchneox.config.sizes import (
+    MAMBA_STATE,
+    gmlp_width,
+    head_dim,
+    is_moe_layer,
+    kv_heads,
+    mamba_inner,
+    mlp_widths,
+    rwkv_widths,
+)
 
 NAME = "lora"
 KEYS = ("rank", "alpha", "dropout", "target_modules", "base_dtype")
@@ -41,15 +49,43 @@ HF_NAMES = {
     "up_proj": "mlp.up",
     "down_proj": "mlp.down",
 }
-"""The Hugging Face (Llama family) name of each layer torchneox can adapt."""
-OURS = tuple(HF_NAMES.values())
+"""The Hugging Face (Llama family) name of each attention or MLP layer torchneox can adapt."""
+MAMBA_HF_NAMES = {
+    "in_proj": "mamba.in_proj",
+    "x_proj": "mamba.x_proj",
+    "dt_proj": "mamba.dt_proj",
+    "out_proj": "mamba.out_proj",
+}
+"""The Hugging Face (MambaForCausalLM) name of each Mamba projection."""
+ATTENTION_MLP = tuple(HF_NAMES.values())
+"""The attention and MLP linears (on an MoE layer, mlp.up/gate/down adapt every expert's
+weight and the shared expert's layer)."""
+FAMILY_TARGETS = {
+    "attention": (*ATTENTION_MLP, "mlp.router"),
+    "mamba": tuple(MAMBA_HF_NAMES.values()),
+    "rwkv": (
+        *(f"time_mix.{n}" for n in ("receptance", "key", "value", "gate", "output")),
+        *(f"channel_mix.{n}" for n in ("key", "receptance", "value")),
+    ),
+    "gmlp": ("gmlp.input_linear", "gmlp.output_linear"),
+    "amlp": ("gmlp.sgu.attn.proj_qkv", "gmlp.sgu.attn.proj_ffn"),
+}
+"""The layers each layer family can adapt, by their names in the block (after layers.{i}.);
+amlp's are its tiny attention's, beside gmlp's."""
+OURS = tuple(t for targets in FAMILY_TARGETS.values() for t in targets)
+ALIASES = HF_NAMES | MAMBA_HF_NAMES
 DEFAULTS = {"rank": 8, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 """PEFT's LoraConfig defaults (its Llama target modules)."""
 BASE_DTYPES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
 """base_dtype's spellings, by the dtype they name."""
-BASE_LINEARS = (*OURS, "output")
+BASE_LINEARS = (*ATTENTION_MLP, "output")
 """The base's linear layers base_dtype: bf16 stores in bfloat16 (a reward model's value head
-trains, and stays fp32)."""
+trains, and stays fp32; the other families' projections and MoE experts stay fp32)."""
+
+
+def family_of_type(kind: str) -> str:
+    """The family (a FAMILY_TARGETS key) of an attention_config layer type."""
+    return kind if kind in ("mamba", "rwkv", "gmlp", "amlp") else "attention"
 
 
 @dataclass(frozen=True)
@@ -69,11 +105,11 @@ class LoraSpec:
     def targets_layer(self, module: str) -> bool:
         """Whether the module named ``module`` (layers.{i}.attention.wq, ...) is adapted."""
         parts = module.split(".")
-        return len(parts) == 4 and parts[0] == "layers" and ".".join(parts[2:]) in self.targets
+        return len(parts) >= 4 and parts[0] == "layers" and ".".join(parts[2:]) in self.targets
 
     def hf_names(self) -> list[str]:
-        theirs = {ours: hf for hf, ours in HF_NAMES.items()}
-        return [theirs[t] for t in self.targets]
+        theirs = {ours: hf for hf, ours in ALIASES.items()}
+        return [theirs.get(t, t) for t in self.targets]
 
 
 def lora_spec(cfg: Any) -> LoraSpec | None:
@@ -82,7 +118,7 @@ def lora_spec(cfg: Any) -> LoraSpec | None:
     if given is None:
         return None
     c = DEFAULTS | dict(given)
-    targets = {HF_NAMES.get(str(t), str(t)) for t in c["target_modules"]}
+    targets = {ALIASES.get(str(t), str(t)) for t in c["target_modules"]}
     return LoraSpec(
         int(c["rank"]),
         float(c["alpha"]),
@@ -117,26 +153,78 @@ def is_base_linear(name: str) -> bool:
     parts = module.split(".")
     if parts == ["output"]:
         return True
-    return len(parts) == 4 and parts[0] == "layers" and ".".join(parts[2:]) in OURS
+    return len(parts) == 4 and parts[0] == "layers" and ".".join(parts[2:]) in ATTENTION_MLP
 
 
 def adapter_parameters(cfg: Any, spec: LoraSpec) -> int:
-    """How many numbers the adapters hold: rank x (in + out) per adapted layer."""
-    m = cfg.model
+    """How many numbers the adapters hold: rank x (in + out) per adapted layer (per expert on
+    an MoE layer), once per shared weight (num_unique_layers)."""
+    kinds = layer_attention_types(cfg)
+    owners = layer_owners(cfg)
+    total = 0
+    for layer, kind in enumerate(kinds):
+        if owners and owners[layer] != layer:  # it holds its owner's adapters
+            continue
+        shapes = layer_shapes(cfg, layer, kind)
+        total += spec.rank * sum(n * (i + o) for t in spec.targets for n, i, o in shapes.get(t, ()))
+    return total
+
+
+def layer_shapes(cfg: Any, layer: int, kind: str) -> dict[str, list[tuple[int, int, int]]]:
+    """Each layer a target names in layer ``layer`` (of type ``kind``): (how many, in, out)."""
+    m, family = cfg.model, family_of_type(kind)
+    h = m.hidden_size
+    if family == "mamba":
+        d, r = mamba_inner(m), math.ceil(h / 16)
+        return {
+            "mamba.in_proj": [(1, h, 2 * d)],
+            "mamba.x_proj": [(1, d, r + 2 * MAMBA_STATE)],
+            "mamba.dt_proj": [(1, r, d)],
+            "mamba.out_proj": [(1, d, h)],
+        }
+    if family == "rwkv":
+        w = rwkv_widths(m)
+        d, f = w.dim_att, w.ffn_dim
+        time = {f"time_mix.{n}": [(1, h, d)] for n in ("receptance", "key", "value", "gate")}
+        return time | {
+            "time_mix.output": [(1, d, h)],
+            "channel_mix.key": [(1, h, f)],
+            "channel_mix.receptance": [(1, h, h)],
+            "channel_mix.value": [(1, f, h)],
+        }
+    if family in ("gmlp", "amlp"):
+        ff, a = gmlp_width(h), m.gmlp_attn_dim
+        out = {"gmlp.input_linear": [(1, h, 2 * ff)], "gmlp.output_linear": [(1, ff, h)]}
+        if family == "amlp":
+            out |= {"gmlp.sgu.attn.proj_qkv": [(1, 2 * ff, 3 * a)]}
+            out |= {"gmlp.sgu.attn.proj_ffn": [(1, a, ff)]}
+        return out
+    return _attention_shapes(cfg, layer)
+
+
+def _attention_shapes(cfg: Any, layer: int) -> dict[str, list[tuple[int, int, int]]]:
+    m, e = cfg.model, cfg.moe
     h, d = m.hidden_size, head_dim(m)
-    q, kv, w = m.num_attention_heads * d, kv_heads(m) * d, mlp_widths(m).down
-    shapes = {
-        "attention.wq": (h, q),
-        "attention.wk": (h, kv),
-        "attention.wv": (h, kv),
-        "attention.wo": (q, h),
-        "mlp.up": (h, w),
-        "mlp.gate": (h, w),
-        "mlp.down": (w, h),
+    q, kv, widths = m.num_attention_heads * d, kv_heads(m) * d, mlp_widths(m)
+    out = {
+        "attention.wq": [(1, h, q)],
+        "attention.wk": [(1, h, kv)],
+        "attention.wv": [(1, h, kv)],
+        "attention.wo": [(1, q, h)],
     }
-    gated = mlp_widths(m).gated
-    per_layer = sum(spec.rank * sum(shapes[t]) for t in spec.targets if t != "mlp.gate" or gated)
-    return per_layer * m.num_layers
+    w, experts, gated = widths.down, 1, widths.gated
+    if is_moe_layer(e, layer):
+        experts = e.moe_num_experts
+        out["mlp.router"] = [(1, h, experts)]
+    mlp = {"mlp.up": [(experts, h, w)], "mlp.down": [(experts, w, h)]}
+    if gated:
+        mlp["mlp.gate"] = [(experts, h, w)]
+    shared = e.moe_shared_expert_intermediate_size if experts > 1 else 0
+    for name in list(mlp):
+        if shared:  # the shared expert's own layer, adapted with the experts'
+            i, o = (shared, h) if name == "mlp.down" else (h, shared)
+            mlp[name] = [*mlp[name], (1, i, o)]
+    return out | mlp
 
 
 def describe(cfg: Any, spec: LoraSpec) -> str:
@@ -201,43 +289,70 @@ def _check_targets(ch: Checker, targets: Any) -> None:
         ch.fail(
             NAME,
             f"target_modules must be a list of layer names, got the text {targets!r}: write "
-            f"[{targets}] (a string is a regular expression to PEFT, not built here)",
+            f"[{targets}] (a string is a regular expression to PEFT, which torchneox does not "
+            "read)",
             path="target_modules",
         )
     if not isinstance(targets, list) or not targets:
         ch.fail(NAME, f"target_modules must be a list of layer names, got {targets!r}")
-    known = (*OURS, *HF_NAMES)
+    known = (*OURS, *ALIASES)
     for t in targets:
         if str(t) not in known:
             ch.fail(
                 NAME,
                 f"target_modules: unknown layer {t!r}{did_you_mean(str(t), known)} (one of "
-                f"{', '.join(OURS)}, or q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
-                "down_proj)",
+                f"{', '.join(OURS)}, or their Hugging Face names {', '.join(ALIASES)})",
                 path="target_modules",
             )
-    gate = "mlp.gate" in {HF_NAMES.get(str(t), str(t)) for t in targets}
-    if gate and not mlp_widths(ch.c.model).gated:
+    ours = {ALIASES.get(str(t), str(t)) for t in targets}
+    if "mlp.gate" in ours and not mlp_widths(ch.c.model).gated:
         ch.fail(NAME, "target_modules names mlp.gate, but the activation is not gated")
+    _check_present(ch, ours)
+
+
+def _check_present(ch: Checker, ours: set[str]) -> None:
+    """Each target names a layer the model has (none would be adapted without a word)."""
+    c = ch.c
+    kinds = layer_attention_types(c)
+    families = {family_of_type(k) for k in kinds}
+    if "amlp" in families:
+        families.add("gmlp")
+    moe = any(
+        is_moe_layer(c.moe, i) for i, k in enumerate(kinds) if family_of_type(k) == "attention"
+    )
+    for family, names in FAMILY_TARGETS.items():
+        for t in sorted(ours & set(names)):
+            if family not in families:
+                ch.fail(
+                    NAME,
+                    f"target_modules names {t}, a layer of {family} blocks, and "
+                    f"attention_config gives no {family} layer",
+                    path="target_modules",
+                )
+            if t == "mlp.router" and not moe:
+                ch.fail(
+                    NAME,
+                    "target_modules names mlp.router, and the model has no MoE layer "
+                    "(moe_num_experts > 1)",
+                    path="target_modules",
+                )
 
 
 def _check_use(ch: Checker) -> None:
-    """The objectives, layouts and layer kinds the adapters are not built for yet."""
+    """The objectives and layouts the adapters are not built for yet."""
     c = ch.c
-    refused = [
-        (
-            c.parallel.pipe_parallel_size > 1 and c.training.train_impl in ("rm", "reinforce"),
-            f"pipe_parallel_size > 1 and train_impl {c.training.train_impl}",
-        ),
-        (c.moe.moe_num_experts > 1, "moe_num_experts > 1"),
-        (fp8_plan(c.precision, c.model) is not None, "fp8"),
-        (soft_prompt(c) is not None, "soft_prompt_tuning (each freezes the other's)"),
-        (c.training.use_mup, "use_mup"),
-        (c.model.num_unique_layers is not None, "num_unique_layers (shared layers)"),
-    ]
-    kinds = sorted(set(layer_attention_types(c)) - set(ATTENTION_LAYER_TYPES))
-    if kinds:
-        refused.append((True, f"{kinds[0]} layers"))
-    for on, what in refused:
-        if on:
-            ch.fail(NAME, f"lora with {what} is not built yet")
+    ours = {ALIASES.get(str(t), str(t)) for t in (DEFAULTS | c.training.lora)["target_modules"]}
+    experts = ours & {"mlp.up", "mlp.gate", "mlp.down"}
+    if experts and c.moe.moe_num_experts > 1 and c.moe.expert_parallel_size > 1:
+        ch.fail(
+            NAME,
+            f"lora on the experts ({', '.join(sorted(experts))} of the MoE layers) with "
+            "expert_parallel_size > 1 is not built yet (their adapters are not split over the "
+            "expert ranks): set expert_parallel_size 1, or adapt attention only",
+        )
+    if c.parallel.pipe_parallel_size > 1 and c.training.train_impl in ("rm", "reinforce"):
+        ch.fail(
+            NAME,
+            f"lora with pipe_parallel_size > 1 and train_impl {c.training.train_impl} is not "
+            "built yet",
+        )

@@ -151,7 +151,10 @@ class Mamba(nn.Module):
         dt, B, C = self.x_proj(x).split([self.dt_rank, D_STATE, D_STATE], dim=-1)
         with torch.autocast(x.device.type, enabled=False):
             w, b = self.dt_proj.weight.float(), self.dt_proj.bias.float()
-            dt = F.softplus(F.linear(dt.float(), w, b))
+            dt = dt.float()
+            term = self.dt_proj.adapter_term(dt)  # LoRA's, in fp32 as the product
+            dt = F.linear(dt, w, b)
+            dt = F.softplus(dt if term is None else dt + term)
             A = -torch.exp(self.A_log.float())
             h0 = state.get("ssm") if state is not None else None
             if h0 is None:
@@ -176,7 +179,10 @@ class Mamba(nn.Module):
         return F.silu(F.conv1d(x, w, b, groups=w.shape[0])).transpose(1, 2)
 
     def _kernel_ready(self, x: torch.Tensor) -> bool:
-        return bool(self.fusion) and x.is_cuda and kernels_installed()
+        """Whether mamba-ssm's kernels run the forward: they read x_proj's, dt_proj's and
+        out_proj's weights themselves, so a LoRA adapter on one of them takes the plain path."""
+        adapted = any("lora_A" in m._modules for m in (self.x_proj, self.dt_proj, self.out_proj))
+        return bool(self.fusion) and x.is_cuda and kernels_installed() and not adapted
 
     def _fused(self, x_BTH: torch.Tensor) -> torch.Tensor:
         """The forward through mamba-ssm's and causal-conv1d's kernels, as the fusion keys
