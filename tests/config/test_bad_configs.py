@@ -514,7 +514,7 @@ CASES = [
             "attention_config: [[[mamba, global], 1]], model_parallel_size: 2}"
         },
         [],
-        ["a.yml: attention_config: mamba layers with model_parallel_size > 1 are not built"],
+        ["a.yml: model_parallel_size: mamba layers with model_parallel_size > 1 cannot run"],
     ),
     (
         "attention-count",
