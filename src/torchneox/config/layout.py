@@ -396,12 +396,7 @@ def _compile_model(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     )
 
 
-LAYER_FAMILIES_TP = (
-    ("mamba", "its split is not built yet"),
-    ("rwkv", "its split is not built yet"),
-    ("gmlp", "its split is not built yet"),
-    ("amlp", "its split is not built yet"),
-)
+LAYER_FAMILIES_TP = (("rwkv", "its split is not built yet"),)
 """(layer type, why) of the layer families tensor parallelism cannot split."""
 
 
@@ -412,6 +407,14 @@ def _layer_families(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     if lay.tp == 1:
         return None
     kinds = set(layer_attention_types(cfg))
+    sequential = sorted(kinds & {"mamba", "rwkv", "gmlp", "amlp"})
+    if lay.sequence_parallel and sequential:
+        return _refuse(
+            f"cannot split {sequential[0]} layers' inputs by positions (they read the whole "
+            "sequence in order on every tensor rank); set sequence_parallel: false",
+            key="sequence_parallel",
+            cause="attention_config",
+        )
     for kind, why in LAYER_FAMILIES_TP:
         if kind in kinds:
             return _refuse(
