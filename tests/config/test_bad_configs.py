@@ -508,13 +508,14 @@ CASES = [
         ["a.yml: mamba_inner_func_fusion: cannot be set with mamba_use_bias_in_linears"],
     ),
     (
-        "mamba-tensor-parallel",
+        "mamba-sequence-parallel",
         {
             "a.yml": "{hidden_size: 64, num_attention_heads: 4, num_layers: 2, seq_length: 64, "
-            "attention_config: [[[mamba, global], 1]], model_parallel_size: 2}"
+            "attention_config: [[[mamba, global], 1]], model_parallel_size: 2, "
+            "sequence_parallel: true}"
         },
         [],
-        ["a.yml: attention_config: mamba layers with model_parallel_size > 1 are not built"],
+        ["a.yml: sequence_parallel: cannot split mamba layers' inputs by positions"],
     ),
     (
         "attention-count",

@@ -68,12 +68,7 @@ CASES = [
     (
         "rwkv-with-tensor-parallelism",
         UNTIED | {"model_parallel_size": 2, "attention_config": [[["rwkv"], "all"]]},
-        "model_parallel_size: 2 with RWKV layers (attention_config 'rwkv') is not built",
-    ),
-    (
-        "rwkv-with-context-parallelism",
-        {"context_parallel_size": 2, "attention_config": [[["rwkv"], 1], [["global"], 1]]},
-        "context_parallel_size: 2 with RWKV layers (attention_config 'rwkv') is not built",
+        "model_parallel_size: rwkv layers with model_parallel_size > 1 cannot run",
     ),
 ]
 

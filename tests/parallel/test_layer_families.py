@@ -86,8 +86,9 @@ def test_decoding_the_mix_from_its_states_equals_recomputing(config, loop):
         (2, ["pipe_parallel_size=2"]),
         (4, ["pipe_parallel_size=2", "train_micro_batch_size_per_gpu=1",
              "zero_optimization.stage=3"]),
+        (2, ["context_parallel_size=2"]),
     ],
-    ids=["zero1", "zero3", "pp2", "dp2-pp2-zero3"],
+    ids=["zero1", "zero3", "pp2", "dp2-pp2-zero3", "cp2"],
 )  # fmt: skip
 def test_a_mixed_model_in_every_layout_equals_one_process(
     config, tmp_path, baseline, nproc, overrides

@@ -9,7 +9,9 @@ import pytest
 
 from tests.helpers import (
     DP_KEYS,
+    assert_same_training,
     losses,
+    reference,
     train,
 )
 
@@ -52,3 +54,18 @@ def test_stages_weigh_mamba_layers_by_their_parameters():
     args = model_args(load_mapping(BASE | mixed, "test"))
     first, second = stage_layers(args, 2, "parameters")
     assert (len(first), len(second)) == (3, 5)
+
+
+def test_mamba_and_gmlp_layers_split_over_tensor_ranks_equal_one_process(make_config, tmp_path):
+    """model_parallel_size 2: mamba's in_proj (x and z each by channels), convolution, dt,
+    A_log and D, and gMLP's and aMLP's halves, gate and tiny attention's output split by
+    channels: loss and gradient norm at every step are one process's."""
+    cfg = make_config(
+        "tp.yml", train_iters=3, num_layers=4, train_micro_batch_size_per_gpu=2,
+        attention_config=[[["mamba", "gmlp", "global", "amlp"], 1]], no_weight_tying=True,
+        gradient_accumulation_steps=2, eval_iters=1, hidden_dropout=0.0, num_workers=0,
+    )  # fmt: skip
+    one, split = tmp_path / "one", tmp_path / "tp"
+    train(cfg, f"save={one}", "load=null")
+    train(cfg, f"save={split}", "load=null", "model_parallel_size=2", nproc=2)
+    assert_same_training(split, reference(one))

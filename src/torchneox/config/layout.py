@@ -365,21 +365,6 @@ def _context_parallel(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     return None
 
 
-def _rwkv(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
-    """RWKV layers are not split over tensor ranks (GPT-NeoX refuses it too) nor their
-    sequences over context ranks (the recurrence runs through the whole sequence)."""
-    if (lay.tp == 1 and lay.cp == 1) or "rwkv" not in layer_attention_types(cfg):
-        return None
-    key, size = ("model_parallel_size", lay.tp) if lay.tp > 1 else ("context_parallel_size", lay.cp)
-    return _refuse(
-        f"{size} with RWKV layers (attention_config 'rwkv') is not built (GPT-NeoX refuses "
-        f"tensor parallelism for them too); set {key}: 1 and use data parallelism (any ZeRO "
-        "stage) or pipeline stages",
-        key=key,
-        cause="attention_config",
-    )
-
-
 def _fp8(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     plan = fp8_plan(cfg.precision, cfg.model)
     if plan is None or lay.tp == 1:
@@ -390,29 +375,6 @@ def _fp8(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
         "parallelism) or train in bf16",
         key=plan.key,
         cause="model_parallel_size",
-    )
-
-
-def _gmlp(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
-    """gMLP's spatial gating mixes every position of a sequence through one norm over the
-    whole gating width: neither splits."""
-    if lay.tp == 1 and lay.cp == 1:
-        return None
-    if not {"gmlp", "amlp"} & set(layer_attention_types(cfg)):
-        return None
-    if lay.tp > 1:
-        return _refuse(
-            "gmlp/amlp layers with model_parallel_size > 1 are not built (the gate's norm "
-            "spans the whole gating width; GPT-NeoX normalises each rank's part, another model "
-            "than one process's); use data parallelism, ZeRO or pipeline stages",
-            key="model_parallel_size",
-            cause="attention_config",
-        )
-    return _refuse(
-        "gmlp/amlp layers mix every position of a sequence through one seq x seq matrix, "
-        "which context parallelism would split; use context_parallel_size 1",
-        key="context_parallel_size",
-        cause="attention_config",
     )
 
 
@@ -456,18 +418,34 @@ def _compile_model(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     )
 
 
-def _mamba_layers(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
-    """Mamba layers split over neither tensor ranks (GPT-NeoX's split pairs the wrong halves
-    of in_proj) nor context ranks (the scan runs along the whole sequence)."""
-    if max(lay.tp, lay.cp) < 2 or "mamba" not in layer_attention_types(cfg):
+LAYER_FAMILIES_TP = (("rwkv", "its split is not built yet"),)
+"""(layer type, why) of the layer families tensor parallelism cannot split."""
+
+
+def _layer_families(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
+    """Every layer family runs under context parallelism (a sequential mixer runs over the
+    gathered sequence, models/block.py); tensor parallelism splits each family's own way
+    (parallel/families.py)."""
+    if lay.tp == 1:
         return None
-    axis = "model_parallel_size" if lay.tp > 1 else "context_parallel_size"
-    return _refuse(
-        f"mamba layers with {axis} > 1 are not built; train mamba models with data "
-        "parallelism, ZeRO or pipeline stages",
-        key="attention_config",
-        cause=axis,
-    )
+    kinds = set(layer_attention_types(cfg))
+    sequential = sorted(kinds & {"mamba", "rwkv", "gmlp", "amlp"})
+    if lay.sequence_parallel and sequential:
+        return _refuse(
+            f"cannot split {sequential[0]} layers' inputs by positions (they read the whole "
+            "sequence in order on every tensor rank); set sequence_parallel: false",
+            key="sequence_parallel",
+            cause="attention_config",
+        )
+    for kind, why in LAYER_FAMILIES_TP:
+        if kind in kinds:
+            return _refuse(
+                f"{kind} layers with model_parallel_size > 1 cannot run: {why}; set "
+                "model_parallel_size: 1",
+                key="model_parallel_size",
+                cause="attention_config",
+            )
+    return None
 
 
 def offload_rule(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
@@ -502,8 +480,7 @@ def offload_rule(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
 
 
 RULES = (
-    _rwkv,
-    _mamba_layers,
+    _layer_families,
     _whole_heads,
     _pipeline,
     _experts,
@@ -516,7 +493,6 @@ RULES = (
     _context_parallel,
     _fp8,
     _compile_model,
-    _gmlp,
     offload_rule,
     eight_bit_layout,
 )

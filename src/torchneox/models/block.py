@@ -17,6 +17,12 @@ selects it per layer; each family names its sublayers, and those names are the p
 Every mixer is called as ``mixer(x, rope, bias, cache)`` and returns a tensor shaped like
 ``x``: attention reads the rotary tables, the mask and the KV cache; a recurrent mixer keeps
 its state in ``cache.state(layer)`` and ignores the rest.
+
+Under context parallelism (``bias.gather`` set) a mixer that reads the sequence in order
+(mamba's convolution and scan, RWKV's token shift and recurrence, gMLP's spatial gating) runs
+over the whole sequence: every rank's part is gathered and put in order (one all-gather
+forward, its reduce-scatter backward), so each chunk starts from the state the chunks before
+it leave, and each rank keeps the outputs of its own positions (``_whole_sequence``).
 """
 
 from __future__ import annotations
@@ -163,11 +169,11 @@ class Block(nn.Module):
         if self.norm_input:
             x = norm(x)
         if self.norm_output:  # OLMo 2: each sublayer's output normalised, then added
-            x = x + self.dropout(norm(mixer(x, rope, bias, cache)))
+            x = x + self.dropout(norm(self._mix(mixer, x, rope, bias, cache)))
             mlp_out, stats = self._mlp(mlp, x, rope, bias, cache)
             return x + self.dropout(mlp_norm(mlp_out)), stats
         normed = norm(x)
-        mixed = self.dropout(mixer(normed, rope, bias, cache))
+        mixed = self.dropout(self._mix(mixer, normed, rope, bias, cache))
         if mlp is None:
             return x + mixed, None
         if self.parallel_residual:
@@ -184,5 +190,29 @@ class Block(nn.Module):
         if self.is_moe:
             return mlp(x)
         if self.family.mlp_is_mixer:
-            return mlp(x, *context), None
+            return self._mix(mlp, x, *context), None
         return mlp(x), None
+
+    def _mix(
+        self,
+        mixer: nn.Module,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        bias: AttentionBias,
+        cache: KVCache | None,
+    ) -> torch.Tensor:
+        if bias.gather is None or self.family is ATTENTION:
+            return mixer(x, rope, bias, cache)
+        return _whole_sequence(mixer, x, bias)
+
+
+def _whole_sequence(mixer: nn.Module, x_BTH: torch.Tensor, bias: AttentionBias) -> torch.Tensor:
+    """A sequential mixer under context parallelism: this rank's outputs of the mixer run over
+    the whole sequence (every rank's part gathered, in sequence order). Each rank's loss reads
+    only its own positions, so the gathered input's gradient, summed back over the ranks by
+    the all-gather's reduce-scatter, is the one-process gradient of this rank's inputs."""
+    mine, keys = bias.positions
+    gathered, _ = bias.gather(x_BTH[:, None], x_BTH[:, None])  # [B, 1, T, H], by rank
+    whole = gathered[:, 0, torch.argsort(keys)]
+    out = mixer(whole, None, AttentionBias(None, True), None)
+    return out[:, mine]

@@ -36,6 +36,7 @@ from torch.distributed.tensor.parallel import (
 from torchneox.models.linear import Linear
 from torchneox.models.mixers.sparse import SparseAttention
 from torchneox.models.transformer import Transformer
+from torchneox.parallel.families import FAMILY_SPLITS, split_family
 
 COLUMN_SPLIT = ("attention.wq", "attention.wk", "attention.wv", "mlp.up", "mlp.gate")
 """Linear layers split by output features (weight and bias on dim 0)."""
@@ -57,6 +58,10 @@ def split_dim(name: str) -> int | None:
         return 0
     if module.endswith(tuple(f"{r}.lora_A" for r in ROW_SPLIT)):
         return 1
+    if name.startswith("layers."):
+        in_block = name.split(".", 2)[-1]
+        if in_block in FAMILY_SPLITS:
+            return FAMILY_SPLITS[in_block]
     if module.endswith(COLUMN_SPLIT):
         return 0
     if module.endswith(ROW_SPLIT) and leaf == "weight":
@@ -117,6 +122,7 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
         _mark_split(block, present)
         _split_qk_norms(getattr(block, "attention", None), mesh)
         _split_adapters(block, adapters, mesh)
+        split_family(block, mesh)
         if isinstance(getattr(block, "attention", None), SparseAttention):
             # its layout per head follows the heads this rank holds
             block.attention.keep_heads(mesh.get_local_rank(), mesh.size())
@@ -243,7 +249,8 @@ def _keep_heads(model: Transformer, mesh: DeviceMesh) -> None:
 def _linear(block: nn.Module, name: str) -> bool:
     """Whether ``block`` has a dense linear layer at ``name`` (an MoE layer has none)."""
     owner, _, leaf = name.rpartition(".")
-    return isinstance(getattr(block.get_submodule(owner), leaf, None), nn.Linear)
+    holder = getattr(block, owner, None)  # another family's block has no attention nor mlp
+    return isinstance(getattr(holder, leaf, None), nn.Linear)
 
 
 def loss_context(enabled: bool) -> contextlib.AbstractContextManager:

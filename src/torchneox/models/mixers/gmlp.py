@@ -93,6 +93,9 @@ class GMLP(nn.Module):
         amlp = args.layer_type(layer) == "amlp"
         self.sgu = SpatialGatingUnit(args, ff, args.gmlp_attn_dim if amlp else None)
         self.output_linear = Linear(ff, h, bias=False)
+        self.tp = None
+        """Tensor parallelism's collectives (parallel/families.py's ``Split``): the block
+        split over tensor ranks by channels."""
 
     def forward(
         self,
@@ -101,7 +104,8 @@ class GMLP(nn.Module):
         bias: AttentionBias,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
-        x = self.act(self.input_linear(x_BTH))
+        x = self.input_linear(x_BTH)
+        x = self.act(x if self.tp is None else self.tp.whole(x))
         res, gate = x.chunk(2, dim=-1)
         gate = self.sgu.norm(gate)
         t = x.shape[1]
@@ -110,6 +114,8 @@ class GMLP(nn.Module):
             allowed, writers = None, None
         else:
             allowed, gate, writers = self._gate_cached(gate, bias, cache)
+        if self.tp is not None:  # the norm and the gating whole; then this rank's channels
+            res, gate = self.tp.parts(self.tp.copy(torch.cat([res, gate], -1)), 2)
         if self.sgu.attn is not None:
             gate = gate + self.sgu.attn(x, allowed, writers)
         return self.output_linear(gate * res)

@@ -132,6 +132,9 @@ class Mamba(nn.Module):
         self.A_log = nn.Parameter(torch.empty(d, D_STATE))
         self.D = nn.Parameter(torch.empty(d))
         self.out_proj = Linear(d, h, bias=bias)
+        self.tp = None
+        """Tensor parallelism's collectives (parallel/families.py's ``Split``) when the mixer
+        is split over tensor ranks by channels."""
 
     def forward(
         self,
@@ -145,25 +148,36 @@ class Mamba(nn.Module):
         if cache is None and valid is None and self._kernel_ready(x_BTH):
             return self._fused(x_BTH)
         state = cache.state(self.layer) if cache is not None else None
-        x, z = self.in_proj(x_BTH).chunk(2, dim=-1)
+        x, z = self._x_and_gate(x_BTH)
         x = self._conv(_masked(x, valid), state)
         x = _masked(x, valid)
-        dt, B, C = self.x_proj(x).split([self.dt_rank, D_STATE, D_STATE], dim=-1)
+        dt_B_C = self.x_proj(x)
+        if self.tp is not None:  # every rank's channels read dt, B and C
+            dt_B_C = self.tp.copy(dt_B_C)
+        dt, B, C = dt_B_C.split([self.dt_rank, D_STATE, D_STATE], dim=-1)
         with torch.autocast(x.device.type, enabled=False):
-            w, b = self.dt_proj.weight.float(), self.dt_proj.bias.float()
+            w, b = _local(self.dt_proj.weight).float(), _local(self.dt_proj.bias).float()
             dt = dt.float()
             term = self.dt_proj.adapter_term(dt)  # LoRA's, in fp32 as the product
             dt = F.linear(dt, w, b)
             dt = F.softplus(dt if term is None else dt + term)
-            A = -torch.exp(self.A_log.float())
+            A = -torch.exp(_local(self.A_log).float())
             h0 = state.get("ssm") if state is not None else None
             if h0 is None:
                 h0 = x.new_zeros(x.shape[0], *A.shape, dtype=torch.float32)
-            y, h = selective_scan(x, dt, A, B, C, self.D, h0)
+            y, h = selective_scan(x, dt, A, B, C, _local(self.D), h0)
             y = y * F.silu(z.float())
         if state is not None:
             _keep(state, "ssm", h)
         return self.out_proj(y.to(x.dtype))
+
+    def _x_and_gate(self, x_BTH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """in_proj's x and z (split over tensor ranks: this rank's channels of each)."""
+        xz = self.in_proj(x_BTH)
+        if self.tp is None:
+            return xz.chunk(2, dim=-1)
+        x, z = self.tp.parts(self.tp.copy(self.tp.whole(xz)), 2)
+        return x, z
 
     def _conv(self, x_BTD: torch.Tensor, state: dict | None) -> torch.Tensor:
         """silu(causal depthwise conv) of x, continuing from the state's last inputs."""
@@ -175,14 +189,16 @@ class Mamba(nn.Module):
         x = torch.cat([before, x], dim=-1)
         if state is not None:
             _keep(state, "conv", x[..., -(D_CONV - 1) :])
-        w, b = self.conv1d.weight, self.conv1d.bias
+        w, b = _local(self.conv1d.weight), _local(self.conv1d.bias)
         return F.silu(F.conv1d(x, w, b, groups=w.shape[0])).transpose(1, 2)
 
     def _kernel_ready(self, x: torch.Tensor) -> bool:
         """Whether mamba-ssm's kernels run the forward: they read x_proj's, dt_proj's and
-        out_proj's weights themselves, so a LoRA adapter on one of them takes the plain path."""
+        out_proj's weights themselves, so a LoRA adapter on one of them takes the plain path
+        (and so does a tensor-parallel split)."""
         adapted = any("lora_A" in m._modules for m in (self.x_proj, self.dt_proj, self.out_proj))
-        return bool(self.fusion) and x.is_cuda and kernels_installed() and not adapted
+        ready = bool(self.fusion) and x.is_cuda and kernels_installed()
+        return ready and self.tp is None and not adapted
 
     def _fused(self, x_BTH: torch.Tensor) -> torch.Tensor:
         """The forward through mamba-ssm's and causal-conv1d's kernels, as the fusion keys
@@ -222,6 +238,12 @@ class Mamba(nn.Module):
                 )  # fmt: skip
                 y = (y * F.silu(z.transpose(1, 2).float())).transpose(1, 2)
         return self.out_proj(y.transpose(1, 2).to(x_BTH.dtype))
+
+
+def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's part of a parameter split over tensor ranks (a DTensor), else ``t``; its
+    gradient goes to that part."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _masked(x_BTD: torch.Tensor, valid_BT: torch.Tensor | None) -> torch.Tensor:

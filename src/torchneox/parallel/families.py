@@ -1,0 +1,92 @@
+"""Tensor parallelism for the layer families beside attention: mamba and gMLP/aMLP mixers
+split over the tensor ranks by channels (called from ``tensor_parallel.apply_tensor_parallel``).
+
+mamba: in_proj split by output rows (as saved: the checkpoint is the one-process file), its
+output gathered and each rank keeping its channels of x and of the gate z (the strided split
+of the fused projection, taken from the activations: a checkpoint shard must be one block of
+rows); the convolution, dt_proj, A_log and D split by channels; x_proj and out_proj by input
+columns (one all-reduce each). gMLP: input_linear split by rows, its output gathered, the
+gate's norm taken over the whole width (as one process), each rank keeping its channels of
+both halves; output_linear by input columns; aMLP's tiny attention reads both whole halves
+and its proj_ffn writes the rank's gate channels.
+
+Every replicated computation feeding a split one passes ``Split.copy`` (identity forward,
+the ranks' gradients summed backward), so replicated weights get the one-process gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+MAMBA_CHANNELS = ("conv1d.weight", "conv1d.bias", "dt_proj.weight", "dt_proj.bias", "A_log", "D")
+"""A mamba mixer's parameters split by channels (dim 0)."""
+FAMILY_SPLITS = {
+    "mamba.in_proj.weight": 0,
+    "mamba.in_proj.bias": 0,
+    "mamba.x_proj.weight": 1,
+    "mamba.out_proj.weight": 1,
+    "gmlp.input_linear.weight": 0,
+    "gmlp.output_linear.weight": 1,
+    "gmlp.sgu.attn.proj_ffn.weight": 0,
+    "gmlp.sgu.attn.proj_ffn.bias": 0,
+    **{f"mamba.{n}": 0 for n in MAMBA_CHANNELS},
+}
+"""(parameter name in its block, the dim tensor parallelism splits) of these families."""
+
+
+class Split:
+    """What a split mixer calls (``mixer.tp``): the mesh's collectives, as autograd sees them."""
+
+    def __init__(self, mesh: DeviceMesh):
+        self.mesh, self.rank, self.size = mesh, mesh.get_local_rank(), mesh.size()
+
+    def whole(self, t: torch.Tensor) -> torch.Tensor:
+        """A column-split output (a DTensor split on its last dim) whole on every rank; its
+        gradient, the same on every rank, is split back."""
+        return t.redistribute(self.mesh, [Replicate()]).to_local()
+
+    def copy(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (the same on every rank) as it is; backward, the ranks' gradients summed."""
+        d = DTensor.from_local(t, self.mesh, [Replicate()], run_check=False)
+        return d.to_local(grad_placements=[Partial()])
+
+    def parts(self, t: torch.Tensor, n: int) -> list[torch.Tensor]:
+        """This rank's channels of each of the ``n`` equal parts of ``t``'s last dim."""
+        return [c.chunk(self.size, -1)[self.rank] for c in t.chunk(n, -1)]
+
+
+def split_family(block: nn.Module, mesh: DeviceMesh) -> None:
+    """Split ``block``'s mamba or gMLP mixer over ``mesh`` (other families: nothing)."""
+    mixer = getattr(block, "mamba", None) or getattr(block, "gmlp", None)
+    if mixer is None:
+        return
+    name = "mamba" if hasattr(block, "mamba") else "gmlp"
+    plan: dict = {
+        "mamba": {
+            "in_proj": ColwiseParallel(use_local_output=False),
+            "x_proj": RowwiseParallel(),
+            "out_proj": RowwiseParallel(),
+        },
+        "gmlp": {
+            "input_linear": ColwiseParallel(use_local_output=False),
+            "output_linear": RowwiseParallel(),
+        },
+    }[name]
+    if name == "gmlp" and mixer.sgu.attn is not None:
+        plan["sgu.attn.proj_ffn"] = ColwiseParallel()
+    parallelize_module(mixer, mesh, plan)
+    if name == "mamba":
+        for param in MAMBA_CHANNELS:
+            owner_name, _, leaf = param.rpartition(".")
+            owner = mixer.get_submodule(owner_name) if owner_name else mixer
+            tensor = getattr(owner, leaf)
+            if tensor is not None:
+                split = distribute_tensor(tensor.data, mesh, [Shard(0)])
+                setattr(owner, leaf, nn.Parameter(split, requires_grad=tensor.requires_grad))
+    for layer in plan:
+        mixer.get_submodule(layer).split = True
+    mixer.tp = Split(mesh)
