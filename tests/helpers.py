@@ -140,6 +140,21 @@ def assert_resumes_like_whole(
     return moved
 
 
+def assert_resumes_bitwise(cfg, whole: Path, step: int, overrides: list[str], nproc: int) -> None:
+    """Resumed from the step-``step`` checkpoint of the run in ``whole`` (same layout,
+    ``overrides``), the later steps' losses and gradient norms and the final weights are that
+    run's, to the bit."""
+    moved = whole.parent / f"{whole.name}-resumed"
+    train(cfg, f"save={moved}", f"load={whole / f'global_step{step}'}", *overrides, nproc=nproc)
+    for key in ("lm_loss", "grad_norm"):
+        done, after = losses(whole, key), losses(moved, key)
+        assert sorted(after) == [k for k in sorted(done) if k > step], key
+        assert all(after[k] == done[k] for k in after), (key, after, done)
+    resumed = weights(moved)
+    for name, tensor in weights(whole).items():
+        assert torch.equal(tensor, resumed[name]), name
+
+
 def poison(trainer, at_step: int, value: float) -> None:
     forward = trainer.model.forward
 

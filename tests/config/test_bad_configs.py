@@ -453,15 +453,6 @@ CASES = [
         ["params.amsgrad: true is not supported by DeepSpeed's CPU Adam"],
     ),
     (
-        "zero-offload-tensor-parallel",
-        {
-            "a.yml": "{zero_optimization: {stage: 1, offload_optimizer: {device: cpu}}, "
-            "model_parallel_size: 2, no_weight_tying: true, pos_emb: rotary}"
-        },
-        ["--world-size", "4"],
-        ["offload_optimizer (ZeRO-Offload) with model_parallel_size > 1 is not built yet"],
-    ),
-    (
         "fp16-and-bf16",
         {"a.yml": "{fp16: {enabled: true}, bf16: {enabled: true}}"},
         [],

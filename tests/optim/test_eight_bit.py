@@ -155,6 +155,9 @@ def test_explain_shows_the_library(make_config, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "bitsandbytes' Adam8bit (bitsandbytes is installed" in out
     assert "learned positions through StableEmbedding" in out
+    # ZeRO 1-3: torchao's, whose optimizer takes FSDP2's DTensor shards, whatever is installed
+    assert main(["config", "explain", cfg, "--set", "zero_optimization.stage=2"]) == 0
+    assert "eight_bit_adam     torchao  torchao's AdamW8bit (ZeRO 1-3" in capsys.readouterr().out
     monkeypatch.setattr(eight_bit, "installed_library", lambda: "torchao")
     assert main(["config", "explain", cfg]) == 0
     assert "torchao's AdamW8bit (bitsandbytes is not installed)" in capsys.readouterr().out
@@ -163,9 +166,8 @@ def test_explain_shows_the_library(make_config, capsys, monkeypatch):
 @pytest.mark.parametrize(
     "sets,says",
     [
-        (["zero_optimization.stage=2"], "not ZeRO stage 2: set zero_optimization.stage 0"),
-        (["model_parallel_size=2"], "not model_parallel_size 2: set model_parallel_size 1"),
-        (["pipe_parallel_size=2"], "not pipeline stages 2: set pipe_parallel_size 1"),
+        (["model_parallel_size=2"], "model_parallel_size 2 is not built: it runs with data"),
+        (["pipe_parallel_size=2"], "pipeline stages 2 is not built: it runs with data"),
         (["optimizer.params.amsgrad=true"], "8-bit Adam has no amsgrad"),
     ],
 )

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import assert_resumes_like_whole, assert_same_training, losses, reference, train
+from tests.helpers import (
+    assert_resumes_like_whole,
+    assert_same_training,
+    losses,
+    reference,
+    train,
+    trained_once,
+)
 from torchneox.cli import main
 
 # Expert parallelism (the load-balancing loss, computed over the whole batch, included).
@@ -26,10 +33,8 @@ EP_LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def moe_one_process(moe_config, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("moe-one") / "one"
-    train(moe_config, f"save={folder}", "load=null", "moe_aux_loss_coeff=0.1")
-    return folder
+def moe_one_process(moe_config):
+    return trained_once(moe_config, "moe_aux_loss_coeff=0.1")  # (test_offload's baseline too)
 
 
 @pytest.mark.parametrize("layout", list(EP_LAYOUTS))

@@ -20,7 +20,7 @@ from torchneox.config.checks.model import layer_attention_types
 from torchneox.config.derived import Derived
 from torchneox.config.features.eight_bit import eight_bit_layout
 from torchneox.config.features.fp8_plan import fp8_plan
-from torchneox.config.features.offload import NOT_WITH, offload_spec
+from torchneox.config.features.offload import offload_spec
 from torchneox.config.load import LoadedConfig
 from torchneox.config.schema import NeoXConfig
 
@@ -450,8 +450,8 @@ def _layer_families(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
 
 def offload_rule(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     """The layouts offload runs in (a rule of config/layout.py): ZeRO 1-3 over the
-    data-parallel ranks (one or more; hybrid sharding included), without tensor, pipeline,
-    expert or context parallelism."""
+    data-parallel ranks (one or more; hybrid sharding, tensor, pipeline, context and expert
+    parallelism included)."""
     if not lay.offload:
         return None
     spec = offload_spec(cfg.optimizer.zero_optimization, cfg.optimizer.optimizer)
@@ -469,13 +469,6 @@ def offload_rule(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
         return refuse(
             f"{first} (ZeRO-Offload) needs zero_optimization.stage 1, 2 or 3", "zero_optimization"
         )
-    for axis, cause, what in NOT_WITH:
-        if getattr(lay, axis) > 1:
-            return refuse(
-                f"{first} (ZeRO-Offload) with {what} is not built yet; offload runs with "
-                "data parallelism and ZeRO only",
-                cause,
-            )
     return None
 
 

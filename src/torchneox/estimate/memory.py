@@ -12,7 +12,7 @@ from torchneox.config.checks.model import layer_attention_types
 from torchneox.config.features.eight_bit import (
     eight_bit,
     eight_bit_optimizer_bytes,
-    installed_library,
+    library_for,
 )
 from torchneox.config.features.lora import is_base_linear, lora_spec
 from torchneox.config.features.optimizer import muon_matrix, optimizer_spec
@@ -45,7 +45,7 @@ def optimizer_bytes_per_tensor(
     values (config/features/eight_bit.py), in place of a number of bytes per parameter."""
     if not eight_bit(loaded.config.optimizer):
         return None
-    library = installed_library() or "torchao"
+    library = library_for(loaded.config.optimizer) or "torchao"
     return functools.partial(eight_bit_optimizer_bytes, library)
 
 

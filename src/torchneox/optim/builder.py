@@ -71,7 +71,7 @@ def build_optimizer(
     if _mixes_dtensors(model):  # tensor parallelism without FSDP: foreach/fused need one kind
         fast = {"foreach": False}
     if eight_bit(o):  # use_bnb_optimizer
-        return build_eight_bit_adam(model, groups, spec, lr)
+        return build_eight_bit_adam(model, groups, spec, lr, o=o)
     if kind in ("adam", "adamw"):  # GPT-NeoX runs Adam with decoupled weight decay
         return torch.optim.AdamW(groups, lr=lr, **params, **fast)
     if kind in ("cpu_adam", "cpu_torch_adam"):  # DeepSpeedCPUAdam: AdamW unless adamw_mode false
@@ -169,8 +169,13 @@ def clip_grad_norm(
     if plain:
         squares.append(torch.stack(torch._foreach_norm(plain)).float().pow(2).sum())
     squares += _dtensor_squares([p.grad for p in counted if isinstance(p.grad, DTensor)])
-    device = params[0].device if params else torch.device("cpu")
-    total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
+    device = squares[0].device if squares else params[0].device if params else "cpu"
+    # (under ZeRO-Offload the sharded gradients are in host memory, expert-parallel ones not)
+    total = (
+        torch.stack([s.to(device) for s in squares]).sum()
+        if squares
+        else torch.zeros(()).to(device)
+    )
     if group is not None:  # pipeline stages hold disjoint parameters: add their squares
         torch.distributed.all_reduce(total, group=group)
     total = total.sqrt()

@@ -1,5 +1,6 @@
-"""8-bit Adam (use_bnb_optimizer): bitsandbytes' Adam8bit where bitsandbytes imports, else
-torchao's AdamW8bit (both decoupled weight decay, as GPT-NeoX's Adam), over the same decay /
+"""8-bit Adam (use_bnb_optimizer): at ZeRO 0 bitsandbytes' Adam8bit where bitsandbytes imports,
+else torchao's AdamW8bit; at ZeRO 1-3 torchao's, which steps FSDP2's DTensor shards (both
+decoupled weight decay, as GPT-NeoX's Adam), over the same decay /
 no-decay groups as every optimizer, with the StableEmbedding weight kept at 32-bit state as
 bitsandbytes' StableEmbedding registers it (config/features/eight_bit.py: the rules and the bytes)."""
 
@@ -13,13 +14,15 @@ from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from torchneox.base.errors import ConfigError
-from torchneox.config.features.eight_bit import BLOCK, MIN_8BIT, STABLE_PARAMS, installed_library
+from torchneox.config.features.eight_bit import BLOCK, MIN_8BIT, STABLE_PARAMS, library_for
 from torchneox.config.features.optimizer import OptimizerSpec
+from torchneox.config.schema import OptimizerConfig
 
 
-def importable_library() -> str:
-    """bitsandbytes if it imports here, else torchao (one line if neither does)."""
-    if installed_library() == "bitsandbytes":
+def importable_library(o: OptimizerConfig | None = None) -> str:
+    """The library ``o`` asks for (config/features/eight_bit.py: library_for; without ``o``,
+    ZeRO 0's): bitsandbytes if it imports here, else torchao (one line if neither does)."""
+    if library_for(o or OptimizerConfig()) == "bitsandbytes":
         try:
             import bitsandbytes.optim  # noqa: F401
 
@@ -108,13 +111,14 @@ def build_eight_bit_adam(
     spec: OptimizerSpec,
     lr: float,
     library: str | None = None,
+    o: OptimizerConfig | None = None,
 ) -> torch.optim.Optimizer:
     """Adam with 8-bit moments over ``groups`` (each with its weight decay), with the betas
     and eps GPT-NeoX passes from optimizer.params; ``library``: bitsandbytes or torchao
-    (default: bitsandbytes where it imports)."""
+    (default: the one ``o`` runs, config/features/eight_bit.py: library_for)."""
     from torchneox.models.transformer import plain_name
 
-    library = library or importable_library()
+    library = library or importable_library(o)
     keep = {id(p) for n, p in model.named_parameters() if plain_name(n).endswith(STABLE_PARAMS)}
     p = spec.params
     kwargs = {"lr": lr, "betas": tuple(p.get("betas", (0.9, 0.999))), "eps": p.get("eps", 1e-8)}

@@ -116,9 +116,10 @@ def _shard_fp32_mixers(
         )
 
 
-def offloaded_shards(model: torch.nn.Module) -> tuple[int, int]:
-    """(parameters FSDP2 offloads whose shard is in host memory, parameters FSDP2 shards): what
-    the run reports under ZeRO-Offload, read from FSDP2's own parameter records."""
+def offloaded_shards(model: torch.nn.Module) -> tuple[int, int, int]:
+    """(parameters FSDP2 offloads whose shard is in host memory, parameters FSDP2 shards, the
+    model's other parameters: expert-parallel weights, which ZeRO leaves alone): what the run
+    reports under ZeRO-Offload, read from FSDP2's own parameter records."""
     from torch.distributed.fsdp import FSDPModule
 
     offloaded = total = 0
@@ -130,7 +131,19 @@ def offloaded_shards(model: torch.nn.Module) -> tuple[int, int]:
             total += 1
             host = param.sharded_param.to_local().device.type == "cpu"
             offloaded += int(param.offload_to_cpu and host)
-    return offloaded, total
+    return offloaded, total, sum(1 for _ in model.parameters()) - total
+
+
+def offload_line(model: torch.nn.Module) -> str:
+    """The run's line on what ZeRO-Offload holds in host memory."""
+    held, total, other = offloaded_shards(model)
+    kept = (
+        f"; {other} expert-parallel weights (not ZeRO's shards) stay on the device" if other else ""
+    )
+    return (
+        f"ZeRO-Offload: {held} of {total} parameter shards, their gradients and the optimizer "
+        f"state in host memory (FSDP2's CPUOffloadPolicy); step on the CPU{kept}"
+    )
 
 
 def set_gradient_sync(module: torch.nn.Module, sync: bool) -> None:

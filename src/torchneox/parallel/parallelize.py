@@ -133,11 +133,14 @@ def shard(
     alone = dims.batch_ranks <= 1
     if alone and not offloads(options, layout):
         return model
+    # a lone data-parallel rank among tensor or pipeline ranks shards over its axis of the
+    # world's mesh (of one): FSDP2 joins it to the tensor-parallel mesh, which a mesh of its own
+    # cannot be (DeviceMesh._concatenate wants one root)
     return apply_data_parallel(
         model,
-        init_device_mesh(dims.device_type, (1,), mesh_dim_names=("dp",))
-        if alone
-        else dims.shard_mesh(),
+        dims.shard_mesh()
+        if dims.mesh is not None
+        else init_device_mesh(dims.device_type, (1,), mesh_dim_names=("dp",)),
         layout.zero,
         options.reduce_dtype,
         tensor_parallel=dims.tp > 1 or dims.pp > 1,
@@ -202,7 +205,7 @@ def build_parallel_model(
 
         def prepare(part: Transformer) -> None:
             shard(part, dims, layout, options, split(part, dims, layout, options))
-            drawn[0] += materialise(part, device, options.seed, init)
+            drawn[0] += materialise(part, device, options.seed, init, offloads(options, layout))
 
         pipeline = build_pipeline(args, dims.mesh["pp"], device, layout, pipeline_loss, prepare)
         share_across_stages(pipeline, dims.mesh, args)

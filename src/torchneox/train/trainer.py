@@ -49,7 +49,7 @@ from torchneox.models.hf.folder import is_hf_folder, with_hf_folder
 from torchneox.models.transformer import SOFT_PROMPT, is_adapter
 from torchneox.optim.lr import Schedule
 from torchneox.parallel.collectives import any_rank, mean_over_dp, sum_over_dp
-from torchneox.parallel.data_parallel import offloaded_shards
+from torchneox.parallel.data_parallel import offload_line
 from torchneox.parallel.dims import ParallelDims
 from torchneox.parallel.fp8 import check_fp8_hardware
 from torchneox.parallel.parallelize import EVERY_PARAMETER
@@ -231,11 +231,7 @@ class Trainer:
     def _report_offload(self) -> None:
         """Under ZeRO-Offload, how many parameter shards FSDP2 holds in host memory."""
         if self.layout.offload:
-            held, total = offloaded_shards(self.parts.model)
-            self.logger.line(
-                f"ZeRO-Offload: {held} of {total} parameter shards, their gradients and the "
-                "optimizer state in host memory (FSDP2's CPUOffloadPolicy); step on the CPU"
-            )
+            self.logger.line(offload_line(self.parts.model))
 
     def _report_kernels(self) -> None:
         """The CPU kernel verdicts any rank corrected (models/cpu_kernels.py), in one line on

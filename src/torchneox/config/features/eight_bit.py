@@ -44,12 +44,27 @@ def eight_bit(o: OptimizerConfig) -> bool:
 
 
 def installed_library() -> str | None:
-    """The library the trainer will try first (found without importing it: explain stays
-    fast); the trainer falls back to torchao if bitsandbytes does not import."""
+    """The library the trainer will try first at ZeRO 0 (found without importing it: explain
+    stays fast); the trainer falls back to torchao if bitsandbytes does not import."""
     for name in LIBRARIES:
         if importlib.util.find_spec(name) is not None:
             return name
     return None
+
+
+def sharded(o: OptimizerConfig) -> bool:
+    """Whether ZeRO 1-3 shards the parameters the optimizer steps (FSDP2's DTensors)."""
+    return int((o.zero_optimization or {}).get("stage", 0) or 0) > 0
+
+
+def library_for(o: OptimizerConfig) -> str | None:
+    """The library whose 8-bit Adam a run with ``o`` steps: at ZeRO 0 the installed one
+    (bitsandbytes first, as GPT-NeoX); at ZeRO 1-3 torchao, whose AdamW8bit takes FSDP2's
+    DTensor shards and quantises each rank's shard block by block; bitsandbytes' kernels
+    cannot take a DTensor. None: the one it needs is not installed."""
+    if not sharded(o):
+        return installed_library()
+    return "torchao" if importlib.util.find_spec("torchao") is not None else None
 
 
 def keeps_32bit(library: str, name: str, numel: int) -> bool:
@@ -86,9 +101,16 @@ def describe(o: OptimizerConfig) -> str:
             f"off: use_bnb_optimizer swaps Adam only (as GPT-NeoX does); {kind} keeps its own "
             "state (learned position embeddings still become StableEmbedding)"
         )
-    library = installed_library()
+    library = library_for(o)
     if library is None:
         return "none: neither bitsandbytes nor torchao is installed (pip install torchneox[bnb])"
+    if sharded(o):
+        return (
+            "torchao's AdamW8bit (ZeRO 1-3: it takes FSDP2's DTensor shards, which bitsandbytes' "
+            f"kernels cannot): moments in uint8 with one fp32 absmax per {BLOCK} values of each "
+            f"rank's shard; shards under {MIN_8BIT} values or not whole blocks and StableEmbedding "
+            "weights keep fp32 moments; decoupled weight decay as GPT-NeoX's Adam"
+        )
     rule = (
         f"moments in uint8 with one fp32 absmax per {BLOCK} values; tensors under "
         f"{MIN_8BIT} values and StableEmbedding weights keep fp32 moments; decoupled weight "
@@ -102,13 +124,12 @@ def describe(o: OptimizerConfig) -> str:
 
 
 def eight_bit_layout(cfg: NeoXConfig, layout: Any) -> ConfigError | None:
-    """The layout rule: 8-bit Adam keeps its state per plain tensor, and bitsandbytes' kernels
-    take no DTensor, so it runs where parameters are plain whole tensors: ZeRO 0 (DDP) without
-    tensor, pipeline (its stages are sharded with FSDP2), context or expert parallelism."""
+    """The layout rule: 8-bit Adam runs over data parallelism at every ZeRO stage (ZeRO 0:
+    DDP's whole tensors; 1-3: torchao's AdamW8bit over FSDP2's shards), without tensor,
+    pipeline, context or expert parallelism, whose 8-bit runs are not built."""
     if not eight_bit(cfg.optimizer):
         return None
     for name, value, whole, fix in (
-        ("ZeRO stage", layout.zero, 0, "zero_optimization.stage 0"),
         ("model_parallel_size", layout.tp, 1, "model_parallel_size 1"),
         ("pipeline stages", layout.pp, 1, "pipe_parallel_size 1"),
         ("context_parallel_size", layout.cp, 1, "context_parallel_size 1"),
@@ -116,9 +137,8 @@ def eight_bit_layout(cfg: NeoXConfig, layout: Any) -> ConfigError | None:
     ):
         if value != whole:
             error = ConfigError(
-                f"use_bnb_optimizer needs ZeRO stage 0 without tensor, pipeline, context or "
-                f"expert parallelism (8-bit Adam keeps its state per whole tensor), not {name} "
-                f"{value}: set {fix} or drop use_bnb_optimizer",
+                f"use_bnb_optimizer (8-bit Adam) with {name} {value} is not built: it runs "
+                f"with data parallelism and ZeRO 0-3; set {fix} or drop use_bnb_optimizer",
                 key="use_bnb_optimizer",
             )
             error.cause, error.path = fix.split(".")[0].split()[0], None  # type: ignore[attr-defined]
@@ -148,7 +168,7 @@ def derive_eight_bit(cfg: NeoXConfig, out: Derived) -> None:
     o = cfg.optimizer
     if not o.use_bnb_optimizer:
         return
-    library = installed_library() if eight_bit(o) else None
+    library = library_for(o) if eight_bit(o) else None
     why = describe(o)
     if cfg.model.pos_emb != "learned":
         why += f"; pos_emb {cfg.model.pos_emb}: no position table to make a StableEmbedding"

@@ -4,7 +4,11 @@
 (DeepSpeed's CPU Adam, which steps parameters held in host memory: they imply offload).
 
 torchneox offloads through FSDP2's ``CPUOffloadPolicy``: each rank's parameter shards, their
-gradients and the optimizer state live in host memory and the optimizer step runs on the CPU.
+gradients and the optimizer state live in host memory and the optimizer step runs on the CPU,
+in every layout of ZeRO 1-3 (tensor, pipeline, context and expert parallelism too: FSDP2
+shards over the data-parallel axis of the run's one device mesh, a lone data-parallel rank
+over that axis of one). Expert weights under expert parallelism are not ZeRO's to shard (each
+rank holds its own experts whole), so they, their gradients and their state stay on the device.
 FSDP2 has no optimizer-only offload, so ``offload_optimizer`` offloads the parameter shards
 too (explain and docs/migrating-from-gpt-neox.md say so). NVMe (ZeRO-Infinity), partial
 offload (``ratio``) and stage 0 are refused in one line; the trainer, explain and the
@@ -179,9 +183,12 @@ def derive_offload(cfg: NeoXConfig, out: Derived) -> None:
         )
     params = out.get("num_parameters")
     if spec.enabled and params:
-        ranks = (cfg.optimizer.zero_optimization or {}).get("mics_shard_size") or out.get(
-            "data_parallel_size", 1
+        # ZeRO's shard group (the data- and context-parallel ranks) x the tensor and
+        # pipeline ranks, which split the model before ZeRO shards it
+        zero_ranks = (cfg.optimizer.zero_optimization or {}).get("mics_shard_size") or (
+            out.get("data_parallel_size", 1) * (out.get("context_parallel_size") or 1)
         )
+        ranks = zero_ranks * (out.get("model_parallel_size") or 1) * out.get("pipeline_stages", 1)
         state = optimizer_spec(cfg.optimizer).state_tensors
         host = host_bytes_per_rank(params, ranks, state)
         out.put("zero_offload", "cpu", why)
@@ -213,13 +220,6 @@ def describe_offload(spec: Offload) -> str:
         "shards (fp32), their gradients and the optimizer state in host memory ("
         f"{pinned}), copies the shards to the device for each gather and runs the optimizer "
         "step on the CPU; FSDP2 has no optimizer-only offload, so offload_optimizer offloads "
-        f"the parameter shards too{implied}"
+        f"the parameter shards too; expert weights under expert parallelism (not ZeRO's "
+        f"shards) stay on the device{implied}"
     )
-
-
-NOT_WITH = (
-    ("tp", "model_parallel_size", "model_parallel_size > 1"),
-    ("pp", "pipe_parallel_size", "pipe_parallel_size >= 2"),
-    ("ep", "expert_parallel_size", "expert_parallel_size > 1"),
-    ("cp", "context_parallel_size", "context_parallel_size > 1"),
-)
