@@ -345,6 +345,7 @@ def _context_parallel(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     others = (
         (lay.ep > 1, "expert_parallel_size > 1", "expert_parallel_size"),
         (lay.hybrid, "mics_shard_size (hybrid sharding)", "zero_optimization"),
+        (bool(cfg.model.mla_kv_lora_rank), "MLA (mla_kv_lora_rank)", "mla_kv_lora_rank"),
         (
             cfg.training.train_impl != "normal",
             f"train_impl {cfg.training.train_impl!r}",
