@@ -1,7 +1,8 @@
 """Tensor parallelism (Megatron-style) as a DTensor plan applied to the unchanged model.
 
 Per block: q, k, v and the MLP's up/gate projections split by output columns (whole heads per
-rank), the attention output and MLP down projections by input rows (one all-reduce each). The
+rank), the attention output and MLP down projections by input rows (one all-reduce each); MLA's
+up projections split by heads as q is, its down projections and latents whole on every rank. The
 embedding is split by vocabulary rows and the output head by vocabulary columns; the loss is
 computed on the vocabulary shards (``loss_parallel``) without gathering the logits. With
 ``sequence_parallel`` the norms, dropout and residual stream are split along the sequence
@@ -14,6 +15,7 @@ import contextlib
 import functools
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
@@ -33,11 +35,16 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchneox.models.linear import Linear
+from torchneox.models.mixers.mla import MLA
 from torchneox.models.mixers.sparse import SparseAttention
 from torchneox.models.transformer import Transformer
 
-COLUMN_SPLIT = ("attention.wq", "attention.wk", "attention.wv", "mlp.up", "mlp.gate")
-"""Linear layers split by output features (weight and bias on dim 0)."""
+COLUMN_SPLIT = (
+    "attention.wq", "attention.wk", "attention.wv", "mlp.up", "mlp.gate",
+    "attention.wq_b", "attention.wkv_b",  # MLA's up projections, by heads
+)  # fmt: skip
+"""Linear layers split by output features (weight and bias on dim 0). MLA's down projections
+(wq_a, wkv_a) and its latents' norms are whole on every rank."""
 ROW_SPLIT = ("attention.wo", "mlp.down")
 """Linear layers split by input features (weight on dim 1; the bias is whole)."""
 VOCAB_SPLIT = ("embed", "output")
@@ -117,9 +124,33 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
         _mark_split(block, present)
         _split_qk_norms(getattr(block, "attention", None), mesh)
         _split_adapters(block, adapters, mesh)
+        if isinstance(getattr(block, "attention", None), MLA):
+            block.attention.shared_key_grad = functools.partial(_sum_gradient, mesh=mesh)
         if isinstance(getattr(block, "attention", None), SparseAttention):
             # its layout per head follows the heads this rank holds
             block.attention.keep_heads(mesh.get_local_rank(), mesh.size())
+
+
+class _SumGradient(torch.autograd.Function):
+    """The identity forward; backward, the gradient summed over the tensor ranks (Megatron's
+    copy to the tensor-parallel region)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _sum_gradient(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """MLA's rotary key, whole on every rank, meets only the rank's heads: its gradient is the
+    sum of every rank's."""
+    return _SumGradient.apply(x, mesh.get_group())
 
 
 def _whole(x: torch.Tensor, mesh: DeviceMesh, seq: Shard | Replicate) -> DTensor:
