@@ -79,8 +79,15 @@ def test_converts_in_to_transformers_logits_and_back_to_identical_tensors(tmp_pa
         torch.testing.assert_close(reloaded(tokens).logits, expected, atol=0, rtol=0)
 
 
-def test_queries_without_a_latent_and_rotary_halves_are_said(tmp_path, capsys):
-    _, folder = hf_folder(tmp_path, q_lora_rank=None)
+def test_queries_without_a_latent_convert_and_rotary_halves_are_refused(tmp_path, capsys):
+    hf_model, folder = hf_folder(tmp_path, q_lora_rank=None)
+    convert.from_hf(folder, tmp_path / "ckpt")
+    _, ours = load_model(tmp_path / "ckpt")
+    tokens = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            ours.eval()(tokens), hf_model(tokens).logits, atol=1e-5, rtol=1e-5
+        )
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(config | {"rope_interleave": False}))
     capsys.readouterr()
