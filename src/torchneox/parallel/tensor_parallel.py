@@ -113,6 +113,8 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
             plan["attention"] = PrepareModuleInput(
                 input_layouts=(Shard(1), None, None, None),
                 desired_input_layouts=(Replicate(), None, None, None),
+                # MLA's down projections are plain (whole) linears: they take the local tensor
+                use_local_output=isinstance(getattr(block, "attention", None), MLA),
             )
             plan["mlp"] = PrepareModuleInput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
