@@ -109,18 +109,7 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
         plan: dict = {n: ColwiseParallel() for n in present if n in COLUMN_SPLIT}
         plan |= {n: RowwiseParallel(output_layouts=seq) for n in present if n in ROW_SPLIT}
         if sequence_parallel:
-            plan["attention_norm"] = SequenceParallel()
-            plan["attention"] = PrepareModuleInput(
-                input_layouts=(Shard(1), None, None, None),
-                desired_input_layouts=(Replicate(), None, None, None),
-                # MLA's down projections are plain (whole) linears: they take the local tensor
-                use_local_output=isinstance(getattr(block, "attention", None), MLA),
-            )
-            plan["mlp"] = PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-            )
-            if block.mlp_norm is not None:
-                plan["mlp_norm"] = SequenceParallel()
+            plan |= _sequence_plan(block)
         adapters = _take_adapters(block, present)  # the plans split a layer's own weights
         parallelize_module(block, mesh, plan)
         _mark_split(block, present)
@@ -153,6 +142,24 @@ def _sum_gradient(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """MLA's rotary key, whole on every rank, meets only the rank's heads: its gradient is the
     sum of every rank's."""
     return _SumGradient.apply(x, mesh.get_group())
+
+
+def _sequence_plan(block: nn.Module) -> dict:
+    """Sequence parallelism: the norms on the rank's slice of the sequence, the attention and
+    the MLP on the whole sequence gathered."""
+    plan: dict = {"attention_norm": SequenceParallel()}
+    plan["attention"] = PrepareModuleInput(
+        input_layouts=(Shard(1), None, None, None),
+        desired_input_layouts=(Replicate(), None, None, None),
+        # MLA's down projections are plain (whole) linears: they take the local tensor
+        use_local_output=isinstance(getattr(block, "attention", None), MLA),
+    )
+    plan["mlp"] = PrepareModuleInput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+    )
+    if block.mlp_norm is not None:
+        plan["mlp_norm"] = SequenceParallel()
+    return plan
 
 
 def _whole(x: torch.Tensor, mesh: DeviceMesh, seq: Shard | Replicate) -> DTensor:
