@@ -194,6 +194,17 @@ VARIANTS = {
     "alibi": {"pos_emb": "alibi"},
     "rpe": {"pos_emb": "rpe", "rpe_num_buckets": 8, "rpe_max_distance": 16},
     "none": {"pos_emb": "none"},
+    # multi-head latent attention (DeepSeek-V3's MLA), queries through their own latent
+    "mla": {
+        "pos_emb": "rotary",
+        "norm": "rmsnorm",
+        "activation": "swiglu",
+        "mla_kv_lora_rank": 24,
+        "mla_q_lora_rank": 32,
+        "mla_qk_nope_head_dim": 12,
+        "mla_qk_rope_head_dim": 8,
+        "mla_v_head_dim": 16,
+    },
     "rmsnorm-swiglu-gqa": {
         "pos_emb": "rotary",
         "norm": "rmsnorm",

@@ -1,6 +1,6 @@
 """The estimator's parameter, gradient and optimizer bytes per rank equal what training
 processes hold, for data, tensor and combined layouts and each ZeRO stage, and for
-mixture-of-experts models with and without expert parallelism."""
+mixture-of-experts models with and without expert parallelism (and with MLA)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,19 @@ LAYOUTS = {
     "moe-dp2-ep2": (2, [*MOE, "expert_parallel_size=2"]),
     "moe-dp2-ep2-zero3": (2, [*MOE, "expert_parallel_size=2", "zero_optimization.stage=3"]),
     "moe-tp2": (2, [*MOE, "model_parallel_size=2", "train_micro_batch_size_per_gpu=4"]),
+    # MLA (its down projections whole on each tensor rank, the up projections split by heads)
+    # with DeepSeek-V3's experts of their own width, a shared expert and the router bias
+    "mla-moe-tp2": (
+        2,
+        [
+            *MOE,
+            *("pos_emb=rotary", "rotary_pct=1.0", "mla_kv_lora_rank=24", "mla_qk_nope_head_dim=12"),
+            *("mla_qk_rope_head_dim=8", "mla_v_head_dim=16", "moe_intermediate_size=16"),
+            *("moe_shared_expert_intermediate_size=32", "moe_router_bias_update_rate=0.01"),
+            "moe_router_type=topk",
+            *("model_parallel_size=2", "train_micro_batch_size_per_gpu=4"),
+        ],
+    ),
 }
 
 

@@ -11,7 +11,7 @@ from torchneox.inference.generate import Sampling, filter_logits, generate
 
 
 @pytest.mark.parametrize(
-    "variant", ["neox-rotary", "alibi", "learned", "window", "rmsnorm-swiglu-gqa"]
+    "variant", ["neox-rotary", "alibi", "learned", "window", "rmsnorm-swiglu-gqa", "mla"]
 )
 def test_generation_with_cache_equals_without(variant):
     _, model = build(variant)
@@ -56,7 +56,7 @@ def test_top_k_and_top_p_filters():
 
 
 @pytest.mark.parametrize(
-    "variant", ["neox-rotary", "alibi", "learned", "window", "rmsnorm-swiglu-gqa"]
+    "variant", ["neox-rotary", "alibi", "learned", "window", "rmsnorm-swiglu-gqa", "mla"]
 )
 def test_static_decode_loop_equals_the_dynamic_one(variant):
     """The fixed-shape loop (a StaticKVCache attended over in full, the stop check every

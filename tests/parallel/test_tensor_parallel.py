@@ -117,6 +117,41 @@ def test_moe_under_tensor_parallelism_equals_one_process(moe_config, tmp_path):
     assert_same_training(tmp_path / "tp", baseline)
 
 
+MLA_DEEPSEEK = [
+    "pos_emb=rotary",
+    "rotary_pct=1.0",
+    "norm=rmsnorm",
+    "activation=swiglu",
+    "mla_kv_lora_rank=24",
+    "mla_q_lora_rank=32",
+    "mla_qk_nope_head_dim=12",
+    "mla_qk_rope_head_dim=8",
+    "mla_v_head_dim=16",
+    "moe_score_func=sigmoid",
+    "moe_renormalize_top_k=true",
+    "moe_router_bias_update_rate=0.01",
+    "moe_expert_groups=4",
+    "moe_topk_groups=2",
+    "moe_routed_scaling_factor=2.5",
+    "moe_first_dense_layers=1",
+    "moe_intermediate_size=32",
+    "moe_shared_expert_intermediate_size=32",
+    "intermediate_size=96",  # the dense first layer's MLP: 32 wide, split over the ranks
+    "num_layers=2",
+    "train_iters=2",
+]
+
+
+def test_mla_and_deepseek_v3_moe_under_tensor_parallelism_equal_one_process(moe_config, tmp_path):
+    """MLA's heads split over the ranks (its down projections and latents whole, the rotary
+    key's gradient summed), beside DeepSeek-V3's experts: dense first layer, group-limited
+    sigmoid routing with the bias, scaled gates, a shared expert."""
+    train(moe_config, f"save={tmp_path / 'one'}", "load=null", *MLA_DEEPSEEK)
+    out = tmp_path / "tp"
+    train(moe_config, f"save={out}", "load=null", "model_parallel_size=2", *MLA_DEEPSEEK, nproc=2)
+    assert_same_training(out, reference(tmp_path / "one"))
+
+
 OPTIONS = {
     # ALiBi's slopes and T5's relative table are cut to each rank's heads; learned positions
     # are whole on every rank; tied embeddings: the head reads the embedding's vocabulary

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchneox.base.errors import ConfigError
+from torchneox.config import sizes
 from torchneox.config.checker import source_of
 from torchneox.config.checks.ft import require_replicas
 from torchneox.config.checks.model import layer_attention_types
@@ -21,6 +22,7 @@ from torchneox.config.derived import Derived
 from torchneox.config.features.eight_bit import eight_bit_layout
 from torchneox.config.features.fp8_plan import fp8_plan
 from torchneox.config.features.offload import offload_spec
+from torchneox.config.features.sparsity import ATTENTION_LAYER_TYPES
 from torchneox.config.load import LoadedConfig
 from torchneox.config.schema import NeoXConfig
 
@@ -165,6 +167,28 @@ def _whole_heads(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
                 key="model_parallel_size",
                 cause="model_parallel_size",
             )
+    return _whole_mlp(cfg, lay)
+
+
+def _whole_mlp(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
+    """A dense MLP's width splits evenly over the tensor ranks (MoE experts stay whole)."""
+    m = cfg.model
+    if lay.tp == 1 or not m.hidden_size or not m.num_layers:
+        return None
+    types = layer_attention_types(cfg)
+    dense = [
+        i
+        for i, kind in enumerate(types)
+        if kind in ATTENTION_LAYER_TYPES and not sizes.is_moe_layer(cfg.moe, i)
+    ]
+    width = sizes.mlp_widths(m).down
+    if dense and width % lay.tp:
+        return _refuse(
+            f"{lay.tp} does not divide the MLP width {width} of layer {dense[0]}; tensor "
+            "parallelism splits it evenly (set intermediate_size or mlp_multiple_of)",
+            key="model_parallel_size",
+            cause="intermediate_size",
+        )
     return None
 
 
@@ -348,6 +372,7 @@ def _context_parallel(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
         )
     others = (
         (lay.hybrid, "mics_shard_size (hybrid sharding)", "zero_optimization"),
+        (bool(cfg.model.mla_kv_lora_rank), "MLA (mla_kv_lora_rank)", "mla_kv_lora_rank"),
         (
             cfg.training.train_impl != "normal",
             f"train_impl {cfg.training.train_impl!r}",

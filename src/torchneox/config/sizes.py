@@ -103,7 +103,64 @@ def qk_norm_params(m: ModelConfig) -> int:
 
 
 def is_moe_layer(e: MoEConfig, layer: int) -> bool:
-    return e.moe_num_experts > 1 and layer % e.moe_expert_interval == 0
+    return (
+        e.moe_num_experts > 1
+        and layer % e.moe_expert_interval == 0
+        and layer >= e.moe_first_dense_layers
+    )
+
+
+@dataclass(frozen=True)
+class AttentionCounts:
+    """One attention mixer: its parameters (with norms inside it), the weights a token
+    multiplies by, and the forward FLOPs per token of its scores and weighted values."""
+
+    params: int
+    matmul: int
+    mixing: int
+
+
+def attention_counts(m: ModelConfig, context: int) -> AttentionCounts:
+    """Standard attention (q, k, v, out and the query/key norms), or MLA's."""
+    assert m.hidden_size and m.num_attention_heads
+    if m.mla_kv_lora_rank:
+        return mla_counts(m, context)
+    h, d = m.hidden_size, head_dim(m)
+    kv_width, q_width = kv_heads(m) * d, m.num_attention_heads * d
+    attn_bias = m.use_bias_in_attn_linear
+    qkv = h * (q_width + 2 * kv_width) + (q_width + 2 * kv_width if attn_bias else 0)
+    out_bias = attn_bias if m.attention_output_bias is None else m.attention_output_bias
+    params = qkv + q_width * h + (h if out_bias else 0) + qk_norm_params(m)
+    # scores (q.k) and the weighted sum of values: 2 matmuls, 2 FLOPs per multiply-add
+    scores = 2 * 2 * context * m.num_attention_heads * d
+    return AttentionCounts(params, h * (q_width + 2 * kv_width) + q_width * h, scores)
+
+
+def mla_counts(m: ModelConfig, context: int) -> AttentionCounts:
+    """Multi-head latent attention (models/mixers/mla.py): the query path (one projection, or
+    down, norm, up), the key-value latent with the shared rotary key, its norm, the up
+    projection to each head's keys and values, the output; every key and value is rebuilt
+    from the latents in training, so the scores are those of heads x (nope + rope) keys."""
+    assert m.hidden_size and m.num_attention_heads
+    h, heads, bias = m.hidden_size, m.num_attention_heads, m.use_bias_in_attn_linear
+    nope, rope, v = m.mla_qk_nope_head_dim, m.mla_qk_rope_head_dim, m.mla_v_head_dim
+    rank, q_rank = m.mla_kv_lora_rank, m.mla_q_lora_rank
+    q_width = heads * (nope + rope)
+    q_matmul = h * q_rank + q_rank * q_width if q_rank else h * q_width
+    matmul = q_matmul + h * (rank + rope) + rank * heads * (nope + v) + heads * v * h
+    out_bias = bias if m.attention_output_bias is None else m.attention_output_bias
+    biases = (q_rank + rank + rope if bias else 0) + (h if out_bias else 0)
+    params = matmul + biases + q_rank + rank  # + the latents' norms
+    mixing = 2 * context * heads * (nope + rope + v)
+    return AttentionCounts(params, matmul, mixing)
+
+
+def kv_cache_per_token(m: ModelConfig) -> int:
+    """Numbers one attention layer's KV cache keeps per token (over every tensor rank): keys
+    and values of every key/value head, or MLA's latent and rotary key."""
+    if m.mla_kv_lora_rank:
+        return m.mla_kv_lora_rank + m.mla_qk_rope_head_dim
+    return 2 * kv_heads(m) * head_dim(m)
 
 
 @dataclass(frozen=True)
@@ -122,29 +179,27 @@ def attention_layer(config: NeoXConfig, layer: int) -> LayerCounts:
     """A transformer layer: norms, attention (dense or block-sparse) and its MLP or MoE."""
     m, e = config.model, config.moe
     assert m.hidden_size and m.num_attention_heads and m.seq_length
-    h, d = m.hidden_size, head_dim(m)
-    kv_width, q_width = kv_heads(m) * d, m.num_attention_heads * d
-    attn_bias = m.use_bias_in_attn_linear
-    qkv = h * (q_width + 2 * kv_width) + (q_width + 2 * kv_width if attn_bias else 0)
-    out_bias = attn_bias if m.attention_output_bias is None else m.attention_output_bias
-    dense = q_width * h + (h if out_bias else 0) + qk_norm_params(m)
-    attention_matmul = h * (q_width + 2 * kv_width) + q_width * h
+    h = m.hidden_size
+    context = min(m.seq_length, m.sliding_window_width or m.seq_length)
+    attention = attention_counts(m, context)
     widths = mlp_widths(m)
     mlp_matmul = h * widths.up + widths.down * h
     mlp = mlp_matmul + ((widths.up + h) if m.use_bias_in_mlp else 0)
-    params = norm_params(m) * (1 if m.gpt_j_tied else 2) + qkv + dense
-    context = min(m.seq_length, m.sliding_window_width or m.seq_length)
-    # scores (q.k) and the weighted sum of values: 2 matmuls, 2 FLOPs per multiply-add
-    scores = 2 * 2 * context * m.num_attention_heads * d
-    forward = 2 * attention_matmul + scores
+    params = norm_params(m) * (1 if m.gpt_j_tied else 2) + attention.params
+    forward = 2 * attention.matmul + attention.mixing
     if not is_moe_layer(e, layer):
         return LayerCounts(params + mlp, params + mlp, forward + 2 * mlp_matmul)
+    expert_matmul, expert = mlp_matmul, mlp
+    if e.moe_intermediate_size:  # experts of their own width
+        width, ups = e.moe_intermediate_size, 2 if widths.gated else 1
+        expert_matmul = h * width * ups + width * h
+        expert = expert_matmul + ((ups * width + h) if m.use_bias_in_mlp else 0)
     router = h * e.moe_num_experts
     shared, shared_matmul = shared_expert(config)
     return LayerCounts(
-        params + router + e.moe_num_experts * mlp + shared,
-        params + router + e.moe_top_k * mlp + shared,
-        forward + 2 * (router + e.moe_top_k * mlp_matmul + shared_matmul),
+        params + router + e.moe_num_experts * expert + shared,
+        params + router + e.moe_top_k * expert + shared,
+        forward + 2 * (router + e.moe_top_k * expert_matmul + shared_matmul),
         moe=True,
     )
 
@@ -243,7 +298,7 @@ def sparse_attention_layer(config: NeoXConfig, layer: int) -> LayerCounts:
     dense = attention_layer(config, layer)
     kind = layer_attention_types(config)[layer]
     context = min(m.seq_length, m.sliding_window_width or m.seq_length)
-    scores = 2 * 2 * context * m.num_attention_heads * head_dim(m)
+    scores = attention_counts(m, context).mixing
     spec = sparsity(kind, m.sparsity_config)
     density = layout_density(spec, m.num_attention_heads, m.seq_length, layer)
     return replace(dense, forward_flops=dense.forward_flops - scores + round(scores * density))

@@ -154,6 +154,8 @@ def _parameters(d: Any, stages: list) -> dict[str, Any]:
         ),
         "parameters_per_stage": [sum(math.prod(s) for _, s in st) for st in stages],
         "active_parameters": d.get("num_active_parameters") or d["num_parameters"],
+        # decoding's cache (MLA: its latents), every layer, in the run's precision
+        "kv_cache_bytes_per_token": d.get("kv_cache_bytes_per_token"),
     }
 
 
@@ -231,6 +233,12 @@ def gib(b: float) -> str:
     return f"{b / GIB:,.1f} GiB"
 
 
+def _kv_cache_text(est: dict[str, Any]) -> str:
+    """What decoding keeps per token (MLA: its latents), where the model attends."""
+    kv = est.get("kv_cache_bytes_per_token")
+    return f"; a KV cache of {kv:,} bytes per token" if kv else ""
+
+
 def render(est: dict[str, Any]) -> str:
     """The estimate as text."""
     lay = est["layout"]
@@ -244,7 +252,8 @@ def render(est: dict[str, Any]) -> str:
         ),
         "  per pipeline stage: " + ", ".join(f"{p:,}" for p in est["parameters_per_stage"]),
         f"compute: {est['flops_per_token'] / 1e9:,.2f} GFLOP per token, "
-        f"{est['flops_per_step'] / 1e15:,.2f} PFLOP per step of {est['tokens_per_step']:,} tokens",
+        f"{est['flops_per_step'] / 1e15:,.2f} PFLOP per step of {est['tokens_per_step']:,} tokens"
+        + _kv_cache_text(est),
         f"layout: {lay['gpus']} x {est['device']['name']} on {lay['nodes']} node(s): "
         f"data {lay['dp']} x tensor {lay['tp']} x pipeline {lay['pp']}"
         + (f" x context {lay['cp']}" if lay["cp"] > 1 else "")

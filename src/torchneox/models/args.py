@@ -105,6 +105,23 @@ class ModelArgs:
     """Shared experts: the width of the always-on MLP beside the routed ones (0: none)."""
     moe_shared_gate: bool = False
     """Qwen2-MoE: the shared expert's output scaled by sigmoid(Linear(h, 1))."""
+    moe_expert_width: int = 0
+    """Each routed expert's width (0: mlp_width)."""
+    moe_first_dense: int = 0
+    """The first this many layers keep a dense MLP (DeepSeek-V3's first_k_dense_replace)."""
+    moe_groups: int = 1
+    moe_topk_groups: int = 1
+    """Group-limited routing: experts in moe_groups groups, chosen from the best moe_topk_groups."""
+    moe_routed_scale: float = 1.0
+    """The routed experts' gates multiplied by this (DeepSeek-V3's routed_scaling_factor)."""
+    mla_kv_rank: int = 0
+    """Multi-head latent attention (models/mixers/mla.py): the key-value latent's width (0: no MLA)."""
+    mla_q_rank: int = 0
+    """MLA: the query latent's width (0: queries straight from the hidden state)."""
+    mla_nope_dim: int = 0
+    mla_rope_dim: int = 0
+    mla_v_dim: int = 0
+    """MLA: each head's query/key dimensions without and with rotary positions, and its values'."""
     qk_norm: str | None = None
     """Query/key normalisation: None, or its qk_norm_scope (neox, head, width)."""
     norm_position: str = "input"
@@ -169,6 +186,16 @@ class ModelArgs:
     soft_prompt_range: float = 0.5
     """soft_prompt_tuning's init_range: the prompt drawn uniform in [-range, range]."""
 
+    @property
+    def mla(self) -> bool:
+        """Whether attention layers are multi-head latent attention."""
+        return self.mla_kv_rank > 0
+
+    @property
+    def expert_width(self) -> int:
+        """A routed expert's width."""
+        return self.moe_expert_width or self.mlp_width
+
     def layer_type(self, layer: int) -> str:
         return self.layer_types[layer] if self.layer_types else "global"
 
@@ -191,6 +218,7 @@ class ModelArgs:
         return (
             self.moe_num_experts > 1
             and layer % self.moe_interval == 0
+            and layer >= self.moe_first_dense
             and self.is_attention_layer(layer)
         )
 
@@ -202,7 +230,7 @@ class ModelArgs:
         norm = {"te_layernorm": "layernorm", "te_rmsnorm": "rmsnorm"}.get(m.norm, m.norm)
         epsilons = {"rmsnorm": m.rms_norm_epsilon, "scalenorm": m.scalenorm_epsilon}
         eps = epsilons.get(norm, m.layernorm_epsilon)
-        return cls(
+        fields = dict(
             vocab_size=vocab_size,
             hidden_size=m.hidden_size,
             num_layers=m.num_layers,
@@ -243,6 +271,7 @@ class ModelArgs:
             moe_bias_update_rate=cfg.moe.moe_router_bias_update_rate,
             moe_shared_width=cfg.moe.moe_shared_expert_intermediate_size,
             moe_shared_gate=cfg.moe.moe_shared_expert_gate,
+            **_moe_extras(cfg),
             qk_norm=m.qk_norm_scope if m.use_qk_layernorm else None,
             norm_position=m.norm_position,
             value_head=cfg.training.train_impl == "rm",
@@ -251,6 +280,38 @@ class ModelArgs:
             **_lora(cfg),
             **(_layer_families(cfg) | _mup_fields(cfg)),
         )
+        return cls(**(fields | _mla(cfg)))
+
+
+def _moe_extras(cfg: NeoXConfig) -> dict:
+    """torchneox's expert sizing and DeepSeek-V3's routing (ModelArgs' fields by name)."""
+    e = cfg.moe
+    return {
+        "moe_expert_width": e.moe_intermediate_size,
+        "moe_first_dense": e.moe_first_dense_layers,
+        "moe_groups": e.moe_expert_groups,
+        "moe_topk_groups": e.moe_topk_groups,
+        "moe_routed_scale": e.moe_routed_scaling_factor,
+    }
+
+
+def _mla(cfg: NeoXConfig) -> dict:
+    """Multi-head latent attention's sizes; under it every head is its own key head, of
+    qk_nope + qk_rope dimensions, the last qk_rope of them rotary (ModelArgs' fields by name)."""
+    m = cfg.model
+    if not m.mla_kv_lora_rank:
+        return {}
+    nope, rope = m.mla_qk_nope_head_dim, m.mla_qk_rope_head_dim
+    return {
+        "mla_kv_rank": m.mla_kv_lora_rank,
+        "mla_q_rank": m.mla_q_lora_rank,
+        "mla_nope_dim": nope,
+        "mla_rope_dim": rope,
+        "mla_v_dim": m.mla_v_head_dim,
+        "head_dim": nope + rope,
+        "num_kv_heads": m.num_attention_heads,
+        "rotary_dims": rope,
+    }
 
 
 def _lora(cfg: NeoXConfig) -> dict:

@@ -8,7 +8,8 @@ selects it per layer; each family names its sublayers, and those names are the p
 
     family     layer types                              sublayers (norm, mixer, norm, mlp)
     attention  global, flash, and the block-sparse     attention_norm attention mlp_norm mlp
-               types (mixers/attention.py, sparse.py)
+               types (mixers/attention.py, sparse.py;
+               mla.py under mla_kv_lora_rank)
     mamba      mamba (mixers/mamba.py)                  mamba_norm mamba (no MLP)
     rwkv       rwkv (mixers/rwkv.py)                    time_mix_norm time_mix channel_mix_norm
                                                         channel_mix
@@ -39,6 +40,7 @@ from torchneox.models.init import InitFn
 from torchneox.models.mixers import mamba, rwkv
 from torchneox.models.mixers.attention import Attention, AttentionBias, KVCache
 from torchneox.models.mixers.gmlp import GMLP, gmlp_init
+from torchneox.models.mixers.mla import MLA
 from torchneox.models.mixers.sparse import SparseAttention
 from torchneox.models.mlp import MLP
 from torchneox.models.moe import MoE, RouterStats
@@ -77,7 +79,9 @@ class Family:
 
 def _attention(args: ModelArgs, layer: int) -> nn.Module:
     """Dense attention, or block-sparse where the layer's type has a layout (its parameters
-    are the same)."""
+    are the same), or multi-head latent attention (mla_kv_lora_rank)."""
+    if args.mla:
+        return MLA(args, layer)
     return SparseAttention(args, layer) if args.sparsity(layer) else Attention(args, layer)
 
 

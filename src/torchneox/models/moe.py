@@ -22,7 +22,9 @@ auxiliary-loss-free balancing (``moe_router_bias_update_rate``: a per-expert bia
 ``router_bias`` buffer, added to the scores to choose the experts but not to weight them, and
 moved after each step by ``update_router_bias``), and shared experts (an always-on MLP beside
 the routed ones, ``shared_expert``, optionally scaled by Qwen2-MoE's sigmoid gate
-``shared_expert_gate``).
+``shared_expert_gate``); and DeepSeek-V3's group-limited routing (``moe_expert_groups``,
+``moe_topk_groups``), its scaled gates (``moe_routed_scaling_factor``) and experts of their own
+width (``moe_intermediate_size``).
 """
 
 from __future__ import annotations
@@ -160,13 +162,15 @@ class MoE(nn.Module):
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        e, h, w = args.moe_num_experts, args.hidden_size, args.mlp_width
+        e, h, w = args.moe_num_experts, args.hidden_size, args.expert_width
         self.num_experts, self.top_k = e, args.moe_top_k
         self.router_type = args.moe_router_type
         self.jitter = args.moe_jitter_eps
         self.renormalize = args.moe_renormalize
         self.score_func = args.moe_score_func
         self.bias_rate = args.moe_bias_update_rate
+        self.groups, self.topk_groups = args.moe_groups, args.moe_topk_groups
+        self.routed_scale = args.moe_routed_scale
         self.act = ACTIVATIONS[args.activation]
         self.router = Linear(h, e, bias=False)
         # saved with the weights (a resume routes as the run did); None without the option
@@ -232,7 +236,10 @@ class MoE(nn.Module):
             x_TH = x_TH * noise
         logits = self.router(x_TH)
         if self.router_type == "topk" and (
-            self.score_func != "softmax" or self.router_bias is not None
+            self.score_func != "softmax"
+            or self.router_bias is not None
+            or self.groups > 1
+            or self.routed_scale != 1.0
         ):
             return self._route_scored(logits)
         probs = logits.float().softmax(-1)
@@ -257,7 +264,9 @@ class MoE(nn.Module):
         """The top-k router with torchneox's options (DeepSeek-V3's): softmax or sigmoid
         scores; the experts chosen by score + router_bias, weighted by the score alone;
         renormalised with ``moe_renormalize_top_k``. The probabilities the balancing loss
-        reads are the scores divided by their sum (DeepSeek-V3's normalised sigmoid)."""
+        reads are the scores divided by their sum (DeepSeek-V3's normalised sigmoid). With
+        moe_expert_groups, the experts come from the best groups only; the gates are then
+        multiplied by moe_routed_scaling_factor."""
         logits = logits.float()
         if self.score_func == "sigmoid":
             scores = torch.sigmoid(logits)
@@ -267,11 +276,24 @@ class MoE(nn.Module):
         choose = scores.detach()
         if self.router_bias is not None:
             choose = choose + self.router_bias
+        if self.groups > 1:
+            choose = self._best_groups(choose)
         experts = choose.topk(self.top_k, dim=-1).indices
         gates = scores.gather(-1, experts)
         if self.renormalize:
             gates = gates / gates.sum(-1, keepdim=True)
-        return experts, gates, probs
+        return experts, gates * self.routed_scale, probs
+
+    def _best_groups(self, choose_TE: torch.Tensor) -> torch.Tensor:
+        """DeepSeek-V3's group-limited routing: each group of experts scored by the sum of its
+        two best selection scores; the experts outside a token's moe_topk_groups best groups
+        set to -inf."""
+        t, size = choose_TE.shape[0], self.num_experts // self.groups
+        grouped = choose_TE.view(t, self.groups, size)
+        group_scores = grouped.topk(min(2, size), dim=-1).values.sum(-1)
+        best = group_scores.topk(self.topk_groups, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~keep[..., None], float("-inf")).view(t, -1)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
         shape = x.shape

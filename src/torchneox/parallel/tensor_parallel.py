@@ -1,7 +1,8 @@
 """Tensor parallelism (Megatron-style) as a DTensor plan applied to the unchanged model.
 
 Per block: q, k, v and the MLP's up/gate projections split by output columns (whole heads per
-rank), the attention output and MLP down projections by input rows (one all-reduce each). The
+rank), the attention output and MLP down projections by input rows (one all-reduce each); MLA's
+up projections split by heads as q is, its down projections and latents whole on every rank. The
 embedding is split by vocabulary rows and the output head by vocabulary columns; the loss is
 computed on the vocabulary shards (``loss_parallel``) without gathering the logits. With
 ``sequence_parallel`` the norms, dropout and residual stream are split along the sequence
@@ -14,6 +15,7 @@ import contextlib
 import functools
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
@@ -34,12 +36,17 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchneox.models.linear import Linear
+from torchneox.models.mixers.mla import MLA
 from torchneox.models.mixers.sparse import SparseAttention
 from torchneox.models.transformer import Transformer
 from torchneox.parallel.families import FAMILY_SPLITS, split_family
 
-COLUMN_SPLIT = ("attention.wq", "attention.wk", "attention.wv", "mlp.up", "mlp.gate")
-"""Linear layers split by output features (weight and bias on dim 0)."""
+COLUMN_SPLIT = (
+    "attention.wq", "attention.wk", "attention.wv", "mlp.up", "mlp.gate",
+    "attention.wq_b", "attention.wkv_b",  # MLA's up projections, by heads
+)  # fmt: skip
+"""Linear layers split by output features (weight and bias on dim 0). MLA's down projections
+(wq_a, wkv_a) and its latents' norms are whole on every rank."""
 ROW_SPLIT = ("attention.wo", "mlp.down")
 """Linear layers split by input features (weight on dim 1; the bias is whole)."""
 VOCAB_SPLIT = ("embed", "output")
@@ -109,20 +116,15 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
         plan: dict = {n: ColwiseParallel() for n in present if n in COLUMN_SPLIT}
         plan |= {n: RowwiseParallel(output_layouts=seq) for n in present if n in ROW_SPLIT}
         if sequence_parallel:
-            plan["attention_norm"] = SequenceParallel()
-            plan["attention"] = PrepareModuleInput(
-                input_layouts=(Shard(1), None, None, None),
-                desired_input_layouts=(Replicate(), None, None, None),
-            )
-            plan["mlp"] = _moe_plan() if getattr(block, "is_moe", False) else _mlp_input()
-            if block.mlp_norm is not None:
-                plan["mlp_norm"] = SequenceParallel()
+            plan |= _sequence_plan(block)
         adapters = _take_adapters(block, present)  # the plans split a layer's own weights
         parallelize_module(block, mesh, plan)
         _mark_split(block, present)
         _split_qk_norms(getattr(block, "attention", None), mesh)
         _split_adapters(block, adapters, mesh)
         split_family(block, mesh)
+        if isinstance(getattr(block, "attention", None), MLA):
+            block.attention.shared_key_grad = functools.partial(_sum_gradient, mesh=mesh)
         if isinstance(getattr(block, "attention", None), SparseAttention):
             # its layout per head follows the heads this rank holds
             block.attention.keep_heads(mesh.get_local_rank(), mesh.size())
@@ -145,6 +147,44 @@ def _moe_plan() -> PrepareModuleInputOutput:
         desired_output_layouts=(Shard(1), None),
         use_local_output=True,
     )
+
+
+class _SumGradient(torch.autograd.Function):
+    """The identity forward; backward, the gradient summed over the tensor ranks (Megatron's
+    copy to the tensor-parallel region)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _sum_gradient(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """MLA's rotary key, whole on every rank, meets only the rank's heads: its gradient is the
+    sum of every rank's."""
+    return _SumGradient.apply(x, mesh.get_group())
+
+
+def _sequence_plan(block: nn.Module) -> dict:
+    """Sequence parallelism: the norms on the rank's slice of the sequence, the attention and
+    the MLP on the whole sequence gathered."""
+    plan: dict = {"attention_norm": SequenceParallel()}
+    plan["attention"] = PrepareModuleInput(
+        input_layouts=(Shard(1), None, None, None),
+        desired_input_layouts=(Replicate(), None, None, None),
+        # MLA's down projections are plain (whole) linears: they take the local tensor
+        use_local_output=isinstance(getattr(block, "attention", None), MLA),
+    )
+    plan["mlp"] = _moe_plan() if getattr(block, "is_moe", False) else _mlp_input()
+    if block.mlp_norm is not None:
+        plan["mlp_norm"] = SequenceParallel()
+    return plan
 
 
 def _whole(x: torch.Tensor, mesh: DeviceMesh, seq: Shard | Replicate) -> DTensor:

@@ -83,6 +83,8 @@ def _check_model(ch: Checker) -> None:
         _check_rwkv(ch)
     if m.mtp_num_layers:
         _check_mtp(ch)
+    if m.mla_kv_lora_rank:
+        _check_mla(ch, types)
 
 
 def _check_mtp(ch: Checker) -> None:
@@ -93,6 +95,31 @@ def _check_mtp(ch: Checker) -> None:
     sp = ch.c.model.soft_prompt_tuning
     if sp and sp.get("enabled", False):
         ch.fail("mtp_num_layers", "cannot be set with soft_prompt_tuning (which freezes it)")
+
+
+def _check_mla(ch: Checker, types: list[str]) -> None:
+    """Multi-head latent attention: rotary positions of its own sizes, global attention layers,
+    none of the options its projections do not have."""
+    m = ch.c.model
+    key = "mla_kv_lora_rank"
+    if m.pos_emb != "rotary":
+        ch.fail("pos_emb", f"{m.pos_emb!r} with MLA ({key}): MLA's keys are rotary; set rotary")
+    if m.mla_qk_rope_head_dim % 2:
+        ch.fail("mla_qk_rope_head_dim", f"{m.mla_qk_rope_head_dim} is odd; rotary needs pairs")
+    others = [t for t in types if t not in ("global", "flash")]
+    if others:
+        ch.fail("attention_config", f"{others[0]!r} layers with MLA ({key}) are not built")
+    refused = (
+        ("head_dim", m.head_dim is not None, "mla_qk_nope_head_dim and mla_qk_rope_head_dim"),
+        ("num_kv_heads", m.num_kv_heads not in (None, m.num_attention_heads), "one latent"),
+        ("rotary_pct", m.rotary_pct != 1.0, "mla_qk_rope_head_dim"),
+        ("use_qk_layernorm", m.use_qk_layernorm, "its latents' own RMSNorms"),
+        ("use_mup", ch.c.training.use_mup, "DeepSeek's softmax scale"),
+        ("lora", ch.c.training.lora is not None, "projections LoRA does not target yet"),
+    )
+    for name, given, instead in refused:
+        if given:
+            ch.fail(name, f"does not apply with MLA ({key}), which has {instead}; unset it")
 
 
 def _check_gmlp(ch: Checker, types: list[str]) -> None:
@@ -368,8 +395,30 @@ def _check_moe(ch: Checker) -> None:
         ):
             if value:
                 ch.fail(name, "applies to the top-k router only; set moe_router_type: topk")
+    _check_expert_groups(ch)
     if e.moe_shared_expert_gate and not e.moe_shared_expert_intermediate_size:
         ch.fail(
             "moe_shared_expert_gate",
             "gates a shared expert; set moe_shared_expert_intermediate_size too",
+        )
+
+
+def _check_expert_groups(ch: Checker) -> None:
+    """Group-limited routing (DeepSeek-V3's n_group, topk_group)."""
+    e = ch.c.moe
+    groups, best = e.moe_expert_groups, e.moe_topk_groups
+    if groups == 1 and best == 1:
+        return
+    if e.moe_router_type != "topk":
+        ch.fail("moe_expert_groups", "applies to the top-k router only; set moe_router_type: topk")
+    if e.moe_num_experts % groups:
+        ch.fail(
+            "moe_expert_groups", f"{groups} does not divide moe_num_experts {e.moe_num_experts}"
+        )
+    if best > groups:
+        ch.fail("moe_topk_groups", f"{best} is more than moe_expert_groups {groups}")
+    if e.moe_top_k > best * (e.moe_num_experts // groups):
+        ch.fail(
+            "moe_top_k",
+            f"{e.moe_top_k} is more than the experts of moe_topk_groups {best} groups hold",
         )

@@ -104,23 +104,27 @@ def _shapes(loaded: LoadedConfig, out: Derived) -> None:
     cfg = loaded.config
     m = cfg.model
     d, kv = sizes.head_dim(cfg.model), sizes.kv_heads(cfg.model)
-    out.put(
-        "head_dim",
-        d,
-        f"{d} = hidden_size {m.hidden_size} / num_attention_heads {m.num_attention_heads}",
-    )
+    if not m.mla_kv_lora_rank:
+        out.put(
+            "head_dim",
+            d,
+            f"{d} = hidden_size {m.hidden_size} / num_attention_heads {m.num_attention_heads}",
+        )
     attention = (
         "multi-head"
         if kv == m.num_attention_heads
         else ("multi-query" if kv == 1 else "grouped-query")
     )
-    out.put("num_kv_heads", kv, f"{kv}: {attention} attention")
+    if m.mla_kv_lora_rank:
+        _mla(cfg, out)
+    else:
+        out.put("num_kv_heads", kv, f"{kv}: {attention} attention")
     widths = sizes.mlp_widths(cfg.model)
     how = (
         f"gated {m.activation}: two halves of {widths.down}" if widths.gated else f"{m.activation}"
     )
     out.put("mlp_width", widths.down, f"{widths.down} ({how}; GPT-NeoX's sizing rules)")
-    if m.pos_emb == "rotary":
+    if m.pos_emb == "rotary" and not m.mla_kv_lora_rank:
         r = sizes.rotary_dims(cfg.model)
         out.put(
             "rotary_dims",
@@ -165,12 +169,48 @@ def _layers(cfg: NeoXConfig, kinds: list[str], out: Derived) -> None:
                 )
             ),
         )
+    if attention:
+        _kv_cache(cfg, attention, out)
     _gmlp(cfg, kinds, out)
     _sparse_layouts(cfg, kinds, out)
     if "mamba" in kinds:
         _mamba(cfg, out, kinds.count("mamba"))
     if "rwkv" in kinds:
         _rwkv(cfg, kinds.count("rwkv"), out)
+
+
+def _mla(cfg: NeoXConfig, out: Derived) -> None:
+    m = cfg.model
+    nope, rope, v = m.mla_qk_nope_head_dim, m.mla_qk_rope_head_dim, m.mla_v_head_dim
+    queries = (
+        f"queries through a {m.mla_q_lora_rank}-wide latent" if m.mla_q_lora_rank else "queries"
+    )
+    out.put(
+        "mla",
+        f"kv latent {m.mla_kv_lora_rank}, heads {nope}+{rope}/{v}",
+        f"multi-head latent attention: {queries}; keys and values of {m.num_attention_heads} "
+        f"heads from a {m.mla_kv_lora_rank}-wide latent (RMSNorm); each head's keys {nope} "
+        f"dimensions without positions and {rope} rotary ones shared by all heads, values {v}; "
+        f"scores scaled by 1/sqrt({nope + rope})",
+    )
+
+
+def _kv_cache(cfg: NeoXConfig, layers: int, out: Derived) -> None:
+    """What decoding keeps per token, in the precision's dtype."""
+    m = cfg.model
+    numbers = layers * sizes.kv_cache_per_token(m)
+    width = 4 if out.get("precision") == "fp32" else 2
+    what = (
+        f"the {m.mla_kv_lora_rank}-wide latent and the {m.mla_qk_rope_head_dim} rotary key dimensions"
+        if m.mla_kv_lora_rank
+        else f"keys and values of {sizes.kv_heads(m)} heads of {sizes.head_dim(m)}"
+    )
+    out.put(
+        "kv_cache_bytes_per_token",
+        numbers * width,
+        f"{numbers * width:,}: {layers} attention layers x {what} "
+        f"({sizes.kv_cache_per_token(m)} numbers) x {width} bytes",
+    )
 
 
 def _gmlp(cfg: NeoXConfig, kinds: list[str], out: Derived) -> None:
@@ -288,6 +328,18 @@ def layer_runs(kinds: list[str]) -> str:
     return ", ".join(f"{a}-{b} {k}" if b > a else f"{a} {k}" for a, b, k in runs)
 
 
+def _expert_text(cfg: NeoXConfig) -> str:
+    """DeepSeek-V3's expert options, as explain names them (empty without them)."""
+    e, parts = cfg.moe, []
+    if e.moe_intermediate_size:
+        parts.append(f"experts {e.moe_intermediate_size} wide")
+    if e.moe_expert_groups > 1:
+        parts.append(f"from the best {e.moe_topk_groups} of {e.moe_expert_groups} groups")
+    if e.moe_first_dense_layers:
+        parts.append(f"after {e.moe_first_dense_layers} dense layers")
+    return "".join(f", {p}" for p in parts)
+
+
 def _shared_text(cfg: NeoXConfig) -> str:
     """What explain says of the MoE layers' shared expert (empty without one)."""
     params, _ = sizes.shared_expert(cfg)
@@ -316,6 +368,7 @@ def _counts(cfg: NeoXConfig, out: Derived, padded: int) -> None:
             counts.active,
             f"{counts.active:,} ({_human(counts.active)}) reach each token: {counts.moe_layers} MoE "
             f"layers of {cfg.moe.moe_num_experts} experts, top-{cfg.moe.moe_top_k}"
+            + _expert_text(cfg)
             + _shared_text(cfg),
         )
     kinds = layer_attention_types(cfg)

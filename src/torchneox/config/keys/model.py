@@ -60,6 +60,31 @@ class ModelConfig:
         ge=1,
     )
     seq_length: int | None = key(None, "Tokens per training sample.", ge=1)
+    mla_kv_lora_rank: int = extension(
+        0,
+        "Multi-head latent attention (DeepSeek-V2/V3's MLA): every head's keys and values are "
+        "rebuilt from one compressed latent of this width (kv_lora_rank), normalised by its own "
+        "RMSNorm, which is all a KV cache keeps besides one rotary key; 0 (the default): "
+        "standard attention. Needs pos_emb rotary; replaces head_dim, num_kv_heads and "
+        "rotary_pct with the mla_* head sizes.",
+        ge=0,
+    )
+    mla_q_lora_rank: int = extension(
+        0,
+        "MLA: queries through a low-rank latent of this width and its RMSNorm (q_lora_rank); "
+        "0 (the default): one projection from the hidden state.",
+        ge=0,
+    )
+    mla_qk_nope_head_dim: int = extension(
+        128, "MLA: each head's query and key dimensions without positions (qk_nope_head_dim).", ge=1
+    )
+    mla_qk_rope_head_dim: int = extension(
+        64,
+        "MLA: each head's rotary query dimensions, matched against one rotary key that all heads "
+        "share (qk_rope_head_dim); even.",
+        ge=2,
+    )
+    mla_v_head_dim: int = extension(128, "MLA: each head's value width (v_head_dim).", ge=1)
     max_position_embeddings: int | None = key(
         None, "Longest sequence the position scheme supports; defaults to seq_length.", ge=1
     )
@@ -412,6 +437,36 @@ class MoEConfig:
         "experts (Qwen2-MoE's shared_expert_intermediate_size; DeepSeek's n_shared_experts x "
         "moe_intermediate_size); 0 (the default): none.",
         ge=0,
+    )
+    moe_intermediate_size: int = extension(
+        0,
+        "Each routed expert's width, apart from the dense MLPs' (DeepSeek and Qwen-MoE's "
+        "moe_intermediate_size; taken as it is, without the gated 2/3 rule); 0 (the default): "
+        "the MLP's width, as GPT-NeoX sizes its experts.",
+        ge=0,
+    )
+    moe_first_dense_layers: int = extension(
+        0,
+        "The first this many blocks keep a dense MLP; MoE layers start after them (DeepSeek-V3's "
+        "first_k_dense_replace); 0 (the default): GPT-NeoX's placement by moe_expert_interval.",
+        ge=0,
+    )
+    moe_expert_groups: int = extension(
+        1,
+        "Group-limited routing (DeepSeek-V3's n_group): the experts fall into this many equal "
+        "groups, each scored by the sum of its two best experts' scores (router bias included), "
+        "and a token picks its top-k experts only in the best moe_topk_groups groups; 1 (the "
+        "default): no groups.",
+        ge=1,
+    )
+    moe_topk_groups: int = extension(
+        1, "Group-limited routing: the groups a token's experts may come from (topk_group).", ge=1
+    )
+    moe_routed_scaling_factor: float = extension(
+        1.0,
+        "The routed experts' gates are multiplied by this after any renormalisation (DeepSeek-V3's "
+        "routed_scaling_factor, 2.5); the shared expert is not scaled.",
+        gt=0,
     )
     moe_shared_expert_gate: bool = extension(
         False,

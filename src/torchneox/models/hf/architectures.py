@@ -1,5 +1,6 @@
 """Hugging Face interop: configs of GPTNeoX, Llama, Mistral, Qwen2/3, OLMo 2, Mixtral, Mamba and
-the MoE families of models/hf/moe_families.py (Qwen2-MoE, Qwen3-MoE, OLMoE) as
+the MoE families of models/hf/moe_families.py (Qwen2-MoE, Qwen3-MoE, OLMoE) and DeepSeek-V3
+(models/hf/deepseek.py) as
 GPT-NeoX keys and back, and the weight files of a local folder (models/hf/weights.py maps the
 tensors' names).
 
@@ -22,6 +23,7 @@ import torch
 from torchneox.base.errors import ConfigError, HFError, first_line
 from torchneox.config.features.sparsity import SPARSE_TYPES
 from torchneox.models.args import ModelArgs
+from torchneox.models.hf import deepseek
 from torchneox.models.hf import mamba as hf_mamba
 from torchneox.models.hf import moe_families as moe
 from torchneox.models.hf.defaults import DEFAULTS, rope, with_defaults
@@ -35,6 +37,7 @@ ARCHITECTURES = (
     "Olmo2ForCausalLM",
     "MixtralForCausalLM",
     *moe.FAMILIES,
+    deepseek.DEEPSEEK_V3,
     hf_mamba.MAMBA,
 )
 # Hugging Face hidden_act -> GPT-NeoX config keys. The tanh gelus (gelu_new, gelu_fast,
@@ -71,6 +74,7 @@ ARCHITECTURE_OF_TYPE = {
     "mixtral": "MixtralForCausalLM",
     "mamba": hf_mamba.MAMBA,
     **{kind: arch for arch, kind in moe.MODEL_TYPES.items()},
+    deepseek.MODEL_TYPE: deepseek.DEEPSEEK_V3,
 }
 """config.json's model_type -> the causal LM transformers' AutoModelForCausalLM builds of it."""
 _SAID_BOTH: set[Path] = set()
@@ -183,7 +187,7 @@ def neox_config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "make_vocab_size_divisible_by": 1,
         "attention_dropout": float(hf["attention_dropout"]),
     }
-    if hf.get("head_dim") not in (None, h // heads):
+    if hf.get("head_dim") not in (None, h // heads) and arch != deepseek.DEEPSEEK_V3:
         if arch == "GPTNeoXForCausalLM":
             raise HFError(
                 f"head_dim {hf['head_dim']} differs from hidden_size / heads", key="head_dim"
@@ -286,6 +290,9 @@ def _llama_family_keys(hf: dict[str, Any], arch: str, act: str) -> dict[str, Any
         keys.update(_mixtral_keys(hf))
     if arch in moe.FAMILIES:
         keys.update(moe.neox_keys(hf, arch))
+    if arch == deepseek.DEEPSEEK_V3:
+        del keys["num_kv_heads"]  # MLA rebuilds every head's keys from one latent
+        keys.update(deepseek.neox_keys(hf))
     window = hf.get("sliding_window") if arch in SLIDING_WINDOW else None
     if window:
         keys["sliding_window_width"] = window
@@ -399,6 +406,8 @@ def _gpt_neox_problems(args: ModelArgs) -> list[str]:
 
 
 def _llama_problems(args: ModelArgs) -> list[str]:
+    if args.mla:
+        return deepseek.problems(args)
     problems = []
     if args.parallel_residual:
         problems.append("gpt_j_residual with rmsnorm/swiglu (Llama has a sequential residual)")
@@ -423,6 +432,8 @@ def _llama_problems(args: ModelArgs) -> list[str]:
 def _causal_architecture(args: ModelArgs, llama_like: bool) -> str:
     if not llama_like:
         return "GPTNeoXForCausalLM"
+    if args.mla:
+        return deepseek.DEEPSEEK_V3
     if args.moe_num_experts > 1:
         return moe.architecture(args)
     if args.qk_norm == "width":
@@ -518,6 +529,7 @@ MODEL_TYPES = {
     "Olmo2ForCausalLM": "olmo2",
     "MixtralForCausalLM": "mixtral",
     **moe.MODEL_TYPES,
+    deepseek.DEEPSEEK_V3: deepseek.MODEL_TYPE,
 }
 
 
@@ -551,6 +563,8 @@ def _llama_family_config(arch: str, args: ModelArgs, rope: dict[str, Any]) -> di
         }
     if arch in moe.FAMILIES:
         out = moe.hf_config(arch, args, out)
+    if arch == deepseek.DEEPSEEK_V3:
+        out = deepseek.hf_config(args, out)
     return out
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from torchneox.base.errors import HFError
-from torchneox.models.hf import moe_families
+from torchneox.models.hf import deepseek, moe_families
 
 _LLAMA = {
     "vocab_size": 32000,
@@ -74,6 +74,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "attention_bias": True,
     },
     **moe_families.DEFAULTS,
+    deepseek.DEEPSEEK_V3: deepseek.DEFAULTS,
 }
 """Per causal architecture, the keys torchneox reads and transformers' value for each when
 config.json has none. Keys an architecture's modelling code does not read are absent: its

@@ -16,6 +16,7 @@ import torch
 
 from torchneox.base.errors import HFError
 from torchneox.models.args import ModelArgs
+from torchneox.models.hf import deepseek
 from torchneox.models.hf import mamba as hf_mamba
 from torchneox.models.hf.moe_families import FAMILIES as MOE_FAMILIES
 
@@ -72,7 +73,15 @@ IGNORED = re.compile(r".*(rotary_emb\.inv_freq|attention\.bias|attention\.masked
 LAYER = re.compile(r"(?:model|gpt_neox|backbone)\.layers\.(\d+)\.(.+)\.(weight|bias|A_log|D)$")
 
 
+PER_EXPERT = (*MOE_FAMILIES, deepseek.DEEPSEEK_V3)
+"""The families that save each expert's matrices under mlp.experts.{e}.{gate,up,down}_proj."""
+WHOLE_LAYER_TENSORS = {deepseek.DEEPSEEK_V3: deepseek.LAYER_TENSORS}
+"""Per architecture, per-layer tensors named whole (a buffer: no .weight or .bias)."""
+
+
 def layer_names(arch: str) -> dict[str, str]:
+    if arch == deepseek.DEEPSEEK_V3:
+        return deepseek.LAYER
     if arch == GPT_NEOX:
         return GPT_NEOX_LAYER
     if arch == hf_mamba.MAMBA:
@@ -162,7 +171,7 @@ class WeightImporter:
             r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight",
             name,
         )
-        if expert and self.arch in MOE_FAMILIES:
+        if expert and self.arch in PER_EXPERT:
             layer, e, matrix = expert.groups()
             self._expert(f"layers.{layer}.mlp.{MOE_EXPERT_MATRICES[matrix]}", int(e), tensor.T)
             return True
@@ -175,6 +184,12 @@ class WeightImporter:
                 gate, up = tensor.chunk(2, dim=1)
                 self.out[dst + "experts_gate"] = gate.transpose(1, 2).contiguous()
                 self.out[dst + "experts_up"] = up.transpose(1, 2).contiguous()
+            return True
+        whole = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+        ours = WHOLE_LAYER_TENSORS.get(self.arch, {}).get(whole.group(2)) if whole else None
+        if ours is not None:
+            self._claim(f"layers.{whole.group(1)}.{ours}", name)
+            self.out[f"layers.{whole.group(1)}.{ours}"] = tensor
             return True
         match = LAYER.fullmatch(name)
         if match is None:
@@ -189,8 +204,11 @@ class WeightImporter:
             return True
         if module not in self.layer:
             return False
-        self._claim(f"{dst}{self.layer[module]}.{kind}", name)
-        self.out[f"{dst}{self.layer[module]}.{kind}"] = tensor
+        ours = self.layer[module]
+        if self.arch == deepseek.DEEPSEEK_V3:  # interleaved rotary rows into halves order
+            tensor = deepseek.rope_rows(ours, self.args, tensor, to_hf=False)
+        self._claim(f"{dst}{ours}.{kind}", name)
+        self.out[f"{dst}{ours}.{kind}"] = tensor
         return True
 
     def _expert(self, name: str, e: int, matrix: torch.Tensor) -> None:
@@ -258,6 +276,7 @@ def hf_tensors(
     prefix = prefixes.get(arch, "model.")
     expert_of = {ours: theirs for theirs, ours in EXPERT_MATRICES.items()}
     moe_expert_of = {ours: theirs for theirs, ours in MOE_EXPERT_MATRICES.items()}
+    whole_of = {ours: theirs for theirs, ours in WHOLE_LAYER_TENSORS.get(arch, {}).items()}
     for name, tensor in sd.items():
         module, _, kind = name.rpartition(".")
         if name == "value_head.weight":
@@ -270,8 +289,19 @@ def hf_tensors(
             continue
         _, layer, rest = name.split(".", 2)
         dst = f"{prefix}layers.{layer}."
+        if rest in whole_of:
+            yield f"{dst}{whole_of[rest]}", tensor
+            continue
         module, _, kind = rest.rpartition(".")
-        if kind in expert_of and arch in MOE_FAMILIES:
+        if arch == deepseek.DEEPSEEK_V3:
+            tensor = deepseek.rope_rows(module, args, tensor, to_hf=True)
+            if module == "mlp.router" and f"layers.{layer}.mlp.router_bias" not in sd:
+                # a model trained without the bias routes as DeepSeek-V3 with a zero one
+                yield (
+                    f"{dst}mlp.gate.e_score_correction_bias",
+                    tensor.new_zeros(tensor.shape[0], dtype=torch.float32),
+                )
+        if kind in expert_of and arch in PER_EXPERT:
             for e in range(tensor.shape[0]):
                 yield f"{dst}mlp.experts.{e}.{moe_expert_of[kind]}.weight", tensor[e].T
             continue

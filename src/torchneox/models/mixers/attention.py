@@ -86,12 +86,21 @@ def documents(tokens_BT: torch.Tensor, eod_id: int) -> tuple[torch.Tensor, torch
     return index - start, segments
 
 
+def kv_cache_widths(args: ModelArgs, tp: int = 1) -> tuple[int, int, int]:
+    """(heads, key width, value width) one attention layer's cache keeps per token on each of
+    ``tp`` tensor ranks: its key/value heads, or under MLA (mixers/mla.py) one latent and one
+    rotary key, whole on every rank."""
+    if args.mla:
+        return 1, args.mla_kv_rank, args.mla_rope_dim
+    return args.num_kv_heads // tp, args.head_dim, args.head_dim
+
+
 class KVCache:
     """What decoding keeps between forwards: the keys and values of every attention layer,
     preallocated for ``max_len`` positions, and each recurrent layer's state (a mamba or RWKV
     mixer's, kept in ``states[layer]`` by the mixer itself and updated in place). Under
     tensor parallelism over ``tp`` ranks each rank's attention holds ``num_kv_heads // tp``
-    of the heads, and so does its cache."""
+    of the heads, and so does its cache (MLA keeps its latents instead: ``kv_cache_widths``)."""
 
     def __init__(
         self,
@@ -105,9 +114,10 @@ class KVCache:
         attention = [i for i in range(args.num_layers) if args.is_attention_layer(i)]
         self.slot_of = {layer: j for j, layer in enumerate(attention)}
         """Each attention layer's row of ``k`` and ``v``."""
-        shape = (len(attention), batch, args.num_kv_heads // tp, max_len, args.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        heads, k_dim, v_dim = kv_cache_widths(args, tp)
+        shape = (len(attention), batch, heads, max_len)
+        self.k = torch.zeros((*shape, k_dim), dtype=dtype, device=device)
+        self.v = torch.zeros((*shape, v_dim), dtype=dtype, device=device)
         self.states: dict[int, dict[str, torch.Tensor]] = {}
         """A recurrent layer's state by layer index (empty before its first forward)."""
         self.length = 0
