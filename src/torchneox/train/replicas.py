@@ -121,11 +121,11 @@ class Replicas:
         committed is trained again on the same batch."""
         t = self.t
         while True:
+            fault_point("step.start", t.iteration + 1)  # before the quorum: a held group waits
             t.step.settle()  # the skip policy's count is part of what a peer heals from
             self.manager.start_quorum()
             self._say_live(self.manager.num_participants(), t.iteration + 1)
             iteration = t.iteration + 1
-            fault_point("step.start", iteration)
             lr = t.schedule.lr_for_update(iteration)
             position = t.train_loader.state_dict()
             with t.timers("data"):
