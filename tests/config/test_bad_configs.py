@@ -688,6 +688,24 @@ CASES = [
         ["expansion_factor: RWKV layers take intermediate_size or expansion_factor, not both"],
     ),
     (
+        "replica-groups-without-a-lighthouse",
+        {"a.yml": "{ft_replica_groups: 2}"},
+        [],
+        ["a.yml", "ft_replica_groups: replica groups agree through a torchft lighthouse"],
+    ),
+    (
+        "replica-group-out-of-range",
+        {"a.yml": "{ft_lighthouse: 'http://h:1', ft_replica_groups: 2, ft_replica_group: 2}"},
+        [],
+        ["ft_replica_group: is 2, but the groups are numbered 0 to 1"],
+    ),
+    (
+        "more-min-replicas-than-groups",
+        {"a.yml": "{ft_lighthouse: 'http://h:1', ft_replica_groups: 2, ft_min_replicas: 3}"},
+        [],
+        ["ft_min_replicas: is 3, more than the 2 replica groups (ft_replica_groups)"],
+    ),
+    (
         "world-size-flag",
         {"a.yml": BASE},
         ["--world-size", "0"],

@@ -75,6 +75,16 @@ CASES = [
         {"context_parallel_size": 2, "attention_config": [[["rwkv"], 1], [["global"], 1]]},
         "context_parallel_size: 2 with RWKV layers (attention_config 'rwkv') is not built",
     ),
+    (
+        "replica-groups-with-pipeline-stages",
+        UNTIED
+        | {
+            "pipe_parallel_size": 2,
+            "gradient_accumulation_steps": 2,
+            "ft_lighthouse": "http://localhost:29510",
+        },
+        "pipe_parallel_size: replica groups (ft_lighthouse) do not take pipeline stages yet",
+    ),
 ]
 
 

@@ -9,6 +9,7 @@ processes costs more than its steps."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from tests.helpers import losses, weights
+from torchneox.cli import main
 
 torchft = pytest.importorskip("torchft")
 
@@ -143,3 +145,26 @@ def test_two_groups_of_two_survive_a_killed_group(config, tmp_path):
     at = weights(g0 / f"global_step{KILLED - 1}")
     for name, tensor in weights(hsdp).items():
         assert torch.equal(at[name], tensor), name
+
+
+def test_the_lighthouse_verb_prints_its_address_and_stops_on_sigterm():
+    args = [sys.executable, "-m", "torchneox", "lighthouse", "--port", "0", "--min-replicas", "2"]
+    run = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = run.stdout.readline()
+        assert line.startswith("lighthouse: http://"), line + run.stderr.read()
+        address = line.split(": ", 1)[1].strip()
+        with urllib.request.urlopen(address + "/status", timeout=10) as page:
+            assert "need min_replicas 2" in page.read().decode()  # it serves, as asked
+        run.send_signal(signal.SIGTERM)
+        assert run.wait(30) == 0
+    finally:
+        run.kill()
+        run.communicate()
+
+
+def test_a_lighthouse_without_replicas_is_one_line(capsys):
+    assert main(["lighthouse", "--port", "0", "--min-replicas", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("torchneox: error: ") and err.count("\n") == 1, err
+    assert "--min-replicas must be 1 or more" in err

@@ -15,7 +15,7 @@ from typing import Any
 
 from torchneox.base.errors import ConfigError
 from torchneox.config.checker import source_of
-from torchneox.config.checks.ft import require_replicas
+from torchneox.config.checks.ft import replica_layout, require_replicas
 from torchneox.config.checks.model import layer_attention_types
 from torchneox.config.derived import Derived
 from torchneox.config.features.eight_bit import eight_bit_layout
@@ -496,6 +496,7 @@ RULES = (
     _gmlp,
     offload_rule,
     eight_bit_layout,
+    replica_layout,
 )
 """Every layout rule, in the order they are checked."""
 
@@ -516,5 +517,5 @@ def require(loaded: LoadedConfig, derived: Derived) -> Layout:
         raise ConfigError("training needs a learning rate (optimizer.params.lr)", key="optimizer")
     layout = Layout.from_derived(cfg, derived)
     check_layout(loaded, layout)
-    require_replicas(cfg, layout)
+    require_replicas(cfg)
     return layout

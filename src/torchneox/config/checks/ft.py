@@ -45,20 +45,27 @@ REFUSED = (
 )
 
 
-def require_replicas(c, layout) -> None:
-    """Training as a replica group: torchft importable, and a layout it averages over (every
+def replica_layout(c, layout) -> ConfigError | None:
+    """A layout rule: a replica group's layout is one the groups can average over (every
     gradient a tensor, or a data-parallel shard, that each group holds alike)."""
     if not replicated(c):
-        return
-    if importlib.util.find_spec("torchft") is None:
-        raise ConfigError(
-            "replica groups need torchft: pip install 'torchneox[ft]' (or unset ft_lighthouse)",
-            key="ft_lighthouse",
-        )
+        return None
     for key, refused, what in REFUSED:
         if refused(layout, c):
-            raise ConfigError(
+            error = ConfigError(
                 f"replica groups (ft_lighthouse) do not take {what} yet: train each group with "
                 "ZeRO 0-3, tensor or context parallelism, or unset ft_lighthouse",
                 key=key,
             )
+            error.cause, error.path = "ft_lighthouse", None
+            return error
+    return None
+
+
+def require_replicas(c) -> None:
+    """Training as a replica group: torchft importable."""
+    if replicated(c) and importlib.util.find_spec("torchft") is None:
+        raise ConfigError(
+            "replica groups need torchft: pip install 'torchneox[ft]' (or unset ft_lighthouse)",
+            key="ft_lighthouse",
+        )
