@@ -3,8 +3,9 @@ both are live they train as one 4-process hybrid-sharded run on the same global 
 bit. Then every process of group 1 is killed (kill -9) inside a step: group 0 never restarts and
 its step counter goes on (the live groups it logs go 2 -> 1 -> 2); group 1, restarted with an
 empty save folder, joins the next quorum, heals from group 0 over torchft's checkpoint transport
-and ends with group 0's weights, bit for bit. One scenario checks all of it: a launch of 4
-processes costs more than its steps."""
+and ends with group 0's weights, bit for bit. Disk checkpoints cross over both ways: a group's
+resumes into a run without groups, the one run's into a group. One scenario checks all of it,
+its runs side by side where they can be: a launch of 4 processes costs more than its steps."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.forked import Forked
 from tests.helpers import losses, weights
 from torchneox.cli import main
 
@@ -81,6 +83,20 @@ def group(config: str, server, g: int, folder: Path, flags: Path, fault: str) ->
     return torchneox(config, keys, 2, Path(f"{folder}.out"), env)
 
 
+def alone(server) -> list[str]:
+    """The keys of a replica group that is the only group of its run."""
+    return [f"ft_lighthouse={server.address()}", "ft_replica_groups=1", "ft_timeout_seconds=20"]
+
+
+def resume(config: str, folder: Path, step: Path, keys: list[str]) -> Forked:
+    """One process, the groups' global batch (8 as 2 micro-batches of 4), from the checkpoint
+    ``step`` to step KILLED."""
+    keys = [*keys, f"save={folder}", f"load={step}", f"exit_interval={KILLED}"]
+    keys += ["train_micro_batch_size_per_gpu=4"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHFT_MANAGER_PORT="0")
+    return Forked(["train", config, *[a for k in keys for a in ("--set", k)]], env)
+
+
 def ended(run: subprocess.Popen, folder: Path, timeout: float = 240) -> str:
     code = run.wait(timeout)
     text = Path(f"{folder}.out").read_text()
@@ -93,33 +109,50 @@ def config(make_module_config):
     return make_module_config(train_iters=LAST, **KEYS)
 
 
-def test_two_groups_of_two_survive_a_killed_group(config, tmp_path):
+def run_scenario(config: str, tmp_path: Path, server, lone) -> tuple[str, str]:
+    """The groups' run (group 1 killed and restarted), the one run, and the two resumed runs
+    (on their own lighthouse, ``lone``), as many at once as can be; the groups' outputs."""
     flags, g0, g1, back = (tmp_path / n for n in ("flags", "g0", "g1", "g1-restarted"))
     flags.mkdir()
-    server = lighthouse()
+    hsdp = tmp_path / "hsdp"
+    keys = [f"save={hsdp}", "load=null", f"exit_interval={KILLED}", "checkpoint_factor=2"]
+    one = torchneox(config, [*keys, HYBRID], 4, tmp_path / "hsdp.out")
+    # both groups wait before step 1 until both beat (a quorum then waits for both), and
+    # group 0 again before step HELD, until restarted group 1 is waiting in a quorum
+    first = group(config, server, 0, g0, flags, f"wait@step.start:1,wait@step.start:{HELD}")
+    kill = f"wait@step.start:1,kill@step.backward:{KILLED}"
+    second = group(config, server, 1, g1, flags, kill)
+    wait_for(lambda: "[2 heartbeating]" in status(server), first)
+    (flags / "1").touch()
+    assert second.wait(240) != 0  # every process of group 1 killed inside step KILLED
+    wait_for(lambda: logged(g0, HELD - 1), first)  # group 0 on alone, then held
+    third = group(config, server, 1, back, flags, "")  # an empty save folder
+    # disk checkpoints cross over: the groups' into a run without groups, the one run's into a
+    # group alone in its quorum, each on to step KILLED
+    ended(one, hsdp)
+    resumed = [
+        resume(config, tmp_path / "no-groups", g0 / f"global_step{KILLED - 1}", []),
+        resume(config, tmp_path / "a-group", hsdp / f"global_step{KILLED - 1}", alone(lone)),
+    ]
+    # the restarted group waits in a quorum for the held one (which still beats)
+    asked = "[1/1 participants healthy][2 heartbeating]"
+    wait_for(lambda: asked in status(server), third)
+    (flags / str(HELD)).touch()
+    out = ended(first, g0), ended(third, back)
+    for run in resumed:
+        result = run.result(timeout=240)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out
+
+
+def test_two_groups_of_two_survive_a_killed_group(config, tmp_path):
+    g0, back, hsdp = tmp_path / "g0", tmp_path / "g1-restarted", tmp_path / "hsdp"
+    server, lone = lighthouse(), lighthouse()
     try:
-        # both groups wait before step 1 until both beat (a quorum then waits for both), and
-        # group 0 again before step HELD, until restarted group 1 is waiting in a quorum
-        first = group(config, server, 0, g0, flags, f"wait@step.start:1,wait@step.start:{HELD}")
-        kill = f"wait@step.start:1,kill@step.backward:{KILLED}"
-        second = group(config, server, 1, g1, flags, kill)
-        wait_for(lambda: "[2 heartbeating]" in status(server), first)
-        (flags / "1").touch()
-        assert second.wait(240) != 0  # every process of group 1 killed inside step KILLED
-        # the one run the groups are compared with, while group 0 waits for group 1
-        hsdp = tmp_path / "hsdp"
-        keys = [f"save={hsdp}", "load=null", f"exit_interval={KILLED - 1}"]
-        one = torchneox(config, [*keys, HYBRID], 4, tmp_path / "hsdp.out")
-        wait_for(lambda: logged(g0, HELD - 1), first)  # group 0 on alone, then held
-        third = group(config, server, 1, back, flags, "")  # an empty save folder
-        # the restarted group waits in a quorum for the held one (which still beats)
-        asked = "[1/1 participants healthy][2 heartbeating]"
-        wait_for(lambda: asked in status(server), third)
-        (flags / str(HELD)).touch()
-        out0, out1 = ended(first, g0), ended(third, back)
-        ended(one, hsdp)
+        out0, out1 = run_scenario(config, tmp_path, server, lone)
     finally:
         server.shutdown()
+        lone.shutdown()
     steps = list(range(1, LAST + 1))
     # group 0: every step once, through the failure; the live groups 2 -> 1 -> 2
     assert sorted(losses(g0)) == steps, out0[-3000:]
@@ -132,19 +165,28 @@ def test_two_groups_of_two_survive_a_killed_group(config, tmp_path):
     assert sorted(losses(back)) == [HELD, LAST]
     assert losses(back) == {k: v for k, v in losses(g0).items() if k >= HELD}
     assert not (back / f"global_step{HELD - 1}").exists()  # nothing of it came from disk
+    healed = weights(back)
     for name, tensor in weights(g0).items():
-        assert torch.equal(weights(back)[name], tensor), name
+        assert torch.equal(healed[name], tensor), name
     # before the kill the 2 groups of 2 are one 4-process hybrid-sharded run (ZeRO-3 within 2
     # groups of 2, replicated across them) on the same global batch: the same gradient norms
     # and weights, bit for bit. The logged loss may differ in its last bit: the groups log the
     # mean over the groups of each group's mean over its ranks, the one run one mean over its 4
     # ranks, and float sums in another order round differently.
     assert losses(g0, "grad_norm")[KILLED - 1] == losses(hsdp, "grad_norm")[KILLED - 1]
-    for k, loss in losses(hsdp).items():
-        assert losses(g0)[k] == pytest.approx(loss, rel=1e-6, abs=0), k
+    for k in range(1, KILLED):
+        assert losses(g0)[k] == pytest.approx(losses(hsdp)[k], rel=1e-6, abs=0), k
     at = weights(g0 / f"global_step{KILLED - 1}")
-    for name, tensor in weights(hsdp).items():
+    for name, tensor in weights(hsdp / f"global_step{KILLED - 1}").items():
         assert torch.equal(at[name], tensor), name
+    # each resumed run's step KILLED is the one run's (one process against four: float close)
+    whole = weights(hsdp)
+    for folder in (tmp_path / "no-groups", tmp_path / "a-group"):
+        assert list(losses(folder)) == [KILLED], folder
+        assert losses(folder)[KILLED] == pytest.approx(losses(hsdp)[KILLED], rel=1e-5), folder
+        for name, tensor in weights(folder).items():
+            torch.testing.assert_close(tensor, whole[name], rtol=1e-4, atol=5e-5)
+    assert losses(tmp_path / "a-group", "replica_groups") == {KILLED: 1.0}
 
 
 def test_the_lighthouse_verb_prints_its_address_and_stops_on_sigterm():
