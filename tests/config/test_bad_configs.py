@@ -706,6 +706,27 @@ CASES = [
         ["ft_min_replicas: is 3, more than the 2 replica groups (ft_replica_groups)"],
     ),
     (
+        "diloco-outer-key-without-diloco",
+        {"a.yml": "{ft_lighthouse: 'http://h:1', ft_diloco_outer_lr: 0.5}"},
+        [],
+        ["ft_diloco_outer_lr: only means something with DiLoCo: set ft_diloco_sync_every"],
+    ),
+    (
+        "diloco-without-a-lighthouse",
+        {"a.yml": "{ft_diloco_sync_every: 10}"},
+        [],
+        ["ft_diloco_sync_every: replica groups agree through a torchft lighthouse"],
+    ),
+    (
+        "diloco-nesterov-without-momentum",
+        {
+            "a.yml": "{ft_lighthouse: 'http://h:1', ft_diloco_sync_every: 4, "
+            "ft_diloco_outer_momentum: 0}"
+        },
+        [],
+        ["ft_diloco_outer_nesterov: Nesterov momentum needs ft_diloco_outer_momentum above 0"],
+    ),
+    (
         "world-size-flag",
         {"a.yml": BASE},
         ["--world-size", "0"],

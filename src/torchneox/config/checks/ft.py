@@ -16,10 +16,16 @@ def replicated(c) -> bool:
 
 def check_replicas(ch: Checker) -> None:
     f = ch.c.ft
+    _check_diloco(ch)
     if not replicated(ch.c):
-        if f.ft_replica_groups > 1 or f.ft_replica_group > 0:
+        given = {
+            "ft_replica_groups": f.ft_replica_groups > 1,
+            "ft_replica_group": f.ft_replica_group > 0,
+            "ft_diloco_sync_every": f.ft_diloco_sync_every > 0,
+        }
+        for key in (k for k, on in given.items() if on):
             ch.fail(
-                "ft_replica_groups",
+                key,
                 "replica groups agree through a torchft lighthouse: set ft_lighthouse to the "
                 "address `torchneox lighthouse` prints",
             )
@@ -35,6 +41,29 @@ def check_replicas(ch: Checker) -> None:
             "ft_min_replicas",
             f"is {f.ft_min_replicas}, more than the {f.ft_replica_groups} replica groups "
             "(ft_replica_groups); no step could commit",
+        )
+
+
+DILOCO_OUTER = (
+    ("ft_diloco_outer_lr", 0.7),
+    ("ft_diloco_outer_momentum", 0.9),
+    ("ft_diloco_outer_nesterov", True),
+)
+
+
+def _check_diloco(ch: Checker) -> None:
+    """DiLoCo's outer keys mean something only with ft_diloco_sync_every; Nesterov momentum
+    needs a momentum."""
+    f = ch.c.ft
+    if not f.ft_diloco_sync_every:
+        for key, default in DILOCO_OUTER:
+            if getattr(f, key) != default:
+                ch.fail(key, "only means something with DiLoCo: set ft_diloco_sync_every")
+        return
+    if f.ft_diloco_outer_nesterov and f.ft_diloco_outer_momentum == 0:
+        ch.fail(
+            "ft_diloco_outer_nesterov",
+            "Nesterov momentum needs ft_diloco_outer_momentum above 0 (or set it false)",
         )
 
 
