@@ -30,6 +30,7 @@ from torch.utils import _pytree as pytree
 
 from torchneox.base.faults import fault_point
 from torchneox.config.checks.ft import replicated
+from torchneox.config.features.replicas import sync_words
 from torchneox.optim.builder import load_optimizer_state, optimizer_state
 from torchneox.parallel.collectives import plain
 
@@ -92,9 +93,9 @@ class Replicas:
         self.manager.load_state_dict({"step": t.iteration, "batches_committed": 0})
         self.diloco = _diloco(self.manager, t) if f.ft_diloco_sync_every else None
         t.logger.line(
-            f"replica group {self.group} of {self.groups}: gradients averaged over the live "
-            f"groups through the lighthouse at {f.ft_lighthouse}; a missing group's share of "
-            "each batch is skipped"
+            f"replica group {self.group} of {self.groups} through the lighthouse at "
+            f"{f.ft_lighthouse}: {sync_words(t.cfg)}; a missing group's share of each batch is "
+            "skipped"
         )
 
     def _store(self) -> tuple[str, int]:
