@@ -45,6 +45,7 @@ BENCHMARKS = {
     "moe": ("moe.py", ["--train-steps", "20"], False),
     "async_checkpoint": ("async_checkpoint.py", ["--layers", "4", "--steps", "12"], False),
     "dry_run": ("dry_run.py", [], False),
+    "replica_groups": ("replica_groups.py", [], False),  # a simulation from Llama 3's failures
     "convert_memory": ("convert_memory.py", ["--layers", "8", "--hidden", "768"], False),
     "kernel_cache": (  # a poisoned CPU kernel cache against a fresh one and both fixed kernels
         "kernel_cache.py",

@@ -680,6 +680,45 @@ CASES = [
         ["expansion_factor: RWKV layers take intermediate_size or expansion_factor, not both"],
     ),
     (
+        "replica-groups-without-a-lighthouse",
+        {"a.yml": "{ft_replica_groups: 2}"},
+        [],
+        ["a.yml", "ft_replica_groups: replica groups agree through a torchft lighthouse"],
+    ),
+    (
+        "replica-group-out-of-range",
+        {"a.yml": "{ft_lighthouse: 'http://h:1', ft_replica_groups: 2, ft_replica_group: 2}"},
+        [],
+        ["ft_replica_group: is 2, but the groups are numbered 0 to 1"],
+    ),
+    (
+        "more-min-replicas-than-groups",
+        {"a.yml": "{ft_lighthouse: 'http://h:1', ft_replica_groups: 2, ft_min_replicas: 3}"},
+        [],
+        ["ft_min_replicas: is 3, more than the 2 replica groups (ft_replica_groups)"],
+    ),
+    (
+        "diloco-outer-key-without-diloco",
+        {"a.yml": "{ft_lighthouse: 'http://h:1', ft_diloco_outer_lr: 0.5}"},
+        [],
+        ["ft_diloco_outer_lr: only means something with DiLoCo: set ft_diloco_sync_every"],
+    ),
+    (
+        "diloco-without-a-lighthouse",
+        {"a.yml": "{ft_diloco_sync_every: 10}"},
+        [],
+        ["ft_diloco_sync_every: replica groups agree through a torchft lighthouse"],
+    ),
+    (
+        "diloco-nesterov-without-momentum",
+        {
+            "a.yml": "{ft_lighthouse: 'http://h:1', ft_diloco_sync_every: 4, "
+            "ft_diloco_outer_momentum: 0}"
+        },
+        [],
+        ["ft_diloco_outer_nesterov: Nesterov momentum needs ft_diloco_outer_momentum above 0"],
+    ),
+    (
         "world-size-flag",
         {"a.yml": BASE},
         ["--world-size", "0"],

@@ -70,6 +70,16 @@ CASES = [
         UNTIED | {"model_parallel_size": 2, "attention_config": [[["rwkv"], "all"]]},
         "model_parallel_size: rwkv layers with model_parallel_size > 1 cannot run",
     ),
+    (
+        "replica-groups-with-pipeline-stages",
+        UNTIED
+        | {
+            "pipe_parallel_size": 2,
+            "gradient_accumulation_steps": 2,
+            "ft_lighthouse": "http://localhost:29510",
+        },
+        "pipe_parallel_size: replica groups (ft_lighthouse) do not take pipeline stages yet",
+    ),
 ]
 
 

@@ -3,6 +3,7 @@ shards equal to what estimate computes, and the collectives of every group agree
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 import torchneox
 from torchneox.cli import main
 from torchneox.config.load import load_config
-from torchneox.estimate.dry_run import check_agreement, dry_run, sample_ranks
+from torchneox.estimate.dry_run import check_agreement, dry_run, render, sample_ranks
 from torchneox.estimate.rehearsal import Collective, RankReport
 from torchneox.estimate.search import estimate
 
@@ -224,3 +225,23 @@ def test_the_other_optimizers_hold_estimates_bytes(optimizer, world, sets):
     loaded = _loaded(*sets, "zero_optimization.stage=3", f"optimizer={optimizer}")
     run = dry_run(loaded, world, ranks="all", workers=2)
     _assert_holds_estimate(run)
+
+
+def test_explain_estimate_and_the_dry_run_say_the_replica_groups(capsys):
+    pytest.importorskip("torchft")  # a replica group's dry run checks that it is installed
+    ft = ["ft_lighthouse=http://h:29510", "ft_replica_groups=4", "ft_replica_group=1"]
+    group, alone = _loaded("zero_optimization.stage=3", *ft), _loaded("zero_optimization.stage=3")
+    said = "replica groups: 4 (torchft, lighthouse http://h:29510), this run is group 1, each 2"
+    # each group's memory is one group's layout: the estimate is the run without groups'
+    est = estimate(group, 2)
+    assert est["memory_per_rank_bytes"] == estimate(alone, 2)["memory_per_rank_bytes"]
+    assert est["replica_groups"].startswith(said) and "8 in all" in est["replica_groups"]
+    run = dry_run(group, 2, ranks="0", workers=1)
+    assert not run.problems and run.replicas == est["replica_groups"]
+    assert said in render(run)
+    args = ["config", "explain", TINY, "--world-size", "2", "--json"]
+    assert main([*args, *[a for k in [*UNTIED, *ft] for a in ("--set", k)]]) == 0
+    explained = json.loads(capsys.readouterr().out)
+    assert explained["replica_groups"] == 4
+    assert explained["replicated_batch_size"] == 4 * explained["train_batch_size"]
+    assert "data-parallel ranks 2..3 of 8" in explained["reasons"]["replicated_batch_size"]

@@ -7,6 +7,10 @@ metadata written, no manifest), ``save.manifest`` (complete but not renamed), ``
 (renamed, ``latest`` not moved yet), ``writer.write`` (the background writer process about to
 write a rank's shards).
 
+``wait`` blocks the process at the point until the folder named by ``TORCHNEOX_FAULT_FLAG``
+holds a file named after the iteration (``5``; ``any`` without one): a group of replicas held
+at a step while the test restarts another.
+
 Three more actions change what a step computes instead, each once in a process (a rewound run
 meets the iteration again): ``spike`` multiplies the step's loss and gradients by 1000 (at
 ``step.backward``: the loss-spike guard's test), ``flip`` flips one bit of the rank's first
@@ -23,6 +27,7 @@ import signal
 import time
 
 ENV = "TORCHNEOX_FAULT"
+FLAG = "TORCHNEOX_FAULT_FLAG"  # the file a ``wait`` waits for
 ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "full": None}
 ONCE = ("spike", "flip")  # what the caller does, once in a process
 SLOW_SECONDS = 1.0
@@ -49,6 +54,10 @@ def fault_point(name: str, iteration: int | None = None) -> None:
     action = _matching(name, iteration)
     if action == "slow":
         time.sleep(SLOW_SECONDS)
+    if action == "wait":
+        flag = os.path.join(os.environ[FLAG], "any" if iteration is None else str(iteration))
+        while not os.path.exists(flag):
+            time.sleep(0.05)
     if action not in ACTIONS:
         return
     if action == "full":

@@ -22,6 +22,7 @@ from torchneox.config.features.deepspeed_dicts import derive_deepspeed_dicts
 from torchneox.config.features.eight_bit import derive_eight_bit
 from torchneox.config.features.offload import PIN_KEY, derive_offload, offload_notes
 from torchneox.config.features.optimizer import describe_optimizer, optimizer_spec
+from torchneox.config.features.replicas import derive_replicas
 from torchneox.config.features.streaming import describe, split_paths, streams
 from torchneox.config.fields import Status
 from torchneox.config.layout import Layout, compile_scope
@@ -45,6 +46,7 @@ def derive(
     cfg, out = loaded.config, Derived()
     _layout(loaded, out, world_size, env)
     _batch(loaded, out)
+    derive_replicas(cfg, out)
     out.put("compile", *compile_scope(cfg, Layout.from_derived(cfg, out)))
     derive_precision(cfg, out)
     _optimizer(loaded, out)

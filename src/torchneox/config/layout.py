@@ -16,7 +16,7 @@ from typing import Any
 from torchneox.base.errors import ConfigError
 from torchneox.config import sizes
 from torchneox.config.checker import source_of
-from torchneox.config.checks.ft import require_replicas
+from torchneox.config.checks.ft import replica_layout, require_replicas
 from torchneox.config.checks.model import layer_attention_types
 from torchneox.config.derived import Derived
 from torchneox.config.features.eight_bit import eight_bit_layout
@@ -513,6 +513,7 @@ RULES = (
     _compile_model,
     offload_rule,
     eight_bit_layout,
+    replica_layout,
 )
 """Every layout rule, in the order they are checked."""
 
@@ -533,5 +534,5 @@ def require(loaded: LoadedConfig, derived: Derived) -> Layout:
         raise ConfigError("training needs a learning rate (optimizer.params.lr)", key="optimizer")
     layout = Layout.from_derived(cfg, derived)
     check_layout(loaded, layout)
-    require_replicas(cfg, layout)
+    require_replicas(cfg)
     return layout

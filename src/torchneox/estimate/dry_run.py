@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from torchneox.base.errors import ConfigError
 from torchneox.config.derive import derive
+from torchneox.config.features.replicas import replica_line
 from torchneox.config.layout import Layout
 from torchneox.config.load import LoadedConfig
 from torchneox.estimate.rehearsal import AXES, RankReport, mesh_sizes, rank_of, rehearse_rank
@@ -34,6 +35,7 @@ class DryRun:
     ranks: list[RankReport]
     problems: list[str]
     groups_checked: int
+    replicas: str | None = None  # the replicate axis (ft_*): each group is this rehearsal
 
 
 def sample_ranks(layout: Layout) -> list[int]:
@@ -143,7 +145,8 @@ def dry_run(
                 progress(len(reports), len(chosen), report)
     checked, problems = check_agreement(reports)
     problems += _byte_problems(reports)
-    return DryRun(world, nodes, layout, reports, problems, checked)
+    replicas = replica_line(loaded.config, world)
+    return DryRun(world, nodes, layout, reports, problems, checked, replicas)
 
 
 _JOB: list = []  # (loaded, world, nodes): what forked workers inherit
@@ -244,6 +247,8 @@ def render(run: DryRun) -> str:
         f"dry run: {run.world} ranks on {run.nodes} node(s), {sizes}, ZeRO-{lay.zero}; "
         f"{len(run.ranks)} rank(s) built on a fake process group and fake tensors"
     ]
+    if run.replicas:
+        lines.append(run.replicas)
     for r in run.ranks:
         lines += render_rank(r, run.nodes)
     lines.append(

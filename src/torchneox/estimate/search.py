@@ -19,6 +19,7 @@ from typing import Any
 from torchneox.base.errors import ConfigError
 from torchneox.config.derive import derive
 from torchneox.config.features.optimizer import optimizer_spec
+from torchneox.config.features.replicas import replica_line
 from torchneox.config.layout import Layout, check_layout, layout_problem
 from torchneox.config.load import LoadedConfig
 from torchneox.estimate.activations import trace_activations
@@ -99,12 +100,18 @@ def estimate(
             loaded, layout, stages, trace, method
         ),
     }
-    out |= host  # ZeRO-Offload's host memory and optimizer step
+    out |= host | _replicas(cfg, layout)  # ZeRO-Offload's host side; replica groups (ft_*)
     if not out["fits"] and alternatives:
         out["alternatives"] = _alternatives(
             loaded, layout, d, trace, stages_for, method, flops_step, peak, mfu, usable, nodes
         )[:alternatives]
     return out
+
+
+def _replicas(cfg: Any, layout: Layout) -> dict[str, str]:
+    """The replicate axis in one line (the memory above is one group's), where there is one."""
+    line = replica_line(cfg, layout.gpus)
+    return {} if line is None else {"replica_groups": line}
 
 
 def _host(loaded: LoadedConfig, layout: Layout, mem: dict[str, Any], nodes: int) -> dict:
@@ -261,6 +268,7 @@ def render(est: dict[str, Any]) -> str:
         + f", ZeRO-{lay['zero']}, "
         f"micro-batch {lay['micro_batch']} x {lay['gas']} accumulation steps, "
         f"activation checkpointing {lay['checkpoint']}, {est['precision']}",
+        *([est["replica_groups"]] if "replica_groups" in est else []),
         f"memory on the most loaded rank (pipeline stage {est['heaviest_stage']})"
         + (", on the device: its shards are offloaded" if "host_step_s" in est else "")
         + ":",

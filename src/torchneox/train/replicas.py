@@ -30,6 +30,7 @@ from torch.utils import _pytree as pytree
 
 from torchneox.base.faults import fault_point
 from torchneox.config.checks.ft import replicated
+from torchneox.config.features.replicas import sync_words
 from torchneox.optim.builder import load_optimizer_state, optimizer_state
 from torchneox.parallel.collectives import plain
 
@@ -90,10 +91,11 @@ class Replicas:
             checkpoint_transport=HTTPTransport(timeout=timeout, num_chunks=0),
         )
         self.manager.load_state_dict({"step": t.iteration, "batches_committed": 0})
+        self.diloco = _diloco(self.manager, t) if f.ft_diloco_sync_every else None
         t.logger.line(
-            f"replica group {self.group} of {self.groups}: gradients averaged over the live "
-            f"groups through the lighthouse at {f.ft_lighthouse}; a missing group's share of "
-            "each batch is skipped"
+            f"replica group {self.group} of {self.groups} through the lighthouse at "
+            f"{f.ft_lighthouse}: {sync_words(t.cfg)}; a missing group's share of each batch is "
+            "skipped"
         )
 
     def _store(self) -> tuple[str, int]:
@@ -120,12 +122,14 @@ class Replicas:
         their mean over the live groups, then the update once the quorum commits; a step not
         committed is trained again on the same batch."""
         t = self.t
+        if self.diloco is not None:
+            return self._local_step()
         while True:
+            fault_point("step.start", t.iteration + 1)  # before the quorum: a held group waits
             t.step.settle()  # the skip policy's count is part of what a peer heals from
             self.manager.start_quorum()
             self._say_live(self.manager.num_participants(), t.iteration + 1)
             iteration = t.iteration + 1
-            fault_point("step.start", iteration)
             lr = t.schedule.lr_for_update(iteration)
             position = t.train_loader.state_dict()
             with t.timers("data"):
@@ -140,6 +144,27 @@ class Replicas:
             t.optimizer.zero_grad(set_to_none=True)
             t.train_loader.load_state_dict(position)
             t.logger.line(f"step {iteration}: not committed by the replica groups; trained again")
+
+    def _local_step(self) -> Any:
+        """DiLoCo: a step of this group alone (its own optimizer, the inner one); every
+        ft_diloco_sync_every steps, torchft's DiLoCo then averages the pseudo-gradients over the
+        live groups and applies the outer step (a sync the quorum does not commit puts the
+        weights back to the last sync's)."""
+        t = self.t
+        iteration = t.iteration + 1
+        fault_point("step.start", iteration)
+        lr = t.schedule.lr_for_update(iteration)
+        with t.timers("data"):
+            micro_batches = t.train_loader.next()
+        values = t.step(iteration, lr, micro_batches)
+        t.iteration = iteration
+        t.step.settle()  # the skip policy's count is part of what a peer heals from
+        # after the inner step, where torchft's DiLoCo hooks its optimizer: the step is whole here
+        self.diloco._step_post_hook(t.optimizer, (), {})
+        if self.diloco._local_step == 0:  # synced: the quorum it synced in
+            self._say_live(self.manager.num_participants(), iteration)
+            values._known["replica_groups"] = float(self.live)
+        return values
 
     def _say_live(self, live: int, iteration: int) -> None:
         if live != self.live:
@@ -219,6 +244,33 @@ class Replicas:
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+def _diloco(manager: Any, t: Any) -> Any:
+    """torchft's DiLoCo over the whole model: the run's optimizer inside, SGD outside."""
+    from torchft.local_sgd import DiLoCo
+
+    f = t.cfg.ft
+    outer = torch.optim.SGD(
+        t.model.parameters(),
+        lr=f.ft_diloco_outer_lr,
+        momentum=f.ft_diloco_outer_momentum,
+        nesterov=f.ft_diloco_outer_nesterov,
+    )
+    t.logger.line(
+        f"DiLoCo: every {f.ft_diloco_sync_every} steps the groups average their pseudo-gradients "
+        f"and SGD (lr {f.ft_diloco_outer_lr}, momentum {f.ft_diloco_outer_momentum}"
+        f"{', Nesterov' if f.ft_diloco_outer_nesterov else ''}) applies them"
+    )
+    return DiLoCo(
+        manager,
+        [t.model],
+        t.optimizer,
+        outer,
+        sync_every=f.ft_diloco_sync_every,
+        backup_device=t.device,
+        pin_memory=False,
+    )
 
 
 def _into(mine: Any, theirs: Any) -> Any:

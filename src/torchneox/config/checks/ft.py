@@ -16,10 +16,16 @@ def replicated(c) -> bool:
 
 def check_replicas(ch: Checker) -> None:
     f = ch.c.ft
+    _check_diloco(ch)
     if not replicated(ch.c):
-        if f.ft_replica_groups > 1 or f.ft_replica_group > 0:
+        given = {
+            "ft_replica_groups": f.ft_replica_groups > 1,
+            "ft_replica_group": f.ft_replica_group > 0,
+            "ft_diloco_sync_every": f.ft_diloco_sync_every > 0,
+        }
+        for key in (k for k, on in given.items() if on):
             ch.fail(
-                "ft_replica_groups",
+                key,
                 "replica groups agree through a torchft lighthouse: set ft_lighthouse to the "
                 "address `torchneox lighthouse` prints",
             )
@@ -38,6 +44,29 @@ def check_replicas(ch: Checker) -> None:
         )
 
 
+DILOCO_OUTER = (
+    ("ft_diloco_outer_lr", 0.7),
+    ("ft_diloco_outer_momentum", 0.9),
+    ("ft_diloco_outer_nesterov", True),
+)
+
+
+def _check_diloco(ch: Checker) -> None:
+    """DiLoCo's outer keys mean something only with ft_diloco_sync_every; Nesterov momentum
+    needs a momentum."""
+    f = ch.c.ft
+    if not f.ft_diloco_sync_every:
+        for key, default in DILOCO_OUTER:
+            if getattr(f, key) != default:
+                ch.fail(key, "only means something with DiLoCo: set ft_diloco_sync_every")
+        return
+    if f.ft_diloco_outer_nesterov and f.ft_diloco_outer_momentum == 0:
+        ch.fail(
+            "ft_diloco_outer_nesterov",
+            "Nesterov momentum needs ft_diloco_outer_momentum above 0 (or set it false)",
+        )
+
+
 REFUSED = (
     ("pipe_parallel_size", lambda lay, c: lay.pp > 1, "pipeline stages"),
     ("expert_parallel_size", lambda lay, c: lay.ep > 1, "expert parallelism"),
@@ -45,20 +74,27 @@ REFUSED = (
 )
 
 
-def require_replicas(c, layout) -> None:
-    """Training as a replica group: torchft importable, and a layout it averages over (every
+def replica_layout(c, layout) -> ConfigError | None:
+    """A layout rule: a replica group's layout is one the groups can average over (every
     gradient a tensor, or a data-parallel shard, that each group holds alike)."""
     if not replicated(c):
-        return
-    if importlib.util.find_spec("torchft") is None:
-        raise ConfigError(
-            "replica groups need torchft: pip install 'torchneox[ft]' (or unset ft_lighthouse)",
-            key="ft_lighthouse",
-        )
+        return None
     for key, refused, what in REFUSED:
         if refused(layout, c):
-            raise ConfigError(
+            error = ConfigError(
                 f"replica groups (ft_lighthouse) do not take {what} yet: train each group with "
                 "ZeRO 0-3, tensor or context parallelism, or unset ft_lighthouse",
                 key=key,
             )
+            error.cause, error.path = "ft_lighthouse", None
+            return error
+    return None
+
+
+def require_replicas(c) -> None:
+    """Training as a replica group: torchft importable."""
+    if replicated(c) and importlib.util.find_spec("torchft") is None:
+        raise ConfigError(
+            "replica groups need torchft: pip install 'torchneox[ft]' (or unset ft_lighthouse)",
+            key="ft_lighthouse",
+        )

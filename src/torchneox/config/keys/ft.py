@@ -36,3 +36,20 @@ class FaultToleranceConfig:
         "gives up on that step and retries.",
         gt=0,
     )
+    ft_diloco_sync_every: int = extension(
+        0,
+        "DiLoCo through torchft.local_sgd: each group steps its own optimizer (the inner one) "
+        "on its share, and every this many steps the groups average how far their weights moved "
+        "since the last sync (the pseudo-gradient) and the outer optimizer, SGD, applies it; "
+        "0: the gradients are averaged every step.",
+        ge=0,
+    )
+    ft_diloco_outer_lr: float = extension(
+        0.7, "DiLoCo's outer SGD learning rate (ft_diloco_sync_every).", gt=0
+    )
+    ft_diloco_outer_momentum: float = extension(
+        0.9, "DiLoCo's outer SGD momentum (ft_diloco_sync_every).", ge=0
+    )
+    ft_diloco_outer_nesterov: bool = extension(
+        True, "Nesterov momentum in DiLoCo's outer SGD (ft_diloco_sync_every; needs a momentum)."
+    )
