@@ -23,6 +23,7 @@ from torchneox.config.features.fp8_plan import fp8_plan
 from torchneox.config.features.offload import offload_spec
 from torchneox.config.load import LoadedConfig
 from torchneox.config.schema import NeoXConfig
+from torchneox.config.sizes import rwkv_widths
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 """Pipeline schedules that run one stage per rank; the others run several."""
@@ -418,10 +419,6 @@ def _compile_model(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     )
 
 
-LAYER_FAMILIES_TP = (("rwkv", "its split is not built yet"),)
-"""(layer type, why) of the layer families tensor parallelism cannot split."""
-
-
 def _layer_families(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     """Every layer family runs under context parallelism (a sequential mixer runs over the
     gathered sequence, models/block.py); tensor parallelism splits each family's own way
@@ -437,14 +434,14 @@ def _layer_families(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
             key="sequence_parallel",
             cause="attention_config",
         )
-    for kind, why in LAYER_FAMILIES_TP:
-        if kind in kinds:
-            return _refuse(
-                f"{kind} layers with model_parallel_size > 1 cannot run: {why}; set "
-                "model_parallel_size: 1",
-                key="model_parallel_size",
-                cause="attention_config",
-            )
+    ffn = rwkv_widths(cfg.model).ffn_dim if "rwkv" in kinds else 0
+    if ffn % lay.tp:  # the time mix splits by heads (whole heads: _whole_heads)
+        return _refuse(
+            f"cannot split rwkv layers' channel mix of width {ffn} into {lay.tp} equal parts; "
+            f"set intermediate_size to a multiple of {32 * lay.tp}",
+            key="model_parallel_size",
+            cause="attention_config",
+        )
     return None
 
 

@@ -1,5 +1,6 @@
 """Tensor parallelism for the layer families beside attention: mamba and gMLP/aMLP mixers
-split over the tensor ranks by channels (called from ``tensor_parallel.apply_tensor_parallel``).
+split over the tensor ranks by channels, RWKV's by heads (called from
+``tensor_parallel.apply_tensor_parallel``).
 
 mamba: in_proj split by output rows (as saved: the checkpoint is the one-process file), its
 output gathered and each rank keeping its channels of x and of the gate z (the strided split
@@ -8,7 +9,12 @@ rows); the convolution, dt_proj, A_log and D split by channels; x_proj and out_p
 columns (one all-reduce each). gMLP: input_linear split by rows, its output gathered, the
 gate's norm taken over the whole width (as one process), each rank keeping its channels of
 both halves; output_linear by input columns; aMLP's tiny attention reads both whole halves
-and its proj_ffn writes the rank's gate channels.
+and its proj_ffn writes the rank's gate channels. RWKV: the time mix's receptance, key,
+value and gate split by output rows (whole heads per rank), its output by input columns; the
+decay's time_decay, time_decay_w2 and the bonus time_faaaa by heads, and ln_x (a GroupNorm of
+one group per head) run on the rank's heads with its part of the weight and bias; the five
+token-shift mixes and the decay's first low-rank factor stay whole. The channel mix: key by
+rows, value by columns, receptance whole.
 
 Every replicated computation feeding a split one passes ``Split.copy`` (identity forward,
 the ranks' gradients summed backward), so replicated weights get the one-process gradient.
@@ -34,6 +40,15 @@ FAMILY_SPLITS = {
     "gmlp.sgu.attn.proj_ffn.weight": 0,
     "gmlp.sgu.attn.proj_ffn.bias": 0,
     **{f"mamba.{n}": 0 for n in MAMBA_CHANNELS},
+    **{f"time_mix.{n}.weight": 0 for n in ("receptance", "key", "value", "gate")},
+    "time_mix.output.weight": 1,
+    "time_mix.time_decay": 2,
+    "time_mix.time_decay_w2": 1,
+    "time_mix.time_faaaa": 0,
+    "time_mix.out_norm.weight": 0,
+    "time_mix.out_norm.bias": 0,
+    "channel_mix.key.weight": 0,
+    "channel_mix.value.weight": 1,
 }
 """(parameter name in its block, the dim tensor parallelism splits) of these families."""
 
@@ -60,7 +75,10 @@ class Split:
 
 
 def split_family(block: nn.Module, mesh: DeviceMesh) -> None:
-    """Split ``block``'s mamba or gMLP mixer over ``mesh`` (other families: nothing)."""
+    """Split ``block``'s mamba, gMLP or RWKV mixer over ``mesh`` (attention: nothing here)."""
+    if hasattr(block, "time_mix"):
+        _split_rwkv(block, mesh)
+        return
     mixer = getattr(block, "mamba", None) or getattr(block, "gmlp", None)
     if mixer is None:
         return
@@ -81,12 +99,36 @@ def split_family(block: nn.Module, mesh: DeviceMesh) -> None:
     parallelize_module(mixer, mesh, plan)
     if name == "mamba":
         for param in MAMBA_CHANNELS:
-            owner_name, _, leaf = param.rpartition(".")
-            owner = mixer.get_submodule(owner_name) if owner_name else mixer
-            tensor = getattr(owner, leaf)
-            if tensor is not None:
-                split = distribute_tensor(tensor.data, mesh, [Shard(0)])
-                setattr(owner, leaf, nn.Parameter(split, requires_grad=tensor.requires_grad))
-    for layer in plan:
-        mixer.get_submodule(layer).split = True
+            _shard(mixer, param, 0, mesh)
+    _mark_split(mixer, plan)
     mixer.tp = Split(mesh)
+
+
+def _split_rwkv(block: nn.Module, mesh: DeviceMesh) -> None:
+    """The time mix split by heads, the channel mix by its inner width (module docstring)."""
+    time, channel = block.time_mix, block.channel_mix
+    plan: dict = {n: ColwiseParallel() for n in ("receptance", "key", "value", "gate")}
+    plan["output"] = RowwiseParallel()
+    parallelize_module(time, mesh, plan)
+    for param in ("time_decay", "time_decay_w2", "time_faaaa", "out_norm.weight", "out_norm.bias"):
+        _shard(time, param, FAMILY_SPLITS[f"time_mix.{param}"], mesh)
+    _mark_split(time, plan)
+    time.tp = Split(mesh)
+    plan = {"key": ColwiseParallel(), "value": RowwiseParallel()}
+    parallelize_module(channel, mesh, plan)
+    _mark_split(channel, plan)
+
+
+def _shard(owner: nn.Module, name: str, dim: int, mesh: DeviceMesh) -> None:
+    """Parameter ``name`` of ``owner`` (when it has one) split on ``dim`` over ``mesh``."""
+    module_name, _, leaf = name.rpartition(".")
+    module = owner.get_submodule(module_name) if module_name else owner
+    tensor = getattr(module, leaf)
+    if tensor is not None:
+        split = distribute_tensor(tensor.data, mesh, [Shard(dim)])
+        setattr(module, leaf, nn.Parameter(split, requires_grad=tensor.requires_grad))
+
+
+def _mark_split(owner: nn.Module, names) -> None:
+    for layer in names:
+        owner.get_submodule(layer).split = True
