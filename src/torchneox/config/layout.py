@@ -19,7 +19,6 @@ from torchneox.config.checks.ft import require_replicas
 from torchneox.config.checks.model import layer_attention_types
 from torchneox.config.derived import Derived
 from torchneox.config.features.eight_bit import eight_bit_layout
-from torchneox.config.features.fp8_plan import fp8_plan
 from torchneox.config.features.offload import offload_spec
 from torchneox.config.load import LoadedConfig
 from torchneox.config.schema import NeoXConfig
@@ -366,19 +365,6 @@ def _context_parallel(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     return None
 
 
-def _fp8(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
-    plan = fp8_plan(cfg.precision, cfg.model)
-    if plan is None or lay.tp == 1:
-        return None
-    return _refuse(
-        "fp8 with model_parallel_size > 1 is not built (it needs torchao's float8 tensor-"
-        "parallel styles); use model_parallel_size 1 (data, ZeRO, pipeline or context "
-        "parallelism) or train in bf16",
-        key=plan.key,
-        cause="model_parallel_size",
-    )
-
-
 def compile_scope(cfg: NeoXConfig, layout: Layout) -> tuple[str, str]:
     """What ``compile`` compiles in ``layout`` ('off', 'model' or 'blocks'), and why."""
     t = cfg.training
@@ -481,7 +467,6 @@ RULES = (
     _not_built_with,
     _hybrid_sharding,
     _context_parallel,
-    _fp8,
     _compile_model,
     offload_rule,
     eight_bit_layout,

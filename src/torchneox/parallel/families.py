@@ -26,10 +26,14 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import parallelize_module
+
+from torchneox.parallel.fp8 import column_style, row_style
 
 MAMBA_CHANNELS = ("conv1d.weight", "conv1d.bias", "dt_proj.weight", "dt_proj.bias", "A_log", "D")
 """A mamba mixer's parameters split by channels (dim 0)."""
+RWKV_HEADS = ("receptance", "key", "value", "gate")
+"""The time mix's projections split by heads (output rows)."""
 FAMILY_SPLITS = {
     "mamba.in_proj.weight": 0,
     "mamba.in_proj.bias": 0,
@@ -40,7 +44,7 @@ FAMILY_SPLITS = {
     "gmlp.sgu.attn.proj_ffn.weight": 0,
     "gmlp.sgu.attn.proj_ffn.bias": 0,
     **{f"mamba.{n}": 0 for n in MAMBA_CHANNELS},
-    **{f"time_mix.{n}.weight": 0 for n in ("receptance", "key", "value", "gate")},
+    **{f"time_mix.{n}.weight": 0 for n in RWKV_HEADS},
     "time_mix.output.weight": 1,
     "time_mix.time_decay": 2,
     "time_mix.time_decay_w2": 1,
@@ -83,19 +87,20 @@ def split_family(block: nn.Module, mesh: DeviceMesh) -> None:
     if mixer is None:
         return
     name = "mamba" if hasattr(block, "mamba") else "gmlp"
+    layer = mixer.get_submodule  # (fp8 layers: torchao's float8 styles, parallel/fp8.py)
     plan: dict = {
-        "mamba": {
-            "in_proj": ColwiseParallel(use_local_output=False),
-            "x_proj": RowwiseParallel(),
-            "out_proj": RowwiseParallel(),
+        "mamba": lambda: {
+            "in_proj": column_style(layer("in_proj"), use_local_output=False),
+            "x_proj": row_style(layer("x_proj")),
+            "out_proj": row_style(layer("out_proj")),
         },
-        "gmlp": {
-            "input_linear": ColwiseParallel(use_local_output=False),
-            "output_linear": RowwiseParallel(),
+        "gmlp": lambda: {
+            "input_linear": column_style(layer("input_linear"), use_local_output=False),
+            "output_linear": row_style(layer("output_linear")),
         },
-    }[name]
+    }[name]()
     if name == "gmlp" and mixer.sgu.attn is not None:
-        plan["sgu.attn.proj_ffn"] = ColwiseParallel()
+        plan["sgu.attn.proj_ffn"] = column_style(layer("sgu.attn.proj_ffn"))
     parallelize_module(mixer, mesh, plan)
     if name == "mamba":
         for param in MAMBA_CHANNELS:
@@ -107,14 +112,14 @@ def split_family(block: nn.Module, mesh: DeviceMesh) -> None:
 def _split_rwkv(block: nn.Module, mesh: DeviceMesh) -> None:
     """The time mix split by heads, the channel mix by its inner width (module docstring)."""
     time, channel = block.time_mix, block.channel_mix
-    plan: dict = {n: ColwiseParallel() for n in ("receptance", "key", "value", "gate")}
-    plan["output"] = RowwiseParallel()
+    plan: dict = {n: column_style(time.get_submodule(n)) for n in RWKV_HEADS}
+    plan["output"] = row_style(time.output)
     parallelize_module(time, mesh, plan)
     for param in ("time_decay", "time_decay_w2", "time_faaaa", "out_norm.weight", "out_norm.bias"):
         _shard(time, param, FAMILY_SPLITS[f"time_mix.{param}"], mesh)
     _mark_split(time, plan)
     time.tp = Split(mesh)
-    plan = {"key": ColwiseParallel(), "value": RowwiseParallel()}
+    plan = {"key": column_style(channel.key), "value": row_style(channel.value)}
     parallelize_module(channel, mesh, plan)
     _mark_split(channel, plan)
 

@@ -37,6 +37,7 @@ from torchneox.models.linear import Linear
 from torchneox.models.mixers.sparse import SparseAttention
 from torchneox.models.transformer import Transformer
 from torchneox.parallel.families import FAMILY_SPLITS, split_family
+from torchneox.parallel.fp8 import column_style, gather_input_style, row_style
 
 COLUMN_SPLIT = ("attention.wq", "attention.wk", "attention.wv", "mlp.up", "mlp.gate")
 """Linear layers split by output features (weight and bias on dim 0)."""
@@ -101,22 +102,14 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
         parallelize_module(model, mesh, top)
         _mark_split(model, list(top))
     _keep_heads(model, mesh)
+    # fp8's collectives (sequence parallelism's gathers in fp8) need NCCL: gloo moves no fp8
+    fp8 = mesh.device_type == "cuda" or not sequence_parallel
     mtp = list(model.mtp.values()) if model.mtp is not None else []  # MTP's blocks alike
     for block in [*model.layers.values(), *mtp]:
         # (an MoE layer's experts are whole on every tensor rank, and so are its tokens: each
         # rank computes the same expert outputs, see _moe_plan)
         present = [n for n in COLUMN_SPLIT + ROW_SPLIT if _linear(block, n)]
-        plan: dict = {n: ColwiseParallel() for n in present if n in COLUMN_SPLIT}
-        plan |= {n: RowwiseParallel(output_layouts=seq) for n in present if n in ROW_SPLIT}
-        if sequence_parallel:
-            plan["attention_norm"] = SequenceParallel()
-            plan["attention"] = PrepareModuleInput(
-                input_layouts=(Shard(1), None, None, None),
-                desired_input_layouts=(Replicate(), None, None, None),
-            )
-            plan["mlp"] = _moe_plan() if getattr(block, "is_moe", False) else _mlp_input()
-            if block.mlp_norm is not None:
-                plan["mlp_norm"] = SequenceParallel()
+        plan = _block_plan(block, present, seq, sequence_parallel, fp8)
         adapters = _take_adapters(block, present)  # the plans split a layer's own weights
         parallelize_module(block, mesh, plan)
         _mark_split(block, present)
@@ -128,8 +121,35 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
             block.attention.keep_heads(mesh.get_local_rank(), mesh.size())
 
 
-def _mlp_input() -> PrepareModuleInput:
-    return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+def _block_plan(
+    block: nn.Module, present: list[str], seq: Shard | Replicate, sequence_parallel: bool, fp8: bool
+) -> dict:
+    """The plan of a block's attention and MLP linears (and, with sequence parallelism, its
+    norms and the sublayers' gathered inputs)."""
+    # (fp8 layers: torchao's float8 styles, casting before the collectives; parallel/fp8.py)
+    layer = block.get_submodule
+    plan: dict = {n: column_style(layer(n), fp8) for n in present if n in COLUMN_SPLIT}
+    plan |= {n: row_style(layer(n), fp8, output_layouts=seq) for n in present if n in ROW_SPLIT}
+    if sequence_parallel:
+        plan["attention_norm"] = SequenceParallel()
+        qkv = [layer(n) for n in present if n.startswith("attention.w") and n in COLUMN_SPLIT]
+        plan["attention"] = gather_input_style(
+            qkv,
+            fp8,
+            input_layouts=(Shard(1), None, None, None),
+            desired_input_layouts=(Replicate(), None, None, None),
+        )
+        up = [layer(n) for n in present if n in ("mlp.up", "mlp.gate")]
+        plan["mlp"] = _moe_plan() if getattr(block, "is_moe", False) else _mlp_input(up, fp8)
+        if block.mlp_norm is not None:
+            plan["mlp_norm"] = SequenceParallel()
+    return plan
+
+
+def _mlp_input(up: list[nn.Module], fp8: bool) -> PrepareModuleInput:
+    return gather_input_style(
+        up, fp8, input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+    )
 
 
 def _moe_plan() -> PrepareModuleInputOutput:
