@@ -1,8 +1,8 @@
 """The run's parallel layout, typed and derived once, and every rule a layout must keep.
 
 ``Layout.from_derived`` reads the sizes ``derive`` computed; ``check_layout`` holds every
-rule about which layouts run (what is not built yet with tensor or pipeline parallelism, fp8
-with tensor parallelism, context parallelism's divisibility of the sequence, what
+rule about which layouts run (what is not built yet with tensor or pipeline parallelism,
+context parallelism's divisibility of the sequence, what
 an explicit pipeline schedule needs, how experts split). ``train`` (and ``train --nproc``
 before it starts any process), ``estimate`` (for the layout given and for each alternative it
 proposes) and ``config explain`` call it; the parallel code builds from a checked layout and
