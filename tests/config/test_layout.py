@@ -66,11 +66,6 @@ CASES = [
         "pos_emb: pos_emb 'rpe' with pipeline_schedule interleaved_1f1b is not built",
     ),
     (
-        "rwkv-with-tensor-parallelism",
-        UNTIED | {"model_parallel_size": 2, "attention_config": [[["rwkv"], "all"]]},
-        "model_parallel_size: rwkv layers with model_parallel_size > 1 cannot run",
-    ),
-    (
         "replica-groups-with-pipeline-stages",
         UNTIED
         | {

@@ -10,6 +10,7 @@ from tests.helpers import (
     DP_KEYS,
     assert_resumes_like_whole,
     assert_same_training,
+    losses,
     reference,
     train,
 )
@@ -196,3 +197,16 @@ def test_model_options_under_tensor_parallelism_equal_one_process(untied, tmp_pa
 def test_relative_positions_resume_from_tensor_parallel_into_one_process(untied, tmp_path):
     rpe = ["pos_emb=rpe", "rpe_num_buckets=8", "rpe_max_distance=16", "train_iters=6"]
     assert_resumes_like_whole(untied, tmp_path, rpe, ["model_parallel_size=2", *rpe], 2, rpe, 1)
+
+
+def test_fp8_under_tensor_parallelism_trains_like_one_process(untied, tmp_path):
+    """fp8_recipe tensorwise on 2 tensor ranks: torchao's float8 styles (casting each layer's
+    input and output gradient to fp8 on the DTensor, one scale over the ranks' parts); the
+    losses are one process's fp8 losses, the gradient norms within fp8's rounding."""
+    keys = ["fp8_recipe=tensorwise", "train_iters=2"]
+    train(untied, f"save={tmp_path / 'one'}", "load=null", *keys)
+    train(untied, f"save={tmp_path / 'tp'}", "load=null", "model_parallel_size=2", *keys, nproc=2)
+    for key, rel in (("lm_loss", 1e-4), ("grad_norm", 1e-2)):
+        one, tp = losses(tmp_path / "one", key), losses(tmp_path / "tp", key)
+        assert sorted(tp) == sorted(one) == [1, 2]
+        assert all(tp[k] == pytest.approx(one[k], rel=rel) for k in one), (key, one, tp)

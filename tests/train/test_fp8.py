@@ -78,23 +78,41 @@ def test_fp8_refusals_are_one_line(make_config, tmp_path, capsys, monkeypatch):
         check_fp8_hardware(plan, torch.device("cuda"))
 
 
-@pytest.mark.parametrize("keys", [{"fp8_recipe": "rowwise"}, {"te_fp8_mha": True}])
-@pytest.mark.parametrize(
-    "verb", [["config", "explain"], ["estimate", "--gpus", "2"], ["train", "--nproc", "2"]]
-)
-def test_fp8_with_tensor_parallelism_is_a_layout_rule_every_verb_refuses(
-    make_config, capsys, keys, verb
-):
-    """Refused before any process starts, by the verbs that only read the config too (it was
-    refused once per rank at build, with the launcher's noise and exit 1)."""
-    tp = {"model_parallel_size": 2, "no_weight_tying": True}
-    cfg = make_config(precision="bfloat16", **keys, **tp)
-    args = [*verb[:2], cfg, *verb[2:]] if verb[0] == "config" else [verb[0], cfg, *verb[1:]]
-    assert main(args) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1, err
-    key = next(iter(keys))
-    assert f"{key}: fp8 with model_parallel_size > 1 is not built" in err, err
+def test_tensor_parallelism_splits_fp8_layers_with_torchaos_float8_styles():
+    """Tensorwise fp8 layers take torchao's float8 tensor-parallel styles (inputs and output
+    gradients cast before their collectives); a recipe keeping the weight gradient's product
+    in high precision, a layer with a LoRA adapter, a plain layer, and gloo under sequence
+    parallelism (no fp8 collectives) take torch's styles, the layer casting its own parts."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    from torchneox.config.features.fp8_plan import FP8Plan
+    from torchneox.parallel.fp8 import apply_fp8, column_style, gather_input_style, row_style
+
+    def layers(plan):
+        model = torch.nn.Module()
+        model.layers = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+        apply_fp8(model, plan)
+        return list(model.layers)
+
+    fp8, plain = layers(FP8Plan("tensorwise", "blocks")), torch.nn.Linear(32, 32)
+    assert type(column_style(fp8[0])) is Float8ColwiseParallel
+    assert type(row_style(fp8[1], output_layouts=None)) is Float8RowwiseParallel
+    assert type(gather_input_style(fp8, True)) is PrepareFloat8ModuleInput
+    assert type(gather_input_style([*fp8, plain], True)) is not PrepareFloat8ModuleInput
+    assert type(column_style(fp8[0], False)) is ColwiseParallel
+    assert type(gather_input_style(fp8, False)) is not PrepareFloat8ModuleInput
+    assert type(column_style(plain)) is ColwiseParallel
+    high = FP8Plan("tensorwise", "blocks", wgrad_high_precision=True)
+    for layer in (*layers(FP8Plan("rowwise_with_gw_hp", "blocks")), *layers(high)):
+        assert type(column_style(layer)) is ColwiseParallel
+        assert type(row_style(layer)) is RowwiseParallel
+    fp8[0].lora_A = torch.nn.Linear(32, 4)
+    assert type(column_style(fp8[0])) is ColwiseParallel
 
 
 def test_rowwise_with_gw_hp_and_high_precision_weight_gradients_run_under_cpu_autocast():

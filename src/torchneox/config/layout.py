@@ -1,8 +1,8 @@
 """The run's parallel layout, typed and derived once, and every rule a layout must keep.
 
 ``Layout.from_derived`` reads the sizes ``derive`` computed; ``check_layout`` holds every
-rule about which layouts run (what is not built yet with tensor or pipeline parallelism, fp8
-with tensor parallelism, context parallelism's divisibility of the sequence, what
+rule about which layouts run (what is not built yet with tensor or pipeline parallelism,
+context parallelism's divisibility of the sequence, what
 an explicit pipeline schedule needs, how experts split). ``train`` (and ``train --nproc``
 before it starts any process), ``estimate`` (for the layout given and for each alternative it
 proposes) and ``config explain`` call it; the parallel code builds from a checked layout and
@@ -20,11 +20,11 @@ from torchneox.config.checks.ft import replica_layout, require_replicas
 from torchneox.config.checks.model import layer_attention_types
 from torchneox.config.derived import Derived
 from torchneox.config.features.eight_bit import eight_bit_layout
-from torchneox.config.features.fp8_plan import fp8_plan
 from torchneox.config.features.offload import offload_spec
 from torchneox.config.features.sparsity import ATTENTION_LAYER_TYPES
 from torchneox.config.load import LoadedConfig
 from torchneox.config.schema import NeoXConfig
+from torchneox.config.sizes import rwkv_widths
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 """Pipeline schedules that run one stage per rank; the others run several."""
@@ -390,19 +390,6 @@ def _context_parallel(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     return None
 
 
-def _fp8(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
-    plan = fp8_plan(cfg.precision, cfg.model)
-    if plan is None or lay.tp == 1:
-        return None
-    return _refuse(
-        "fp8 with model_parallel_size > 1 is not built (it needs torchao's float8 tensor-"
-        "parallel styles); use model_parallel_size 1 (data, ZeRO, pipeline or context "
-        "parallelism) or train in bf16",
-        key=plan.key,
-        cause="model_parallel_size",
-    )
-
-
 def compile_scope(cfg: NeoXConfig, layout: Layout) -> tuple[str, str]:
     """What ``compile`` compiles in ``layout`` ('off', 'model' or 'blocks'), and why."""
     t = cfg.training
@@ -443,10 +430,6 @@ def _compile_model(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     )
 
 
-LAYER_FAMILIES_TP = (("rwkv", "its split is not built yet"),)
-"""(layer type, why) of the layer families tensor parallelism cannot split."""
-
-
 def _layer_families(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     """Every layer family runs under context parallelism (a sequential mixer runs over the
     gathered sequence, models/block.py); tensor parallelism splits each family's own way
@@ -462,14 +445,14 @@ def _layer_families(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
             key="sequence_parallel",
             cause="attention_config",
         )
-    for kind, why in LAYER_FAMILIES_TP:
-        if kind in kinds:
-            return _refuse(
-                f"{kind} layers with model_parallel_size > 1 cannot run: {why}; set "
-                "model_parallel_size: 1",
-                key="model_parallel_size",
-                cause="attention_config",
-            )
+    ffn = rwkv_widths(cfg.model).ffn_dim if "rwkv" in kinds else 0
+    if ffn % lay.tp:  # the time mix splits by heads (whole heads: _whole_heads)
+        return _refuse(
+            f"cannot split rwkv layers' channel mix of width {ffn} into {lay.tp} equal parts; "
+            f"set intermediate_size to a multiple of {32 * lay.tp}",
+            key="model_parallel_size",
+            cause="attention_config",
+        )
     return None
 
 
@@ -509,7 +492,6 @@ RULES = (
     _not_built_with,
     _hybrid_sharding,
     _context_parallel,
-    _fp8,
     _compile_model,
     offload_rule,
     eight_bit_layout,

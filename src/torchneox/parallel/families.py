@@ -1,5 +1,6 @@
 """Tensor parallelism for the layer families beside attention: mamba and gMLP/aMLP mixers
-split over the tensor ranks by channels (called from ``tensor_parallel.apply_tensor_parallel``).
+split over the tensor ranks by channels, RWKV's by heads (called from
+``tensor_parallel.apply_tensor_parallel``).
 
 mamba: in_proj split by output rows (as saved: the checkpoint is the one-process file), its
 output gathered and each rank keeping its channels of x and of the gate z (the strided split
@@ -8,7 +9,12 @@ rows); the convolution, dt_proj, A_log and D split by channels; x_proj and out_p
 columns (one all-reduce each). gMLP: input_linear split by rows, its output gathered, the
 gate's norm taken over the whole width (as one process), each rank keeping its channels of
 both halves; output_linear by input columns; aMLP's tiny attention reads both whole halves
-and its proj_ffn writes the rank's gate channels.
+and its proj_ffn writes the rank's gate channels. RWKV: the time mix's receptance, key,
+value and gate split by output rows (whole heads per rank), its output by input columns; the
+decay's time_decay, time_decay_w2 and the bonus time_faaaa by heads, and ln_x (a GroupNorm of
+one group per head) run on the rank's heads with its part of the weight and bias; the five
+token-shift mixes and the decay's first low-rank factor stay whole. The channel mix: key by
+rows, value by columns, receptance whole.
 
 Every replicated computation feeding a split one passes ``Split.copy`` (identity forward,
 the ranks' gradients summed backward), so replicated weights get the one-process gradient.
@@ -20,10 +26,14 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import parallelize_module
+
+from torchneox.parallel.fp8 import column_style, row_style
 
 MAMBA_CHANNELS = ("conv1d.weight", "conv1d.bias", "dt_proj.weight", "dt_proj.bias", "A_log", "D")
 """A mamba mixer's parameters split by channels (dim 0)."""
+RWKV_HEADS = ("receptance", "key", "value", "gate")
+"""The time mix's projections split by heads (output rows)."""
 FAMILY_SPLITS = {
     "mamba.in_proj.weight": 0,
     "mamba.in_proj.bias": 0,
@@ -34,6 +44,15 @@ FAMILY_SPLITS = {
     "gmlp.sgu.attn.proj_ffn.weight": 0,
     "gmlp.sgu.attn.proj_ffn.bias": 0,
     **{f"mamba.{n}": 0 for n in MAMBA_CHANNELS},
+    **{f"time_mix.{n}.weight": 0 for n in RWKV_HEADS},
+    "time_mix.output.weight": 1,
+    "time_mix.time_decay": 2,
+    "time_mix.time_decay_w2": 1,
+    "time_mix.time_faaaa": 0,
+    "time_mix.out_norm.weight": 0,
+    "time_mix.out_norm.bias": 0,
+    "channel_mix.key.weight": 0,
+    "channel_mix.value.weight": 1,
 }
 """(parameter name in its block, the dim tensor parallelism splits) of these families."""
 
@@ -60,33 +79,61 @@ class Split:
 
 
 def split_family(block: nn.Module, mesh: DeviceMesh) -> None:
-    """Split ``block``'s mamba or gMLP mixer over ``mesh`` (other families: nothing)."""
+    """Split ``block``'s mamba, gMLP or RWKV mixer over ``mesh`` (attention: nothing here)."""
+    if hasattr(block, "time_mix"):
+        _split_rwkv(block, mesh)
+        return
     mixer = getattr(block, "mamba", None) or getattr(block, "gmlp", None)
     if mixer is None:
         return
     name = "mamba" if hasattr(block, "mamba") else "gmlp"
+    layer = mixer.get_submodule  # (fp8 layers: torchao's float8 styles, parallel/fp8.py)
     plan: dict = {
-        "mamba": {
-            "in_proj": ColwiseParallel(use_local_output=False),
-            "x_proj": RowwiseParallel(),
-            "out_proj": RowwiseParallel(),
+        "mamba": lambda: {
+            "in_proj": column_style(layer("in_proj"), use_local_output=False),
+            "x_proj": row_style(layer("x_proj")),
+            "out_proj": row_style(layer("out_proj")),
         },
-        "gmlp": {
-            "input_linear": ColwiseParallel(use_local_output=False),
-            "output_linear": RowwiseParallel(),
+        "gmlp": lambda: {
+            "input_linear": column_style(layer("input_linear"), use_local_output=False),
+            "output_linear": row_style(layer("output_linear")),
         },
-    }[name]
+    }[name]()
     if name == "gmlp" and mixer.sgu.attn is not None:
-        plan["sgu.attn.proj_ffn"] = ColwiseParallel()
+        plan["sgu.attn.proj_ffn"] = column_style(layer("sgu.attn.proj_ffn"))
     parallelize_module(mixer, mesh, plan)
     if name == "mamba":
         for param in MAMBA_CHANNELS:
-            owner_name, _, leaf = param.rpartition(".")
-            owner = mixer.get_submodule(owner_name) if owner_name else mixer
-            tensor = getattr(owner, leaf)
-            if tensor is not None:
-                split = distribute_tensor(tensor.data, mesh, [Shard(0)])
-                setattr(owner, leaf, nn.Parameter(split, requires_grad=tensor.requires_grad))
-    for layer in plan:
-        mixer.get_submodule(layer).split = True
+            _shard(mixer, param, 0, mesh)
+    _mark_split(mixer, plan)
     mixer.tp = Split(mesh)
+
+
+def _split_rwkv(block: nn.Module, mesh: DeviceMesh) -> None:
+    """The time mix split by heads, the channel mix by its inner width (module docstring)."""
+    time, channel = block.time_mix, block.channel_mix
+    plan: dict = {n: column_style(time.get_submodule(n)) for n in RWKV_HEADS}
+    plan["output"] = row_style(time.output)
+    parallelize_module(time, mesh, plan)
+    for param in ("time_decay", "time_decay_w2", "time_faaaa", "out_norm.weight", "out_norm.bias"):
+        _shard(time, param, FAMILY_SPLITS[f"time_mix.{param}"], mesh)
+    _mark_split(time, plan)
+    time.tp = Split(mesh)
+    plan = {"key": column_style(channel.key), "value": row_style(channel.value)}
+    parallelize_module(channel, mesh, plan)
+    _mark_split(channel, plan)
+
+
+def _shard(owner: nn.Module, name: str, dim: int, mesh: DeviceMesh) -> None:
+    """Parameter ``name`` of ``owner`` (when it has one) split on ``dim`` over ``mesh``."""
+    module_name, _, leaf = name.rpartition(".")
+    module = owner.get_submodule(module_name) if module_name else owner
+    tensor = getattr(module, leaf)
+    if tensor is not None:
+        split = distribute_tensor(tensor.data, mesh, [Shard(dim)])
+        setattr(module, leaf, nn.Parameter(split, requires_grad=tensor.requires_grad))
+
+
+def _mark_split(owner: nn.Module, names) -> None:
+    for layer in names:
+        owner.get_submodule(layer).split = True

@@ -114,3 +114,64 @@ def _cpu_autocast_input(module: nn.Module, args: tuple) -> tuple | None:
     if torch.is_autocast_enabled("cpu") and not torch.is_autocast_enabled("cuda"):
         return (args[0].to(torch.get_autocast_dtype("cpu")), *args[1:])
     return None
+
+
+def _fp8_gathers(layer: nn.Module) -> bool:
+    """Whether ``layer`` is a Float8Linear whose input and output gradient torchao's float8
+    tensor-parallel styles may cast before their collectives: tensorwise dynamic scales (one
+    scale per tensor: the same on every rank) and the weight gradient's product in fp8 too (a
+    style hands the layer its input already in fp8, so a recipe keeping that product in high
+    precision, rowwise_with_gw_hp or te_fp8_wgrad false, takes torch's own styles: the layer
+    then casts each rank's part itself)."""
+    from torchao.float8.config import ScalingGranularity, ScalingType
+    from torchao.float8.float8_linear import Float8Linear
+
+    if not isinstance(layer, Float8Linear) or "lora_A" in layer._modules:
+        return False  # an adapter reads the layer's input, which must stay in high precision
+    c = layer.config
+    casts = (c.cast_config_input, c.cast_config_grad_output, c.cast_config_input_for_grad_weight)
+    return all(
+        x.scaling_type is ScalingType.DYNAMIC
+        and x.scaling_granularity is ScalingGranularity.TENSORWISE
+        for x in casts
+    )
+
+
+def column_style(layer: nn.Module, fp8_collectives: bool = True, **kw: Any) -> Any:
+    """Tensor parallelism's split of ``layer`` by output features: torchao's
+    Float8ColwiseParallel for an fp8 layer (its input cast to fp8 before it is gathered, its
+    output gradient cast in backward), else torch's ColwiseParallel. ``fp8_collectives``
+    false (gloo, which moves no fp8 tensor, under sequence parallelism, whose gathers and
+    scatters the styles would run in fp8): torch's style, the layer casting its own parts."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    if fp8_collectives and _fp8_gathers(layer):
+        from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel
+
+        return Float8ColwiseParallel(**kw)
+    return ColwiseParallel(**kw)
+
+
+def row_style(layer: nn.Module, fp8_collectives: bool = True, **kw: Any) -> Any:
+    """The split of ``layer`` by input features: torchao's Float8RowwiseParallel for an fp8
+    layer, else torch's RowwiseParallel (``fp8_collectives``: as ``column_style``)."""
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    if fp8_collectives and _fp8_gathers(layer):
+        from torchao.float8.float8_tensor_parallel import Float8RowwiseParallel
+
+        return Float8RowwiseParallel(**kw)
+    return RowwiseParallel(**kw)
+
+
+def gather_input_style(layers: list[nn.Module], fp8_collectives: bool, **kw: Any) -> Any:
+    """A sublayer's input gathered from its sequence shards (sequence parallelism): cast to
+    fp8 first (torchao's PrepareFloat8ModuleInput: one fp8 all-gather) where every layer that
+    reads it (``layers``) takes torchao's styles, else torch's PrepareModuleInput."""
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    if fp8_collectives and layers and all(_fp8_gathers(x) for x in layers):
+        from torchao.float8.float8_tensor_parallel import PrepareFloat8ModuleInput
+
+        return PrepareFloat8ModuleInput(**kw)
+    return PrepareModuleInput(**kw)

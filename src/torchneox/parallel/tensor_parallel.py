@@ -40,6 +40,7 @@ from torchneox.models.mixers.mla import MLA
 from torchneox.models.mixers.sparse import SparseAttention
 from torchneox.models.transformer import Transformer
 from torchneox.parallel.families import FAMILY_SPLITS, split_family
+from torchneox.parallel.fp8 import column_style, gather_input_style, row_style
 
 COLUMN_SPLIT = (
     "attention.wq", "attention.wk", "attention.wv", "mlp.up", "mlp.gate",
@@ -108,15 +109,14 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
         parallelize_module(model, mesh, top)
         _mark_split(model, list(top))
     _keep_heads(model, mesh)
+    # fp8's collectives (sequence parallelism's gathers in fp8) need NCCL: gloo moves no fp8
+    fp8 = mesh.device_type == "cuda" or not sequence_parallel
     mtp = list(model.mtp.values()) if model.mtp is not None else []  # MTP's blocks alike
     for block in [*model.layers.values(), *mtp]:
         # (an MoE layer's experts are whole on every tensor rank, and so are its tokens: each
         # rank computes the same expert outputs, see _moe_plan)
         present = [n for n in COLUMN_SPLIT + ROW_SPLIT if _linear(block, n)]
-        plan: dict = {n: ColwiseParallel() for n in present if n in COLUMN_SPLIT}
-        plan |= {n: RowwiseParallel(output_layouts=seq) for n in present if n in ROW_SPLIT}
-        if sequence_parallel:
-            plan |= _sequence_plan(block)
+        plan = _block_plan(block, present, seq, sequence_parallel, fp8)
         adapters = _take_adapters(block, present)  # the plans split a layer's own weights
         parallelize_module(block, mesh, plan)
         _mark_split(block, present)
@@ -130,8 +130,37 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
             block.attention.keep_heads(mesh.get_local_rank(), mesh.size())
 
 
-def _mlp_input() -> PrepareModuleInput:
-    return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+def _block_plan(
+    block: nn.Module, present: list[str], seq: Shard | Replicate, sequence_parallel: bool, fp8: bool
+) -> dict:
+    """The plan of a block's attention and MLP linears (and, with sequence parallelism, its
+    norms and the sublayers' gathered inputs)."""
+    # (fp8 layers: torchao's float8 styles, casting before the collectives; parallel/fp8.py)
+    layer = block.get_submodule
+    plan: dict = {n: column_style(layer(n), fp8) for n in present if n in COLUMN_SPLIT}
+    plan |= {n: row_style(layer(n), fp8, output_layouts=seq) for n in present if n in ROW_SPLIT}
+    if sequence_parallel:
+        plan["attention_norm"] = SequenceParallel()
+        qkv = [layer(n) for n in present if n.startswith("attention.w") and n in COLUMN_SPLIT]
+        mla = isinstance(getattr(block, "attention", None), MLA)
+        plan["attention"] = gather_input_style(
+            [] if mla else qkv,  # MLA's input meets its down projections, whole plain linears
+            fp8,
+            input_layouts=(Shard(1), None, None, None),
+            desired_input_layouts=(Replicate(), None, None, None),
+            use_local_output=mla,
+        )
+        up = [layer(n) for n in present if n in ("mlp.up", "mlp.gate")]
+        plan["mlp"] = _moe_plan() if getattr(block, "is_moe", False) else _mlp_input(up, fp8)
+        if block.mlp_norm is not None:
+            plan["mlp_norm"] = SequenceParallel()
+    return plan
+
+
+def _mlp_input(up: list[nn.Module], fp8: bool) -> PrepareModuleInput:
+    return gather_input_style(
+        up, fp8, input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+    )
 
 
 def _moe_plan() -> PrepareModuleInputOutput:
@@ -169,22 +198,6 @@ def _sum_gradient(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """MLA's rotary key, whole on every rank, meets only the rank's heads: its gradient is the
     sum of every rank's."""
     return _SumGradient.apply(x, mesh.get_group())
-
-
-def _sequence_plan(block: nn.Module) -> dict:
-    """Sequence parallelism: the norms on the rank's slice of the sequence, the attention and
-    the MLP on the whole sequence gathered."""
-    plan: dict = {"attention_norm": SequenceParallel()}
-    plan["attention"] = PrepareModuleInput(
-        input_layouts=(Shard(1), None, None, None),
-        desired_input_layouts=(Replicate(), None, None, None),
-        # MLA's down projections are plain (whole) linears: they take the local tensor
-        use_local_output=isinstance(getattr(block, "attention", None), MLA),
-    )
-    plan["mlp"] = _moe_plan() if getattr(block, "is_moe", False) else _mlp_input()
-    if block.mlp_norm is not None:
-        plan["mlp_norm"] = SequenceParallel()
-    return plan
 
 
 def _whole(x: torch.Tensor, mesh: DeviceMesh, seq: Shard | Replicate) -> DTensor:

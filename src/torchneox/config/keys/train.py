@@ -247,8 +247,9 @@ class PrecisionConfig:
     fp8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = extension(
         None,
         "fp8 training of every block linear through torchao's float8 with this recipe "
-        "(needs torchao; a GPU of compute capability 8.9+, or the CPU; not with tensor "
-        "parallelism). Unset: no fp8 unless te_fp8_mha.",
+        "(needs torchao; a GPU of compute capability 8.9+, or the CPU; under tensor "
+        "parallelism the layers split with torchao's float8 styles). Unset: no fp8 unless "
+        "te_fp8_mha.",
     )
     cpu_matmul: Literal["auto", "onednn", "default"] = extension(
         "auto",

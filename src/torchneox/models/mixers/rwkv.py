@@ -115,6 +115,11 @@ def fla_wkv(r, k, v, log_decay, u, state):
     return y.transpose(1, 2).float(), final.float()
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter split over tensor ranks (a DTensor), else ``t``."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _shifted(x: torch.Tensor, state: dict, name: str, cache) -> torch.Tensor:
     """x_{t-1} for every position (zeros, or the cached last input, before the first)."""
     first = state.get(name) if cache is not None else None
@@ -165,6 +170,9 @@ class TimeMix(nn.Module):
         self.gate = Linear(h, d, bias=False)
         self.output = Linear(d, h, bias=False)
         self.out_norm = nn.GroupNorm(self.heads, d, eps=GROUP_NORM_EPS)
+        self.tp = None
+        """Tensor parallelism's collectives (parallel/families.py's ``Split``) when the mix is
+        split over tensor ranks by heads."""
 
     def forward(self, x_BTH, rope=None, bias=None, cache=None) -> torch.Tensor:
         b, t, _ = x_BTH.shape
@@ -179,23 +187,35 @@ class TimeMix(nn.Module):
         k = self.key(x + dx * (self.time_maa_k + mk))
         v = self.value(x + dx * (self.time_maa_v + mv))
         g = F.silu(self.gate(x + dx * (self.time_maa_g + mg)))
-        w = self.time_decay + torch.tanh(xw @ self.time_decay_w1) @ self.time_decay_w2
-        heads = [z.view(b, t, self.heads, self.head_size).transpose(1, 2) for z in (r, k, v)]
-        log_decay = -torch.exp(w.float()).view(b, t, self.heads, self.head_size).transpose(1, 2)
+        low_w = torch.tanh(xw @ self.time_decay_w1)
+        if self.tp is not None:  # every rank's heads read the decay's shared low-rank part
+            low_w = self.tp.copy(low_w)
+        w = _local(self.time_decay) + low_w @ _local(self.time_decay_w2)
+        n = r.shape[-1] // self.head_size  # the heads this rank holds (all of them unsplit)
+        heads = [z.view(b, t, n, self.head_size).transpose(1, 2) for z in (r, k, v)]
+        log_decay = -torch.exp(w.float()).view(b, t, n, self.head_size).transpose(1, 2)
         y, final = self._wkv(*heads, log_decay, state.get("wkv"))
         if cache is not None:
             _keep(state, "wkv", final)
         y = y.transpose(1, 2).reshape(b * t, -1)
-        y = self.out_norm(y).view(b, t, -1).to(g.dtype)
+        y = self._group_norm(y, n).view(b, t, -1).to(g.dtype)
         return self.output(y * g)
+
+    def _group_norm(self, y: torch.Tensor, heads: int) -> torch.Tensor:
+        """ln_x over each of the ``heads`` this rank holds (its weight's part of them)."""
+        if self.tp is None:
+            return self.out_norm(y)
+        norm = self.out_norm
+        weight, bias = _local(norm.weight), _local(norm.bias)
+        return F.group_norm(y, heads, weight, bias, norm.eps)
 
     def _wkv(self, r, k, v, log_decay, state):
         if r.is_cuda:
-            out = fla_wkv(r, k, v, log_decay, self.time_faaaa, state)
+            out = fla_wkv(r, k, v, log_decay, _local(self.time_faaaa), state)
             if out is not None:
                 return out
         with torch.autocast(r.device.type, enabled=False):  # the recurrence in fp32
-            return wkv(r, k, v, log_decay, self.time_faaaa, state)
+            return wkv(r, k, v, log_decay, _local(self.time_faaaa), state)
 
 
 class ChannelMix(nn.Module):
