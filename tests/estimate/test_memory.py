@@ -18,18 +18,18 @@ from torchneox.estimate.search import estimate
 PROBE = Path(__file__).with_name("memory_probe.py")
 
 MOE = ["moe_num_experts=4", "moe_top_k=2", "moe_expert_interval=2"]
+# (the suite's budget: ZeRO-1 is held beside tensor parallelism, where its shards are a tensor
+# rank's; ZeRO's sharding of experts at ZeRO-3 beside the expert axis; MoE under tensor
+# parallelism in MLA's model)
 LAYOUTS = {
     "dp2-zero0": (2, ["zero_optimization.stage=0"]),
-    "dp2-zero1": (2, ["zero_optimization.stage=1"]),
     "dp2-zero3": (2, ["zero_optimization.stage=3"]),
     "tp2": (2, ["model_parallel_size=2", "train_micro_batch_size_per_gpu=4"]),
     "dp2-tp2-zero1": (4, ["model_parallel_size=2", "zero_optimization.stage=1"]),
     # mixture of experts: experts sharded by ZeRO like any weight, or split over the expert
     # axis and left alone by ZeRO/DDP, or whole on every tensor rank
-    "moe-dp2-zero1": (2, [*MOE, "zero_optimization.stage=1"]),
     "moe-dp2-ep2": (2, [*MOE, "expert_parallel_size=2"]),
     "moe-dp2-ep2-zero3": (2, [*MOE, "expert_parallel_size=2", "zero_optimization.stage=3"]),
-    "moe-tp2": (2, [*MOE, "model_parallel_size=2", "train_micro_batch_size_per_gpu=4"]),
     # MLA (its down projections whole on each tensor rank, the up projections split by heads)
     # with DeepSeek-V3's experts of their own width, a shared expert and the router bias
     "mla-moe-tp2": (
@@ -88,11 +88,10 @@ def test_estimated_bytes_per_rank_equal_the_processes(make_config, tmp_path, lay
     ("nproc", "overrides"),
     [
         (1, []),
-        (2, ["context_parallel_size=2"]),
         (4, ["context_parallel_size=4"]),
         (4, ["context_parallel_size=2", "zero_optimization.stage=1"]),  # x data parallel 2
     ],
-    ids=["one", "cp2", "cp4", "cp2-dp2"],
+    ids=["one", "cp4", "cp2-dp2"],
 )
 def test_activation_memory_per_rank_within_ten_percent(make_config, tmp_path, nproc, overrides):
     """With context parallelism a rank keeps its share of the tokens' activations and every

@@ -42,14 +42,14 @@ def baseline(config, tmp_path_factory):
     return one_process(config, tmp_path_factory)
 
 
+# (the suite's budget: 4 context ranks are test_checkpoints_resume_across_layouts' one-to-cp4,
+# ZeRO-3 beside CP its cp2-zero3 and cp2-pp2-gpipe-dp2-zero3 here, DDP beside CP the data
+# parallelism of ZeRO-1's case)
 @pytest.mark.parametrize(
     ("cp", "others", "nproc"),
     [
         (2, ["train_micro_batch_size_per_gpu=4"], 2),
-        (4, ["train_micro_batch_size_per_gpu=4"], 4),
-        (2, ["zero_optimization.stage=0", "train_micro_batch_size_per_gpu=2"], 4),  # x dp 2
         (2, ["zero_optimization.stage=1", "train_micro_batch_size_per_gpu=2"], 4),
-        (2, ["zero_optimization.stage=3"], 8),  # x data parallel 4
         (2, ["model_parallel_size=2", "train_micro_batch_size_per_gpu=4"], 4),
         (
             2,
@@ -62,7 +62,7 @@ def baseline(config, tmp_path_factory):
         (2, ["pipe_parallel_size=2", "model_parallel_size=2", "train_micro_batch_size_per_gpu=4"], 8),
     ],
     ids=[
-        "cp2", "cp4", "cp2-dp2-zero0", "cp2-dp2-zero1", "cp2-dp4-zero3", "cp2-tp2", "cp2-tp2-sp",
+        "cp2", "cp2-dp2-zero1", "cp2-tp2", "cp2-tp2-sp",
         "cp2-pp2", "cp2-pp2-gpipe-dp2-zero3", "cp2-pp2-tp2",
     ],
 )  # fmt: skip

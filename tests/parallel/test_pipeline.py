@@ -57,18 +57,20 @@ LAYOUTS = {
         ["pipe_parallel_size=2", "model_parallel_size=2", "sequence_parallel=true"],
     ),
 }
-# ZeRO 0 (DDP), 1 and 3 with data x pipeline and ZeRO 1 and 3 with data x tensor x pipeline
-# parallelism: ZeRO-2 runs ZeRO-1's code (FSDP2 keeping the gathered weights through backward;
-# its parity is tests/parallel/test_data_parallel.py's), and so does ZeRO 0 beside tensor
-# parallelism (DDP takes no DTensor: parallel/data_parallel.py)
-for stage in (0, 1, 3):
+# ZeRO 0 (DDP) and 1 with data x pipeline and ZeRO 3 with data x tensor x pipeline parallelism
+# (and below, ZeRO-3 with tied weights across stages): ZeRO-2 runs ZeRO-1's code (FSDP2
+# keeping the gathered weights through backward; its parity is
+# tests/parallel/test_data_parallel.py's), and so does ZeRO 0 beside tensor parallelism (DDP
+# takes no DTensor: parallel/data_parallel.py); ZeRO-1 beside tensor parallelism is
+# test_tensor_parallel.py's
+for stage in (0, 1):
     zero = ["train_micro_batch_size_per_gpu=1", f"zero_optimization.stage={stage}"]
     LAYOUTS[f"dp2-pp2-zero{stage}"] = (4, ["pipe_parallel_size=2", *zero])
-    if stage:
-        LAYOUTS[f"dp2-tp2-pp2-zero{stage}"] = (
-            8,
-            ["pipe_parallel_size=2", "model_parallel_size=2", *zero],
-        )
+LAYOUTS["dp2-tp2-pp2-zero3"] = (
+    8,
+    ["pipe_parallel_size=2", "model_parallel_size=2", "train_micro_batch_size_per_gpu=1"]
+    + ["zero_optimization.stage=3"],
+)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -20,7 +20,6 @@ from tests.helpers import (
     train,
 )
 
-OBJECTIVES = ("sft", "dpo", "kto", "rm")
 METRICS = {
     "sft": (),
     "dpo": ("chosen_rewards", "rejected_rewards", "reward_acc", "margins", "ref_pos", "chosen_neg"),
@@ -116,7 +115,17 @@ def assert_same_metrics(out: Path, rows: list[dict], names: tuple[str, ...]) -> 
             assert got[k] == pytest.approx(theirs[k], rel=1e-4, abs=1e-5), (key, k)
 
 
-CASES = [(objective, layout) for objective in OBJECTIVES for layout in LAYOUTS]
+# Not the whole product (the suite's budget): every objective under two or three layouts and
+# every layout under one to three objectives, the stopped runs below adding DPO and KTO at
+# ZeRO-3 and DPO through stages; what differs between objectives is the loss and its
+# reference model, between layouts how the batch and the weights are split, and each pairing
+# of a kind of loss with a kind of split is held once
+CASES = [
+    ("sft", "zero0"), ("sft", "tp2"), ("sft", "pp2"),
+    ("dpo", "zero1"), ("dpo", "tp2"),
+    ("kto", "zero3"), ("kto", "pp2"),
+    ("rm", "zero3"), ("rm", "tp2"), ("rm", "pp2"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("objective, layout", CASES)
@@ -130,7 +139,7 @@ def test_two_processes_equal_one(configs, one_process, tmp_path, objective, layo
     assert_same_metrics(out, rows, METRICS[objective])
 
 
-@pytest.mark.parametrize("objective", OBJECTIVES)
+@pytest.mark.parametrize("objective", ["dpo", "kto"])  # a reference model; KTO's paired halves
 def test_mixture_of_experts_split_over_two_processes_equals_one(
     configs, one_process, tmp_path, objective
 ):
