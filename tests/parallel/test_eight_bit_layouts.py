@@ -5,6 +5,7 @@ DTensor shards, trains as the same optimizer at ZeRO 0 in one process, and resum
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.helpers import DP_KEYS, assert_resumes_bitwise, losses, train, weights
 from torchneox.config.load import load_config
@@ -20,6 +21,10 @@ ZERO3 = ["zero_optimization.stage=3", "train_micro_batch_size_per_gpu=2"]
 
 
 def test_zero3_8bit_adam_equals_zero0_and_resumes_bitwise(make_config, tmp_path, monkeypatch):
+    # torchao's step eager in every process (torch.compile would compile it once per shard
+    # shape, most of this test's time): what is held here is how the shards are stepped
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)
     one = tmp_path / "one"
     cfg = make_config("e.yml", save=str(one), load=str(one), **KEYS)
     # ZeRO 0 runs bitsandbytes where it is installed: the baseline is torchao's optimizer too
