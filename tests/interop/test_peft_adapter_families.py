@@ -96,3 +96,20 @@ def test_peft_puts_the_exported_adapter_on_the_hf_base_and_computes_ours(tmp_pat
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "cannot write an adapter of mamba.dt_proj" in err, err
         assert not out.exists()
+
+
+def test_adapters_on_moe_experts_are_refused_in_one_line(tmp_path, capsys):
+    config = transformers.MixtralConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=64,
+    )  # fmt: skip
+    transformers.MixtralForCausalLM(config).save_pretrained(tmp_path / "hf")
+    trained_checkpoint(tmp_path, tmp_path / "hf", ["q_proj", "up_proj"])
+    out = tmp_path / "a"
+    capsys.readouterr()
+    assert main(["convert", "to-hf", "--adapter", str(tmp_path / "lora"), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "--adapter cannot write the adapters of the MoE experts (mlp.up)" in err, err
+    assert not out.exists()
