@@ -341,15 +341,6 @@ def _check_present(ch: Checker, ours: set[str]) -> None:
 def _check_use(ch: Checker) -> None:
     """The objectives and layouts the adapters are not built for yet."""
     c = ch.c
-    ours = {ALIASES.get(str(t), str(t)) for t in (DEFAULTS | c.training.lora)["target_modules"]}
-    experts = ours & {"mlp.up", "mlp.gate", "mlp.down"}
-    if experts and c.moe.moe_num_experts > 1 and c.moe.expert_parallel_size > 1:
-        ch.fail(
-            NAME,
-            f"lora on the experts ({', '.join(sorted(experts))} of the MoE layers) with "
-            "expert_parallel_size > 1 is not built yet (their adapters are not split over the "
-            "expert ranks): set expert_parallel_size 1, or adapt attention only",
-        )
     if c.parallel.pipe_parallel_size > 1 and c.training.train_impl in ("rm", "reinforce"):
         ch.fail(
             NAME,
