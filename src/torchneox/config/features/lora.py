@@ -314,6 +314,8 @@ def _check_present(ch: Checker, ours: set[str]) -> None:
     """Each target names a layer the model has (none would be adapted without a word)."""
     c = ch.c
     kinds = layer_attention_types(c)
+    if not kinds:  # the layers come later (a Hugging Face folder's config.json), checked then
+        return
     families = {family_of_type(k) for k in kinds}
     if "amlp" in families:
         families.add("gmlp")
