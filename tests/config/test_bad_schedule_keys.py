@@ -90,9 +90,9 @@ CASES = [
         "max_difficulty must be an integer >= 1, got 'long'",
     ),
     (
-        "curriculum-pipeline",
-        {**curriculum(), "pipe_parallel_size": 2},
-        "curriculum_learning: is not built for pipeline parallelism",
+        "curriculum-context",
+        {**curriculum(), "context_parallel_size": 2},
+        "curriculum_learning: is not built for context parallelism",
     ),
     (
         "curriculum-dpo",

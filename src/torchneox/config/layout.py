@@ -197,20 +197,21 @@ def _tensor_parallel_positions(cfg: NeoXConfig, lay: Layout) -> ConfigError | No
 
 NOT_BUILT_WITH = (
     (
-        "pp",
+        ("pp", "cp"),
         "inter_document_attention_masking",
-        "pipe_parallel_size",
-        "inter_document_attention_masking with pipe_parallel_size >= 2 is not built yet (the "
-        "stages would need each micro-batch's documents beside its hidden states); use data, "
-        "ZeRO or tensor parallelism",
+        "context_parallel_size",
+        "inter_document_attention_masking with pipe_parallel_size >= 2 and "
+        "context_parallel_size > 1 together is not built (the stages' context split carries "
+        "no documents); either axis alone takes it",
     ),
 )
-"""(layout axis, model key, the layout key, why): model options not built yet beside an axis."""
+"""(layout axes, model key, the layout key, why): model options not built beside axes that
+are all split."""
 
 
 def _not_built_with(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
-    for axis, key, cause, message in NOT_BUILT_WITH:
-        if getattr(lay, axis) > 1 and getattr(cfg.model, key):
+    for axes, key, cause, message in NOT_BUILT_WITH:
+        if all(getattr(lay, axis) > 1 for axis in axes) and getattr(cfg.model, key):
             return _refuse(message, key=key, cause=cause)
     return None
 
@@ -253,13 +254,6 @@ def _pipeline(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
             "(the stages' context split carries the tokens alone); either axis alone takes it",
             key="eod_mask_loss",
             cause="context_parallel_size",
-        )
-    if cfg.textgen.eval_tasks:
-        return _refuse(
-            "with pipe_parallel_size >= 2 is not supported yet; evaluate the checkpoint with "
-            "`torchneox eval --tasks` instead",
-            key="eval_tasks",
-            cause="pipe_parallel_size",
         )
     if cfg.model.num_layers and lay.total_stages > cfg.model.num_layers:
         return _refuse(

@@ -216,6 +216,7 @@ class Transformer(nn.Module):
         self.first_stage = True
         """False on a later pipeline stage: its input is hidden states (its embedding, where it
         holds one, is the tied head's weight)."""
+        self.prompt_passed = False  # a soft prompt's last pipeline stage: it cuts the prompt
         self.sequence_shards = 1
         """Set by sequence parallelism: the tensor ranks the hidden states between blocks are
         split over along the sequence (a later pipeline stage receives one slice)."""
@@ -274,11 +275,12 @@ class Transformer(nn.Module):
     def freeze_for_prompt(self) -> None:
         """soft_prompt_tuning: every parameter but the prompt frozen (no gradient, no optimizer
         state); nothing changes without a soft prompt."""
-        if self.soft_prompt is None:
+        if not self.args.soft_prompt_tokens:
             return
         for param in self.parameters():
             param.requires_grad_(False)
-        self.soft_prompt.weight.requires_grad_(True)
+        if self.soft_prompt is not None:  # (a later pipeline stage holds none: all frozen)
+            self.soft_prompt.weight.requires_grad_(True)
 
     def _apply(self, fn, recurse=True):
         """As nn.Module's, then the shared layers tied again (a move gives each module its
@@ -482,7 +484,7 @@ class Transformer(nn.Module):
             static.advance(t)
         elif cache is not None:
             cache.length += t
-        if prompted:  # the prompt's own outputs are never scored or sampled
+        if prompted or (self.prompt_passed and start == 0):  # never scored or sampled
             x = x[:, self.args.soft_prompt_tokens :]
         out = self._head(x[:, -1:] if last_only else x)
         return (out, stats) if router_stats else out

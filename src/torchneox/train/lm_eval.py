@@ -127,13 +127,34 @@ class TorchNeoXScorer:
             sampling = Sampling(
                 temperature=temperature, maximum_tokens=budget, stop_ids={self.eot}, seed=0
             )
-            ids = generate(self.model, [prompt], sampling)[0]
+            if getattr(self.model, "cacheless", False):  # a pipeline's stages keep no cache
+                ids = self._cacheless(prompt, sampling)
+            else:
+                ids = generate(self.model, [prompt], sampling)[0]
             text = self.tok.decode(ids)
             for stop in until:
                 if stop and stop in text:
                     text = text[: text.index(stop)]
             out.append(text)
         return out
+
+    @torch.no_grad()
+    def _cacheless(self, prompt: list[int], s: Sampling) -> list[int]:
+        """A continuation by whole forwards, one per token: greedy, or drawn at the temperature
+        by seed 0's generator; it ends before a stop token."""
+        generator = torch.Generator().manual_seed(0)
+        ids = list(prompt)
+        for _ in range(s.maximum_tokens):
+            logits = self.model(torch.tensor([ids], device=self._device))[0, -1].float().cpu()
+            if s.temperature > 0:
+                probs = torch.softmax(logits / s.temperature, -1)
+                token = int(torch.multinomial(probs, 1, generator=generator))
+            else:
+                token = int(logits.argmax())
+            if token in s.stop_ids:
+                break
+            ids.append(token)
+        return ids[len(prompt) :]
 
 
 def make_adapter(model: torch.nn.Module, args, tokenizer, batch_size: int = 8, device=None):

@@ -23,6 +23,7 @@ from torchneox.base.errors import TrainingStopped
 from torchneox.base.faults import fault_fires, fault_point
 from torchneox.config.features.curriculum import Curriculum
 from torchneox.data.loader import Batch
+from torchneox.models.mixers.attention import documents
 from torchneox.models.moe import MoE
 from torchneox.models.transformer import adapters_off
 from torchneox.optim.builder import clip_grad_norm, shard_gradients_like_parameters
@@ -42,7 +43,7 @@ from torchneox.parallel.pipeline import evaluate_pipeline
 from torchneox.parallel.tensor_parallel import loss_context, placed_like
 from torchneox.reporting.metrics import Timers
 from torchneox.train.loss import lm_loss, token_logp
-from torchneox.train.objectives import LanguageModeling, Objective
+from torchneox.train.objectives import DocumentMasked, LanguageModeling, Objective
 from torchneox.train.pipelined import PipelinedObjective, StageRouters, prepared_batch
 from torchneox.train.precision import LossScaler, autocast
 
@@ -239,12 +240,30 @@ class Gradients:
         modelling on the next tokens, or (a float target) the post-training objective."""
         if target.is_floating_point():
             return self.pipelined(logits, target)
-        return lm_loss(logits, target, None) * self.scale()
+        # (a soft prompt's model scores the text it kept: seq_length less the prompt)
+        return lm_loss(logits, target[:, : logits.shape[1]], None) * self.scale()
 
-    def _pipeline_inputs(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _documents(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """inter_document_attention_masking: each token's document and its position in it,
+        the model's inputs beside the tokens on every stage (the schedules cut them into the
+        micro-batches as they cut the tokens)."""
+        if not isinstance(self.objective, DocumentMasked):
+            return {}
+        positions, segments = documents(inputs, self.objective.eod_id)
+        return {"positions_BT": positions, "segments_BT": segments}
+
+    def _pipeline_inputs(
+        self, micro_batches: list[Batch]
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """The pipeline's input and target for a global batch: tokens and next tokens, or
-        post-training micro-batches prepared, with the reference's log-probabilities."""
-        lm = self.objective if isinstance(self.objective, LanguageModeling) else None
+        post-training micro-batches prepared, with the reference's log-probabilities; and the
+        model's other inputs (``_documents``)."""
+        inputs, target = self._pipeline_tensors(micro_batches)
+        return inputs, target, self._documents(inputs)
+
+    def _pipeline_tensors(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+        objective = getattr(self.objective, "inner", self.objective)  # (under DocumentMasked)
+        lm = objective if isinstance(objective, LanguageModeling) else None
         # eod_mask_loss and lm_z_loss: the target carries the loss mask and the loss its terms
         masked_or_z = lm is not None and (lm.eod_id is not None or lm.z_weight > 0)
         if not isinstance(micro_batches[0], dict) and not (masked_or_z and self.dims.cp == 1):
@@ -258,7 +277,7 @@ class Gradients:
                 return inputs, target
             return tokens[:, :-1], tokens[:, 1:]
         batches = [to_device(b, self.device) for b in micro_batches]
-        inputs, target, preps = prepared_batch(self.objective, batches)
+        inputs, target, preps = prepared_batch(objective, batches)
         if self.objective.needs_reference:
             ref = self.parts.reference_pipeline
             labels = torch.cat([p.labels for p in preps])
@@ -269,6 +288,7 @@ class Gradients:
                 per_micro_batch = evaluate_pipeline(
                     ref or self.parts.pipeline, inputs, labels, self.grad_accum,
                     self.dims.mesh["pp"], lambda out, y, _: token_logp(out, y, fp32), reduce=False,
+                    kwargs=self._documents(inputs),
                 )  # fmt: skip
             if per_micro_batch:  # the last stage: the one that computes the loss
                 target[..., 3] = torch.cat(per_micro_batch)
@@ -279,13 +299,13 @@ class Gradients:
         objective's metrics in ``self.pipeline_metrics``)."""
         p = self.parts.pipeline
         with self._loss_context(), self._autocast():
-            inputs, target = self._pipeline_inputs(micro_batches)
+            inputs, target, extra = self._pipeline_inputs(micro_batches)
             if not train:
                 loss_fn = lm_loss
                 if target.is_floating_point():
                     loss_fn = lambda out, y, _: self.pipelined(out, y, scaled=False)  # noqa: E731
                 local = evaluate_pipeline(
-                    p, inputs, target, self.grad_accum, self.dims.mesh["pp"], loss_fn
+                    p, inputs, target, self.grad_accum, self.dims.mesh["pp"], loss_fn, kwargs=extra
                 )
                 self._share_pipeline_metrics()
                 # only the last stage adds a loss; a context rank's is its tokens' mean
@@ -293,8 +313,9 @@ class Gradients:
             losses: list[torch.Tensor] = []
             args = (inputs,) if p.has_first else ()
             kwargs = {"target": target, "losses": losses} if p.has_last else {}
+            p.reschedule(tuple(inputs.shape))
             with self.timers("pipeline"):
-                p.schedule.step(*args, **kwargs)
+                p.schedule.step(*args, **extra, **kwargs)
         local = torch.zeros((), device=self.device)
         if p.has_last and target.is_floating_point():  # the objective's loss, as logged
             local = self.pipelined.mean_loss(self.grad_accum) / self.dims.cp

@@ -230,7 +230,5 @@ def _check_layout(ch: Checker) -> None:
     c = ch.c
     if c.training.train_impl != "normal":
         ch.fail(NAME, f"is for language modelling (train_impl normal), not {c.training.train_impl}")
-    if c.parallel.pipe_parallel_size >= 2:
-        ch.fail(NAME, "is not built for pipeline parallelism; set pipe_parallel_size 1 or drop it")
     if c.parallel.context_parallel_size > 1:
         ch.fail(NAME, "is not built for context parallelism; set context_parallel_size 1")
