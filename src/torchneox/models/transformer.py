@@ -484,7 +484,7 @@ class Transformer(nn.Module):
             static.advance(t)
         elif cache is not None:
             cache.length += t
-        if prompted or (self.prompt_passed and start == 0):  # never scored or sampled
+        if (prompted or (self.prompt_passed and start == 0)) and self.final_norm is not None:
             x = x[:, self.args.soft_prompt_tokens :]
         out = self._head(x[:, -1:] if last_only else x)
         return (out, stats) if router_stats else out

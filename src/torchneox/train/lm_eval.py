@@ -160,7 +160,9 @@ class TorchNeoXScorer:
 def make_adapter(model: torch.nn.Module, args, tokenizer, batch_size: int = 8, device=None):
     """An lm-eval ``LM`` backed by ``model`` (a Transformer, or the module training calls)."""
     LM = _lm_eval()
-    scorer = TorchNeoXScorer(model, args.max_positions, tokenizer, batch_size, device)
+    # a soft prompt's model reads seq_length less the prompt of text
+    longest = args.seq_length - args.soft_prompt_tokens if args.soft_prompt_tokens else None
+    scorer = TorchNeoXScorer(model, longest or args.max_positions, tokenizer, batch_size, device)
 
     class TorchNeoXLM(LM):
         def loglikelihood(self, requests) -> list[tuple[float, bool]]:
