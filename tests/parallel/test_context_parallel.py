@@ -49,7 +49,9 @@ def baseline(config, tmp_path_factory):
         (4, ["train_micro_batch_size_per_gpu=4"], 4),
         (2, ["zero_optimization.stage=0", "train_micro_batch_size_per_gpu=2"], 4),  # x dp 2
         (2, ["zero_optimization.stage=1", "train_micro_batch_size_per_gpu=2"], 4),
-        (2, ["zero_optimization.stage=3"], 8),  # x data parallel 4
+        # x data parallel 4, ZeRO-3 within 2 groups of 2 data-parallel ranks (4 with their
+        # context ranks), replicated across them
+        (2, ["zero_optimization={stage: 3, mics_shard_size: 2}"], 8),
         (2, ["model_parallel_size=2", "train_micro_batch_size_per_gpu=4"], 4),
         (
             2,
@@ -62,7 +64,7 @@ def baseline(config, tmp_path_factory):
         (2, ["pipe_parallel_size=2", "model_parallel_size=2", "train_micro_batch_size_per_gpu=4"], 8),
     ],
     ids=[
-        "cp2", "cp4", "cp2-dp2-zero0", "cp2-dp2-zero1", "cp2-dp4-zero3", "cp2-tp2", "cp2-tp2-sp",
+        "cp2", "cp4", "cp2-dp2-zero0", "cp2-dp2-zero1", "cp2-dp4-zero3-hybrid", "cp2-tp2", "cp2-tp2-sp",
         "cp2-pp2", "cp2-pp2-gpipe-dp2-zero3", "cp2-pp2-tp2",
     ],
 )  # fmt: skip

@@ -236,12 +236,6 @@ def _hybrid_sharding(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
             cause="model_parallel_size",
             path="mics_shard_size",
         )
-    if lay.ep > 1 and lay.hybrid:
-        return _refuse(
-            "mics_shard_size (hybrid sharding) with expert_parallel_size > 1 is not built yet",
-            key=key,
-            cause="expert_parallel_size",
-        )
     return None
 
 
@@ -319,7 +313,6 @@ def _context_parallel(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
             cause="seq_length",
         )
     others = (
-        (lay.hybrid, "mics_shard_size (hybrid sharding)", "zero_optimization"),
         (
             cfg.training.train_impl != "normal",
             f"train_impl {cfg.training.train_impl!r}",
