@@ -152,8 +152,16 @@ def test_what_is_not_built_is_one_line(config, keys, nproc, said):
     assert "context_parallel_size" in lines[0]
 
 
-@pytest.mark.parametrize("impl", ["dpo", "kto", "rm"])
-def test_post_training_objectives_are_refused(make_config, impl):
+@pytest.mark.parametrize(
+    ("impl", "pp", "said"),
+    [
+        ("reinforce", 1, "with train_impl 'reinforce' is not built yet"),
+        ("dpo", 2, "with train_impl 'dpo' and pipe_parallel_size >= 2 together is not built yet"),
+    ],
+)
+def test_what_post_training_does_not_take_is_refused(make_config, impl, pp, said):
+    import dataclasses
+
     from torchneox.config.derive import derive
     from torchneox.config.layout import Layout, layout_problem
     from torchneox.config.load import load_config
@@ -161,6 +169,6 @@ def test_post_training_objectives_are_refused(make_config, impl):
     loaded = load_config([make_config(context_parallel_size=2)], [])
     layout = Layout.from_derived(loaded.config, derive(loaded, world_size=2))
     loaded.config.training.train_impl = impl
-    problem = layout_problem(loaded.config, layout)
+    problem = layout_problem(loaded.config, dataclasses.replace(layout, pp=pp, gas=2))
     assert problem is not None and problem.key == "context_parallel_size"
-    assert f"with train_impl {impl!r} is not built yet" in problem.message
+    assert said in problem.message

@@ -312,10 +312,12 @@ def _context_parallel(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
             key=key,
             cause="seq_length",
         )
+    impl = cfg.training.train_impl
     others = (
+        (impl == "reinforce", "train_impl 'reinforce'", "train_impl"),
         (
-            cfg.training.train_impl != "normal",
-            f"train_impl {cfg.training.train_impl!r}",
+            impl != "normal" and lay.pp > 1,
+            f"train_impl {impl!r} and pipe_parallel_size >= 2 together",
             "train_impl",
         ),
     )

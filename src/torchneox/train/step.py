@@ -34,7 +34,11 @@ from torchneox.parallel.collectives import (
     sum_over_pp,
     sum_router_stats,
 )
-from torchneox.parallel.context_parallel import split_pipeline_batch, split_sequence
+from torchneox.parallel.context_parallel import (
+    gather_sequence,
+    split_pipeline_batch,
+    split_sequence,
+)
 from torchneox.parallel.data_parallel import set_gradient_sync
 from torchneox.parallel.dims import ParallelDims
 from torchneox.parallel.expert_parallel import sync_expert_gradients
@@ -118,6 +122,7 @@ class Gradients:
             aux_weight = getattr(objective, "aux_weight", 0.0)
             self.routers = StageRouters(self, parts.pipeline.parts, aux_weight, layers)
         self.curriculum: Curriculum | None = None  # curriculum_learning: each step's length
+        self.whole: Any = None  # the micro-batch being run, whole (``_prepare``)
 
     def __call__(
         self, iteration: int, micro_batches: list[Batch]
@@ -173,11 +178,31 @@ class Gradients:
     # ------------------------------------------------------------------ forward/backward
 
     def _prepare(self, batch: Batch) -> Any:
-        """The objective's micro-batch, with context parallelism this rank's part of it."""
-        prep = self.objective.prepare(batch)
+        """The objective's micro-batch, with context parallelism this rank's part of it (the
+        whole one kept in ``self.whole`` for an objective of whole sequences)."""
+        prep = self.whole = self.objective.prepare(batch)
         if self.dims.cp > 1:
             prep = split_sequence(prep, self.dims.mesh["cp"])
         return prep
+
+    def _terms(self, out: torch.Tensor, prep: Any, stats: Any = None, placed: Any = None) -> Any:
+        """The objective's terms. Under context parallelism language modelling takes each
+        rank's tokens; the post-training objectives (sums over a whole sequence, a reward
+        model's last position) take the outputs gathered whole (``gather_sequence``), every
+        context rank computing the same terms: the logged loss and metrics are each rank's
+        1/cp share of them, as the reductions over the context ranks add the shares."""
+        reference = self._reference(prep)
+        objective = getattr(self.objective, "inner", self.objective)
+        if self.dims.cp == 1 or isinstance(objective, LanguageModeling):
+            return self.objective.terms(out, prep, reference, stats, placed)
+        mesh, context, cp = self.dims.mesh["cp"], prep.context, self.dims.cp
+        out = gather_sequence(out, context, mesh)
+        if reference is not None:
+            reference = gather_sequence(reference, context, mesh)
+        terms = self.objective.terms(out, self.whole, reference, stats, placed)
+        terms.loss = terms.loss / cp
+        terms.metrics = {k: v / cp for k, v in terms.metrics.items()}
+        return terms
 
     def _forward(self, batch: Batch, sums: dict) -> Any:
         prep = self._prepare(batch)
@@ -191,7 +216,7 @@ class Gradients:
                 whole = [sum_router_stats(s, self.dims.batch_mesh) for s in stats]
         else:
             out = self.parts.module(prep.inputs, **prep.model_inputs())
-        terms = self.objective.terms(out, prep, self._reference(prep), whole, placed_like)
+        terms = self._terms(out, prep, whole, placed_like)
         for name in ("z_loss", "moe_aux_loss"):
             value = getattr(terms, name)
             if value is not None:
@@ -357,7 +382,7 @@ class Gradients:
             prep = self._prepare(to_device(batch, self.device))
             with self._loss_context(), self._autocast():
                 out = self.parts.module(prep.inputs, **prep.model_inputs())
-                terms = self.objective.terms(out, prep, self._reference(prep))
+                terms = self._terms(out, prep)
             row = {"lm_loss": plain(terms.loss)}
             values.append(row | {k: plain(v).float() for k, v in terms.metrics.items()})
         return values
