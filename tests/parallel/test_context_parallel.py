@@ -78,10 +78,16 @@ def test_equals_one_process(config, tmp_path, baseline, cp, others, nproc):
     assert_same_training(out, baseline)
 
 
+CURRICULUM = (
+    "curriculum_learning={enabled: true, curriculum_type: seqlen, min_difficulty: 8, "
+    "max_difficulty: 32, schedule_type: fixed_discrete, "
+    "schedule_config: {difficulty: [8, 16, 32], max_step: [1, 2]}}"
+)
 VARIANTS = {
     # documents: positions restart and attention stays inside each, the loss skips EOD inputs
     "documents": ["inter_document_attention_masking=true", "eod_mask_loss=true"],
-    "alibi-window": ["pos_emb=alibi", "sliding_window_width=12", "lm_z_loss=0.01"],
+    # with curriculum learning's growing length (each cut into the ranks' chunks)
+    "alibi-window": ["pos_emb=alibi", "sliding_window_width=12", "lm_z_loss=0.01", CURRICULUM],
     # top-k routing is per token (sinkhorn balances the tokens a rank holds, as in GPT-NeoX)
     "moe": ["moe_num_experts=4", "moe_top_k=2", "moe_router_type=topk", "moe_aux_loss_coeff=0.01"],
 }
@@ -101,6 +107,8 @@ def test_model_options_equal_one_process(config, tmp_path, variant):
         assert bool(want) == (
             extra in {"moe": "moe_aux_loss", "alibi-window": "z_loss"}.get(variant, "")
         )
+    if CURRICULUM in keys:
+        assert losses(out, "curriculum_seqlen") == {1: 8, 2: 16, 3: 32}
 
 
 @pytest.mark.parametrize(
