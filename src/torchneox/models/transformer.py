@@ -458,7 +458,7 @@ class Transformer(nn.Module):
         static = cache if isinstance(cache, StaticKVCache) else None
         if static is not None and positions_BT is None:
             positions_BT = static.queries(t)
-        prompted = self.soft_prompt is not None and self.first_stage
+        prompted = self.soft_prompt is not None and self.first_stage and context is None
         if not self.first_stage:  # a later pipeline stage: the input is hidden states
             x = tokens_BT
             t *= self.sequence_shards  # (sequence parallelism: this rank's slice of them)
@@ -470,9 +470,7 @@ class Transformer(nn.Module):
         else:
             x = self._embed(tokens_BT, positions_BT, start, t)
         rope = self._rope(positions_BT, start, t, length)
-        bias = self._attention_bias(
-            t, start, key_valid_BS, x.device, segments_BT, context, static
-        )  # fmt: skip
+        bias = self._attention_bias(t, start, key_valid_BS, x.device, segments_BT, context, static)
         stats = []
         for block in self.layers.values():
             x, layer_stats = block(x, rope, bias, cache)
@@ -558,6 +556,11 @@ class Transformer(nn.Module):
             x = x * self.args.mup.embedding_mult
         if self.embedded_output is not None:
             x = self.embedded_output(x)
+        if self.soft_prompt is not None and positions_BT is not None and positions_BT.dim() == 1:
+            # a context rank's chunks of [prompt, text]: positions below n are the prompt's
+            n = self.args.soft_prompt_tokens
+            rows = self.soft_prompt.weight.to(x.dtype)[positions_BT.clamp(max=n - 1)]
+            x = torch.where((positions_BT < n)[:, None], rows, x)
         return x
 
 

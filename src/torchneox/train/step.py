@@ -50,6 +50,7 @@ from torchneox.train.loss import lm_loss, token_logp
 from torchneox.train.objectives import DocumentMasked, LanguageModeling, Objective
 from torchneox.train.pipelined import PipelinedObjective, StageRouters, prepared_batch
 from torchneox.train.precision import LossScaler, autocast
+from torchneox.train.soft_prompt import before_text
 
 
 @dataclass
@@ -182,6 +183,9 @@ class Gradients:
         whole one kept in ``self.whole`` for an objective of whole sequences)."""
         prep = self.whole = self.objective.prepare(batch)
         if self.dims.cp > 1:
+            args = self.parts.model.args
+            if args.soft_prompt_tokens:  # the prompt's positions first, then split
+                prep = before_text(prep, args.soft_prompt_tokens, args.seq_length)
             prep = split_sequence(prep, self.dims.mesh["cp"])
         return prep
 
