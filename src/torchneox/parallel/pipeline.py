@@ -324,6 +324,7 @@ class PipelineLogits(torch.nn.Module):
     def __init__(self, pipeline: Pipeline, pp_mesh: DeviceMesh, device: torch.device):
         super().__init__()
         self.pipeline, self.pp_mesh, self.device = pipeline, pp_mesh, device
+        self.args = pipeline.container.args  # (what sampling reads: positions, soft prompt)
 
     def train(self, mode: bool = True) -> PipelineLogits:
         self.training = mode
@@ -332,8 +333,11 @@ class PipelineLogits(torch.nn.Module):
         return self
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, **given: torch.Tensor | None) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
+
+        assert given.get("cache") is None, "a pipeline's stages keep no cache"
+        kwargs = {k: v for k, v in given.items() if v is not None}
 
         def keep(out: torch.Tensor, _y, _m) -> torch.Tensor:
             return out.full_tensor() if isinstance(out, DTensor) else out

@@ -215,6 +215,12 @@ def _sampled(run: Any, module: torch.nn.Module, line: Callable[[str], None], gro
     if dims.distributed:
         lockstep = lambda done: not any_rank(not done, dims, run.device)  # noqa: E731
 
+    if run.parts.pipeline is not None:  # the stages as one module, without a cache
+        from torchneox.parallel.pipeline import PipelineLogits
+
+        module = PipelineLogits(run.parts.pipeline, dims.mesh["pp"], run.device)
+        s = dataclasses.replace(s, use_cache=False)
+
     def sample(rows: list[list[int]], generator: torch.Generator) -> list[list[int]]:
         with autocast(run.precision, run.device.type):  # the cache in the forward's dtype
             return sample_policy(module, rows, s, pad, generator, dims.tp, lockstep)
