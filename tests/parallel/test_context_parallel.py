@@ -163,7 +163,7 @@ def test_what_is_not_built_is_one_line(config, keys, nproc, said):
 @pytest.mark.parametrize(
     ("impl", "pp", "said"),
     [
-        ("reinforce", 1, "with train_impl 'reinforce' is not built yet"),
+        ("reinforce", 2, "'reinforce' and pipe_parallel_size >= 2 together is not built yet"),
         ("dpo", 2, "with train_impl 'dpo' and pipe_parallel_size >= 2 together is not built yet"),
     ],
 )

@@ -82,8 +82,10 @@ def baseline(tmp_path_factory):
         (["zero_optimization.stage=1", "gradient_accumulation_steps=1"], True),
         (["zero_optimization.stage=3", "gradient_accumulation_steps=1"], True),
         (["model_parallel_size=2", "gradient_accumulation_steps=2"], False),
+        # each rank's part of every sequence; the outputs gathered whole for the objective
+        (["context_parallel_size=2", "gradient_accumulation_steps=2"], False),
     ],
-    ids=["zero1", "zero3", "tp2"],
+    ids=["zero1", "zero3", "tp2", "cp2"],
 )
 def test_two_processes_equal_one_given_the_same_rollouts(tmp_path, baseline, layout, per_rank):
     out = tmp_path / "run"

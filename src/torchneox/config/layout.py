@@ -314,7 +314,6 @@ def _context_parallel(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
         )
     impl = cfg.training.train_impl
     others = (
-        (impl == "reinforce", "train_impl 'reinforce'", "train_impl"),
         (
             impl != "normal" and lay.pp > 1,
             f"train_impl {impl!r} and pipe_parallel_size >= 2 together",

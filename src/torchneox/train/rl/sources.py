@@ -134,13 +134,14 @@ class ServedRollouts:
 
 def model_group(dims: Any) -> Any:
     """The process group of the ranks that share this rank's data-parallel rank (its pipeline
-    stages and tensor ranks), which make and use one rollout batch; None when it is alone."""
-    names = tuple(n for n in ("pp", "tp") if getattr(dims, n) > 1)
+    stages, context and tensor ranks), which make and use one rollout batch; None when it is
+    alone."""
+    names = tuple(n for n in ("pp", "cp", "tp") if getattr(dims, n) > 1)
     if not names:
         return None
     if len(names) == 1:
         return dims.mesh[names[0]].get_group()
-    return dims.mesh[names]._flatten("pp_tp").get_group()
+    return dims.mesh[names]._flatten("_".join(names)).get_group()
 
 
 def build_rollouts(run: Any, module: torch.nn.Module, line: Callable[[str], None]) -> dict:
