@@ -26,7 +26,15 @@ EP_LAYOUTS = {
         ["expert_parallel_size=2", "train_micro_batch_size_per_gpu=2", "zero_optimization.stage=3"],
     ),
     "dp4-ep4": (4, ["expert_parallel_size=4", "train_micro_batch_size_per_gpu=1"]),
-    "dp4-ep2": (4, ["expert_parallel_size=2", "train_micro_batch_size_per_gpu=1"]),
+    # the experts' 2 replicas, the other weights ZeRO-3 within 2 groups of 2 (hybrid sharding)
+    "dp4-ep2-hybrid": (
+        4,
+        [
+            "expert_parallel_size=2",
+            "train_micro_batch_size_per_gpu=1",
+            "zero_optimization={stage: 3, mics_shard_size: 2}",
+        ],
+    ),
     "dp2-ep2-tp2": (
         4,
         ["expert_parallel_size=2", "model_parallel_size=2", "train_micro_batch_size_per_gpu=2"],

@@ -243,20 +243,21 @@ def _tensor_parallel_positions(cfg: NeoXConfig, lay: Layout) -> ConfigError | No
 
 NOT_BUILT_WITH = (
     (
-        "pp",
+        ("pp", "cp"),
         "inter_document_attention_masking",
-        "pipe_parallel_size",
-        "inter_document_attention_masking with pipe_parallel_size >= 2 is not built yet (the "
-        "stages would need each micro-batch's documents beside its hidden states); use data, "
-        "ZeRO or tensor parallelism",
+        "context_parallel_size",
+        "inter_document_attention_masking with pipe_parallel_size >= 2 and "
+        "context_parallel_size > 1 together is not built (the stages' context split carries "
+        "no documents); either axis alone takes it",
     ),
 )
-"""(layout axis, model key, the layout key, why): model options not built yet beside an axis."""
+"""(layout axes, model key, the layout key, why): model options not built beside axes that
+are all split."""
 
 
 def _not_built_with(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
-    for axis, key, cause, message in NOT_BUILT_WITH:
-        if getattr(lay, axis) > 1 and getattr(cfg.model, key):
+    for axes, key, cause, message in NOT_BUILT_WITH:
+        if all(getattr(lay, axis) > 1 for axis in axes) and getattr(cfg.model, key):
             return _refuse(message, key=key, cause=cause)
     return None
 
@@ -281,12 +282,6 @@ def _hybrid_sharding(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
             cause="model_parallel_size",
             path="mics_shard_size",
         )
-    if lay.ep > 1 and lay.hybrid:
-        return _refuse(
-            "mics_shard_size (hybrid sharding) with expert_parallel_size > 1 is not built yet",
-            key=key,
-            cause="expert_parallel_size",
-        )
     return None
 
 
@@ -299,13 +294,6 @@ def _pipeline(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
             "(the stages' context split carries the tokens alone); either axis alone takes it",
             key="eod_mask_loss",
             cause="context_parallel_size",
-        )
-    if cfg.textgen.eval_tasks:
-        return _refuse(
-            "with pipe_parallel_size >= 2 is not supported yet; evaluate the checkpoint with "
-            "`torchneox eval --tasks` instead",
-            key="eval_tasks",
-            cause="pipe_parallel_size",
         )
     if cfg.model.num_layers and lay.total_stages > cfg.model.num_layers:
         return _refuse(
@@ -370,12 +358,12 @@ def _context_parallel(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
             key=key,
             cause="seq_length",
         )
+    impl = cfg.training.train_impl
     others = (
-        (lay.hybrid, "mics_shard_size (hybrid sharding)", "zero_optimization"),
         (bool(cfg.model.mla_kv_lora_rank), "MLA (mla_kv_lora_rank)", "mla_kv_lora_rank"),
         (
-            cfg.training.train_impl != "normal",
-            f"train_impl {cfg.training.train_impl!r}",
+            impl != "normal" and lay.pp > 1,
+            f"train_impl {impl!r} and pipe_parallel_size >= 2 together",
             "train_impl",
         ),
     )

@@ -90,10 +90,19 @@ def _check_layout(ch: Checker) -> None:
     c = ch.c
     if c.training.train_impl != "normal":
         ch.fail(NAME, f"is for language modelling (train_impl normal), not {c.training.train_impl}")
-    if c.parallel.pipe_parallel_size >= 2:
-        ch.fail(NAME, "is not built for pipeline parallelism; set pipe_parallel_size 1")
-    if c.parallel.context_parallel_size > 1:
-        ch.fail(NAME, "is not built for context parallelism; set context_parallel_size 1")
+    if c.parallel.context_parallel_size > 1 and c.parallel.pipe_parallel_size >= 2:
+        ch.fail(
+            NAME,
+            "with pipe_parallel_size >= 2 and context_parallel_size > 1 together is not built "
+            "(the stages' context split carries the text alone); either axis alone takes it",
+        )
+    curriculum = c.training.curriculum_learning or {}
+    if c.parallel.context_parallel_size > 1 and curriculum.get("enabled", False):
+        ch.fail(
+            NAME,
+            "with curriculum_learning and context_parallel_size > 1 together is not built "
+            "(the prompt and each shorter text would have to split into equal chunks)",
+        )
     if c.parallel.sequence_parallel and c.parallel.model_parallel_size > 1:
         ch.fail(
             NAME,
