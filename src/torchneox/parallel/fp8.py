@@ -14,6 +14,7 @@ the scale from the current tensor) are taken.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any
 
 import torch
@@ -123,6 +124,8 @@ def _fp8_gathers(layer: nn.Module) -> bool:
     style hands the layer its input already in fp8, so a recipe keeping that product in high
     precision, rowwise_with_gw_hp or te_fp8_wgrad false, takes torch's own styles: the layer
     then casts each rank's part itself)."""
+    if "torchao.float8" not in sys.modules:  # no Float8Linear without it (nor its import)
+        return False
     from torchao.float8.config import ScalingGranularity, ScalingType
     from torchao.float8.float8_linear import Float8Linear
 
