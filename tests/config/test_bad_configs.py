@@ -319,7 +319,7 @@ CASES = [
             "pipe_parallel_size: 2}"
         },
         [],
-        ["a.yml: pipe_parallel_size: rollouts are not sampled through a pipeline"],
+        ["a.yml: pipe_parallel_size: reinforce is unbuilt for rollouts sampled in the run"],
     ),
     (
         "reinforce-full-kl-through-a-pipeline",
@@ -486,7 +486,7 @@ CASES = [
             "attention_config: [[[mamba], 2]], inter_document_attention_masking: true}"
         },
         [],
-        ["a.yml: inter_document_attention_masking: is not built for mamba layers"],
+        ["a.yml: inter_document_attention_masking: with mamba layers is unbuilt for mamba"],
     ),
     (
         "mamba-inner-fusion-with-biases",

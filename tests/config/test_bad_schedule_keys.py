@@ -92,12 +92,12 @@ CASES = [
     (
         "curriculum-pipeline",
         {**curriculum(), "pipe_parallel_size": 2},
-        "curriculum_learning: is not built for pipeline parallelism",
+        "curriculum_learning: is unbuilt through pipeline stages",
     ),
     (
         "curriculum-dpo",
         {**curriculum(), "train_impl": "dpo"},
-        "curriculum_learning: is for language modelling (train_impl normal), not dpo",
+        "curriculum_learning: with train_impl dpo is unbuilt for this objective",
     ),
 ]
 

@@ -2,7 +2,7 @@
 load-balanced chunks, attention over the gathered keys and values. With 2 and 4 context ranks,
 alone, with data parallelism (each ZeRO stage), with tensor and with pipeline parallelism, training equals
 one process over several steps; with document masking too; checkpoints resume across layouts;
-what is not built is refused in one line."""
+what does not run is refused in one line."""
 
 from __future__ import annotations
 
@@ -161,4 +161,4 @@ def test_post_training_objectives_are_refused(make_config, impl):
     loaded.config.training.train_impl = impl
     problem = layout_problem(loaded.config, layout)
     assert problem is not None and problem.key == "context_parallel_size"
-    assert f"with train_impl {impl!r} is not built yet" in problem.message
+    assert f"train_impl {impl!r} is unbuilt with context parallelism" in problem.message

@@ -1,6 +1,6 @@
 """inter_document_attention_masking in training: on 2 processes (ZeRO 1 and 3, tensor parallel)
 it equals one process; it changes what a packed sample learns; off, nothing changes; where it
-is not built (pipeline stages) it is refused in one line."""
+is unbuilt (pipeline stages) it is refused in one line."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def test_pipeline_stages_are_refused_in_one_line(config):
     assert run.returncode == 2
     lines = [x for x in run.stderr.splitlines() if x.startswith("torchneox:")]
     assert len(lines) == 1 and "inter_document_attention_masking" in lines[0], run.stderr
-    assert "pipe_parallel_size >= 2 is not built yet" in lines[0]
+    assert "is unbuilt through pipeline stages" in lines[0]
 
 
 def test_eval_masks_documents_as_training_did(config, tmp_path, tiny_data):

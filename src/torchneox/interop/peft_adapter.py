@@ -81,15 +81,16 @@ def to_peft(
         )
     if args.value_head:
         raise HFError(
-            "is a reward model: --adapter of one is not built yet (its value head trains "
-            "too); convert to-hf without --adapter merges the adapters",
+            "is a reward model: --adapter of one is unbuilt (its value head trains too, which "
+            "PEFT would keep in modules_to_save); convert to-hf without --adapter merges the "
+            "adapters",
             source=str(step_dir),
         )
     arch = hf.causal_family(hf.export_architecture(args))
     if arch in (GPT_NEOX, hf_mamba.MAMBA):
         raise HFError(
-            f"--adapter writes PEFT adapters of Llama-family models; {arch}'s are not built "
-            "yet (convert to-hf without --adapter merges them into the weights)",
+            f"--adapter writes PEFT adapters of Llama-family models; {arch}'s are unbuilt "
+            "(convert to-hf without --adapter merges them into the weights)",
             source=str(step_dir),
         )
     _, model = weights.load_model(step_dir)

@@ -20,6 +20,7 @@ from typing import Any
 from torchneox.base.errors import did_you_mean
 from torchneox.config.checker import Checker
 from torchneox.config.numbers import whole
+from torchneox.config.refusals import refusal
 
 KEYS = ("enabled", "curriculum_type", "min_difficulty", "max_difficulty", "schedule_type")
 SCHEDULES = {
@@ -131,7 +132,7 @@ class _Scoped:
 
 
 def check_curriculum(ch: Checker) -> None:
-    """Each mistake in the dict, and the layouts the cut is not built for, in one line."""
+    """Each mistake in the dict, and the layouts the cut does not run with, in one line."""
     c = ch.c.training.curriculum_learning
     metric = seqlen_metric(ch.c.deepspeed.data_efficiency)
     if metric is not None:
@@ -229,8 +230,9 @@ def _check_schedule(ch: Checker, s: Any, kind: str, low: int) -> None:
 def _check_layout(ch: Checker) -> None:
     c = ch.c
     if c.training.train_impl != "normal":
-        ch.fail(NAME, f"is for language modelling (train_impl normal), not {c.training.train_impl}")
+        impl = c.training.train_impl
+        ch.fail(NAME, f"with train_impl {impl} {refusal('curriculum', impl)}; drop it")
     if c.parallel.pipe_parallel_size >= 2:
-        ch.fail(NAME, "is not built for pipeline parallelism; set pipe_parallel_size 1 or drop it")
+        ch.fail(NAME, f"{refusal('curriculum', 'pp2')}; set pipe_parallel_size 1 or drop it")
     if c.parallel.context_parallel_size > 1:
-        ch.fail(NAME, "is not built for context parallelism; set context_parallel_size 1")
+        ch.fail(NAME, f"{refusal('curriculum', 'cp2')}; set context_parallel_size 1 or drop it")
