@@ -313,15 +313,6 @@ CASES = [
         ],
     ),
     (
-        "reinforce-sampled-through-a-pipeline",
-        {
-            "a.yml": "{train_impl: reinforce, rollout_prompts: p.jsonl, reward_function: 'r:f', "
-            "pipe_parallel_size: 2}"
-        },
-        [],
-        ["a.yml: pipe_parallel_size: reinforce is unbuilt for rollouts sampled in the run"],
-    ),
-    (
         "reinforce-full-kl-through-a-pipeline",
         {
             "a.yml": "{train_impl: reinforce, dataset_impl: online, pipe_parallel_size: 2, "

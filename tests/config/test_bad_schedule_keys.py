@@ -90,9 +90,10 @@ CASES = [
         "max_difficulty must be an integer >= 1, got 'long'",
     ),
     (
-        "curriculum-pipeline",
-        {**curriculum(), "pipe_parallel_size": 2},
-        "curriculum_learning: is unbuilt through pipeline stages",
+        "curriculum-context",
+        {**curriculum(), "context_parallel_size": 8},
+        "curriculum_learning: trains on sequences of 8 tokens, which context_parallel_size 8 "
+        "cannot cut into 2 x 8 equal chunks; use multiples of 16",
     ),
     (
         "curriculum-dpo",

@@ -122,7 +122,6 @@ def test_gmlp_checkpoint_imports_and_computes_with_its_tensors(tmp_path):
     "tp, extra, says",
     [
         (2, [], "'gmlp' layers split over 2 tensor ranks do not import"),
-        (1, ["--with-optimizer"], "convert without --with-optimizer"),
     ],
 )
 def test_what_does_not_import_is_one_line(tmp_path, capsys, tp, extra, says):
@@ -132,3 +131,35 @@ def test_what_does_not_import_is_one_line(tmp_path, capsys, tp, extra, says):
     err = capsys.readouterr().err
     assert says in err
     assert err.count("\n") == 1
+
+
+def test_its_optimizer_state_imports_in_gpt_neox_parameter_order(tmp_path):
+    """GMLPBlock's norms and every bias are in GPT-NeoX's no-decay group: each tensor's
+    moments land on its parameter; those of the projection biases GPT-NeoX never adds (nor
+    torchneox builds) are left out."""
+    from tests.interop.test_gpt_neox_rwkv import converted_moments, neox_adam
+
+    step = tmp_path / "neox" / "global_step5"
+    layers = neox_checkpoint(step)
+
+    def no_decay(layer: int, name: str) -> bool:
+        return name.endswith("bias") or name.split(".")[-2] == "norm"
+
+    optimizer, moments = neox_adam(layers, no_decay)
+    torch.save({"optimizer": optimizer, "iteration": 5}, step / "mp_rank_00_model_states.pt")
+    out = tmp_path / "out"
+    assert main(["convert", "from-gpt-neox", str(step), str(out), "--with-optimizer"]) == 0
+    held = converted_moments(out, tmp_path)
+    top = {0: "embed.weight", 6: "output.weight"}
+    unused = ("input_linear.bias", "output_linear.bias")
+    for (layer, name), expected in moments.items():
+        if name in unused:
+            continue
+        if layer in (2, 3):
+            module = "gmlp_norm." if name.startswith("norm.") else "gmlp."
+            mine = f"layers.{layer - 2}.{module}{name.removeprefix('norm.')}"
+        else:
+            mine = top.get(layer, "final_norm." + name.removeprefix("norm."))
+        for kind, tensor in expected.items():
+            assert torch.equal(held[mine][kind], tensor), (mine, kind)
+    assert len(held) == len(moments) - 2 * len(unused)

@@ -2,7 +2,7 @@
 load-balanced chunks, attention over the gathered keys and values. With 2 and 4 context ranks,
 alone, with data parallelism (each ZeRO stage), with tensor and with pipeline parallelism, training equals
 one process over several steps; with document masking too; checkpoints resume across layouts;
-what does not run is refused in one line."""
+what is not built is refused in one line."""
 
 from __future__ import annotations
 
@@ -43,13 +43,16 @@ def baseline(config, tmp_path_factory):
 
 
 # (the suite's budget: 4 context ranks are test_checkpoints_resume_across_layouts' one-to-cp4,
-# ZeRO-3 beside CP its cp2-zero3 and cp2-pp2-gpipe-dp2-zero3 here, DDP beside CP the data
+# ZeRO-3 beside CP its cp2-zero3 and the hybrid and pipelined cases here, DDP beside CP the data
 # parallelism of ZeRO-1's case)
 @pytest.mark.parametrize(
     ("cp", "others", "nproc"),
     [
         (2, ["train_micro_batch_size_per_gpu=4"], 2),
         (2, ["zero_optimization.stage=1", "train_micro_batch_size_per_gpu=2"], 4),
+        # x data parallel 4, ZeRO-3 within 2 groups of 2 data-parallel ranks (4 with their
+        # context ranks), replicated across them
+        (2, ["zero_optimization={stage: 3, mics_shard_size: 2}"], 8),
         (2, ["model_parallel_size=2", "train_micro_batch_size_per_gpu=4"], 4),
         (
             2,
@@ -62,7 +65,7 @@ def baseline(config, tmp_path_factory):
         (2, ["pipe_parallel_size=2", "model_parallel_size=2", "train_micro_batch_size_per_gpu=4"], 8),
     ],
     ids=[
-        "cp2", "cp2-dp2-zero1", "cp2-tp2", "cp2-tp2-sp",
+        "cp2", "cp2-dp2-zero1", "cp2-dp4-zero3-hybrid", "cp2-tp2", "cp2-tp2-sp",
         "cp2-pp2", "cp2-pp2-gpipe-dp2-zero3", "cp2-pp2-tp2",
     ],
 )  # fmt: skip
@@ -76,10 +79,16 @@ def test_equals_one_process(config, tmp_path, baseline, cp, others, nproc):
     assert_same_training(out, baseline)
 
 
+CURRICULUM = (
+    "curriculum_learning={enabled: true, curriculum_type: seqlen, min_difficulty: 8, "
+    "max_difficulty: 32, schedule_type: fixed_discrete, "
+    "schedule_config: {difficulty: [8, 16, 32], max_step: [1, 2]}}"
+)
 VARIANTS = {
     # documents: positions restart and attention stays inside each, the loss skips EOD inputs
     "documents": ["inter_document_attention_masking=true", "eod_mask_loss=true"],
-    "alibi-window": ["pos_emb=alibi", "sliding_window_width=12", "lm_z_loss=0.01"],
+    # with curriculum learning's growing length (each cut into the ranks' chunks)
+    "alibi-window": ["pos_emb=alibi", "sliding_window_width=12", "lm_z_loss=0.01", CURRICULUM],
     # top-k routing is per token (sinkhorn balances the tokens a rank holds, as in GPT-NeoX)
     "moe": ["moe_num_experts=4", "moe_top_k=2", "moe_router_type=topk", "moe_aux_loss_coeff=0.01"],
 }
@@ -99,6 +108,8 @@ def test_model_options_equal_one_process(config, tmp_path, variant):
         assert bool(want) == (
             extra in {"moe": "moe_aux_loss", "alibi-window": "z_loss"}.get(variant, "")
         )
+    if CURRICULUM in keys:
+        assert losses(out, "curriculum_seqlen") == {1: 8, 2: 16, 3: 32}
 
 
 @pytest.mark.parametrize(
@@ -140,7 +151,7 @@ def test_interleaved_pipeline_stages_resume_as_one_process(make_config, tmp_path
     ],
     ids=["seq-length", "world"],
 )  # fmt: skip
-def test_what_is_not_built_is_one_line(config, keys, nproc, said):
+def test_what_does_not_run_is_one_line(config, keys, nproc, said):
     args = [sys.executable, "-m", "torchneox", "train", config, "--nproc", str(nproc)]
     for key in ["context_parallel_size=4", "train_micro_batch_size_per_gpu=4", "load=null", *keys]:
         args += ["--set", key]
@@ -150,8 +161,16 @@ def test_what_is_not_built_is_one_line(config, keys, nproc, said):
     assert "context_parallel_size" in lines[0]
 
 
-@pytest.mark.parametrize("impl", ["dpo", "kto", "rm"])
-def test_post_training_objectives_are_refused(make_config, impl):
+@pytest.mark.parametrize(
+    ("impl", "pp", "said"),
+    [
+        ("reinforce", 2, "'reinforce' is unbuilt with pipeline stages and context parallelism"),
+        ("dpo", 2, "train_impl 'dpo' is unbuilt with pipeline stages and context parallelism"),
+    ],
+)
+def test_what_post_training_does_not_take_is_refused(make_config, impl, pp, said):
+    import dataclasses
+
     from torchneox.config.derive import derive
     from torchneox.config.layout import Layout, layout_problem
     from torchneox.config.load import load_config
@@ -159,6 +178,6 @@ def test_post_training_objectives_are_refused(make_config, impl):
     loaded = load_config([make_config(context_parallel_size=2)], [])
     layout = Layout.from_derived(loaded.config, derive(loaded, world_size=2))
     loaded.config.training.train_impl = impl
-    problem = layout_problem(loaded.config, layout)
+    problem = layout_problem(loaded.config, dataclasses.replace(layout, pp=pp, gas=2))
     assert problem is not None and problem.key == "context_parallel_size"
-    assert f"train_impl {impl!r} is unbuilt with context parallelism" in problem.message
+    assert said in problem.message

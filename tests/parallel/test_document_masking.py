@@ -1,6 +1,7 @@
 """inter_document_attention_masking in training: on 2 processes (ZeRO 1 and 3, tensor parallel)
-it equals one process; it changes what a packed sample learns; off, nothing changes; where it
-is unbuilt (pipeline stages) it is refused in one line."""
+and pipeline stages (each micro-batch's documents beside its tokens on every stage) it equals
+one process; it changes what a packed sample learns; off, nothing changes; where it is not
+built (pipeline stages with context parallelism) it is refused in one line."""
 
 from __future__ import annotations
 
@@ -31,8 +32,10 @@ def baseline(config, tmp_path_factory):
         ["zero_optimization.stage=1"],
         ["zero_optimization.stage=3"],
         ["model_parallel_size=2", "train_micro_batch_size_per_gpu=4"],
+        # each micro-batch's documents go to every stage beside the tokens
+        ["pipe_parallel_size=2", "train_micro_batch_size_per_gpu=4"],
     ],
-    ids=["zero1", "zero3", "tp2"],
+    ids=["zero1", "zero3", "tp2", "pp2"],
 )
 def test_two_processes_equal_one(config, tmp_path, baseline, layout):
     out = tmp_path / "two"
@@ -55,15 +58,15 @@ def test_masking_changes_training_and_off_changes_nothing(config, tmp_path, base
     assert all(abs(plain[k] - baseline[0][k]) > 1e-4 for k in (2, 3, 4))
 
 
-def test_pipeline_stages_are_refused_in_one_line(config):
+def test_pipeline_stages_with_context_parallelism_are_refused_in_one_line(config):
     args = [sys.executable, "-m", "torchneox", "train", config, "--set", MASKED]
-    args += ["--set", "pipe_parallel_size=2", "--set", "load=null", "--nproc", "2"]
-    args += ["--set", "train_micro_batch_size_per_gpu=4"]
+    args += ["--set", "pipe_parallel_size=2", "--set", "load=null", "--nproc", "4"]
+    args += ["--set", "context_parallel_size=2", "--set", "train_micro_batch_size_per_gpu=4"]
     run = subprocess.run(args, capture_output=True, text=True, timeout=120, check=False)
     assert run.returncode == 2
     lines = [x for x in run.stderr.splitlines() if x.startswith("torchneox:")]
     assert len(lines) == 1 and "inter_document_attention_masking" in lines[0], run.stderr
-    assert "is unbuilt through pipeline stages" in lines[0]
+    assert "is unbuilt with pipeline stages and context parallelism together" in lines[0]
 
 
 def test_eval_masks_documents_as_training_did(config, tmp_path, tiny_data):

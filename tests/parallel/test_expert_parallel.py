@@ -4,6 +4,8 @@ and the weights of one process, and their checkpoints resume in one process."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.helpers import (
@@ -24,7 +26,15 @@ EP_LAYOUTS = {
         ["expert_parallel_size=2", "train_micro_batch_size_per_gpu=2", "zero_optimization.stage=3"],
     ),
     "dp4-ep4": (4, ["expert_parallel_size=4", "train_micro_batch_size_per_gpu=1"]),
-    "dp4-ep2": (4, ["expert_parallel_size=2", "train_micro_batch_size_per_gpu=1"]),
+    # the experts' 2 replicas, the other weights ZeRO-3 within 2 groups of 2 (hybrid sharding)
+    "dp4-ep2-hybrid": (
+        4,
+        [
+            "expert_parallel_size=2",
+            "train_micro_batch_size_per_gpu=1",
+            "zero_optimization={stage: 3, mics_shard_size: 2}",
+        ],
+    ),
     "dp2-ep2-tp2": (
         4,
         ["expert_parallel_size=2", "model_parallel_size=2", "train_micro_batch_size_per_gpu=2"],
@@ -45,6 +55,22 @@ def test_expert_parallel_layouts_equal_one_process(moe_config, moe_one_process, 
     train(moe_config, f"save={out}", "load=null", "moe_aux_loss_coeff=0.1", *overrides, nproc=nproc)
     one_aux = losses(moe_one_process, "moe_aux_loss")
     assert losses(out, "moe_aux_loss") == pytest.approx(one_aux, rel=1e-5)
+    assert_same_training(out, baseline)
+
+
+LORA = json.dumps({"rank": 2, "alpha": 4, "target_modules": ["q_proj", "up_proj", "down_proj"]})
+
+
+def test_lora_on_experts_split_over_two_expert_ranks_equals_one_process(moe_config, tmp_path):
+    """Each expert's adapter on the rank holding the expert (A [E, in, r] and B [E, r, out]
+    split by experts as the expert weights are): the adapters train as in one process, and
+    the checkpoint holds them whole."""
+    keys = [f"lora={LORA}", "train_iters=3", "load=null"]
+    baseline = reference(trained_once(moe_config, *keys))
+    assert any("experts_down_lora.lora_B" in n for n in baseline[2])
+    out = tmp_path / "ep2-lora"
+    layout = ["expert_parallel_size=2", "train_micro_batch_size_per_gpu=2"]
+    train(moe_config, f"save={out}", *keys, *layout, nproc=2)
     assert_same_training(out, baseline)
 
 

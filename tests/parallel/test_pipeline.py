@@ -12,9 +12,11 @@ from tests.helpers import (
     assert_resumes_like_whole,
     assert_same_training,
     losses,
+    metric_rows,
     reference,
     train,
 )
+from tests.train.test_lm_eval import write_tasks
 from torchneox.checkpoint.weights import load_model
 from torchneox.cli import main
 from torchneox.config.load import load_config
@@ -122,6 +124,42 @@ def test_tied_embeddings_rpe_and_the_loss_mask_through_stages_resume_as_stages(c
     assert sorted(z_pp) == list(range(1, 7)) and all(z_one[k] > 0 for k in z_one)
     for k in z_one:
         assert z_pp[k] == pytest.approx(z_one[k], rel=1e-5), k
+
+
+def test_soft_prompt_curriculum_and_eval_tasks_through_stages_resume_as_stages(
+    make_config, tmp_path, monkeypatch
+):
+    """A soft prompt (the first stage puts it before the text, the last cuts it off; the
+    later stage's weights frozen), curriculum learning's growing length (each new length a
+    schedule that learns the stages' shapes again) and eval_tasks (the harness scores through
+    the stages, the logits shared by every pipeline rank): stopped at step 2 on 2 stages and
+    resumed on 2 stages, training and the tasks' scores equal one process's."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    write_tasks(tmp_path)
+    lengths = {"difficulty": [8, 16, 32], "max_step": [1, 2]}
+    keys = {
+        "soft_prompt_tuning": {"enabled": True, "n_tokens": 4, "init_string": "the"},
+        "curriculum_learning": {"enabled": True, "curriculum_type": "seqlen",
+                                "min_difficulty": 8, "max_difficulty": 32,
+                                "schedule_type": "fixed_discrete", "schedule_config": lengths},
+        "eval_tasks": ["local_ppl"],
+        "eval_tasks_include_path": str(tmp_path),
+        "eval_interval": 4,
+    }  # fmt: skip
+    cfg = make_config("prompted.yml", train_iters=4, **PP_KEYS, **keys)
+    train(cfg, f"save={tmp_path / 'one'}", "load=null")
+    moved, stages = tmp_path / "moved", "pipe_parallel_size=2"
+    train(cfg, f"save={moved}", f"load={moved}", stages, "exit_interval=2", nproc=2)
+    train(cfg, f"save={moved}", f"load={moved}", stages, nproc=2)
+    assert_same_training(moved, reference(tmp_path / "one"))
+    assert losses(moved, "curriculum_seqlen") == {1: 8, 2: 16, 3: 32, 4: 32}
+
+    def tasks(out):
+        return [(r["iteration"], r["eval_tasks"]) for r in metric_rows(out) if "eval_tasks" in r]
+
+    (step, theirs), (_, ours) = *tasks(tmp_path / "one"), *tasks(moved)
+    ppl = "word_perplexity"
+    assert step == 4 and ours["local_ppl"][ppl] == pytest.approx(theirs["local_ppl"][ppl], rel=1e-5)
 
 
 def test_pipeline_checkpoint_resumes_as_data_parallel(config, tmp_path, make_config):

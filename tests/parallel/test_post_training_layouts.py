@@ -1,7 +1,7 @@
 """Post-training in every layout: SFT with label masks, DPO and KTO with their frozen reference
 model, and a reward model each give, on 2 processes (data parallel at every ZeRO stage, tensor
-parallel, pipeline parallel, experts split over the ranks), the losses, metrics, gradients and
-weights of one process; a stopped run resumes like one never stopped, its reference model
+parallel, pipeline parallel, context parallel, experts split over the ranks), the losses,
+metrics, gradients and weights of one process; a stopped run resumes like one never stopped, its reference model
 included."""
 
 from __future__ import annotations
@@ -73,6 +73,8 @@ LAYOUTS = {
     "zero3": ["gradient_accumulation_steps=1", "zero_optimization.stage=3"],
     "tp2": ["model_parallel_size=2"],
     "pp2": ["pipe_parallel_size=2"],  # 2 stages, the reference's split as the policy's
+    # each rank's part of every sequence, the outputs (the reference's too) gathered whole
+    "cp2": ["context_parallel_size=2"],
 }
 
 
@@ -125,6 +127,10 @@ CASES = [
     ("dpo", "zero1"), ("dpo", "tp2"),
     ("kto", "zero3"), ("kto", "pp2"),
     ("rm", "zero3"), ("rm", "tp2"), ("rm", "pp2"),
+    # context parallelism: the outputs gathered whole for a sum over a sequence (DPO's; KTO's
+    # alike) and for a reward model's last position (SFT under CP is language modelling with a
+    # loss mask: test_context_parallel's)
+    ("dpo", "cp2"), ("rm", "cp2"),
 ]  # fmt: skip
 
 

@@ -82,8 +82,10 @@ def baseline(tmp_path_factory):
         (["zero_optimization.stage=1", "gradient_accumulation_steps=1"], True),
         (["zero_optimization.stage=3", "gradient_accumulation_steps=1"], True),
         (["model_parallel_size=2", "gradient_accumulation_steps=2"], False),
+        # each rank's part of every sequence; the outputs gathered whole for the objective
+        (["context_parallel_size=2", "gradient_accumulation_steps=2"], False),
     ],
-    ids=["zero1", "zero3", "tp2"],
+    ids=["zero1", "zero3", "tp2", "cp2"],
 )
 def test_two_processes_equal_one_given_the_same_rollouts(tmp_path, baseline, layout, per_rank):
     out = tmp_path / "run"
@@ -95,17 +97,23 @@ def test_two_processes_equal_one_given_the_same_rollouts(tmp_path, baseline, lay
     assert_same_training(out, reference(baseline))
 
 
-def test_rollouts_sampled_under_tensor_parallelism_equal_one_process(tmp_path):
+def test_rollouts_sampled_under_tensor_parallelism_and_pipeline_stages_equal_one_process(
+    tmp_path,
+):
     """Sampling in the run under tensor parallelism 2: both ranks sample what one process
-    samples (the same generator, the logits gathered whole), score it once, and train alike."""
+    samples (the same generator, the logits gathered whole), score it once, and train alike.
+    Through 2 pipeline stages: each new token is a whole forward through the stages (they keep
+    no cache), the last stage's logits shared with the first, both drawing with the same
+    generator."""
     sampled = tiny(train_iters=STEPS, lr_decay_iters=STEPS, checkpoint_factor=STEPS)
     sampled += [s for s in COMMON if s.split("=")[0] in LAYOUT_KEYS]
     train(str(EXAMPLE), *sampled, f"save={tmp_path / 'one'}")
-    train(str(EXAMPLE), *sampled, "model_parallel_size=2", f"save={tmp_path / 'tp'}", nproc=2)
-    for key in ("reward", "completion_length", "kl"):
-        one, tp = losses(tmp_path / "one", key), losses(tmp_path / "tp", key)
-        assert tp == pytest.approx(one, rel=1e-4), key
-    assert_same_training(tmp_path / "tp", reference(tmp_path / "one"))
+    for name, layout in (("tp", "model_parallel_size=2"), ("pp", "pipe_parallel_size=2")):
+        train(str(EXAMPLE), *sampled, layout, f"save={tmp_path / name}", nproc=2)
+        for key in ("reward", "completion_length", "kl"):
+            one, two = losses(tmp_path / "one", key), losses(tmp_path / name, key)
+            assert two == pytest.approx(one, rel=1e-4), (name, key)
+        assert_same_training(tmp_path / name, reference(tmp_path / "one"))
 
 
 LAYOUT_KEYS = ("no_weight_tying", "padded_vocab_size", "min_lr", "optimizer.params.lr",

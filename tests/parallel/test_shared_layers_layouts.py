@@ -51,8 +51,17 @@ def prompt_config(make_module_config):
     )
 
 
-def test_soft_prompt_under_zero3_equals_one_process(prompt_config, tmp_path, tmp_path_factory):
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["zero_optimization.stage=3"],
+        # the prompt's positions lead the sequence the context ranks split (rank 0 holds them)
+        ["context_parallel_size=2", "gradient_accumulation_steps=4"],
+    ],
+    ids=["zero3", "cp2"],
+)
+def test_soft_prompt_on_two_processes_equals_one(prompt_config, tmp_path, tmp_path_factory, layout):
     baseline = one_process(prompt_config, tmp_path_factory)
     out = tmp_path / "run"
-    train(prompt_config, f"save={out}", "load=null", "zero_optimization.stage=3", nproc=2)
+    train(prompt_config, f"save={out}", "load=null", *layout, nproc=2)
     assert_same_training(out, baseline)

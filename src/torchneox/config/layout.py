@@ -244,12 +244,11 @@ def _tensor_parallel_positions(cfg: NeoXConfig, lay: Layout) -> ConfigError | No
 
 
 def _document_masking(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
-    if lay.pp > 1 and cfg.model.inter_document_attention_masking:
+    if lay.pp > 1 and lay.cp > 1 and cfg.model.inter_document_attention_masking:
         return _refuse(
-            f"{refusal('document masking', 'pp2')}; use data, ZeRO or tensor parallelism, or "
-            "set it false",
+            f"{refusal('document masking', 'pp2 cp2')}; either axis alone takes it",
             key="inter_document_attention_masking",
-            cause="pipe_parallel_size",
+            cause="context_parallel_size",
         )
     return None
 
@@ -274,13 +273,6 @@ def _hybrid_sharding(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
             cause="model_parallel_size",
             path="mics_shard_size",
         )
-    if lay.ep > 1 and lay.hybrid:
-        return _refuse(
-            f"mics_shard_size (hybrid sharding) {refusal('hybrid sharding', 'ep2')}; set "
-            "expert_parallel_size 1 or drop mics_shard_size",
-            key=key,
-            cause="expert_parallel_size",
-        )
     return None
 
 
@@ -292,13 +284,6 @@ def _pipeline(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
             f"{refusal('eod mask', 'pp2 cp2')}; either axis alone takes it",
             key="eod_mask_loss",
             cause="context_parallel_size",
-        )
-    if cfg.textgen.eval_tasks:
-        return _refuse(
-            f"{refusal('eval tasks', 'pp2')}; evaluate the checkpoint with `torchneox eval "
-            "--tasks` instead",
-            key="eval_tasks",
-            cause="pipe_parallel_size",
         )
     if cfg.model.num_layers and lay.total_stages > cfg.model.num_layers:
         return _refuse(
@@ -364,18 +349,17 @@ def _context_parallel(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
         )
     impl = cfg.training.train_impl
     others = (
-        (lay.hybrid, "hybrid sharding", "mics_shard_size (hybrid sharding)", "zero_optimization"),
-        (bool(cfg.model.mla_kv_lora_rank), "mla", "MLA (mla_kv_lora_rank)", "mla_kv_lora_rank"),
-        (impl != "normal", impl, f"train_impl {impl!r}", "train_impl"),
+        (bool(cfg.model.mla_kv_lora_rank), "mla", "cp2", "MLA (mla_kv_lora_rank)"),
+        (impl != "normal" and lay.pp > 1, impl, "pp2 cp2", f"train_impl {impl!r}"),
     )
-    for broken, feature, what, cause in others:
+    for broken, feature, beside, what in others:
         if broken:
             return _refuse(
-                f"{what} {refusal(feature, 'cp2')}; set context_parallel_size 1 (context "
+                f"{what} {refusal(feature, beside)}; set context_parallel_size 1 (context "
                 "parallelism runs with data parallelism, any ZeRO stage, tensor and pipeline "
                 "parallelism)",
                 key=key,
-                cause=cause,
+                cause="mla_kv_lora_rank" if feature == "mla" else "train_impl",
             )
     return None
 

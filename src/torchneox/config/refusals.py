@@ -176,9 +176,9 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("eod mask", "pp2 cp2", _PP_CP),
     Refusal(
         "document masking",
-        "pp2",
-        "is unbuilt through pipeline stages: the stages would need each micro-batch's "
-        "documents beside its hidden states",
+        "pp2 cp2",
+        "is unbuilt with pipeline stages and context parallelism together: the stages' "
+        "context split carries no documents",
     ),
     *_each("rpe", ("pp2 interleaved", "pp2 zbv"), _MANY_STAGES),
     *(
@@ -207,16 +207,10 @@ REFUSALS: tuple[Refusal, ...] = (
         "cp2",
         "is unbuilt with context parallelism",
     ),
-    Refusal(
+    *_each(
         "lora",
-        "ep2",
-        "is unbuilt on the experts with expert parallelism: their adapters are not split over "
-        "the expert ranks",
-    ),
-    Refusal(
-        "lora",
-        "rm + pp2",
-        "is unbuilt for a reward model through pipeline stages",
+        ("rm + pp2", "reinforce + pp2"),
+        "is unbuilt for a reward model or REINFORCE through pipeline stages",
     ),
     Refusal(
         "soft prompt",
@@ -224,8 +218,18 @@ REFUSALS: tuple[Refusal, ...] = (
         "cannot put the prompt before the text, because each tensor rank holds only part of "
         "the text's positions",
     ),
-    Refusal("soft prompt", "pp2", "is unbuilt through pipeline stages"),
-    Refusal("soft prompt", "cp2", "is unbuilt with context parallelism"),
+    Refusal(
+        "soft prompt",
+        "pp2 cp2",
+        "is unbuilt with pipeline stages and context parallelism together: the stages' "
+        "context split carries the text alone",
+    ),
+    Refusal(
+        "soft prompt",
+        "curriculum + cp2",
+        "is unbuilt beside a curriculum with context parallelism: the prompt and each shorter "
+        "text would have to split into equal chunks",
+    ),
     Refusal(
         "shared layers",
         "pp2",
@@ -234,9 +238,14 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal("shared layers", "ep2", "is unbuilt with expert parallelism"),
     *_each("8-bit adam", ("tp2", "pp2", "cp2", "ep2"), _EIGHT_BIT),
-    Refusal("curriculum", "pp2", "is unbuilt through pipeline stages"),
-    Refusal("curriculum", "cp2", "is unbuilt with context parallelism"),
-    *(Refusal(objective, "cp2", "is unbuilt with context parallelism") for objective in OBJECTIVES),
+    *(
+        Refusal(
+            objective,
+            "pp2 cp2",
+            "is unbuilt with pipeline stages and context parallelism together",
+        )
+        for objective in OBJECTIVES
+    ),
     Refusal("rm", "tp2 sp", "is unbuilt with sequence parallelism"),
     Refusal(
         "reinforce",
@@ -244,21 +253,12 @@ REFUSALS: tuple[Refusal, ...] = (
         "cannot sample rollouts in the run with sequence parallelism, because a decode step's "
         "one token cannot be split by positions",
     ),
-    Refusal(
-        "reinforce",
-        "pp2",
-        "is unbuilt for rollouts sampled in the run through pipeline stages (the data-server "
-        "source takes pipeline stages)",
-    ),
-    Refusal("eval tasks", "pp2", "is unbuilt through pipeline stages"),
     *_each(
         "replica groups",
         ("pp2", "ep2", "reinforce"),
         "is unbuilt: the groups average a layout of ZeRO 0-3, tensor or context parallelism",
     ),
     *_each("whole-model compile", ("tp2", "pp2", "cp2", "ep2", "zero1", "zero3"), _ONE_GRAPH),
-    Refusal("hybrid sharding", "ep2", "is unbuilt with expert parallelism"),
-    Refusal("hybrid sharding", "cp2", "is unbuilt with context parallelism"),
     Refusal("qk layernorm", "mla", "cannot apply, because MLA's latents have their own RMSNorms"),
     Refusal("mup", "mla", "cannot apply, because MLA scales its softmax its own way (DeepSeek's)"),
     Refusal("lora", "mla", "is unbuilt: LoRA does not target MLA's projections"),

@@ -10,14 +10,16 @@ import math
 import torch
 
 from torchneox.config.load import LoadedConfig
+from torchneox.models.lora import is_expert_adapter
 from torchneox.parallel.tensor_parallel import split_dim
 
 PARAM_BYTES = 4  # parameters, gradients and optimizer moments are fp32 (autocast does the rest)
 
 
 def expert_sharded(name: str, ep: int) -> bool:
-    """Expert weights under expert parallelism: split over ep, left alone by ZeRO/DDP."""
-    return ep > 1 and name.rsplit(".", 1)[-1] in _expert_params()
+    """Expert weights (and their LoRA adapters) under expert parallelism: split over ep, left
+    alone by ZeRO/DDP."""
+    return ep > 1 and (name.rsplit(".", 1)[-1] in _expert_params() or is_expert_adapter(name))
 
 
 @functools.cache

@@ -114,7 +114,7 @@ def sample_policy(
     token until it returns True. The static loop (CUDA graphs) runs only for a plain model in
     one process; every other layout decodes with the dynamic KV cache."""
     core = model.module if isinstance(getattr(model, "module", None), Transformer) else model
-    device = core.embed.weight.device
+    device = _device_of(core)
     was_training = model.training
     model.eval()
     try:
@@ -124,6 +124,13 @@ def sample_policy(
     finally:
         model.train(was_training)
     return _cut_at_stops(rows, s.stop_ids, keep_stop=True)
+
+
+def _device_of(core: nn.Module) -> torch.device:
+    """Where ``core`` computes: its embedding's device, or a pipeline's (``PipelineLogits``,
+    whose rank may hold no embedding) own ``device``."""
+    device = getattr(core, "device", None)
+    return device if isinstance(device, torch.device) else core.embed.weight.device
 
 
 def _seeded(s: Sampling, device: torch.device) -> torch.Generator | None:
@@ -154,7 +161,7 @@ def _decode(
     to run (``core``, or a wrapper of it), ``core`` the Transformer (its args and weights)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    device = core.embed.weight.device
+    device = _device_of(core)
     longest = max(len(p) for p in prompts)
     limit, prompt = core.args.max_positions, core.args.soft_prompt_tokens
     if prompt:  # a soft prompt's model: prompt and text within seq_length, as in training

@@ -91,7 +91,7 @@ def convert(
             f"{cfg.parallel.model_parallel_size}; convert with --set model_parallel_size={layout.tp}",
             source=str(step_dir),
         )
-    _check_gmlp(cfg, layout, with_optimizer)
+    _check_gmlp(cfg, layout)
     states = [load_file(layout.rank_files[r]) for r in range(len(layout.rank_files))]
     world = None  # layer files alone: the world size the config gives, or the smallest layout
     if states:  # the run's own world: its data-parallel size sets the global batch
@@ -142,7 +142,7 @@ def _refuse_sharing(cfg: Any, step_dir: Path) -> None:
         )
 
 
-def _check_gmlp(cfg: Any, layout: NeoXLayout, with_optimizer: bool) -> None:
+def _check_gmlp(cfg: Any, layout: NeoXLayout) -> None:
     """What of a GPT-NeoX run with gmlp/amlp layers does not come in, in one line."""
     kind = next((k for k in layer_attention_types(cfg) if k in GMLP_TYPES), None)
     if kind is None:
@@ -152,13 +152,6 @@ def _check_gmlp(cfg: Any, layout: NeoXLayout, with_optimizer: bool) -> None:
             f"'{kind}' layers split over {layout.tp} tensor ranks do not import: GPT-NeoX "
             "normalised each rank's part of the gate on its own, which no one-process model "
             "computes",
-            source=str(layout.step_dir),
-        )
-    if with_optimizer:
-        raise NeoXCheckpointError(
-            f"the optimizer state of '{kind}' layers does not import yet (GPT-NeoX's optimizer "
-            "also holds the projection biases it never adds, which torchneox does not build); "
-            "convert without --with-optimizer",
             source=str(layout.step_dir),
         )
 
@@ -178,16 +171,12 @@ def _optimizer_readable(args: ModelArgs, step_dir: Path, cfg: Any) -> None:
             "yet: convert the weights without it (the run continues with a fresh optimizer)",
             source=str(step_dir),
         )
-    for what, unread in (
-        ("RWKV layers", "rwkv" in args.layer_types),
-        ("pos_emb rpe", args.pos_emb == "rpe"),
-    ):
-        if unread:
-            raise NeoXCheckpointError(
-                f"--with-optimizer does not read the optimizer state of {what} yet; convert "
-                "the weights without it",
-                source=str(step_dir),
-            )
+    if args.pos_emb == "rpe":
+        raise NeoXCheckpointError(
+            "--with-optimizer does not read the optimizer state of pos_emb rpe yet; convert "
+            "the weights without it",
+            source=str(step_dir),
+        )
 
 
 def _vocab_from_weights(loaded: LoadedConfig, layers: dict) -> bool:

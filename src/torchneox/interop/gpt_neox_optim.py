@@ -10,13 +10,71 @@ import torch
 
 from torchneox.base.errors import NeoXCheckpointError
 from torchneox.interop.gpt_neox_files import (
+    GMLP_TYPES,
+    GMLP_UNUSED,
     MAMBA_MIXER,
     NeoXLayout,
     block_tensors,
     load_file,
     merge_shards,
+    rwkv_tensors,
 )
 from torchneox.models.args import ModelArgs
+
+RWKV_ORDER = (
+    "ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias",
+    *(f"att.time_maa_{m}" for m in ("x", "w", "k", "v", "r", "g", "w1", "w2")),
+    "att.time_decay", "att.time_decay_w1", "att.time_decay_w2", "att.time_faaaa",
+    *(f"att.{m}.weight" for m in ("receptance", "key", "value", "output", "gate")),
+    "att.ln_x.weight", "att.ln_x.bias",
+    "ffn.time_maa_k", "ffn.time_maa_r",
+    *(f"ffn.{m}.weight" for m in ("key", "receptance", "value")),
+)  # fmt: skip
+"""RWKVResidualLayer's parameters in the order module.modules() meets them (megatron/model/
+rwkv/v6/rwkv.py registers ln1, ln2, att's own tensors, its linears and ln_x, then ffn's)."""
+GMLP_ORDER = (
+    "norm", "input_linear", "sgu.norm", "sgu.proj", "sgu.attn.proj_qkv", "sgu.attn.proj_ffn",
+    "output_linear",
+)  # fmt: skip
+"""GMLPBlock's modules in the order module.modules() meets them (megatron/model/gmlp.py)."""
+TRANSFORMER_ORDER = (
+    "input_layernorm",
+    "attention.query_key_value",
+    "attention.dense",
+    "post_attention_layernorm",
+    "mlp.linear1",
+    "mlp.linear2",
+)
+MAMBA_ORDER = ("norm", *(f"mixer.{p}" for p in MAMBA_MIXER))
+MAMBA_OWN = ("mixer.A_log", "mixer.D")  # the mixer's own parameters, not a module's
+
+
+def _in_module_order(kind: str, names: list[str]) -> list[str]:
+    """A block's GPT-NeoX tensor names in module order (each module's weight before its
+    bias), for a layer of type ``kind``."""
+    if kind == "rwkv":
+        return sorted(names, key=RWKV_ORDER.index)
+    if kind in GMLP_TYPES:
+        order = GMLP_ORDER
+    elif kind == "mamba":
+        order = MAMBA_ORDER
+    else:
+        order = TRANSFORMER_ORDER
+
+    def key(x: str) -> tuple[int, bool]:
+        module = x if x in MAMBA_OWN else x.rsplit(".", 1)[0]
+        return order.index(module), x.endswith(("bias", "offset"))
+
+    return sorted(names, key=key)
+
+
+def _no_decay(kind: str, name: str) -> bool:
+    """Whether GPT-NeoX's get_params_for_weight_decay_optimization puts ``name`` in its
+    no-decay group: a LayerNorm's, RMSNorm's or ScaleNorm's tensors, every bias, Mamba's A_log
+    and D (_no_weight_decay). RWKV's ln_x is a GroupNorm, which decays its weight."""
+    if kind == "rwkv":
+        return name.startswith(("ln1.", "ln2.")) or name.endswith(".bias")
+    return "norm" in name or name.endswith(("bias", *MAMBA_OWN))
 
 
 def optimizer_order(
@@ -26,31 +84,14 @@ def optimizer_order(
     (matrices, in module order), then the no-decay group (norms and biases, in module order)."""
     n = args.num_layers
     order = [0, *range(2, n + 2), n + 3, n + 4]
-    block_order = (
-        "input_layernorm",
-        "attention.query_key_value",
-        "attention.dense",
-        "post_attention_layernorm",
-        "mlp.linear1",
-        "mlp.linear2",
-    )
-    mamba_order = ("norm", *(f"mixer.{p}" for p in MAMBA_MIXER))
     decay, plain = [], []
     for layer in order:
         names = list(layers.get(layer, {}))
-        if 2 <= layer < n + 2 and args.layer_type(layer - 2) == "mamba":
-            own = ("mixer.A_log", "mixer.D")  # the mixer's own parameters, not a module's
-            names.sort(
-                key=lambda x: (
-                    mamba_order.index(x if x in own else x.rsplit(".", 1)[0]),
-                    x.endswith("bias"),
-                )
-            )
-        elif 2 <= layer < n + 2:
-            names.sort(key=lambda x: (block_order.index(x.rsplit(".", 1)[0]), x.endswith("bias")))
+        kind = args.layer_type(layer - 2) if 2 <= layer < n + 2 else ""
+        if kind:
+            names = _in_module_order(kind, names)
         for name in names:
-            is_norm = "norm" in name or name.endswith(("mixer.A_log", "mixer.D"))  # no decay
-            target = plain if (is_norm or name.endswith("bias")) else decay
+            target = plain if _no_decay(kind, name) else decay
             target.append((layer, name))
     return decay + plain
 
@@ -67,7 +108,16 @@ def _to_ours(
         return {f"final_norm.{'weight' if kind == 'scale' else kind}": tensor}
     if layer == n + 4:
         return {"output.weight": tensor}
+    if args.layer_type(layer - 2) == "rwkv":
+        return rwkv_tensors(f"layers.{layer - 2}.", {name: tensor})
     return block_tensors(f"layers.{layer - 2}.", {name: tensor}, args, 1.0)
+
+
+def _unused(args: ModelArgs, layer: int, name: str) -> bool:
+    """A GMLPBlock's projection bias, which GPT-NeoX's optimizer holds (always at zero
+    gradient) and torchneox does not build."""
+    n = args.num_layers
+    return 2 <= layer < n + 2 and args.layer_type(layer - 2) in GMLP_TYPES and name in GMLP_UNUSED
 
 
 def _frozen_optimizer(opt: Any) -> bool:
@@ -198,7 +248,9 @@ def optimizer_state(
             source=str(layout.rank_files[bad]),
         )
     order = optimizer_order(args, layers)
-    if len(order) != len(opts[0]["state"]):
+    unused = {i for i, (layer, name) in enumerate(order) if _unused(args, layer, name)}
+    held = set(opts[0]["state"])
+    if held - set(range(len(order))) or set(range(len(order))) - unused - held:
         raise NeoXCheckpointError(
             f"the optimizer holds {len(opts[0]['state'])} tensors, the model has {len(order)}",
             source=str(layout.rank_files[0]),
@@ -206,6 +258,8 @@ def optimizer_state(
     step = max(int(s.get("step", 0)) for s in opts[0]["state"].values())
     moments: dict[str, dict[str, torch.Tensor]] = {}
     for index, (layer, name) in enumerate(order):
+        if index in unused:  # moments of a tensor that never reaches the output: dropped
+            continue
         saved_name = opts[0]["state"][index].get("name")
         if saved_name is not None and saved_name != f"{layer}.{name}":
             raise NeoXCheckpointError(

@@ -28,40 +28,139 @@ from torchneox.interop import huggingface
 from torchneox.models.args import ModelArgs, model_args
 from torchneox.models.hf import architectures as hf
 from torchneox.models.hf import mamba as hf_mamba
+from torchneox.models.hf import weights as hf_weights
 from torchneox.models.hf.weights import GPT_NEOX
+from torchneox.models.sharing import per_layer_state
 from torchneox.models.transformer import Transformer, is_adapter
 
 OURS_TO_HF = {ours: theirs for theirs, ours in HF_NAMES.items()}
-SELF_ATTN_OR_MLP = {"attention": "self_attn", "mlp": "mlp"}
+QKV = ("attention.wq", "attention.wk", "attention.wv")
+"""The projections GPTNeoX fuses into one query_key_value."""
+PREFIXES = {GPT_NEOX: "gpt_neox.", hf_mamba.MAMBA: "backbone."}
 
 
-def peft_name(name: str) -> str:
-    """PEFT's name of adapter tensor ``name`` on a Llama-family model
-    (layers.0.attention.wq.lora_A.weight -> base_model.model.model.layers.0.self_attn.q_proj
-    .lora_A.weight)."""
-    _, layer, block, proj, ab, leaf = name.split(".")
-    theirs = OURS_TO_HF[f"{block}.{proj}"]
-    return f"base_model.model.model.layers.{layer}.{SELF_ATTN_OR_MLP[block]}.{theirs}.{ab}.{leaf}"
+def hf_layer_names(arch: str) -> dict[str, str]:
+    """torchneox's name of each adaptable module in a block -> the Hugging Face one."""
+    names = {ours: theirs for theirs, ours in hf_weights.layer_names(arch).items()}
+    if arch == hf_weights.MIXTRAL:
+        names["mlp.router"] = "block_sparse_moe.gate"
+    if arch == GPT_NEOX:
+        names |= dict.fromkeys(QKV, "attention.query_key_value")
+    return names
 
 
-def adapter_config(args: ModelArgs) -> dict:
-    """PEFT's LoraConfig of the adapters, as adapter_config.json holds it."""
+def peft_name(arch: str, layer: str, module: str, leaf: str) -> str:
+    """PEFT's name of an adapter tensor of ``module`` (attention.wq) in block ``layer``:
+    base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight on a Llama."""
+    prefix = PREFIXES.get(arch, "model.")
+    return f"base_model.model.{prefix}layers.{layer}.{hf_layer_names(arch)[module]}.{leaf}"
+
+
+def fused_qkv_adapter(
+    parts: dict[str, tuple[torch.Tensor, torch.Tensor]], args: ModelArgs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The adapters of a block's wq, wk, wv (those ``parts`` holds: name -> (A, B)) as one
+    adapter of GPTNeoX's fused query_key_value: the A's stacked into rank k x r, each B placed
+    in its projection's rows of the per-head [q, k, v] layout and its own r columns (zeros
+    elsewhere), so the fused product is each projection's own. Its scale is kept by an alpha
+    k times the run's (adapter_config's alpha_pattern)."""
+    held = [w for w in QKV if w in parts]
+    rank = parts[held[0]][0].shape[0]
+    a = torch.cat([parts[w][0] for w in held])
+    blocks, rows = [], args.num_heads * args.head_dim
+    for w in QKV:
+        b = parts[held[0]][1].new_zeros(rows, rank * len(held))
+        if w in parts:
+            j = held.index(w)
+            b[:, j * rank : (j + 1) * rank] = parts[w][1]
+        blocks.append(b)
+    return a, hf_weights.fuse_qkv(*blocks, args.num_heads, args.head_dim)
+
+
+def peft_tensors(arch: str, state: dict[str, torch.Tensor], args: ModelArgs) -> dict:
+    """The adapter folder's tensors under PEFT's names (a reward model's value head as the
+    modules_to_save copy of the score layer)."""
+    out, fused = {}, {}
+    for name, t in state.items():
+        if name == "value_head.weight" and args.value_head:
+            out["base_model.model.score.weight"] = t
+        if not is_adapter(name):
+            continue
+        _, layer, rest = name.split(".", 2)
+        module, ab, leaf = rest.rsplit(".", 2)
+        if arch == GPT_NEOX and module in QKV:
+            pair = fused.setdefault(layer, {}).setdefault(module, [None, None])
+            pair[ab == "lora_B"] = t
+            continue
+        out[peft_name(arch, layer, module, f"{ab}.{leaf}")] = t
+    for layer, parts in fused.items():
+        a, b = fused_qkv_adapter(parts, args)
+        qkv = "attention.wq"
+        out[peft_name(arch, layer, qkv, "lora_A.weight")] = a
+        out[peft_name(arch, layer, qkv, "lora_B.weight")] = b
+    return out
+
+
+def adapter_config(args: ModelArgs, arch: str = "LlamaForCausalLM") -> dict:
+    """PEFT's LoraConfig of the adapters, as adapter_config.json holds it (a GPTNeoX's fused
+    query_key_value with the rank and alpha of its stacked adapters; a reward model's score
+    layer saved whole, as PEFT's sequence classification saves it)."""
+    names = hf_layer_names(arch)
+    targets = list(dict.fromkeys(names[t].rsplit(".", 1)[-1] for t in args.lora_targets))
+    k = sum(t in QKV for t in args.lora_targets) if arch == GPT_NEOX else 0
+    pattern = {"query_key_value": k} if k > 1 else {}
     return {
         "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
+        "task_type": "SEQ_CLS" if args.value_head else "CAUSAL_LM",
         "r": args.lora_rank,
         "lora_alpha": args.lora_alpha,
         "lora_dropout": args.lora_dropout,
-        "target_modules": [OURS_TO_HF[t] for t in args.lora_targets],
+        "target_modules": targets,
+        "rank_pattern": {n: m * args.lora_rank for n, m in pattern.items()},
+        "alpha_pattern": {n: m * args.lora_alpha for n, m in pattern.items()},
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
         "init_lora_weights": True,
-        "modules_to_save": None,
+        "modules_to_save": ["score"] if args.value_head else None,
         "use_rslora": False,
         "use_dora": False,
         "base_model_name_or_path": None,
     }
+
+
+MAMBA_UNADAPTABLE = {
+    "mamba.dt_proj": "transformers' MambaMixer multiplies by dt_proj.weight itself",
+    "mamba.out_proj": "PEFT refuses LoRA on a Mamba's out_proj (transformers' CUDA kernel "
+    "multiplies by its weight itself)",
+}
+"""The Mamba projections whose PEFT adapter transformers would not compute, and why."""
+
+
+def _refuse_unwritable(args: ModelArgs, arch: str, step_dir: Path) -> None:
+    """What a PEFT adapter folder cannot hold, in one line saying why."""
+    if not args.lora_rank:
+        raise ConfigError(
+            "holds no LoRA adapters (its config has no lora key); convert to-hf without "
+            "--adapter writes the whole model",
+            source=str(step_dir),
+        )
+    for target, why in MAMBA_UNADAPTABLE.items():
+        if arch == hf_mamba.MAMBA and target in args.lora_targets:
+            raise HFError(
+                f"--adapter cannot write an adapter of {target}: {why}, past any adapter; "
+                "convert to-hf without --adapter merges it into the weights",
+                source=str(step_dir),
+            )
+    experts = {"mlp.up", "mlp.gate", "mlp.down"} & set(args.lora_targets)
+    if args.moe_num_experts > 1 and experts:
+        raise HFError(
+            f"--adapter cannot write the adapters of the MoE experts ({', '.join(sorted(experts))}"
+            f"): {arch} holds its experts as stacked 3-D parameters, not the linear layers a "
+            "PEFT LoRA adapter names; convert to-hf without --adapter merges them into the "
+            "weights",
+            source=str(step_dir),
+        )
 
 
 def to_peft(
@@ -73,37 +172,19 @@ def to_peft(
     out = Path(out_dir)
     refuse_non_empty(out, force, "convert to-hf --adapter", inputs=[ckpt, step_dir])
     args = model_args(loaded)
-    if not args.lora_rank:
-        raise ConfigError(
-            "holds no LoRA adapters (its config has no lora key); convert to-hf without "
-            "--adapter writes the whole model",
-            source=str(step_dir),
-        )
-    if args.value_head:
-        raise HFError(
-            "is a reward model: --adapter of one is unbuilt (its value head trains too, which "
-            "PEFT would keep in modules_to_save); convert to-hf without --adapter merges the "
-            "adapters",
-            source=str(step_dir),
-        )
-    arch = hf.causal_family(hf.export_architecture(args))
-    if arch in (GPT_NEOX, hf_mamba.MAMBA):
-        raise HFError(
-            f"--adapter writes PEFT adapters of Llama-family models; {arch}'s are unbuilt "
-            "(convert to-hf without --adapter merges them into the weights)",
-            source=str(step_dir),
-        )
+    arch = hf.causal_family(hf.export_architecture(args)) if args.lora_rank else ""
+    _refuse_unwritable(args, arch, step_dir)
     _, model = weights.load_model(step_dir)
+    state = per_layer_state(model)  # under layer sharing, each layer's adapters its own
     tensors = {}
-    for n, t in model.state_dict().items():
-        if is_adapter(n):
-            cast = t.detach().to(DTYPES[dtype]).contiguous()
-            if cast.dtype == torch.float16:  # refused as plain to-hf refuses it, not inf
-                check_fits_fp16(peft_name(n), t, cast, str(step_dir))
-            tensors[peft_name(n)] = cast
+    for name, t in peft_tensors(arch, state, args).items():
+        cast = t.detach().to(DTYPES[dtype]).contiguous()
+        if cast.dtype == torch.float16:  # refused as plain to-hf refuses it, not inf
+            check_fits_fp16(name, t, cast, str(step_dir))
+        tensors[name] = cast
     with new_output_dir(out, force, "convert to-hf --adapter", inputs=[ckpt, step_dir]) as tmp:
         save_shard(tensors, tmp / "adapter_model.safetensors")
-        config = json.dumps(adapter_config(args), indent=2) + "\n"
+        config = json.dumps(adapter_config(args, arch), indent=2) + "\n"
         (tmp / "adapter_config.json").write_text(config)
     return out
 

@@ -93,6 +93,7 @@ class Transformer(nn.Module):
         self.first_stage = True
         """False on a later pipeline stage: its input is hidden states (its embedding, where it
         holds one, is the tied head's weight)."""
+        self.prompt_passed = False  # a soft prompt's last pipeline stage: it cuts the prompt
         self.sequence_shards = 1
         """Set by sequence parallelism: the tensor ranks the hidden states between blocks are
         split over along the sequence (a later pipeline stage receives one slice)."""
@@ -143,11 +144,12 @@ class Transformer(nn.Module):
         """soft_prompt_tuning: every parameter but the prompt (and LoRA's adapters, which
         train beside it) frozen (no gradient, no optimizer state); nothing changes without a
         soft prompt."""
-        if self.soft_prompt is None:
+        if not self.args.soft_prompt_tokens:
             return
         for name, param in self.named_parameters():
             param.requires_grad_(bool(self.args.lora_rank) and trains_with_lora(name))
-        self.soft_prompt.weight.requires_grad_(True)
+        if self.soft_prompt is not None:  # (a later pipeline stage holds none)
+            self.soft_prompt.weight.requires_grad_(True)
 
     def _apply(self, fn, recurse=True):
         """As nn.Module's, then the shared layers tied again (a move gives each module its
@@ -325,7 +327,7 @@ class Transformer(nn.Module):
         static = cache if isinstance(cache, StaticKVCache) else None
         if static is not None and positions_BT is None:
             positions_BT = static.queries(t)
-        prompted = self.soft_prompt is not None and self.first_stage
+        prompted = self.soft_prompt is not None and self.first_stage and context is None
         if not self.first_stage:  # a later pipeline stage: the input is hidden states
             x = tokens_BT
             t *= self.sequence_shards  # (sequence parallelism: this rank's slice of them)
@@ -337,9 +339,7 @@ class Transformer(nn.Module):
         else:
             x = self._embed(tokens_BT, positions_BT, start, t)
         rope = self._rope(positions_BT, start, t, length)
-        bias = self._attention_bias(
-            t, start, key_valid_BS, x.device, segments_BT, context, static
-        )  # fmt: skip
+        bias = self._attention_bias(t, start, key_valid_BS, x.device, segments_BT, context, static)
         stats = []
         for block in self.layers.values():
             x, layer_stats = block(x, rope, bias, cache)
@@ -348,7 +348,8 @@ class Transformer(nn.Module):
         if self.router_sink is not None and stats and not router_stats:
             x = self.router_sink(x, stats)
         _advance(cache, t)
-        if prompted:  # the prompt's own outputs are never scored or sampled
+        # the prompt's own outputs are never scored or sampled (cut where the head is)
+        if (prompted or (self.prompt_passed and start == 0)) and self.final_norm is not None:
             x = x[:, self.args.soft_prompt_tokens :]
         out = self._head(x[:, -1:] if last_only else x)
         out = with_mtp(self, out, x, mtp_tokens_BT, rope, bias, stats)
@@ -427,6 +428,11 @@ class Transformer(nn.Module):
             x = x * self.args.mup.embedding_mult
         if self.embedded_output is not None:
             x = self.embedded_output(x)
+        if self.soft_prompt is not None and positions_BT is not None and positions_BT.dim() == 1:
+            # a context rank's chunks of [prompt, text]: positions below n are the prompt's
+            n = self.args.soft_prompt_tokens
+            rows = self.soft_prompt.weight.to(x.dtype)[positions_BT.clamp(max=n - 1)]
+            x = torch.where((positions_BT < n)[:, None], rows, x)
         return x
 
 

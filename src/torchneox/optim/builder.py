@@ -136,8 +136,16 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, flat: bo
     group 0 would overwrite the others')."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
+    if not trains_anything(optimizer):  # (torch's state dict refuses an empty optimizer)
+        return {}
     options = StateDictOptions(flatten_optimizer_state_dict=flat)
     return get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def trains_anything(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` holds a parameter (a soft prompt's later pipeline stages hold
+    none: their state is empty)."""
+    return any(group["params"] for group in optimizer.param_groups)
 
 
 def load_optimizer_state(
@@ -148,6 +156,8 @@ def load_optimizer_state(
     that saved them (a tensor-parallel run's AdamW without foreach, say), not to this run."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+    if not trains_anything(optimizer):
+        return
     options = StateDictOptions(flatten_optimizer_state_dict=flat)
     set_optimizer_state_dict(model, optimizer, state, options=options)
     for group in optimizer.param_groups:

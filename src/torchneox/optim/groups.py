@@ -22,4 +22,5 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
             (decay if matrix and weight_decay > 0 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}]
     groups.append({"params": no_decay, "weight_decay": 0.0})
-    return [g for g in groups if g["params"]]
+    # (a pipeline stage with nothing to train, a soft prompt's later one, keeps one empty group)
+    return [g for g in groups if g["params"]] or groups[1:]

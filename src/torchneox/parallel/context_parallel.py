@@ -103,3 +103,13 @@ def split_pipeline_batch(
         inputs.shape[1], mesh.size(), mesh.get_local_rank(), _gatherer(mesh), inputs.device
     )
     return inputs[:, context.index], target[:, context.index], context
+
+
+def gather_sequence(x: torch.Tensor, context: ContextShard, mesh: DeviceMesh) -> torch.Tensor:
+    """[B, T / cp, ...] on each context rank: the whole sequence [B, T, ...] in order, on every
+    rank. Backward returns to each rank the gradient of its own positions summed over the
+    ranks: a loss that every rank computes from the whole gives each rank its tokens' gradient
+    cp times, which the reduction over the context ranks averages back to one process's."""
+    group = mesh.get_group()
+    gathered = all_gather_tensor_autograd(x.contiguous(), gather_dim=1, group=group)
+    return gathered[:, torch.argsort(context.keys)]

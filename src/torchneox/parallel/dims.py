@@ -94,8 +94,8 @@ class ParallelDims:
         if not self.distributed:
             return None
         if self.ep > 1:
-            return self._expert_mesh()
-        if self.dp_shard is not None:
+            return self._hybrid_groups(self._expert_mesh())
+        if self.dp_shard is not None and self.cp == 1:
             # hybrid sharding: data parallel = (replicas) x (ranks one shard group spans)
             self.mesh = init_device_mesh(
                 self.device_type,
@@ -111,13 +111,23 @@ class ParallelDims:
                 mesh_dim_names=("pp", "dp", "cp", "tp"),
             )
             self.flat = {"dp_cp": self.mesh["dp", "cp"]._flatten("dp_cp")}
-            return self.mesh
+            return self._hybrid_groups(self.mesh)
         self.mesh = init_device_mesh(
             self.device_type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp")
         )
         return self.mesh
 
     HYBRID = ("dp_hybrid_replicate", "dp_hybrid_shard")
+
+    def _hybrid_groups(self, mesh: DeviceMesh) -> DeviceMesh:
+        """Hybrid sharding beside expert or context parallelism: the ranks that split the
+        batch (data-parallel, their context ranks innermost) cut into consecutive groups of
+        ``dp_shard`` data-parallel ranks with their context ranks, ZeRO sharding within a
+        group and replicating across the groups (``shard_mesh``)."""
+        if self.dp_shard is not None:
+            shape = (self.dp // self.dp_shard, self.dp_shard * self.cp)
+            self.flat["hybrid"] = self.batch_mesh._unflatten(0, shape, self.HYBRID)
+        return mesh
 
     def _expert_mesh(self) -> DeviceMesh:
         """Data parallel = (replicas of the experts) x (expert-parallel ranks); with context
@@ -145,6 +155,8 @@ class ParallelDims:
         data- and context-parallel ranks together), or with hybrid sharding the 2-D
         (replicate, shard) mesh that makes FSDP2 shard within groups and replicate across."""
         assert self.mesh is not None
+        if "hybrid" in self.flat:
+            return self.flat["hybrid"]
         return self.mesh[self.HYBRID] if self.dp_shard is not None else self.batch_mesh
 
 

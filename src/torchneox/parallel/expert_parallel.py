@@ -11,12 +11,15 @@ makes them the gradient of the global mean loss, as DDP's average does for the r
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from torchneox.models.lora import EXPERT_WEIGHTS
 from torchneox.models.moe import LocalTokenDispatcher, MoE
 
 EXPERT_PARAMS = (
@@ -29,9 +32,23 @@ EXPERT_PARAMS = (
 )
 
 
+def expert_tensors(module: MoE) -> Iterator[tuple[nn.Module, str, str]]:
+    """(owner, attribute, name in the MoE layer) of each of its tensors split over the experts:
+    the expert weights and biases, and the A and B of their LoRA adapters ([E, in, rank] and
+    [E, rank, out]: each expert's adapter on the rank holding the expert)."""
+    for attr in EXPERT_PARAMS:
+        yield module, attr, attr
+    for weight in EXPERT_WEIGHTS:
+        adapter = getattr(module, f"experts_{weight}_lora", None)
+        if adapter is not None:
+            for part in ("lora_A", "lora_B"):
+                owner = getattr(adapter, part)
+                yield owner, "weight", f"experts_{weight}_lora.{part}.weight"
+
+
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> list[str]:
-    """Shard every MoE layer's experts over mesh["ep"]; returns the expert parameters' names
-    (for DDP to leave alone)."""
+    """Shard every MoE layer's experts (and their adapters) over mesh["ep"]; returns the
+    expert parameters' names (for DDP to leave alone)."""
     ep_mesh = mesh["ep"]
     size, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     names = []
@@ -39,17 +56,17 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> list[str]:
         if not isinstance(module, MoE):
             continue
         local = module.num_experts // size
-        for attr in EXPERT_PARAMS:
-            param = getattr(module, attr)
+        for owner, attr, name in list(expert_tensors(module)):
+            param = getattr(owner, attr)
             if param is None:
                 continue
             shard = param.detach()[rank * local : (rank + 1) * local].clone()
-            setattr(
-                module,
-                attr,
-                nn.Parameter(DTensor.from_local(shard, ep_mesh, [Shard(0)], run_check=False)),
+            split = nn.Parameter(
+                DTensor.from_local(shard, ep_mesh, [Shard(0)], run_check=False),
+                requires_grad=param.requires_grad,
             )
-            names.append(f"{module_name}.{attr}")
+            setattr(owner, attr, split)
+            names.append(f"{module_name}.{name}")
         module.dispatcher = AllToAllTokenDispatcher(ep_mesh.get_group(), size)
     return names
 
@@ -62,8 +79,8 @@ def sync_expert_gradients(model: nn.Module, replicas: DeviceMesh, batch_ranks: i
     for module in model.modules():
         if not isinstance(module, MoE):
             continue
-        for attr in EXPERT_PARAMS:
-            param = getattr(module, attr)
+        for owner, attr, _ in expert_tensors(module):
+            param = getattr(owner, attr)
             if param is None or param.grad is None:
                 continue
             local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad

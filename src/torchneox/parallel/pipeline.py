@@ -98,6 +98,8 @@ def stage_module(full_meta: Transformer, layers: range, first: bool, last: bool)
         if not (last and embeds_on_last(full_meta.args)):
             part.embed = None
         part.pos_embed = None
+        part.soft_prompt = None  # (the first stage puts it before the text, the last cuts it)
+        part.prompt_passed = last and bool(full_meta.args.soft_prompt_tokens)
     if not last:
         part.final_norm = None
         part.output = None
@@ -122,6 +124,18 @@ class Pipeline:
     has_last: bool
     shared: StageShared | None = None
     """The parameters several stages hold (``share_across_stages``)."""
+    make_schedule: Callable[[], object] | None = None
+    """A fresh schedule over the same stages (``reschedule``)."""
+    shape: tuple[int, ...] | None = None
+    """The input shape the schedule last learnt its stages' shapes from."""
+
+    def reschedule(self, shape: tuple[int, ...]) -> None:
+        """A schedule learns the shapes its stages pass on at its first step and keeps them;
+        a batch of another shape (curriculum learning's growing length) takes a fresh one,
+        which learns them again (every rank sees the same shapes, so all switch together)."""
+        if self.shape is not None and shape != self.shape and self.make_schedule is not None:
+            self.schedule = self.make_schedule()
+        self.shape = shape
 
 
 SHARED_ACROSS_STAGES = ("embed.weight", "rpe.weight")
@@ -218,6 +232,7 @@ def build_pipeline(
             container.rpe = part.rpe
         if first:
             container.embed, container.pos_embed = part.embed, part.pos_embed
+            container.soft_prompt = part.soft_prompt
         elif last and part.embed is not None:  # the tied head's copy of the embedding
             container.embed = part.embed
         if last:
@@ -225,13 +240,17 @@ def build_pipeline(
             container.value_head, container.mtp = part.value_head, part.mtp
         stages.append(PipelineStage(part, index, total_stages, device, group=pp_mesh.get_group()))
     kind = getattr(schedules, SINGLE.get(schedule) or MULTI[schedule])
-    runner = kind(
-        stages[0] if schedule in SINGLE else stages, n_microbatches=layout.gas, loss_fn=loss_fn
-    )
+
+    def make_schedule() -> object:
+        given = stages[0] if schedule in SINGLE else stages
+        return kind(given, n_microbatches=layout.gas, loss_fn=loss_fn)
+
     has_first = 0 in indices
     has_last = total_stages - 1 in indices
     # the container is never run: its own position tables stay on the meta device
-    return Pipeline(container, parts, stages, runner, has_first, has_last)
+    return Pipeline(
+        container, parts, stages, make_schedule(), has_first, has_last, make_schedule=make_schedule
+    )
 
 
 def is_multi(schedule: object) -> bool:
@@ -249,10 +268,12 @@ def evaluate_pipeline(
     pp_mesh: DeviceMesh,
     loss_fn,
     reduce: bool = True,
+    kwargs: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor | list[torch.Tensor]:
     """Forward only, stage after stage, micro-batch by micro-batch (the training schedules'
     eval paths are not all usable); the mean loss on the rank holding the last stage, else 0.
-    ``reduce=False``: what ``loss_fn`` gave for each micro-batch, on the last stage (else [])."""
+    ``reduce=False``: what ``loss_fn`` gave for each micro-batch, on the last stage (else []).
+    ``kwargs``: the model's other inputs [B, ...] (document masking's), cut as the inputs."""
     group = pp_mesh.get_group()
     owners = [0] * (p.stages[0].num_stages)
     rank_indices = torch.tensor([s.stage_index for s in p.stages], dtype=torch.long)
@@ -264,7 +285,10 @@ def evaluate_pipeline(
     me = pp_mesh.get_local_rank()
     parts = {s.stage_index: part for s, part in zip(p.stages, p.parts, strict=True)}
     losses = []
-    for x_in, y in zip(inputs.chunk(microbatches), labels.chunk(microbatches), strict=True):
+    extras = {k: v.chunk(microbatches) for k, v in (kwargs or {}).items()}
+    chunks = zip(inputs.chunk(microbatches), labels.chunk(microbatches), strict=True)
+    for m, (x_in, y) in enumerate(chunks):
+        extra = {k: v[m] for k, v in extras.items()}
         hidden = None
         for index in range(len(owners)):
             if owners[index] != me:
@@ -276,7 +300,7 @@ def evaluate_pipeline(
                 torch.distributed.recv(shape, group_src=owners[index - 1], group=group)
                 hidden = torch.empty(tuple(shape.tolist()), dtype=torch.float32, device=x_in.device)
                 torch.distributed.recv(hidden, group_src=owners[index - 1], group=group)
-            hidden = parts[index](hidden)
+            hidden = parts[index](hidden, **extra)
             if index == len(owners) - 1:
                 losses.append(loss_fn(hidden, y, None))
             elif owners[index + 1] != me:
@@ -294,3 +318,52 @@ def evaluate_pipeline(
     return torch.stack(
         [(x.full_tensor() if hasattr(x, "full_tensor") else x).float() for x in losses]
     ).mean()
+
+
+class PipelineLogits(torch.nn.Module):
+    """A pipeline's stages as one module from tokens to logits, the logits known on every
+    pipeline rank (forward only, without a cache: ``eval_tasks``'s scoring during training).
+    Every pipeline rank calls it with the same tokens, as the harness gives every rank the
+    same requests."""
+
+    cacheless = True
+
+    def __init__(self, pipeline: Pipeline, pp_mesh: DeviceMesh, device: torch.device):
+        super().__init__()
+        self.pipeline, self.pp_mesh, self.device = pipeline, pp_mesh, device
+        self.args = pipeline.container.args  # (what sampling reads: positions, soft prompt)
+
+    def train(self, mode: bool = True) -> PipelineLogits:
+        self.training = mode
+        for part in self.pipeline.parts:
+            part.train(mode)
+        return self
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, **given: torch.Tensor | None) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        assert given.get("cache") is None, "a pipeline's stages keep no cache"
+        kwargs = {k: v for k, v in given.items() if v is not None}
+
+        def keep(out: torch.Tensor, _y, _m) -> torch.Tensor:
+            return out.full_tensor() if isinstance(out, DTensor) else out
+
+        contexts = [part.stage_context for part in self.pipeline.parts]
+        for part in self.pipeline.parts:  # (whole sequences on every context rank)
+            part.stage_context = None
+        try:
+            kept = evaluate_pipeline(
+                self.pipeline, tokens, tokens, 1, self.pp_mesh, keep, reduce=False, kwargs=kwargs
+            )
+        finally:
+            for part, context in zip(self.pipeline.parts, contexts, strict=True):
+                part.stage_context = context
+        group = self.pp_mesh.get_group()
+        shape = torch.zeros(3, dtype=torch.long, device=tokens.device)
+        if kept:
+            shape += torch.tensor(kept[0].shape, device=tokens.device)
+        torch.distributed.all_reduce(shape, group=group)  # (only the last stage's is not 0)
+        logits = kept[0].float() if kept else torch.zeros(*shape.tolist(), device=tokens.device)
+        torch.distributed.all_reduce(logits, group=group)
+        return logits

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from torchneox.data.loader import Batch
+
 
 @dataclass
 class Terms:
@@ -88,3 +90,18 @@ def shifted(
         not_eod = inputs != eod_id
         mask = not_eod if mask is None else mask & not_eod
     return Prepared(inputs, target, mask)
+
+
+def cut(batch: Batch, length: int) -> Batch:
+    """A training micro-batch's samples cut to ``length`` inputs (their first length + 1
+    tokens: the inputs, positions, labels and loss mask of the first ``length`` positions);
+    as GPT-NeoX, a length at or beyond the samples' leaves them whole."""
+    if isinstance(batch, dict):
+        return {k: v[:, : length + 1] for k, v in batch.items()}
+    return batch[:, : length + 1]
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    if isinstance(batch, dict):
+        return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    return batch.to(device, non_blocking=True)

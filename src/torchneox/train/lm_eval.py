@@ -127,7 +127,10 @@ class TorchNeoXScorer:
             sampling = Sampling(
                 temperature=temperature, maximum_tokens=budget, stop_ids={self.eot}, seed=0
             )
-            ids = generate(self.model, [prompt], sampling)[0]
+            if getattr(self.model, "cacheless", False):  # a pipeline's stages keep no cache
+                ids = self._cacheless(prompt, sampling)
+            else:
+                ids = generate(self.model, [prompt], sampling)[0]
             text = self.tok.decode(ids)
             for stop in until:
                 if stop and stop in text:
@@ -135,11 +138,31 @@ class TorchNeoXScorer:
             out.append(text)
         return out
 
+    @torch.no_grad()
+    def _cacheless(self, prompt: list[int], s: Sampling) -> list[int]:
+        """A continuation by whole forwards, one per token: greedy, or drawn at the temperature
+        by seed 0's generator; it ends before a stop token."""
+        generator = torch.Generator().manual_seed(0)
+        ids = list(prompt)
+        for _ in range(s.maximum_tokens):
+            logits = self.model(torch.tensor([ids], device=self._device))[0, -1].float().cpu()
+            if s.temperature > 0:
+                probs = torch.softmax(logits / s.temperature, -1)
+                token = int(torch.multinomial(probs, 1, generator=generator))
+            else:
+                token = int(logits.argmax())
+            if token in s.stop_ids:
+                break
+            ids.append(token)
+        return ids[len(prompt) :]
+
 
 def make_adapter(model: torch.nn.Module, args, tokenizer, batch_size: int = 8, device=None):
     """An lm-eval ``LM`` backed by ``model`` (a Transformer, or the module training calls)."""
     LM = _lm_eval()
-    scorer = TorchNeoXScorer(model, args.max_positions, tokenizer, batch_size, device)
+    # a soft prompt's model reads seq_length less the prompt of text
+    longest = args.seq_length - args.soft_prompt_tokens if args.soft_prompt_tokens else None
+    scorer = TorchNeoXScorer(model, longest or args.max_positions, tokenizer, batch_size, device)
 
     class TorchNeoXLM(LM):
         def loglikelihood(self, requests) -> list[tuple[float, bool]]:

@@ -9,7 +9,9 @@ n_tokens as GPT-NeoX's SoftEmbedding does. A checkpoint holding a prompt keeps i
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -48,3 +50,23 @@ def start_soft_prompt(model: Transformer, cfg: NeoXConfig, fresh: bool) -> bool:
     local, where = local_part(model.soft_prompt.weight)
     local.copy_(rows if where is None else rows[where])
     return True
+
+
+def before_text(prep: Any, n_tokens: int, seq_length: int) -> Any:
+    """Context parallelism: a language-modelling micro-batch (``Prepared``) as the sequence the
+    model runs, the prompt's ``n_tokens`` positions (placeholders, which the model's embedding
+    fills with the prompt) before the text cut to ``seq_length - n_tokens``, out of the loss;
+    the context ranks then take their chunks of it, and the loss is one process's."""
+    keep = seq_length - n_tokens
+    mask = prep.mask if prep.mask is not None else torch.ones_like(prep.inputs, dtype=torch.bool)
+
+    def put_after(x: torch.Tensor, value: Any) -> torch.Tensor:
+        head = torch.full((x.shape[0], n_tokens), value, dtype=x.dtype, device=x.device)
+        return torch.cat([head, x[:, :keep]], dim=1)
+
+    return dataclasses.replace(
+        prep,
+        inputs=put_after(prep.inputs, 0),
+        labels=put_after(prep.labels, 0),
+        mask=put_after(mask, False),
+    )

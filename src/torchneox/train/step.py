@@ -24,6 +24,7 @@ from torchneox.base.faults import fault_fires, fault_point
 from torchneox.config.features.curriculum import Curriculum
 from torchneox.data.loader import Batch
 from torchneox.models.lora import adapters_off
+from torchneox.models.mixers.attention import documents
 from torchneox.models.moe import MoE
 from torchneox.optim.builder import clip_grad_norm, shard_gradients_like_parameters
 from torchneox.parallel.collectives import (
@@ -33,7 +34,11 @@ from torchneox.parallel.collectives import (
     sum_over_pp,
     sum_router_stats,
 )
-from torchneox.parallel.context_parallel import split_pipeline_batch, split_sequence
+from torchneox.parallel.context_parallel import (
+    gather_sequence,
+    split_pipeline_batch,
+    split_sequence,
+)
 from torchneox.parallel.data_parallel import set_gradient_sync
 from torchneox.parallel.dims import ParallelDims
 from torchneox.parallel.expert_parallel import sync_expert_gradients
@@ -41,10 +46,12 @@ from torchneox.parallel.parallelize import ParallelModel
 from torchneox.parallel.pipeline import evaluate_pipeline
 from torchneox.parallel.tensor_parallel import loss_context, placed_like
 from torchneox.reporting.metrics import Timers
+from torchneox.train.batch import cut, to_device
 from torchneox.train.loss import lm_loss, token_logp
-from torchneox.train.objectives import LanguageModeling, Objective
+from torchneox.train.objectives import DocumentMasked, LanguageModeling, Objective
 from torchneox.train.pipelined import PipelinedObjective, StageRouters, prepared_batch
 from torchneox.train.precision import LossScaler, autocast
+from torchneox.train.soft_prompt import before_text
 
 
 @dataclass
@@ -117,6 +124,7 @@ class Gradients:
             aux_weight = getattr(objective, "aux_weight", 0.0)
             self.routers = StageRouters(self, parts.pipeline.parts, aux_weight, layers)
         self.curriculum: Curriculum | None = None  # curriculum_learning: each step's length
+        self.whole: Any = None  # the micro-batch being run, whole (``_prepare``)
 
     def __call__(
         self, iteration: int, micro_batches: list[Batch]
@@ -172,15 +180,38 @@ class Gradients:
     # ------------------------------------------------------------------ forward/backward
 
     def _prepare(self, batch: Batch) -> Any:
-        """The objective's micro-batch, with context parallelism this rank's part of it."""
-        prep = self.objective.prepare(batch)
+        """The objective's micro-batch, with context parallelism this rank's part of it (the
+        whole one kept in ``self.whole`` for an objective of whole sequences)."""
+        prep = self.whole = self.objective.prepare(batch)
         if self.dims.cp > 1:
+            args = self.parts.model.args
+            if args.soft_prompt_tokens:  # the prompt's positions first, then split
+                prep = before_text(prep, args.soft_prompt_tokens, args.seq_length)
             prep = split_sequence(prep, self.dims.mesh["cp"])
         return prep
 
     def _mtp_inputs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         """What the model takes for multi-token prediction in training (nothing without)."""
         return {"mtp_tokens_BT": inputs} if getattr(self.objective, "mtp_depth", 0) else {}
+
+    def _terms(self, out: torch.Tensor, prep: Any, stats: Any = None, placed: Any = None) -> Any:
+        """The objective's terms. Under context parallelism language modelling takes each
+        rank's tokens; the post-training objectives (sums over a whole sequence, a reward
+        model's last position) take the outputs gathered whole (``gather_sequence``), every
+        context rank computing the same terms: the logged loss and metrics are each rank's
+        1/cp share of them, as the reductions over the context ranks add the shares."""
+        reference = self._reference(prep)
+        objective = getattr(self.objective, "inner", self.objective)
+        if self.dims.cp == 1 or isinstance(objective, LanguageModeling):
+            return self.objective.terms(out, prep, reference, stats, placed)
+        mesh, context, cp = self.dims.mesh["cp"], prep.context, self.dims.cp
+        out = gather_sequence(out, context, mesh)
+        if reference is not None:
+            reference = gather_sequence(reference, context, mesh)
+        terms = self.objective.terms(out, self.whole, reference, stats, placed)
+        terms.loss = terms.loss / cp
+        terms.metrics = {k: v / cp for k, v in terms.metrics.items()}
+        return terms
 
     def _forward(self, batch: Batch, sums: dict) -> Any:
         prep = self._prepare(batch)
@@ -195,7 +226,7 @@ class Gradients:
                 whole = [sum_router_stats(s, self.dims.batch_mesh) for s in stats]
         else:
             out = self.parts.module(prep.inputs, **kwargs)
-        terms = self.objective.terms(out, prep, self._reference(prep), whole, placed_like)
+        terms = self._terms(out, prep, whole, placed_like)
         for name in ("z_loss", "moe_aux_loss"):
             value = getattr(terms, name)
             if value is not None:
@@ -244,12 +275,30 @@ class Gradients:
         modelling on the next tokens, or (a float target) the post-training objective."""
         if target.is_floating_point():
             return self.pipelined(logits, target)
-        return lm_loss(logits, target, None) * self.scale()
+        # (a soft prompt's model scores the text it kept: seq_length less the prompt)
+        return lm_loss(logits, target[:, : logits.shape[1]], None) * self.scale()
 
-    def _pipeline_inputs(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _documents(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """inter_document_attention_masking: each token's document and its position in it,
+        the model's inputs beside the tokens on every stage (the schedules cut them into the
+        micro-batches as they cut the tokens)."""
+        if not isinstance(self.objective, DocumentMasked):
+            return {}
+        positions, segments = documents(inputs, self.objective.eod_id)
+        return {"positions_BT": positions, "segments_BT": segments}
+
+    def _pipeline_inputs(
+        self, micro_batches: list[Batch]
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """The pipeline's input and target for a global batch: tokens and next tokens, or
-        post-training micro-batches prepared, with the reference's log-probabilities."""
-        lm = self.objective if isinstance(self.objective, LanguageModeling) else None
+        post-training micro-batches prepared, with the reference's log-probabilities; and the
+        model's other inputs (``_documents``)."""
+        inputs, target = self._pipeline_tensors(micro_batches)
+        return inputs, target, self._documents(inputs)
+
+    def _pipeline_tensors(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+        objective = getattr(self.objective, "inner", self.objective)  # (under DocumentMasked)
+        lm = objective if isinstance(objective, LanguageModeling) else None
         # eod_mask_loss and lm_z_loss: the target carries the loss mask and the loss its terms
         masked_or_z = lm is not None and (lm.eod_id is not None or lm.z_weight > 0)
         masked_or_z = masked_or_z or (lm is not None and lm.mtp_depth > 0)  # ... and MTP's terms
@@ -264,7 +313,7 @@ class Gradients:
                 return inputs, target
             return tokens[:, :-1], tokens[:, 1:]
         batches = [to_device(b, self.device) for b in micro_batches]
-        inputs, target, preps = prepared_batch(self.objective, batches)
+        inputs, target, preps = prepared_batch(objective, batches)
         if self.objective.needs_reference:
             ref = self.parts.reference_pipeline
             labels = torch.cat([p.labels for p in preps])
@@ -275,6 +324,7 @@ class Gradients:
                 per_micro_batch = evaluate_pipeline(
                     ref or self.parts.pipeline, inputs, labels, self.grad_accum,
                     self.dims.mesh["pp"], lambda out, y, _: token_logp(out, y, fp32), reduce=False,
+                    kwargs=self._documents(inputs),
                 )  # fmt: skip
             if per_micro_batch:  # the last stage: the one that computes the loss
                 target[..., 3] = torch.cat(per_micro_batch)
@@ -285,13 +335,13 @@ class Gradients:
         objective's metrics in ``self.pipeline_metrics``)."""
         p = self.parts.pipeline
         with self._loss_context(), self._autocast():
-            inputs, target = self._pipeline_inputs(micro_batches)
+            inputs, target, extra = self._pipeline_inputs(micro_batches)
             if not train:
-                loss_fn = lm_loss
+                loss_fn = lambda out, y, _: lm_loss(out, y[:, : out.shape[1]], None)  # noqa: E731
                 if target.is_floating_point():
                     loss_fn = lambda out, y, _: self.pipelined(out, y, scaled=False)  # noqa: E731
                 local = evaluate_pipeline(
-                    p, inputs, target, self.grad_accum, self.dims.mesh["pp"], loss_fn
+                    p, inputs, target, self.grad_accum, self.dims.mesh["pp"], loss_fn, kwargs=extra
                 )
                 self._share_pipeline_metrics()
                 # only the last stage adds a loss; a context rank's is its tokens' mean
@@ -301,8 +351,9 @@ class Gradients:
             kwargs = {"target": target, "losses": losses} if p.has_last else {}
             if p.has_last:  # the last stage's MTP modules embed the tokens ahead
                 kwargs |= self._mtp_inputs(inputs)
+            p.reschedule(tuple(inputs.shape))
             with self.timers("pipeline"):
-                p.schedule.step(*args, **kwargs)
+                p.schedule.step(*args, **extra, **kwargs)
         local = torch.zeros((), device=self.device)
         if p.has_last and target.is_floating_point():  # the objective's loss, as logged
             local = self.pipelined.mean_loss(self.grad_accum) / self.dims.cp
@@ -346,7 +397,7 @@ class Gradients:
             prep = self._prepare(to_device(batch, self.device))
             with self._loss_context(), self._autocast():
                 out = self.parts.module(prep.inputs, **prep.model_inputs())
-                terms = self.objective.terms(out, prep, self._reference(prep))
+                terms = self._terms(out, prep)
             row = {"lm_loss": plain(terms.loss)}
             values.append(row | {k: plain(v).float() for k, v in terms.metrics.items()})
         return values
@@ -534,18 +585,3 @@ def _nonfinite(loss: float = 0.0, norm: float = 0.0) -> str | None:
     if not math.isfinite(norm):
         return f"the gradient norm is {norm}"
     return None
-
-
-def cut(batch: Batch, length: int) -> Batch:
-    """A training micro-batch's samples cut to ``length`` inputs (their first length + 1
-    tokens: the inputs, positions, labels and loss mask of the first ``length`` positions);
-    as GPT-NeoX, a length at or beyond the samples' leaves them whole."""
-    if isinstance(batch, dict):
-        return {k: v[:, : length + 1] for k, v in batch.items()}
-    return batch[:, : length + 1]
-
-
-def to_device(batch: Batch, device: torch.device) -> Batch:
-    if isinstance(batch, dict):
-        return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-    return batch.to(device, non_blocking=True)

@@ -295,8 +295,13 @@ class Trainer:
             from torchneox.train.lm_eval import make_adapter
 
             tokenizer = build_tokenizer(self.cfg.tokenizer)
+            scored = self.model
+            if self.pipeline is not None:  # the stages as one module, its logits on every rank
+                from torchneox.parallel.pipeline import PipelineLogits
+
+                scored = PipelineLogits(self.pipeline, self.dims.mesh["pp"], self.device)
             harness = make_adapter(
-                self.model, self.args, tokenizer, self.layout.micro_batch, self.device
+                scored, self.args, tokenizer, self.layout.micro_batch, self.device
             )
         return Evaluator(
             self.model,

@@ -42,16 +42,9 @@ def check_reinforce(ch: Checker) -> None:
 
 
 def _check_pipeline(ch: Checker) -> None:
-    """Through a pipeline, reinforce trains on served rollouts, with the reference's
-    log-probabilities of the labels (a pipeline pass of its own)."""
+    """Through a pipeline, reinforce trains on served rollouts or rollouts sampled through the
+    stages, with the reference's log-probabilities of the labels (a pipeline pass of its own)."""
     r = ch.c.rollout
-    if r.rollout_prompts:
-        ch.fail(
-            "pipe_parallel_size",
-            f"reinforce {refusal('reinforce', 'pp2')}: use pipe_parallel_size 1 (ZeRO and "
-            "tensor parallelism sample in the run) or the data-server source (dataset_impl "
-            "online, no rollout_prompts)",
-        )
     if r.kl_impl == "full" and r.kl_div_beta > 0:
         ch.fail(
             "kl_impl",

@@ -172,7 +172,7 @@ def _check_dict(ch: Any, c: Any) -> None:
             path="schedule_type",
         )
     _check_schedule(ch, c["schedule_config"], kind, low)
-    _check_layout(ch)
+    _check_layout(ch, c)
 
 
 def _known(ch: Checker, mapping: Any, allowed: tuple[str, ...], where: str) -> None:
@@ -227,12 +227,22 @@ def _check_schedule(ch: Checker, s: Any, kind: str, low: int) -> None:
         )
 
 
-def _check_layout(ch: Checker) -> None:
+def _check_layout(ch: Checker, spec: dict) -> None:
     c = ch.c
     if c.training.train_impl != "normal":
         impl = c.training.train_impl
         ch.fail(NAME, f"with train_impl {impl} {refusal('curriculum', impl)}; drop it")
-    if c.parallel.pipe_parallel_size >= 2:
-        ch.fail(NAME, f"{refusal('curriculum', 'pp2')}; set pipe_parallel_size 1 or drop it")
-    if c.parallel.context_parallel_size > 1:
-        ch.fail(NAME, f"{refusal('curriculum', 'cp2')}; set context_parallel_size 1 or drop it")
+    cp, seq = c.parallel.context_parallel_size, c.model.seq_length
+    if cp > 1:  # each rank takes 2 equal chunks of every length the curriculum trains on
+        s = spec["schedule_config"]
+        if spec["schedule_type"] == "fixed_discrete":
+            lengths = [*s["difficulty"], spec["min_difficulty"]]
+        else:
+            lengths = [s["difficulty_step"], spec["max_difficulty"], spec["min_difficulty"]]
+        for n in lengths:
+            if n % (2 * cp) and not (seq and n >= seq):
+                ch.fail(
+                    NAME,
+                    f"trains on sequences of {n} tokens, which context_parallel_size {cp} cannot "
+                    f"cut into 2 x {cp} equal chunks; use multiples of {2 * cp}",
+                )

@@ -92,10 +92,15 @@ def _check_layout(ch: Checker) -> None:
     if c.training.train_impl != "normal":
         impl = c.training.train_impl
         ch.fail(NAME, f"with train_impl {impl} {refusal('soft prompt', impl)}; drop it")
-    if c.parallel.pipe_parallel_size >= 2:
-        ch.fail(NAME, f"{refusal('soft prompt', 'pp2')}; set pipe_parallel_size 1")
-    if c.parallel.context_parallel_size > 1:
-        ch.fail(NAME, f"{refusal('soft prompt', 'cp2')}; set context_parallel_size 1")
+    if c.parallel.context_parallel_size > 1 and c.parallel.pipe_parallel_size >= 2:
+        ch.fail(NAME, f"{refusal('soft prompt', 'pp2 cp2')}; either axis alone takes it")
+    curriculum = c.training.curriculum_learning or {}
+    if c.parallel.context_parallel_size > 1 and curriculum.get("enabled", False):
+        ch.fail(
+            NAME,
+            f"with curriculum_learning {refusal('soft prompt', 'curriculum + cp2')}; drop one "
+            "or set context_parallel_size 1",
+        )
     if c.parallel.sequence_parallel and c.parallel.model_parallel_size > 1:
         ch.fail(NAME, f"{refusal('soft prompt', 'tp2 sp')}; set sequence_parallel false")
     if c.model.inter_document_attention_masking:

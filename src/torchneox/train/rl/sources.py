@@ -134,13 +134,14 @@ class ServedRollouts:
 
 def model_group(dims: Any) -> Any:
     """The process group of the ranks that share this rank's data-parallel rank (its pipeline
-    stages and tensor ranks), which make and use one rollout batch; None when it is alone."""
-    names = tuple(n for n in ("pp", "tp") if getattr(dims, n) > 1)
+    stages, context and tensor ranks), which make and use one rollout batch; None when it is
+    alone."""
+    names = tuple(n for n in ("pp", "cp", "tp") if getattr(dims, n) > 1)
     if not names:
         return None
     if len(names) == 1:
         return dims.mesh[names[0]].get_group()
-    return dims.mesh[names]._flatten("pp_tp").get_group()
+    return dims.mesh[names]._flatten("_".join(names)).get_group()
 
 
 def build_rollouts(run: Any, module: torch.nn.Module, line: Callable[[str], None]) -> dict:
@@ -215,6 +216,12 @@ def _sampled(run: Any, module: torch.nn.Module, line: Callable[[str], None], gro
     if dims.distributed:
         lockstep = lambda done: not any_rank(not done, dims, run.device)  # noqa: E731
 
+    if run.parts.pipeline is not None:  # the stages as one module, without a cache
+        from torchneox.parallel.pipeline import PipelineLogits
+
+        module = PipelineLogits(run.parts.pipeline, dims.mesh["pp"], run.device)
+        s = dataclasses.replace(s, use_cache=False)
+
     def sample(rows: list[list[int]], generator: torch.Generator) -> list[list[int]]:
         with autocast(run.precision, run.device.type):  # the cache in the forward's dtype
             return sample_policy(module, rows, s, pad, generator, dims.tp, lockstep)
@@ -258,9 +265,9 @@ def _old_logp(run: Any, module: torch.nn.Module):
     """The policy's log-probabilities of each micro-batch's labels now (the sampling policy,
     for the importance ratio of the later steps on the same rollouts)."""
     from torchneox.parallel.tensor_parallel import loss_context
+    from torchneox.train.batch import to_device
     from torchneox.train.loss import token_logp
     from torchneox.train.precision import autocast
-    from torchneox.train.step import to_device
 
     @torch.no_grad()
     def logps(micro_batches: list[dict]) -> list[torch.Tensor]:
