@@ -124,6 +124,7 @@ HOLDS = {
     "pp2": {"pp": 2},
     "pp2 interleaved": {"pp": 2, "schedule": "interleaved_1f1b"},
     "pp2 zbv": {"pp": 2, "schedule": "zbv"},
+    "tp2 sp pp2": {"tp": 2, "sequence_parallel": True, "pp": 2},
     "cp2": {"cp": 2},
     "pp2 cp2": {"pp": 2, "cp": 2},
     "ep2": {"ep": 2},

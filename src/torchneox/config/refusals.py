@@ -120,6 +120,7 @@ LAYOUTS: dict[str, LayoutCase] = {
     "pp2": LayoutCase(2, _PP),
     "pp2 interleaved": LayoutCase(2, _PP | {"pipeline_schedule": "interleaved_1f1b"}, ("pp2",)),
     "pp2 zbv": LayoutCase(2, _PP | {"pipeline_schedule": "zbv"}, ("pp2",)),
+    "tp2 sp pp2": LayoutCase(4, _TP | _PP | {"sequence_parallel": True}, ("tp2 sp", "pp2")),
     "cp2": LayoutCase(2, {"context_parallel_size": 2}),
     "pp2 cp2": LayoutCase(4, _PP | {"context_parallel_size": 2}, ("pp2", "cp2")),
     "ep2": LayoutCase(2, _EP),
