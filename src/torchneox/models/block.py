@@ -132,6 +132,8 @@ class Block(nn.Module):
         super().__init__()
         family = self.family = family_of(args, layer)
         attention = family is ATTENTION  # GPT-NeoX's residual options are its transformer's
+        # (kept as a flag: a copied block, as a pipeline stage's, holds a copy of its family)
+        self.reads_in_order = not attention  # a sequential mixer (see _mix)
         self.parallel_residual = attention and args.parallel_residual
         self.norm_output = attention and args.norm_position == "output"
         self.is_moe = family.build_mlp is _mlp_or_moe and args.is_moe_layer(layer)
@@ -205,7 +207,7 @@ class Block(nn.Module):
         bias: AttentionBias,
         cache: KVCache | None,
     ) -> torch.Tensor:
-        if bias.gather is None or self.family is ATTENTION:
+        if bias.gather is None or not self.reads_in_order:
             return mixer(x, rope, bias, cache)
         return _whole_sequence(mixer, x, bias)
 
