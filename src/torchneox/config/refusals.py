@@ -155,7 +155,7 @@ OBJECTIVES = ("dpo", "kto", "rm", "reinforce")
 SEQUENTIAL = ("mamba", "rwkv", "gmlp", "amlp")
 """The layer families that read the whole sequence in order."""
 _PP_CP = "cannot run with pipeline stages and context parallelism together: the stages' "
-_PP_CP += "context split carries the tokens alone, not the loss's per-token inputs"
+_PP_CP += "context split carries the tokens alone"
 _EIGHT_BIT = "is unbuilt beside this axis: 8-bit Adam runs with data parallelism and ZeRO 0-3"
 _ONE_GRAPH = "cannot compile the whole model as one graph, because this layout splits or "
 _ONE_GRAPH += "wraps it below its top level"
