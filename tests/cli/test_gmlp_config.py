@@ -142,7 +142,11 @@ def _refusal(config: str, *overrides: str) -> ConfigError:
         ("model_parallel_size=2", "model_parallel_size", "gmlp/amlp layers with model_parall"),
         ("context_parallel_size=2", "context_parallel_size", "which context parallelism would"),
         ("max_position_embeddings=128", "max_position_embeddings", "mix at most seq_length"),
-        ("inter_document_attention_masking=true", "inter_document_attention_masking", "not built"),
+        (
+            "inter_document_attention_masking=true",
+            "inter_document_attention_masking",
+            "cannot apply",
+        ),
     ],
 )
 def test_what_gmlp_layers_cannot_do_is_one_line(make_config, override, key, says):

@@ -477,7 +477,7 @@ CASES = [
             "attention_config: [[[mamba], 2]], inter_document_attention_masking: true}"
         },
         [],
-        ["a.yml: inter_document_attention_masking: is not built for mamba layers"],
+        ["a.yml: inter_document_attention_masking: with mamba layers is unbuilt for mamba"],
     ),
     (
         "mamba-inner-fusion-with-biases",

@@ -98,7 +98,7 @@ CASES = [
     (
         "curriculum-dpo",
         {**curriculum(), "train_impl": "dpo"},
-        "curriculum_learning: is for language modelling (train_impl normal), not dpo",
+        "curriculum_learning: with train_impl dpo is unbuilt for this objective",
     ),
 ]
 

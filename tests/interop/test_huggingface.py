@@ -346,7 +346,7 @@ def test_rope_scaling_not_built_is_refused_not_dropped(tmp_path, capsys, extra):
     (folder / "config.json").write_text(json.dumps(config | extra))
     assert main(["convert", "from-hf", str(folder), str(tmp_path / "out")]) == 2
     errors = [x for x in capsys.readouterr().err.splitlines() if x.startswith("torchneox:")]
-    assert len(errors) == 1 and "rope scaling" in errors[0] and "not supported yet" in errors[0]
+    assert len(errors) == 1 and "rope scaling" in errors[0] and "is unbuilt" in errors[0]
     assert str(folder / "config.json") in errors[0]
     assert not (tmp_path / "out").exists()
 

@@ -166,8 +166,8 @@ def test_explain_shows_the_library(make_config, capsys, monkeypatch):
 @pytest.mark.parametrize(
     "sets,says",
     [
-        (["model_parallel_size=2"], "model_parallel_size 2 is not built: it runs with data"),
-        (["pipe_parallel_size=2"], "pipeline stages 2 is not built: it runs with data"),
+        (["model_parallel_size=2"], "model_parallel_size 2 is unbuilt beside this axis: 8-bit"),
+        (["pipe_parallel_size=2"], "pipeline stages 2 is unbuilt beside this axis: 8-bit"),
         (["optimizer.params.amsgrad=true"], "8-bit Adam has no amsgrad"),
     ],
 )

@@ -151,7 +151,7 @@ def test_interleaved_pipeline_stages_resume_as_one_process(make_config, tmp_path
     ],
     ids=["seq-length", "world"],
 )  # fmt: skip
-def test_what_is_not_built_is_one_line(config, keys, nproc, said):
+def test_what_does_not_run_is_one_line(config, keys, nproc, said):
     args = [sys.executable, "-m", "torchneox", "train", config, "--nproc", str(nproc)]
     for key in ["context_parallel_size=4", "train_micro_batch_size_per_gpu=4", "load=null", *keys]:
         args += ["--set", key]
@@ -164,8 +164,8 @@ def test_what_is_not_built_is_one_line(config, keys, nproc, said):
 @pytest.mark.parametrize(
     ("impl", "pp", "said"),
     [
-        ("reinforce", 2, "'reinforce' and pipe_parallel_size >= 2 together is not built yet"),
-        ("dpo", 2, "with train_impl 'dpo' and pipe_parallel_size >= 2 together is not built yet"),
+        ("reinforce", 2, "'reinforce' is unbuilt with pipeline stages and context parallelism"),
+        ("dpo", 2, "train_impl 'dpo' is unbuilt with pipeline stages and context parallelism"),
     ],
 )
 def test_what_post_training_does_not_take_is_refused(make_config, impl, pp, said):

@@ -66,7 +66,7 @@ def test_pipeline_stages_with_context_parallelism_are_refused_in_one_line(config
     assert run.returncode == 2
     lines = [x for x in run.stderr.splitlines() if x.startswith("torchneox:")]
     assert len(lines) == 1 and "inter_document_attention_masking" in lines[0], run.stderr
-    assert "context_parallel_size > 1 together is not built" in lines[0]
+    assert "is unbuilt with pipeline stages and context parallelism together" in lines[0]
 
 
 def test_eval_masks_documents_as_training_did(config, tmp_path, tiny_data):

@@ -190,9 +190,9 @@ def test_explain_counts_the_trained_parameters(make_config):
         (
             PROMPT,
             {"pipe_parallel_size": 2, "context_parallel_size": 2},
-            "context_parallel_size > 1 together is not built",
+            "is unbuilt with pipeline stages and context parallelism together",
         ),
-        (PROMPT, {"train_impl": "dpo"}, "train_impl normal"),
+        (PROMPT, {"train_impl": "dpo"}, "with train_impl dpo is unbuilt for this objective"),
         (
             PROMPT,
             {"model_parallel_size": 2, "sequence_parallel": True, "no_weight_tying": True},

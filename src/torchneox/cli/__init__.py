@@ -23,9 +23,11 @@ def _run(argv: list[str]) -> int:
         return verbs.cmd_bench(argparse.Namespace(rest=argv[1:]))
     args = build_parser().parse_args(argv)
     if args.verb == "config":
-        handler = {"explain": verbs.cmd_config_explain, "keys": verbs.cmd_config_keys}[
-            args.config_verb
-        ]
+        handler = {
+            "explain": verbs.cmd_config_explain,
+            "keys": verbs.cmd_config_keys,
+            "refusals": verbs.cmd_config_refusals,
+        }[args.config_verb]
     elif args.verb == "data":
         handler = {"batch": verbs.cmd_data_batch}[args.data_verb]
     elif args.verb == "checkpoint":

@@ -109,6 +109,13 @@ def _config_verbs(verbs: argparse._SubParsersAction) -> None:
     )
     keys = config_verbs.add_parser("keys", help="reference of every config key")
     keys.add_argument("--markdown", action="store_true", help="as the Markdown of docs/config.md")
+    refusals = config_verbs.add_parser(
+        "refusals",
+        help="every feature that does not run beside a layout or another feature, and why",
+    )
+    refusals.add_argument(
+        "--markdown", action="store_true", help="as the table of docs/parallelism.md"
+    )
 
 
 FORCE_HELP = "replace OUT_DIR if it holds anything (it is refused otherwise)"

@@ -45,6 +45,17 @@ def cmd_config_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config_refusals(args: argparse.Namespace) -> int:
+    from torchneox.config.refusals import REFUSALS, markdown
+
+    if args.markdown:
+        print(markdown(), end="")
+    else:
+        for r in REFUSALS:
+            print(f"{r.feature} beside {r.beside}: {r.reason}")
+    return 0
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from torchneox.interop import huggingface
 

@@ -1,7 +1,7 @@
 """The run's parallel layout, typed and derived once, and every rule a layout must keep.
 
 ``Layout.from_derived`` reads the sizes ``derive`` computed; ``check_layout`` holds every
-rule about which layouts run (what is not built yet with tensor or pipeline parallelism,
+rule about which layouts run (the refusals of config/refusals.py's table beside an axis,
 context parallelism's divisibility of the sequence, what
 an explicit pipeline schedule needs, how experts split). ``train`` (and ``train --nproc``
 before it starts any process), ``estimate`` (for the layout given and for each alternative it
@@ -23,6 +23,7 @@ from torchneox.config.features.eight_bit import eight_bit_layout
 from torchneox.config.features.offload import offload_spec
 from torchneox.config.features.sparsity import ATTENTION_LAYER_TYPES
 from torchneox.config.load import LoadedConfig
+from torchneox.config.refusals import SEQUENTIAL, refusal
 from torchneox.config.schema import NeoXConfig
 from torchneox.config.sizes import rwkv_widths
 
@@ -197,9 +198,8 @@ def _tied_embeddings(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
         return None
     if lay.pp > 1 and lay.schedule == "zbv":
         return _refuse(
-            "tied embeddings with pipeline_schedule zbv are not built (its V puts the first and "
-            "the last stage on one rank, which would hold two copies of the embedding); use "
-            "another schedule, or no_weight_tying: true",
+            f"tied embeddings {refusal('tied embeddings', 'pp2 zbv')}; use another "
+            "pipeline_schedule, or no_weight_tying: true",
             key="no_weight_tying",
             cause="pipeline_schedule",
         )
@@ -210,18 +210,20 @@ def _multi_token(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     """MTP reads the tokens ahead of each position and embeds them where the last layer is."""
     if not cfg.model.mtp_num_layers:
         return None
-    for on, what, cause in (
-        (lay.tp > 1, "model_parallel_size > 1", "model_parallel_size"),  # parity not yet held
-        (lay.sequence_parallel, "sequence_parallel", "sequence_parallel"),
-        (lay.cp > 1, "context_parallel_size > 1", "context_parallel_size"),
-        (lay.pp > 1 and lay.schedule == "zbv", "pipeline_schedule zbv", "pipeline_schedule"),
+    for on, beside, what, cause in (
+        (lay.tp > 1, "tp2", "model_parallel_size > 1", "model_parallel_size"),
+        (lay.cp > 1, "cp2", "context_parallel_size > 1", "context_parallel_size"),
+        (
+            lay.pp > 1 and lay.schedule == "zbv",
+            "pp2 zbv",
+            "pipeline_schedule zbv",
+            "pipeline_schedule",
+        ),
     ):
         if on:
             return _refuse(
-                f"with {what} is not built yet (tensor parallelism's parity is not held yet; "
-                "the tokens ahead of a position may lie on another rank, or the last stage's "
-                "copy of the embedding on the first's rank); use another layout, or "
-                "mtp_num_layers: 0",
+                f"with {what}: multi-token prediction {refusal('mtp', beside)}; use another "
+                "layout, or mtp_num_layers: 0",
                 key="mtp_num_layers",
                 cause=cause,
             )
@@ -231,34 +233,23 @@ def _multi_token(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
 def _tensor_parallel_positions(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     pos = cfg.model.pos_emb
     if lay.pp > 1 and pos == "rpe" and lay.schedule not in ("gpipe", "1f1b"):
+        beside = "pp2 zbv" if lay.schedule == "zbv" else "pp2 interleaved"
         return _refuse(
-            f"pos_emb 'rpe' with pipeline_schedule {lay.schedule} is not built (every layer "
-            "reads one table, and a rank holding several stages would hold several copies); "
-            "use gpipe or 1f1b",
+            f"'rpe' with pipeline_schedule {lay.schedule} {refusal('rpe', beside)}; use gpipe "
+            "or 1f1b",
             key="pos_emb",
             cause="pipeline_schedule",
         )
     return None
 
 
-NOT_BUILT_WITH = (
-    (
-        ("pp", "cp"),
-        "inter_document_attention_masking",
-        "context_parallel_size",
-        "inter_document_attention_masking with pipe_parallel_size >= 2 and "
-        "context_parallel_size > 1 together is not built (the stages' context split carries "
-        "no documents); either axis alone takes it",
-    ),
-)
-"""(layout axes, model key, the layout key, why): model options not built beside axes that
-are all split."""
-
-
-def _not_built_with(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
-    for axes, key, cause, message in NOT_BUILT_WITH:
-        if all(getattr(lay, axis) > 1 for axis in axes) and getattr(cfg.model, key):
-            return _refuse(message, key=key, cause=cause)
+def _document_masking(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
+    if lay.pp > 1 and lay.cp > 1 and cfg.model.inter_document_attention_masking:
+        return _refuse(
+            f"{refusal('document masking', 'pp2 cp2')}; either axis alone takes it",
+            key="inter_document_attention_masking",
+            cause="context_parallel_size",
+        )
     return None
 
 
@@ -290,8 +281,7 @@ def _pipeline(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
         return None
     if cfg.training.eod_mask_loss and lay.cp > 1:
         return _refuse(
-            "with pipe_parallel_size >= 2 and context_parallel_size > 1 together is not built "
-            "(the stages' context split carries the tokens alone); either axis alone takes it",
+            f"{refusal('eod mask', 'pp2 cp2')}; either axis alone takes it",
             key="eod_mask_loss",
             cause="context_parallel_size",
         )
@@ -339,8 +329,7 @@ def _experts(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
 def _z_loss(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     if cfg.training.lm_z_loss and lay.pp > 1 and lay.cp > 1:
         return _refuse(
-            "with pipe_parallel_size >= 2 and context_parallel_size > 1 together is not built "
-            "(the stages' context split carries the tokens alone); either axis alone takes it",
+            f"{refusal('z-loss', 'pp2 cp2')}; either axis alone takes it",
             key="lm_z_loss",
             cause="context_parallel_size",
         )
@@ -360,20 +349,17 @@ def _context_parallel(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
         )
     impl = cfg.training.train_impl
     others = (
-        (bool(cfg.model.mla_kv_lora_rank), "MLA (mla_kv_lora_rank)", "mla_kv_lora_rank"),
-        (
-            impl != "normal" and lay.pp > 1,
-            f"train_impl {impl!r} and pipe_parallel_size >= 2 together",
-            "train_impl",
-        ),
+        (bool(cfg.model.mla_kv_lora_rank), "mla", "cp2", "MLA (mla_kv_lora_rank)"),
+        (impl != "normal" and lay.pp > 1, impl, "pp2 cp2", f"train_impl {impl!r}"),
     )
-    for broken, what, cause in others:
+    for broken, feature, beside, what in others:
         if broken:
             return _refuse(
-                f"context_parallel_size > 1 with {what} is not built yet; context parallelism "
-                "runs with data parallelism (any ZeRO stage), tensor and pipeline parallelism",
+                f"{what} {refusal(feature, beside)}; set context_parallel_size 1 (context "
+                "parallelism runs with data parallelism, any ZeRO stage, tensor and pipeline "
+                "parallelism)",
                 key=key,
-                cause=cause,
+                cause="mla_kv_lora_rank" if feature == "mla" else "train_impl",
             )
     return None
 
@@ -410,9 +396,11 @@ def _compile_model(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     splits = _splits_model(lay)
     if not t.compile or t.compile_scope != "model" or splits is None:
         return None
+    beside = {"tensor parallelism": "tp2", "the pipeline": "pp2", "expert parallelism": "ep2"}
+    beside |= {"context parallelism": "cp2"}
+    reason = refusal("whole-model compile", beside.get(splits, "zero3"))
     return _refuse(
-        f"compile_scope model compiles the whole model as one graph, which {splits} splits; "
-        "use compile_scope blocks (or auto)",
+        f"compile_scope model {reason} ({splits}); use compile_scope blocks (or auto)",
         key="compile_scope",
         cause="compile_scope",
     )
@@ -425,11 +413,10 @@ def _layer_families(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     if lay.tp == 1:
         return None
     kinds = set(layer_attention_types(cfg))
-    sequential = sorted(kinds & {"mamba", "rwkv", "gmlp", "amlp"})
+    sequential = sorted(kinds & set(SEQUENTIAL))
     if lay.sequence_parallel and sequential:
         return _refuse(
-            f"cannot split {sequential[0]} layers' inputs by positions (they read the whole "
-            "sequence in order on every tensor rank); set sequence_parallel: false",
+            f"{refusal(sequential[0], 'tp2 sp')}; set sequence_parallel: false",
             key="sequence_parallel",
             cause="attention_config",
         )
@@ -477,7 +464,7 @@ RULES = (
     _tied_embeddings,
     _multi_token,
     _tensor_parallel_positions,
-    _not_built_with,
+    _document_masking,
     _hybrid_sharding,
     _context_parallel,
     _compile_model,

@@ -57,7 +57,7 @@ CASES = [
     (
         "pipeline-rm",
         {**lora(), "pipe_parallel_size": 2, "train_impl": "rm"},
-        "lora: lora with pipe_parallel_size > 1 and train_impl rm is not built yet",
+        "lora: lora with pipe_parallel_size > 1 and train_impl rm is unbuilt for a reward model",
     ),
     (
         "no-such-family",

@@ -7,6 +7,7 @@ import importlib.util
 
 from torchneox.base.errors import ConfigError
 from torchneox.config.checker import Checker
+from torchneox.config.refusals import refusal
 
 
 def replicated(c) -> bool:
@@ -68,9 +69,14 @@ def _check_diloco(ch: Checker) -> None:
 
 
 REFUSED = (
-    ("pipe_parallel_size", lambda lay, c: lay.pp > 1, "pipeline stages"),
-    ("expert_parallel_size", lambda lay, c: lay.ep > 1, "expert parallelism"),
-    ("train_impl", lambda lay, c: c.training.train_impl == "reinforce", "REINFORCE's rollouts"),
+    ("pipe_parallel_size", lambda lay, c: lay.pp > 1, "pp2", "pipeline stages"),
+    ("expert_parallel_size", lambda lay, c: lay.ep > 1, "ep2", "expert parallelism"),
+    (
+        "train_impl",
+        lambda lay, c: c.training.train_impl == "reinforce",
+        "reinforce",
+        "REINFORCE's rollouts",
+    ),
 )
 
 
@@ -79,11 +85,11 @@ def replica_layout(c, layout) -> ConfigError | None:
     gradient a tensor, or a data-parallel shard, that each group holds alike)."""
     if not replicated(c):
         return None
-    for key, refused, what in REFUSED:
+    for key, refused, beside, what in REFUSED:
         if refused(layout, c):
             error = ConfigError(
-                f"replica groups (ft_lighthouse) do not take {what} yet: train each group with "
-                "ZeRO 0-3, tensor or context parallelism, or unset ft_lighthouse",
+                f"replica groups (ft_lighthouse) with {what} {refusal('replica groups', beside)}: "
+                "train each group so, or unset ft_lighthouse",
                 key=key,
             )
             error.cause, error.path = "ft_lighthouse", None

@@ -8,6 +8,7 @@ from typing import Any
 from torchneox.base.errors import ConfigError, did_you_mean
 from torchneox.config.checker import Checker
 from torchneox.config.features.sparsity import SPARSE_TYPES, check_sparsity
+from torchneox.config.refusals import SEQUENTIAL, refusal
 from torchneox.config.schema import NeoXConfig
 
 MAX_LAYERS = 100_000  # per-layer lists are built from num_layers; far past any real model
@@ -22,6 +23,9 @@ ROPE_SCALING_OPTIONAL = {
     "yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
 }
 ATTENTION_TYPES_OK = ("global", "flash", "mamba", "gmlp", "amlp", "rwkv", *SPARSE_TYPES)
+POSITIONS = {"learned": "learned positions", "sinusoidal": "sinusoidal positions"}
+POSITIONS |= {"rpe": "rpe", "alibi": "alibi"}
+"""The pos_emb values that are features of config/refusals.py's table, by their name there."""
 ATTENTION_TYPES_REFUSED = {
     "ring": "ring attention",
 }
@@ -91,10 +95,11 @@ def _check_mtp(ch: Checker) -> None:
     """Multi-token prediction is a term of language modelling's loss (train_impl normal)."""
     impl = ch.c.training.train_impl
     if impl != "normal":
-        ch.fail("mtp_num_layers", f"trains with language modelling only, not train_impl {impl}")
+        ch.fail("mtp_num_layers", f"with train_impl {impl} {refusal('mtp', impl)}; set it 0")
     sp = ch.c.model.soft_prompt_tuning
     if sp and sp.get("enabled", False):
-        ch.fail("mtp_num_layers", "cannot be set with soft_prompt_tuning (which freezes it)")
+        reason = refusal("mtp", "soft prompt")
+        ch.fail("mtp_num_layers", f"with soft_prompt_tuning {reason}; set one of them off")
 
 
 def _check_mla(ch: Checker, types: list[str]) -> None:
@@ -103,23 +108,32 @@ def _check_mla(ch: Checker, types: list[str]) -> None:
     m = ch.c.model
     key = "mla_kv_lora_rank"
     if m.pos_emb != "rotary":
-        ch.fail("pos_emb", f"{m.pos_emb!r} with MLA ({key}): MLA's keys are rotary; set rotary")
+        reason = refusal("mla", POSITIONS.get(m.pos_emb, "rpe"))
+        ch.fail("pos_emb", f"{m.pos_emb!r} with MLA ({key}) {reason}; set rotary")
     if m.mla_qk_rope_head_dim % 2:
         ch.fail("mla_qk_rope_head_dim", f"{m.mla_qk_rope_head_dim} is odd; rotary needs pairs")
     others = [t for t in types if t not in ("global", "flash")]
     if others:
-        ch.fail("attention_config", f"{others[0]!r} layers with MLA ({key}) are not built")
+        feature = others[0] if others[0] in SEQUENTIAL else "sparse attention"
+        ch.fail(
+            "attention_config",
+            f"{others[0]!r} layers with MLA ({key}): MLA {refusal('mla', feature)}",
+        )
     refused = (
         ("head_dim", m.head_dim is not None, "mla_qk_nope_head_dim and mla_qk_rope_head_dim"),
         ("num_kv_heads", m.num_kv_heads not in (None, m.num_attention_heads), "one latent"),
         ("rotary_pct", m.rotary_pct != 1.0, "mla_qk_rope_head_dim"),
-        ("use_qk_layernorm", m.use_qk_layernorm, "its latents' own RMSNorms"),
-        ("use_mup", ch.c.training.use_mup, "DeepSeek's softmax scale"),
-        ("lora", ch.c.training.lora is not None, "projections LoRA does not target yet"),
     )
     for name, given, instead in refused:
         if given:
             ch.fail(name, f"does not apply with MLA ({key}), which has {instead}; unset it")
+    for name, given, feature in (
+        ("use_qk_layernorm", m.use_qk_layernorm, "qk layernorm"),
+        ("use_mup", ch.c.training.use_mup, "mup"),
+        ("lora", ch.c.training.lora is not None, "lora"),
+    ):
+        if given:
+            ch.fail(name, f"with MLA ({key}) {refusal(feature, 'mla')}; unset it")
 
 
 def _check_gmlp(ch: Checker, types: list[str]) -> None:
@@ -138,8 +152,7 @@ def _check_gmlp(ch: Checker, types: list[str]) -> None:
     if m.inter_document_attention_masking:
         ch.fail(
             "inter_document_attention_masking",
-            f"is not built for '{kind}' layers (their spatial gating mixes the positions of "
-            "the whole sample, as GPT-NeoX's); set it false",
+            f"with '{kind}' layers {refusal('document masking', kind)}; set it false",
         )
 
 
@@ -201,9 +214,7 @@ def _check_mamba(ch: Checker, types: list[str]) -> None:
     if mamba and m.inter_document_attention_masking:
         ch.fail(
             "inter_document_attention_masking",
-            "is not built for mamba layers (their scan would have to restart at every "
-            "document); leave it false: mamba layers read a packed sample as one sequence, as "
-            "GPT-NeoX's do",
+            f"with mamba layers {refusal('document masking', 'mamba')}; leave it false",
         )
     if mamba and m.intermediate_size and m.expansion_factor:
         ch.fail(

@@ -4,6 +4,7 @@ from, where their rewards come from, and the layouts the sampler runs in."""
 from __future__ import annotations
 
 from torchneox.config.checker import Checker
+from torchneox.config.refusals import refusal
 
 
 def rollouts_in_run(c) -> bool:
@@ -79,8 +80,7 @@ def _check_sampling(ch: Checker) -> None:
     if c.parallel.sequence_parallel:
         ch.fail(
             "sequence_parallel",
-            "rollouts sampled in the run decode one token at a time, which sequence_parallel "
-            "cannot split; turn it off",
+            f"reinforce {refusal('reinforce', 'tp2 sp')}; turn it off",
         )
     if c.model.seq_length and r.rollout_max_new_tokens >= c.model.seq_length:
         ch.fail(

@@ -20,6 +20,7 @@ from typing import Any
 from torchneox.base.errors import did_you_mean
 from torchneox.config.checker import Checker
 from torchneox.config.numbers import whole
+from torchneox.config.refusals import refusal
 
 KEYS = ("enabled", "curriculum_type", "min_difficulty", "max_difficulty", "schedule_type")
 SCHEDULES = {
@@ -131,7 +132,7 @@ class _Scoped:
 
 
 def check_curriculum(ch: Checker) -> None:
-    """Each mistake in the dict, and the layouts the cut is not built for, in one line."""
+    """Each mistake in the dict, and the layouts the cut does not run with, in one line."""
     c = ch.c.training.curriculum_learning
     metric = seqlen_metric(ch.c.deepspeed.data_efficiency)
     if metric is not None:
@@ -229,7 +230,8 @@ def _check_schedule(ch: Checker, s: Any, kind: str, low: int) -> None:
 def _check_layout(ch: Checker, spec: dict) -> None:
     c = ch.c
     if c.training.train_impl != "normal":
-        ch.fail(NAME, f"is for language modelling (train_impl normal), not {c.training.train_impl}")
+        impl = c.training.train_impl
+        ch.fail(NAME, f"with train_impl {impl} {refusal('curriculum', impl)}; drop it")
     cp, seq = c.parallel.context_parallel_size, c.model.seq_length
     if cp > 1:  # each rank takes 2 equal chunks of every length the curriculum trains on
         s = spec["schedule_config"]

@@ -19,6 +19,7 @@ from torchneox.base.errors import ConfigError
 from torchneox.config.checker import Checker
 from torchneox.config.derived import Derived
 from torchneox.config.features.optimizer import optimizer_spec
+from torchneox.config.refusals import refusal
 from torchneox.config.schema import NeoXConfig, OptimizerConfig
 
 BLOCK = 256
@@ -126,19 +127,19 @@ def describe(o: OptimizerConfig) -> str:
 def eight_bit_layout(cfg: NeoXConfig, layout: Any) -> ConfigError | None:
     """The layout rule: 8-bit Adam runs over data parallelism at every ZeRO stage (ZeRO 0:
     DDP's whole tensors; 1-3: torchao's AdamW8bit over FSDP2's shards), without tensor,
-    pipeline, context or expert parallelism, whose 8-bit runs are not built."""
+    pipeline, context or expert parallelism (config/refusals.py's table)."""
     if not eight_bit(cfg.optimizer):
         return None
-    for name, value, whole, fix in (
-        ("model_parallel_size", layout.tp, 1, "model_parallel_size 1"),
-        ("pipeline stages", layout.pp, 1, "pipe_parallel_size 1"),
-        ("context_parallel_size", layout.cp, 1, "context_parallel_size 1"),
-        ("expert_parallel_size", layout.ep, 1, "expert_parallel_size 1"),
+    for name, value, beside, fix in (
+        ("model_parallel_size", layout.tp, "tp2", "model_parallel_size 1"),
+        ("pipeline stages", layout.pp, "pp2", "pipe_parallel_size 1"),
+        ("context_parallel_size", layout.cp, "cp2", "context_parallel_size 1"),
+        ("expert_parallel_size", layout.ep, "ep2", "expert_parallel_size 1"),
     ):
-        if value != whole:
+        if value != 1:
             error = ConfigError(
-                f"use_bnb_optimizer (8-bit Adam) with {name} {value} is not built: it runs "
-                f"with data parallelism and ZeRO 0-3; set {fix} or drop use_bnb_optimizer",
+                f"8-bit Adam with {name} {value} {refusal('8-bit adam', beside)}; set {fix} "
+                "or drop use_bnb_optimizer",
                 key="use_bnb_optimizer",
             )
             error.cause, error.path = fix.split(".")[0].split()[0], None  # type: ignore[attr-defined]
@@ -158,8 +159,7 @@ def check_eight_bit(ch: Checker) -> None:
     if o.use_bnb_optimizer and ch.c.training.use_mup:
         ch.fail(
             "use_bnb_optimizer",
-            "with use_mup, GPT-NeoX builds mup's MuAdam and drops the 8-bit switch; muP's "
-            "per-group rates have no 8-bit optimizer here either: choose one of the two",
+            f"8-bit Adam with use_mup {refusal('8-bit adam', 'mup')}: choose one of the two",
         )
 
 

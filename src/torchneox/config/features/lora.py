@@ -27,6 +27,7 @@ from torchneox.config.checker import Checker
 from torchneox.config.checks.model import layer_attention_types
 from torchneox.config.features.sharing import layer_owners
 from torchneox.config.numbers import number, whole
+from torchneox.config.refusals import refusal
 from torchneox.config.sizes import (
     MAMBA_STATE,
     gmlp_width,
@@ -245,7 +246,7 @@ def describe(cfg: Any, spec: LoraSpec) -> str:
 
 
 def check_lora(ch: Checker) -> None:
-    """Each mistake in the dict, and what the adapters are not built for, in one line."""
+    """Each mistake in the dict, and what the adapters do not run with, in one line."""
     c = ch.c.training.lora
     if c is None:
         return
@@ -341,11 +342,11 @@ def _check_present(ch: Checker, ours: set[str]) -> None:
 
 
 def _check_use(ch: Checker) -> None:
-    """The objectives and layouts the adapters are not built for yet."""
+    """The objectives and layouts the adapters do not run with (config/refusals.py)."""
     c = ch.c
     if c.parallel.pipe_parallel_size > 1 and c.training.train_impl in ("rm", "reinforce"):
         ch.fail(
             NAME,
-            f"lora with pipe_parallel_size > 1 and train_impl {c.training.train_impl} is not "
-            "built yet",
+            f"lora with pipe_parallel_size > 1 and train_impl {c.training.train_impl} "
+            f"{refusal('lora', c.training.train_impl + ' + pp2')}; set pipe_parallel_size 1",
         )

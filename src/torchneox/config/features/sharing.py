@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from torchneox.config.checker import Checker
+from torchneox.config.refusals import refusal
 
 STYLES = ("grouped", "spaced")
 
@@ -84,8 +85,7 @@ def _check_layout(ch: Checker, key: str, shared: bool) -> None:
     if c.parallel.pipe_parallel_size >= 2:
         ch.fail(
             key,
-            "shares layers that a pipeline would place on different stages (their gradients "
-            "are not tied across stages); set pipe_parallel_size 1",
+            f"{refusal('shared layers', 'pp2')}; set pipe_parallel_size 1",
         )
     if c.moe.moe_num_experts > 1 and c.moe.expert_parallel_size > 1:
-        ch.fail(key, "is not built with expert parallelism; set expert_parallel_size 1")
+        ch.fail(key, f"{refusal('shared layers', 'ep2')}; set expert_parallel_size 1")

@@ -16,6 +16,7 @@ from typing import Any
 from torchneox.base.errors import did_you_mean
 from torchneox.config.checker import Checker
 from torchneox.config.numbers import number, whole
+from torchneox.config.refusals import refusal
 
 NAME = "soft_prompt_tuning"
 KEYS = ("enabled", "n_tokens", "init_string", "init_range")
@@ -50,7 +51,7 @@ def soft_prompt(cfg: Any) -> SoftPrompt | None:
 
 
 def check_soft_prompt(ch: Checker) -> None:
-    """Each mistake in the dict, and the layouts the prompt is not built for, in one line."""
+    """Each mistake in the dict, and the layouts the prompt does not run with, in one line."""
     c = ch.c
     s = c.model.soft_prompt_tuning
     if s is None:
@@ -89,29 +90,22 @@ def check_soft_prompt(ch: Checker) -> None:
 def _check_layout(ch: Checker) -> None:
     c = ch.c
     if c.training.train_impl != "normal":
-        ch.fail(NAME, f"is for language modelling (train_impl normal), not {c.training.train_impl}")
+        impl = c.training.train_impl
+        ch.fail(NAME, f"with train_impl {impl} {refusal('soft prompt', impl)}; drop it")
     if c.parallel.context_parallel_size > 1 and c.parallel.pipe_parallel_size >= 2:
-        ch.fail(
-            NAME,
-            "with pipe_parallel_size >= 2 and context_parallel_size > 1 together is not built "
-            "(the stages' context split carries the text alone); either axis alone takes it",
-        )
+        ch.fail(NAME, f"{refusal('soft prompt', 'pp2 cp2')}; either axis alone takes it")
     curriculum = c.training.curriculum_learning or {}
     if c.parallel.context_parallel_size > 1 and curriculum.get("enabled", False):
         ch.fail(
             NAME,
-            "with curriculum_learning and context_parallel_size > 1 together is not built "
-            "(the prompt and each shorter text would have to split into equal chunks)",
+            f"with curriculum_learning {refusal('soft prompt', 'curriculum + cp2')}; drop one "
+            "or set context_parallel_size 1",
         )
     if c.parallel.sequence_parallel and c.parallel.model_parallel_size > 1:
-        ch.fail(
-            NAME,
-            "is not built with sequence_parallel (each tensor rank would hold part of the "
-            "text before the prompt is put in front); set sequence_parallel false",
-        )
+        ch.fail(NAME, f"{refusal('soft prompt', 'tp2 sp')}; set sequence_parallel false")
     if c.model.inter_document_attention_masking:
         ch.fail(
             NAME,
-            "is not built with inter_document_attention_masking (the prompt would belong to the "
-            "first document only); set it false",
+            f"with inter_document_attention_masking {refusal('soft prompt', 'document masking')}"
+            "; set it false",
         )

@@ -142,7 +142,7 @@ def rope(hf: dict[str, Any], arch: str) -> tuple[float, float, dict[str, Any] | 
         return float(theta), float(pct), None
     if kind not in SCALED_ROPE:
         raise HFError(
-            f"rope scaling {kind!r} is not supported yet (torchneox maps "
+            f"rope scaling {kind!r} is unbuilt (torchneox maps "
             f"{', '.join(SCALED_ROPE)}); the model would compute other logits without it",
             key=key,
         )
