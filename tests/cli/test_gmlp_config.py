@@ -139,8 +139,6 @@ def _refusal(config: str, *overrides: str) -> ConfigError:
 @pytest.mark.parametrize(
     "override, key, says",
     [
-        ("model_parallel_size=2", "model_parallel_size", "gmlp/amlp layers with model_parall"),
-        ("context_parallel_size=2", "context_parallel_size", "which context parallelism would"),
         ("max_position_embeddings=128", "max_position_embeddings", "mix at most seq_length"),
         (
             "inter_document_attention_masking=true",

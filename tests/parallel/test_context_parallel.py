@@ -2,7 +2,7 @@
 load-balanced chunks, attention over the gathered keys and values. With 2 and 4 context ranks,
 alone, with data parallelism (each ZeRO stage), with tensor and with pipeline parallelism, training equals
 one process over several steps; with document masking too; checkpoints resume across layouts;
-what is not built is refused in one line."""
+what cannot run beside it is refused in one line (config/refusals.py)."""
 
 from __future__ import annotations
 
