@@ -211,17 +211,16 @@ def _multi_token(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     if not cfg.model.mtp_num_layers:
         return None
     for on, what, cause in (
-        (lay.tp > 1, "model_parallel_size > 1", "model_parallel_size"),  # parity not yet held
         (lay.sequence_parallel, "sequence_parallel", "sequence_parallel"),
         (lay.cp > 1, "context_parallel_size > 1", "context_parallel_size"),
         (lay.pp > 1 and lay.schedule == "zbv", "pipeline_schedule zbv", "pipeline_schedule"),
     ):
         if on:
             return _refuse(
-                f"with {what} is not built yet (tensor parallelism's parity is not held yet; "
-                "the tokens ahead of a position may lie on another rank, or the last stage's "
-                "copy of the embedding on the first's rank); use another layout, or "
-                "mtp_num_layers: 0",
+                f"with {what} is not built yet (the tokens ahead of a position may lie on "
+                "another rank, or the last stage's copy of the embedding on the first's rank); "
+                "use another layout (tensor parallelism without sequence_parallel carries it), "
+                "or mtp_num_layers: 0",
                 key="mtp_num_layers",
                 cause=cause,
             )

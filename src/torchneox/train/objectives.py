@@ -91,7 +91,7 @@ class LanguageModeling:
             loss = lm_loss(logits, prep.labels, prep.mask, total=total)
             out = Terms(loss, loss)
         if depths:
-            self._add_mtp(out, depths, prep)
+            self._add_mtp(out, depths, prep, placed)
         if share > 1:
             out.objective = out.objective * share
         if router_stats:
@@ -101,9 +101,10 @@ class LanguageModeling:
             out.moe_aux_loss = aux.detach().float() / share  # every rank has the whole value
         return out
 
-    def _add_mtp(self, out: Terms, depths: list[torch.Tensor], prep: Prepared) -> None:
+    def _add_mtp(self, out: Terms, depths: list[torch.Tensor], prep: Prepared, placed) -> None:
         """Depth k's logits at t score the label at t + k, under the loss mask moved alike (the
-        last k positions count for nothing); the objective adds lambda / D x their sum."""
+        last k positions count for nothing); the objective adds lambda / D x their sum (put
+        beside a distributed loss by ``placed``: tensor parallelism's vocabulary split)."""
         mask = (
             prep.mask if prep.mask is not None else torch.ones_like(prep.labels, dtype=torch.bool)
         )
@@ -112,7 +113,8 @@ class LanguageModeling:
             loss_k = lm_loss(logits_k, ahead(prep.labels, k), ahead(mask, k))
             out.metrics[f"mtp_loss_{k}"] = plain(loss_k.detach()).float()
             losses.append(loss_k)
-        out.objective = out.objective + sum(losses[1:], losses[0]) * (self.mtp_weight / len(depths))
+        weighted = sum(losses[1:], losses[0]) * (self.mtp_weight / len(depths))
+        out.objective = out.objective + (placed(weighted, out.objective) if placed else weighted)
 
 
 def _summed(logp: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
