@@ -210,20 +210,21 @@ def _multi_token(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     """MTP reads the tokens ahead of each position and embeds them where the last layer is."""
     if not cfg.model.mtp_num_layers:
         return None
-    for on, what, cause in (
-        (lay.sequence_parallel, "sequence_parallel", "sequence_parallel"),
-        (lay.cp > 1, "context_parallel_size > 1", "context_parallel_size"),
-        (lay.pp > 1 and lay.schedule == "zbv", "pipeline_schedule zbv", "pipeline_schedule"),
-    ):
-        if on:
-            return _refuse(
-                f"with {what} is not built yet (the tokens ahead of a position may lie on "
-                "another rank, or the last stage's copy of the embedding on the first's rank); "
-                "use another layout (tensor parallelism without sequence_parallel carries it), "
-                "or mtp_num_layers: 0",
-                key="mtp_num_layers",
-                cause=cause,
-            )
+    if lay.cp > 1 and lay.pp > 1:
+        return _refuse(
+            "with context_parallel_size > 1 through pipeline stages is not built yet (the "
+            "stages pass each context rank its part of the sequence alone, not the tokens "
+            "ahead of it); use one of the two, or mtp_num_layers: 0",
+            key="mtp_num_layers",
+            cause="context_parallel_size",
+        )
+    if lay.pp > 1 and lay.schedule == "zbv":
+        return _refuse(
+            "with pipeline_schedule zbv is not built yet (its V puts the last stage's copy of "
+            "the embedding on the first's rank); use another schedule, or mtp_num_layers: 0",
+            key="mtp_num_layers",
+            cause="pipeline_schedule",
+        )
     return None
 
 

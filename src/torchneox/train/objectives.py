@@ -105,12 +105,15 @@ class LanguageModeling:
         """Depth k's logits at t score the label at t + k, under the loss mask moved alike (the
         last k positions count for nothing); the objective adds lambda / D x their sum (put
         beside a distributed loss by ``placed``: tensor parallelism's vocabulary split)."""
-        mask = (
-            prep.mask if prep.mask is not None else torch.ones_like(prep.labels, dtype=torch.bool)
-        )
+        whole = prep.whole or prep  # context parallelism: the labels ahead may be another rank's
+        mask = whole.mask if whole.mask is not None else torch.ones_like(whole.labels).bool()
+        index = prep.context.index if prep.whole is not None else slice(None)
         losses = []
         for k, logits_k in enumerate(depths, start=1):
-            loss_k = lm_loss(logits_k, ahead(prep.labels, k), ahead(mask, k))
+            labels_k, mask_k = ahead(whole.labels, k), ahead(mask, k)
+            # (a context rank's loss: its tokens' share of the micro-batch's, as the main one)
+            total = mask_k.sum().float() if prep.whole is not None else None
+            loss_k = lm_loss(logits_k, labels_k[:, index], mask_k[:, index], total=total)
             out.metrics[f"mtp_loss_{k}"] = plain(loss_k.detach()).float()
             losses.append(loss_k)
         weighted = sum(losses[1:], losses[0]) * (self.mtp_weight / len(depths))
