@@ -111,7 +111,7 @@ def test_converts_in_to_transformers_logits_and_back_to_identical_tensors(tmp_pa
         torch.testing.assert_close(reloaded(tokens).logits, expected, atol=0, rtol=0)
 
 
-def test_queries_without_a_latent_convert_and_rotary_halves_are_refused(tmp_path, capsys):
+def test_queries_without_a_latent_convert_and_what_is_not_mapped_is_refused(tmp_path, capsys):
     # config.json names an MTP module that save_pretrained did not write: converted without
     hf_model, folder = hf_folder(tmp_path, q_lora_rank=None, num_nextn_predict_layers=1)
     capsys.readouterr()
@@ -124,9 +124,18 @@ def test_queries_without_a_latent_convert_and_rotary_halves_are_refused(tmp_path
         torch.testing.assert_close(
             ours.eval()(tokens), hf_model(tokens).logits, atol=1e-5, rtol=1e-5
         )
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps(config | {"rope_interleave": False}))
-    capsys.readouterr()
-    assert main(["convert", "from-hf", str(folder), str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "config.json: rope_interleave: false" in err, err
+    # an MTP module whose copy of the embedding is not the model's: refused, never dropped
+    add_mtp_module(folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.3.embed_tokens.weight"][0, 0] += 1
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    for change, said in (
+        ({}, "model.layers.3.embed_tokens.weight differs from the model's"),
+        ({"rope_interleave": False}, "config.json: rope_interleave: false"),
+    ):
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps(config | change))
+        capsys.readouterr()
+        assert main(["convert", "from-hf", str(folder), str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and said in err, err
