@@ -1,7 +1,8 @@
 """Mixture-of-experts layers in the layouts that split them further: through pipeline stages
 (expert parallelism per stage), with context parallelism beside expert parallelism, and under
-sequence parallelism; with shared experts and DeepSeek-V3's router bias. Each gives the
-losses, gradient norms, balancing losses and weights of one process."""
+sequence parallelism; with shared experts, DeepSeek-V3's router bias and a multi-token
+prediction module. Each gives the losses, MTP losses, gradient norms, balancing losses and
+weights of one process."""
 
 from __future__ import annotations
 
@@ -16,13 +17,23 @@ DEEPSEEK = [
     "moe_router_bias_update_rate=0.01",
     "moe_shared_expert_intermediate_size=32",
     "moe_shared_expert_gate=true",
+    "mtp_num_layers=1",
+    "mtp_loss_scaling_factor=0.3",
     "train_iters=3",
 ]
 # one step in each layout, each resuming the one before: micro-batches of 2 on each of 2
 # data-parallel ranks, or 4 on one, are one process's micro-batches of 4
 LEGS = [
     (4, ["pipe_parallel_size=2", "expert_parallel_size=2", "train_micro_batch_size_per_gpu=2"]),
-    (4, ["context_parallel_size=2", "expert_parallel_size=2", "train_micro_batch_size_per_gpu=2"]),
+    (
+        4,
+        [
+            "context_parallel_size=2",
+            "expert_parallel_size=2",
+            "train_micro_batch_size_per_gpu=2",
+            "zero_optimization.stage=3",
+        ],
+    ),
     (2, ["model_parallel_size=2", "sequence_parallel=true"]),
 ]
 
@@ -31,8 +42,10 @@ def test_moe_layouts_equal_one_process_and_resume_into_each_other(moe_config, tm
     """Step 1 on two pipeline stages x two expert-parallel ranks per stage (each stage's
     balancing loss reaches the gradients, its load moves its layers' bias); step 2 resumed on
     two context ranks x two expert-parallel ranks (each context rank's tokens reach its own
-    group's experts); step 3 resumed on two tensor ranks with sequence parallelism (the
-    sequence gathered before routing). Together they equal one process never stopped."""
+    group's experts, under ZeRO-3); step 3 resumed on two tensor ranks with sequence parallelism (the
+    sequence gathered before routing). Together they equal one process never stopped, the MTP
+    module (an MoE block, its statistics among the others') too: on the last stage, reading
+    the tokens ahead from the whole sequence on each context rank, on each sequence slice."""
     train(moe_config, f"save={tmp_path / 'one'}", "load=null", *DEEPSEEK)
     moved = tmp_path / "moved"
     for k, (nproc, layout) in enumerate(LEGS):
@@ -43,5 +56,8 @@ def test_moe_layouts_equal_one_process_and_resume_into_each_other(moe_config, tm
     assert_same_training(moved, one)
     one_aux = losses(tmp_path / "one", "moe_aux_loss")
     assert losses(moved, "moe_aux_loss") == pytest.approx(one_aux, rel=1e-5)
+    assert losses(moved, "mtp_loss_1") == pytest.approx(
+        losses(tmp_path / "one", "mtp_loss_1"), rel=1e-5
+    )
     biases = [name for name in one[2] if name.endswith("router_bias")]
     assert biases and all(one[2][name].abs().sum() > 0 for name in biases)

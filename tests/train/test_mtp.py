@@ -103,7 +103,10 @@ def test_explain_counts_the_modules_and_generation_leaves_them_out():
     "extra, cause",
     [
         ({"train_impl": "dpo"}, "train_impl dpo"),
-        ({"model_parallel_size": 2}, "model_parallel_size"),
+        (
+            {"context_parallel_size": 2, "pipe_parallel_size": 2, "num_layers": 4},
+            "context_parallel_size",
+        ),
         (
             {
                 "pipe_parallel_size": 2,

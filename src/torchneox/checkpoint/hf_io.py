@@ -76,6 +76,7 @@ def load_hf_weights(
     importer = WeightImporter(
         hf.causal_family(arch), replace(args, value_head=False) if causal_head else args
     )
+    importer.drop_mtp = not args.mtp_depth  # DeepSeek-V3's MTP modules, for a model without
     params = {plain_name(n): p for n, p in model.named_parameters()}
     expected = _expected(args)
     placed: set[str] = set()
@@ -104,6 +105,11 @@ def load_hf_weights(
         line(
             f"note: skipped {len(importer.skipped)} buffers that torchneox recomputes, as "
             f"transformers does ({importer.skipped[0]}, ...)"
+        )
+    if importer.dropped_mtp:
+        line(
+            f"note: read past the folder's {len(importer.dropped_mtp)} MTP tensors "
+            f"({importer.dropped_mtp[0]}, ...): mtp_num_layers is 0"
         )
     line(
         f"starting at step 0 from the weights of the Hugging Face folder {folder} ({arch}), "

@@ -211,8 +211,12 @@ def _multi_token(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     if not cfg.model.mtp_num_layers:
         return None
     for on, beside, what, cause in (
-        (lay.tp > 1, "tp2", "model_parallel_size > 1", "model_parallel_size"),
-        (lay.cp > 1, "cp2", "context_parallel_size > 1", "context_parallel_size"),
+        (
+            lay.cp > 1 and lay.pp > 1,
+            "pp2 cp2",
+            "context_parallel_size > 1 through pipeline stages",
+            "context_parallel_size",
+        ),
         (
             lay.pp > 1 and lay.schedule == "zbv",
             "pp2 zbv",

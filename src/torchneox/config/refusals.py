@@ -191,11 +191,11 @@ REFUSALS: tuple[Refusal, ...] = (
         )
         for kind in SEQUENTIAL
     ),
-    Refusal("mtp", "tp2", "is unbuilt with tensor parallelism: its parity is not held"),
     Refusal(
         "mtp",
-        "cp2",
-        "cannot split the sequence, because the tokens ahead of a position may lie on another rank",
+        "pp2 cp2",
+        "is unbuilt with context parallelism through pipeline stages: the stages pass each "
+        "context rank its part of the sequence alone, not the tokens ahead of it",
     ),
     Refusal(
         "mtp",

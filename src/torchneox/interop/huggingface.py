@@ -95,8 +95,18 @@ def _read_hf(
     refuse_non_finite(sd, hf_dir, importer.source, "download or export the folder again")
     untied = importer.untied  # (compares the stored head with the embedding: once)
     if untied:  # transformers loads the stored head: so does the converted model
-        keys = keys | {"no_weight_tying": True} | tokenizer_keys
-        loaded = load_mapping(keys, str(hf_dir / "config.json"))
+        keys = keys | {"no_weight_tying": True}
+    no_mtp = args.mtp_depth and not any(name.startswith("mtp.") for name in sd)
+    if no_mtp:  # transformers' save_pretrained drops DeepSeek-V3's MTP modules
+        keys = keys | {"mtp_num_layers": 0}
+        print(
+            f"note: {hf_dir / 'config.json'} names {args.mtp_depth} MTP modules "
+            "(num_nextn_predict_layers) but the folder holds none of their tensors: converted "
+            "without them (mtp_num_layers: 0)",
+            file=sys.stderr,
+        )
+    if untied or no_mtp:
+        loaded = load_mapping(keys | tokenizer_keys, str(hf_dir / "config.json"))
         args = model_args(loaded)
     _say_what_was_read(importer, untied, hf_dir, args, sd)
     _check_shapes(args, sd, str(hf_dir))

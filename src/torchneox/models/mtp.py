@@ -13,7 +13,9 @@ parameters are named as DeepSeek-V3's, so a Hugging Face name maps by one rule:
 ``mtp.{k-1}.{enorm,hnorm,eh_proj,shared_head.norm}`` and the block's own names
 (``mtp.{k-1}.attention.wq.weight``...) are its ``model.layers.{num_layers + k - 1}.*``.
 
-Training reads them (the model's forward given ``mtp_tokens_BT``); generation leaves them out.
+Training reads them (the model's forward given ``mtp_tokens_BT``: under context parallelism the
+whole sequence's inputs, of which each rank embeds the tokens ahead of its own positions);
+generation leaves them out.
 """
 
 from __future__ import annotations
@@ -74,23 +76,33 @@ def build_mtp(args: ModelArgs) -> nn.ModuleDict | None:
     return nn.ModuleDict({str(k): MTPLayer(args) for k in range(args.mtp_depth)})
 
 
-def mtp_logits(model: nn.Module, h, tokens_BT, rope, bias, stats: list) -> list[torch.Tensor]:
+def mtp_logits(
+    model: nn.Module, h, tokens_BT, rope, bias, stats: list, index: torch.Tensor | None = None
+) -> list[torch.Tensor]:
     """Each depth's logits from the last layer's output ``h`` and the inputs ``tokens_BT``
     (``model``: the Transformer; its embedding and head are the ones used); each MoE block's
-    statistics appended to ``stats``."""
+    statistics appended to ``stats``. ``index``: context parallelism's positions of this
+    rank's tokens, ``tokens_BT`` then the whole sequence's (the tokens ahead of a position
+    may lie in another rank's part)."""
     out = []
     for k, layer in enumerate(model.mtp.values(), start=1):
-        h, layer_stats = layer(h, model.embed(ahead(tokens_BT, k)), rope, bias)
+        tokens_ahead = ahead(tokens_BT, k)
+        if index is not None:
+            tokens_ahead = tokens_ahead[:, index]
+        embedded = model.embed(tokens_ahead)
+        if model.embedded_output is not None:  # sequence parallelism: this rank's slice
+            embedded = model.embedded_output(embedded)
+        h, layer_stats = layer(h, embedded, rope, bias)
         if layer_stats is not None:
             stats.append(layer_stats)
         out.append(model.logits(layer.shared_head.norm(h)))
     return out
 
 
-def with_mtp(model: nn.Module, logits, h, tokens_BT, rope, bias, stats: list):
-    """``logits`` alone, or (logits, depth 1's logits, ..., depth D's) when the forward was
-    given ``tokens_BT`` and ``model`` holds the MTP modules and its head (a pipeline's last
-    stage): tensors, as a stage's output must be."""
+def mtp_depths(model: nn.Module, h, tokens_BT, rope, bias, stats: list, index=None) -> list:
+    """Each depth's logits when the forward was given ``tokens_BT`` and ``model`` holds the
+    MTP modules and its head (a pipeline's last stage; the forward returns (logits, depth 1's
+    logits, ..., depth D's): tensors, as a stage's output must be); else none."""
     if tokens_BT is None or model.mtp is None or model.final_norm is None:
-        return logits
-    return (logits, *mtp_logits(model, h, tokens_BT, rope, bias, stats))
+        return []
+    return mtp_logits(model, h, tokens_BT, rope, bias, stats, index)

@@ -36,7 +36,7 @@ from torchneox.models.mixers.attention import (
     StaticKVCache,
 )
 from torchneox.models.moe import RouterStats
-from torchneox.models.mtp import build_mtp, with_mtp
+from torchneox.models.mtp import build_mtp, mtp_depths
 from torchneox.models.norms import build_norm
 from torchneox.models.params import (  # noqa: F401 (the names other modules import from here)
     ADAPTER_TENSORS,
@@ -317,7 +317,7 @@ class Transformer(nn.Module):
         attends only to its own (``attention.documents`` gives both for a packed batch);
         ``context``: the tokens are this rank's part of each sequence (context parallelism);
         ``last_only``: [B, 1, vocab], the last token's logits only (a prefill that samples);
-        ``mtp_tokens_BT``: the inputs, for MTP's depths (training; models/mtp.py)."""
+        ``mtp_tokens_BT``: the inputs (``context``: the whole sequence's) for MTP's depths."""
         t, start, length = tokens_BT.shape[1], cache.length if cache is not None else 0, None
         context = context if context is not None else self.stage_context
         if context is not None:
@@ -345,14 +345,16 @@ class Transformer(nn.Module):
             x, layer_stats = block(x, rope, bias, cache)
             if layer_stats is not None:
                 stats.append(layer_stats)
+        index = context.index if context is not None else None
+        depths = mtp_depths(self, x, mtp_tokens_BT, rope, bias, stats, index)
         if self.router_sink is not None and stats and not router_stats:
-            x = self.router_sink(x, stats)
+            x = self.router_sink(x, stats)  # (the MTP modules' MoE blocks among them)
         _advance(cache, t)
         # the prompt's own outputs are never scored or sampled (cut where the head is)
         if (prompted or (self.prompt_passed and start == 0)) and self.final_norm is not None:
             x = x[:, self.args.soft_prompt_tokens :]
         out = self._head(x[:, -1:] if last_only else x)
-        out = with_mtp(self, out, x, mtp_tokens_BT, rope, bias, stats)
+        out = (out, *depths) if depths else out
         return (out, stats) if router_stats else out
 
     def _prompted(

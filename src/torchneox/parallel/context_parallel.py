@@ -88,6 +88,7 @@ def split_sequence(prep, mesh: DeviceMesh):
         segments=part(prep.segments),
         context=context,
         counted=counted,
+        whole=prep,  # (multi-token prediction reads the tokens ahead, on any rank)
     )
 
 

@@ -128,6 +128,18 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
         if isinstance(getattr(block, "attention", None), SparseAttention):
             # its layout per head follows the heads this rank holds
             block.attention.keep_heads(mesh.get_local_rank(), mesh.size())
+    if sequence_parallel:
+        for layer in mtp:
+            _mtp_sequence_parallel(layer, mesh)
+
+
+def _mtp_sequence_parallel(layer: nn.Module, mesh: DeviceMesh) -> None:
+    """An MTP module's own norms and eh_proj under sequence parallelism: each rank's slice of
+    the sequence (the hidden state and the embedding of the tokens ahead are sliced alike), the
+    weights whole on every rank and their gradients summed over the slices."""
+    names = ["enorm", "hnorm", "eh_proj", "shared_head.norm"]
+    parallelize_module(layer, mesh, {n: SequenceParallel(use_local_output=True) for n in names})
+    _mark_split(layer, ["eh_proj"])
 
 
 def _block_plan(

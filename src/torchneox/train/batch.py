@@ -42,6 +42,7 @@ class Prepared:
     advantages: torch.Tensor | None = None  # reinforce: each row's advantage [B]
     raw_rewards: torch.Tensor | None = None  # ... its reward [B]
     old_logp: torch.Tensor | None = None  # ... the sampling policy's log-probabilities [B, T]
+    whole: Prepared | None = None  # context parallelism: the micro-batch before its split (MTP)
 
     @property
     def context_ranks(self) -> int:

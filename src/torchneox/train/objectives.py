@@ -91,7 +91,7 @@ class LanguageModeling:
             loss = lm_loss(logits, prep.labels, prep.mask, total=total)
             out = Terms(loss, loss)
         if depths:
-            self._add_mtp(out, depths, prep)
+            self._add_mtp(out, depths, prep, placed)
         if share > 1:
             out.objective = out.objective * share
         if router_stats:
@@ -101,18 +101,23 @@ class LanguageModeling:
             out.moe_aux_loss = aux.detach().float() / share  # every rank has the whole value
         return out
 
-    def _add_mtp(self, out: Terms, depths: list[torch.Tensor], prep: Prepared) -> None:
+    def _add_mtp(self, out: Terms, depths: list[torch.Tensor], prep: Prepared, placed) -> None:
         """Depth k's logits at t score the label at t + k, under the loss mask moved alike (the
-        last k positions count for nothing); the objective adds lambda / D x their sum."""
-        mask = (
-            prep.mask if prep.mask is not None else torch.ones_like(prep.labels, dtype=torch.bool)
-        )
+        last k positions count for nothing); the objective adds lambda / D x their sum (put
+        beside a distributed loss by ``placed``: tensor parallelism's vocabulary split)."""
+        whole = prep.whole or prep  # context parallelism: the labels ahead may be another rank's
+        mask = whole.mask if whole.mask is not None else torch.ones_like(whole.labels).bool()
+        index = prep.context.index if prep.whole is not None else slice(None)
         losses = []
         for k, logits_k in enumerate(depths, start=1):
-            loss_k = lm_loss(logits_k, ahead(prep.labels, k), ahead(mask, k))
+            labels_k, mask_k = ahead(whole.labels, k), ahead(mask, k)
+            # (a context rank's loss: its tokens' share of the micro-batch's, as the main one)
+            total = mask_k.sum().float() if prep.whole is not None else None
+            loss_k = lm_loss(logits_k, labels_k[:, index], mask_k[:, index], total=total)
             out.metrics[f"mtp_loss_{k}"] = plain(loss_k.detach()).float()
             losses.append(loss_k)
-        out.objective = out.objective + sum(losses[1:], losses[0]) * (self.mtp_weight / len(depths))
+        weighted = sum(losses[1:], losses[0]) * (self.mtp_weight / len(depths))
+        out.objective = out.objective + (placed(weighted, out.objective) if placed else weighted)
 
 
 def _summed(logp: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

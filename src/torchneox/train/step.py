@@ -121,6 +121,7 @@ class Gradients:
         args = parts.model.args
         if parts.pipeline is not None and args.moe_num_experts > 1:
             layers = sum(args.is_moe_layer(i) for i in range(args.num_layers))
+            layers += args.mtp_depth * args.is_moe_layer(args.num_layers - 1)  # MTP's blocks
             aux_weight = getattr(objective, "aux_weight", 0.0)
             self.routers = StageRouters(self, parts.pipeline.parts, aux_weight, layers)
         self.curriculum: Curriculum | None = None  # curriculum_learning: each step's length
@@ -216,7 +217,8 @@ class Gradients:
     def _forward(self, batch: Batch, sums: dict) -> Any:
         prep = self._prepare(batch)
         stats = whole = None
-        kwargs = prep.model_inputs() | self._mtp_inputs(prep.inputs)
+        # (context parallelism: the whole sequence's inputs, for the tokens ahead)
+        kwargs = prep.model_inputs() | self._mtp_inputs((prep.whole or prep).inputs)
         if self.moe_layers:
             out, stats = self.parts.module(prep.inputs, router_stats=True, **kwargs)
             # the load-balancing loss sees the whole batch: the router statistics summed

@@ -14,9 +14,15 @@ Rotary dimensions: DeepSeek's weights rotate interleaved pairs (``rope_interleav
 default); torchneox rotates halves, so the query and rotary-key rows of each head are put in
 halves order on import (even dimensions, then odd) and back on export: the same scores.
 
-Multi-token prediction modules (``num_nextn_predict_layers``, saved as
-``model.layers.{num_hidden_layers + i}``) are another table's: ``LAYER`` here is the main
-layers' names alone.
+Multi-token prediction modules (``num_nextn_predict_layers`` D, torchneox's
+``mtp_num_layers``) are saved as ``model.layers.{num_hidden_layers + k}`` (k < D): a block's
+names, then ``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head.norm`` (``MTP_LAYER``), and
+copies of the model's embedding and head (``embed_tokens``, ``shared_head.head``: ``MTP_COPIES``),
+which torchneox's modules share rather than hold; those are checked equal to the model's on
+import and written again on export. transformers drops the modules on load (its
+``model.layers.61`` pattern); torchneox keeps them as ``mtp.{k}.*``. A folder whose config
+names D modules but holds none of their tensors (what transformers' ``save_pretrained``
+writes) converts without them, with a note.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ DEFAULTS: dict[str, Any] = {
     "rope_interleave": True,
     "attention_bias": False,
     "attention_dropout": 0.0,
+    "num_nextn_predict_layers": 1,
 }
 """transformers' DeepseekV3Config defaults of the keys torchneox reads."""
 
@@ -86,6 +93,47 @@ LAYER = {
 """Per layer, Hugging Face module (after model.layers.{i}.) -> torchneox's (after layers.{i}.)."""
 LAYER_TENSORS = {"mlp.gate.e_score_correction_bias": "mlp.router_bias"}
 """Per layer, whole tensors (no .weight/.bias) by name."""
+MTP_LAYER = {name: name for name in ("enorm", "hnorm", "eh_proj", "shared_head.norm")}
+"""An MTP module's own modules beside its block's (``LAYER``'s), named alike both sides."""
+MTP_COPIES = {"embed_tokens.weight": "embed.weight", "shared_head.head.weight": "output.weight"}
+"""An MTP layer's copies of the model's tensors (HF, after model.layers.{i}.) -> torchneox's."""
+
+
+def layer_prefix(layer: int, args: ModelArgs) -> str | None:
+    """torchneox's prefix of Hugging Face's ``model.layers.{layer}``: a main layer's, an MTP
+    module's past num_hidden_layers, or None past the last module."""
+    if layer < args.num_layers:
+        return f"layers.{layer}."
+    if layer < args.num_layers + args.mtp_depth:
+        return f"mtp.{layer - args.num_layers}."
+    return None
+
+
+def hf_layer(name: str, args: ModelArgs) -> str:
+    """Hugging Face's ``model.layers.{i}.`` of torchneox's ``layers.{i}.*`` or ``mtp.{k}.*``."""
+    kind, index, _ = name.split(".", 2)
+    return f"model.layers.{int(index) + args.num_layers * (kind == 'mtp')}."
+
+
+def mtp_copies(args: ModelArgs, k: int) -> list[tuple[str, str]]:
+    """MTP module k's copies: each Hugging Face name and torchneox's tensor (the head is the
+    embedding where the two are tied)."""
+    head = "embed.weight" if args.tied_embeddings else "output.weight"
+    prefix = f"model.layers.{args.num_layers + k}."
+    return [
+        (prefix + "embed_tokens.weight", "embed.weight"),
+        (prefix + "shared_head.head.weight", head),
+    ]
+
+
+def copies_before(name: str, sd, args: ModelArgs, started: set[str]):
+    """Before the first tensor of an MTP module ``name`` (``started``: those met), its copies
+    of the embedding and head, each its own tensor (a file holds no two views of one)."""
+    kind, index, _ = name.split(".", 2)
+    if kind != "mtp" or index in started:
+        return []
+    started.add(index)
+    return [(theirs, sd[ours].clone()) for theirs, ours in mtp_copies(args, int(index))]
 
 
 # ---------------------------------------------------------------------------- reading
@@ -119,6 +167,7 @@ def neox_keys(hf: dict[str, Any]) -> dict[str, Any]:
         "moe_topk_groups": hf["topk_group"] or 1,
         "moe_routed_scaling_factor": float(hf["routed_scaling_factor"]),
         "moe_shared_expert_intermediate_size": shared * width,
+        "mtp_num_layers": hf["num_nextn_predict_layers"] or 0,
     }
 
 
@@ -202,6 +251,6 @@ def hf_config(args: ModelArgs, out: dict[str, Any]) -> dict[str, Any]:
         "topk_group": args.moe_topk_groups,
         "norm_topk_prob": args.moe_renormalize,
         "routed_scaling_factor": args.moe_routed_scale,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": args.mtp_depth,
         "output_router_logits": False,
     }

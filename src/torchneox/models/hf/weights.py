@@ -81,7 +81,7 @@ WHOLE_LAYER_TENSORS = {deepseek.DEEPSEEK_V3: deepseek.LAYER_TENSORS}
 
 def layer_names(arch: str) -> dict[str, str]:
     if arch == deepseek.DEEPSEEK_V3:
-        return deepseek.LAYER
+        return deepseek.LAYER | deepseek.MTP_LAYER
     if arch == GPT_NEOX:
         return GPT_NEOX_LAYER
     if arch == hf_mamba.MAMBA:
@@ -121,6 +121,10 @@ class WeightImporter:
         self.skipped: list[str] = []  # buffers transformers recomputes too (IGNORED)
         self.stored_head: torch.Tensor | None = None  # a head saved beside tied embeddings
         self.stored_head_name = ""
+        self.drop_mtp = False  # DeepSeek-V3's MTP tensors read past (a model without MTP)
+        self.dropped_mtp: list[str] = []  # ... those read past, for the caller to say
+        self._shared: dict[str, torch.Tensor] = {}  # DeepSeek-V3: embed / head, for MTP's copies
+        self._copies: list[tuple[str, str, torch.Tensor]] = []  # copies not yet compared
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """File one Hugging Face tensor; an HFError names one that no rule maps."""
@@ -131,6 +135,9 @@ class WeightImporter:
         if top in self.top:
             ours = f"{self.top[top]}.{kind}"
             self._claim(ours, name)
+            if self.arch == deepseek.DEEPSEEK_V3 and self.args.mtp_depth:
+                self._shared[ours] = tensor  # (a reference: MTP's copies are compared to it)
+                self._compare_copies()
             if ours == "output.weight" and self.args.tied_embeddings:
                 self.stored_head = tensor  # the embedding, or a head of its own (unties)
                 self.stored_head_name = name
@@ -159,43 +166,74 @@ class WeightImporter:
             return False
         return head.shape != embed.shape or not torch.equal(head, embed)
 
+    def _prefix(self, layer: str) -> str | None:
+        """torchneox's prefix of ``model.layers.{layer}`` (DeepSeek-V3's MTP modules follow
+        the main layers); None: no module of the model is that layer."""
+        if self.arch != deepseek.DEEPSEEK_V3:
+            return f"layers.{layer}."
+        return deepseek.layer_prefix(int(layer), self.args)
+
+    def _mtp_past(self, name: str) -> bool:
+        """A DeepSeek-V3 layer past the model's (its MTP modules): read past when the model
+        has no MTP (``drop_mtp``), else refused by the caller."""
+        index = re.match(r"model\.layers\.(\d+)\.", name)
+        if not (index and self.arch == deepseek.DEEPSEEK_V3 and self.drop_mtp):
+            return False
+        if int(index.group(1)) < self.args.num_layers:
+            return False
+        self.dropped_mtp.append(name)
+        return True
+
+    def _mtp_copy(self, name: str, tensor: torch.Tensor) -> bool:
+        """DeepSeek-V3's MTP module's copy of the embedding or head: kept to be compared with
+        the model's (torchneox's modules share them), not filed."""
+        copy = re.fullmatch(
+            r"model\.layers\.(\d+)\.(embed_tokens\.weight|shared_head\.head\.weight)", name
+        )
+        if not (copy and self.arch == deepseek.DEEPSEEK_V3):
+            return False
+        prefix = self._prefix(copy.group(1))
+        if prefix is None or not prefix.startswith("mtp."):
+            return False
+        ours = dict(deepseek.mtp_copies(self.args, int(prefix.split(".")[1])))[name]
+        self._copies.append((name, ours, tensor))
+        self._compare_copies()
+        return True
+
+    def _compare_copies(self, final: bool = False) -> None:
+        pending = []
+        for name, ours, tensor in self._copies:
+            main = self._shared.get(ours)
+            if main is None and not final:
+                pending.append((name, ours, tensor))
+            elif main is None or main.shape != tensor.shape or not torch.equal(main, tensor):
+                raise HFError(
+                    f"tensor {name} differs from the model's {self.source.get(ours, ours)} "
+                    "(torchneox's MTP modules share the model's embedding and head)"
+                )
+        self._copies = pending
+
     def _layer_tensor(self, name: str, tensor: torch.Tensor) -> bool:
-        expert = re.fullmatch(
-            r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight", name
-        )
-        if expert:
-            layer, e, matrix = expert.groups()
-            self._expert(f"layers.{layer}.mlp.{EXPERT_MATRICES[matrix]}", int(e), tensor.T)
+        if self._mtp_past(name) or self._mtp_copy(name, tensor):
             return True
-        expert = re.fullmatch(
-            r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight",
-            name,
-        )
-        if expert and self.arch in PER_EXPERT:
-            layer, e, matrix = expert.groups()
-            self._expert(f"layers.{layer}.mlp.{MOE_EXPERT_MATRICES[matrix]}", int(e), tensor.T)
-            return True
-        fused = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", name)
-        if fused:  # transformers >= 5 in memory: [E, 2I, H] and [E, H, I]
-            dst = f"layers.{fused.group(1)}.mlp."
-            if fused.group(2) == "down_proj":
-                self.out[dst + "experts_down"] = tensor.transpose(1, 2).contiguous()
-            else:
-                gate, up = tensor.chunk(2, dim=1)
-                self.out[dst + "experts_gate"] = gate.transpose(1, 2).contiguous()
-                self.out[dst + "experts_up"] = up.transpose(1, 2).contiguous()
+        if self._expert_tensor(name, tensor):
             return True
         whole = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
         ours = WHOLE_LAYER_TENSORS.get(self.arch, {}).get(whole.group(2)) if whole else None
         if ours is not None:
-            self._claim(f"layers.{whole.group(1)}.{ours}", name)
-            self.out[f"layers.{whole.group(1)}.{ours}"] = tensor
+            dst = self._prefix(whole.group(1))
+            if dst is None:
+                return False
+            self._claim(f"{dst}{ours}", name)
+            self.out[f"{dst}{ours}"] = tensor
             return True
         match = LAYER.fullmatch(name)
         if match is None:
             return False
         layer, module, kind = match.groups()
-        dst = f"layers.{layer}."
+        dst = self._prefix(layer)
+        if dst is None:
+            return False
         if self.arch == GPT_NEOX and module == "attention.query_key_value":
             q, k, v = split_qkv(tensor, self.args.num_heads, self.args.head_dim)
             for ours, part in (("wq", q), ("wk", k), ("wv", v)):
@@ -210,6 +248,37 @@ class WeightImporter:
         self._claim(f"{dst}{ours}.{kind}", name)
         self.out[f"{dst}{ours}.{kind}"] = tensor
         return True
+
+    def _expert_tensor(self, name: str, tensor: torch.Tensor) -> bool:
+        expert = re.fullmatch(
+            r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight", name
+        )
+        if expert:
+            layer, e, matrix = expert.groups()
+            self._expert(f"layers.{layer}.mlp.{EXPERT_MATRICES[matrix]}", int(e), tensor.T)
+            return True
+        expert = re.fullmatch(
+            r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight",
+            name,
+        )
+        if expert and self.arch in PER_EXPERT:
+            layer, e, matrix = expert.groups()
+            dst = self._prefix(layer)
+            if dst is None:
+                return False
+            self._expert(f"{dst}mlp.{MOE_EXPERT_MATRICES[matrix]}", int(e), tensor.T)
+            return True
+        fused = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", name)
+        if fused:  # transformers >= 5 in memory: [E, 2I, H] and [E, H, I]
+            dst = f"layers.{fused.group(1)}.mlp."
+            if fused.group(2) == "down_proj":
+                self.out[dst + "experts_down"] = tensor.transpose(1, 2).contiguous()
+            else:
+                gate, up = tensor.chunk(2, dim=1)
+                self.out[dst + "experts_gate"] = gate.transpose(1, 2).contiguous()
+                self.out[dst + "experts_up"] = up.transpose(1, 2).contiguous()
+            return True
+        return False
 
     def _expert(self, name: str, e: int, matrix: torch.Tensor) -> None:
         """One expert's matrix into the stacked [experts, in, out] weight, allocated once."""
@@ -242,6 +311,7 @@ class WeightImporter:
         return ready
 
     def result(self) -> dict[str, torch.Tensor]:
+        self._compare_copies(final=True)
         for name, seen in self._experts_seen.items():
             if len(seen) != self.args.moe_num_experts:
                 missing = min(set(range(self.args.moe_num_experts)) - seen)
@@ -277,25 +347,29 @@ def hf_tensors(
     expert_of = {ours: theirs for theirs, ours in EXPERT_MATRICES.items()}
     moe_expert_of = {ours: theirs for theirs, ours in MOE_EXPERT_MATRICES.items()}
     whole_of = {ours: theirs for theirs, ours in WHOLE_LAYER_TENSORS.get(arch, {}).items()}
+    mtp_started: set[str] = set()
     for name, tensor in sd.items():
         module, _, kind = name.rpartition(".")
         if name == "value_head.weight":
             yield "score.weight", tensor
             continue
-        if name.startswith("mtp."):  # training's MTP modules: no family here holds them
-            continue
+        if name.startswith("mtp.") and arch != deepseek.DEEPSEEK_V3:
+            continue  # training's MTP modules: only DeepSeek-V3 here holds them
         if module in theirs_of_top:
             yield f"{theirs_of_top[module]}.{kind}", tensor
             continue
         _, layer, rest = name.split(".", 2)
         dst = f"{prefix}layers.{layer}."
+        if arch == deepseek.DEEPSEEK_V3:  # (an MTP module: after the main layers)
+            dst = deepseek.hf_layer(name, args)
+            yield from deepseek.copies_before(name, sd, args, mtp_started)
         if rest in whole_of:
             yield f"{dst}{whole_of[rest]}", tensor
             continue
         module, _, kind = rest.rpartition(".")
         if arch == deepseek.DEEPSEEK_V3:
             tensor = deepseek.rope_rows(module, args, tensor, to_hf=True)
-            if module == "mlp.router" and f"layers.{layer}.mlp.router_bias" not in sd:
+            if module == "mlp.router" and f"{name[: -len(rest)]}mlp.router_bias" not in sd:
                 # a model trained without the bias routes as DeepSeek-V3 with a zero one
                 yield (
                     f"{dst}mlp.gate.e_score_correction_bias",
