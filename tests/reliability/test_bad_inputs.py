@@ -515,6 +515,11 @@ VERB_CASES = {
     ),
     "estimate-unknown-gpu": (["estimate", "model.yml", "--gpus", "8", "--gpu", "tpu9"], "tpu9"),
     "keys-unknown-option": (["config", "keys", "--markdwn"], "unrecognized arguments: --markdwn"),
+    "refusals-unknown-option": (
+        ["config", "refusals", "--markdwn"],
+        "unrecognized arguments: --markdwn",
+    ),
+    "lighthouse-port": (["lighthouse", "--port", "-5"], "--port must be 0 (any) to 65535, got -5"),
     "kernels-both-actions": (
         ["kernels", "--remeasure", "--clear"],
         "--clear: not allowed with argument --remeasure",

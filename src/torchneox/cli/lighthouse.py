@@ -37,21 +37,39 @@ def add_lighthouse_verb(verbs: argparse._SubParsersAction) -> None:
     )
 
 
+def _check(args: argparse.Namespace) -> None:
+    """The options' ranges, each a one-line mistake."""
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be 0 (any) to 65535, got {args.port}", key="lighthouse")
+    if args.min_replicas < 1:
+        raise ConfigError("--min-replicas must be 1 or more", key="lighthouse")
+    for name in ("join_timeout_ms", "heartbeat_timeout_ms"):
+        if getattr(args, name) <= 0:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} must be > 0, got {getattr(args, name)}", key="lighthouse")
+
+
 def cmd_lighthouse(args: argparse.Namespace) -> int:
+    _check(args)
     try:
         from torchft.coordination import LighthouseServer
     except ImportError:
         raise ConfigError(
             "the lighthouse is torchft's: pip install 'torchneox[ft]'", key="lighthouse"
         ) from None
-    if args.min_replicas < 1:
-        raise ConfigError("--min-replicas must be 1 or more", key="lighthouse")
-    server = LighthouseServer(
-        bind=f"[::]:{args.port}",
-        min_replicas=args.min_replicas,
-        join_timeout_ms=args.join_timeout_ms,
-        heartbeat_timeout_ms=args.heartbeat_timeout_ms,
-    )
+    try:
+        server = LighthouseServer(
+            bind=f"[::]:{args.port}",
+            min_replicas=args.min_replicas,
+            join_timeout_ms=args.join_timeout_ms,
+            heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+        )
+    except RuntimeError as e:  # the port taken, say
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"cannot listen on port {args.port} ({first}); choose another --port",
+            key="lighthouse",
+        ) from None
     print(f"lighthouse: {server.address()}", flush=True)
     stop = threading.Event()
     for s in (signal.SIGTERM, signal.SIGINT):
