@@ -1,4 +1,5 @@
-"""A run of any size starts: no rank ever holds the whole model. Eight processes build a model of
+"""A run of any size starts: no rank ever holds the whole model. Four processes (eight for a DPO
+run, whose policy and reference each rank holds a shard of) build a model of
 more than 1 GiB of fp32 weights under ZeRO-3 (and with tensor parallelism, and a DPO run's
 reference beside its policy); each stops itself as its first step begins, and every rank's peak
 resident memory (VmHWM, read from /proc from outside) is held against the same run's with a
@@ -22,7 +23,7 @@ from tests.helpers import post_training_data
 from torchneox.config.derive import derive
 from torchneox.config.load import load_config
 
-NPROC = 8
+NPROC = 4  # each rank keeps a quarter: its peak stays far under the whole model
 # about 303 M parameters: 1.21 GB of fp32 weights, in blocks whose largest weight (the MLP's)
 # is 64 MiB, the one tensor a rank draws whole at a time
 BIG = {"num_layers": 6, "hidden_size": 2048, "num_attention_heads": 16}
@@ -64,11 +65,11 @@ def _status(pid: int) -> dict[str, str]:
     return dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)
 
 
-def built_peaks(config: str, *overrides: str) -> tuple[list[int], str]:
+def built_peaks(config: str, *overrides: str, nproc: int = NPROC) -> tuple[list[int], str]:
     """Each rank's peak resident bytes when it reaches its first step (it stops itself there),
     and what the run printed until then."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHNEOX_FAULT="stop@step.start:1")
-    command = [sys.executable, "-m", "torchneox", "train", config, "--nproc", str(NPROC)]
+    command = [sys.executable, "-m", "torchneox", "train", config, "--nproc", str(nproc)]
     for o in overrides:
         command += ["--set", o]
     launcher = subprocess.Popen(
@@ -80,7 +81,7 @@ def built_peaks(config: str, *overrides: str) -> tuple[list[int], str]:
             stopped = [
                 p for p in _descendants(launcher.pid) if _status(p).get("State", "")[:1] == "T"
             ]
-            if len(stopped) == NPROC:
+            if len(stopped) == nproc:
                 peaks = [int(_status(p)["VmHWM"].split()[0]) * 1024 for p in sorted(stopped)]
                 break
             if launcher.poll() is not None:
@@ -108,12 +109,12 @@ def assert_below(peaks: list[int], base: list[int], whole: int) -> None:
     )
 
 
-def assert_built_in_shards(big: str, tiny: str, *overrides: str) -> str:
+def assert_built_in_shards(big: str, tiny: str, *overrides: str, nproc: int = NPROC) -> str:
     """The ranks' peaks held against the tiny run's; what the big run printed."""
     whole = model_bytes(big)
     assert whole >= 2**30
-    base, _ = built_peaks(tiny, *overrides)
-    peaks, out = built_peaks(big, *overrides)
+    base, _ = built_peaks(tiny, *overrides, nproc=nproc)
+    peaks, out = built_peaks(big, *overrides, nproc=nproc)
     assert_below(peaks, base, whole)
     return out
 
@@ -156,4 +157,4 @@ def test_a_dpo_runs_reference_is_built_in_shards_too(tmp_path):
         path = tmp_path / f"dpo_{name}.yml"
         path.write_text(json.dumps(keys | common | size))
         paths.append(str(path))
-    assert_built_in_shards(*paths)
+    assert_built_in_shards(*paths, nproc=8)  # two models' shards: an eighth of each

@@ -42,7 +42,8 @@ def baseline(config, tmp_path_factory):
     return one_process(config, tmp_path_factory)
 
 
-# (the suite's budget: 4 context ranks are test_checkpoints_resume_across_layouts' one-to-cp4,
+# (the suite's budget: CP x TP without SP is in cp2-pp2-tp2, CP x PP alone in the interleaved
+# resume below, 4 context ranks in test_checkpoints_resume_across_layouts' one-to-cp4,
 # ZeRO-3 beside CP its cp2-zero3 and the hybrid and pipelined cases here, DDP beside CP the data
 # parallelism of ZeRO-1's case)
 @pytest.mark.parametrize(
@@ -53,20 +54,18 @@ def baseline(config, tmp_path_factory):
         # x data parallel 4, ZeRO-3 within 2 groups of 2 data-parallel ranks (4 with their
         # context ranks), replicated across them
         (2, ["zero_optimization={stage: 3, mics_shard_size: 2}"], 8),
-        (2, ["model_parallel_size=2", "train_micro_batch_size_per_gpu=4"], 4),
         (
             2,
             ["model_parallel_size=2", "sequence_parallel=true", "train_micro_batch_size_per_gpu=4"],
             4,
         ),
-        (2, ["pipe_parallel_size=2", "train_micro_batch_size_per_gpu=4"], 4),
         (2, ["pipe_parallel_size=2", "pipeline_schedule=gpipe", "zero_optimization.stage=3",
           "train_micro_batch_size_per_gpu=2"], 8),
         (2, ["pipe_parallel_size=2", "model_parallel_size=2", "train_micro_batch_size_per_gpu=4"], 8),
     ],
     ids=[
-        "cp2", "cp2-dp2-zero1", "cp2-dp4-zero3-hybrid", "cp2-tp2", "cp2-tp2-sp",
-        "cp2-pp2", "cp2-pp2-gpipe-dp2-zero3", "cp2-pp2-tp2",
+        "cp2", "cp2-dp2-zero1", "cp2-dp4-zero3-hybrid", "cp2-tp2-sp",
+        "cp2-pp2-gpipe-dp2-zero3", "cp2-pp2-tp2",
     ],
 )  # fmt: skip
 def test_equals_one_process(config, tmp_path, baseline, cp, others, nproc):
