@@ -14,7 +14,7 @@ from tests.helpers import post_training_data
 from tests.interop.test_post_training_export import converted_model_keys, run, tiny_llama
 from torchneox.checkpoint.weights import load_model
 from torchneox.cli import main
-from torchneox.models.transformer import init_parameter
+from torchneox.models.params import init_parameter
 from torchneox.train.trainer import Trainer
 
 transformers = pytest.importorskip("transformers")

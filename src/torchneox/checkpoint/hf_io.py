@@ -30,7 +30,8 @@ from torchneox.models.hf import architectures as hf
 from torchneox.models.hf.folder import is_hf_folder
 from torchneox.models.hf.weights import WeightImporter, hf_tensors
 from torchneox.models.lora import merge_any
-from torchneox.models.transformer import Transformer, is_adapter, plain_name
+from torchneox.models.params import is_adapter, plain_name
+from torchneox.models.transformer import Transformer
 from torchneox.parallel.shards import local_part
 
 VERB = "save_hf"

@@ -45,7 +45,7 @@ from torchneox.checkpoint.weights import (
     load_model_weights,
 )
 from torchneox.models.hf.folder import is_hf_folder
-from torchneox.models.transformer import is_adapter, trains_with_lora
+from torchneox.models.params import is_adapter, trains_with_lora
 from torchneox.optim.builder import load_optimizer_state, optimizer_state
 
 

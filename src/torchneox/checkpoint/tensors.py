@@ -9,7 +9,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from torchneox.base.errors import ConfigError
-from torchneox.models.transformer import is_adapter
+from torchneox.models.params import is_adapter
 
 FRESH_HEADS = ("value_head.weight", "soft_prompt.weight")
 """Weights a model may start without: a reward model's head, from a language model's

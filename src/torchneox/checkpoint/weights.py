@@ -29,7 +29,8 @@ from torchneox.models.args import model_args
 from torchneox.models.hf.architectures import weight_files
 from torchneox.models.hf.folder import is_hf_folder
 from torchneox.models.lora import adapted_weight, merge_any
-from torchneox.models.transformer import Transformer, is_adapter, plain_name, trains_with_lora
+from torchneox.models.params import is_adapter, plain_name, trains_with_lora
+from torchneox.models.transformer import Transformer
 from torchneox.parallel.shards import local_part
 
 LORA_BASE = "lora_base"

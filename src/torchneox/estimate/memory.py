@@ -22,7 +22,7 @@ from torchneox.config.sizes import is_moe_layer
 from torchneox.estimate.activations import Trace
 from torchneox.estimate.host import offload_parts
 from torchneox.estimate.parameters import PARAM_BYTES, expert_sharded, local_dims, local_numel
-from torchneox.models.transformer import SOFT_PROMPT, is_adapter, is_drawn, trains_with_lora
+from torchneox.models.params import SOFT_PROMPT, is_adapter, is_drawn, trains_with_lora
 
 GIB = 2**30
 CUDA_RESERVE = 1.5 * GIB  # CUDA context, cuBLAS/NCCL workspaces

@@ -30,8 +30,9 @@ from torchneox.models.hf import architectures as hf
 from torchneox.models.hf import mamba as hf_mamba
 from torchneox.models.hf import weights as hf_weights
 from torchneox.models.hf.weights import GPT_NEOX
+from torchneox.models.params import is_adapter
 from torchneox.models.sharing import per_layer_state
-from torchneox.models.transformer import Transformer, is_adapter
+from torchneox.models.transformer import Transformer
 
 OURS_TO_HF = {ours: theirs for theirs, ours in HF_NAMES.items()}
 QKV = ("attention.wq", "attention.wk", "attention.wv")

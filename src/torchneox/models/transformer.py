@@ -38,16 +38,10 @@ from torchneox.models.mixers.attention import (
 from torchneox.models.moe import RouterStats
 from torchneox.models.mtp import build_mtp, mtp_depths
 from torchneox.models.norms import build_norm
-from torchneox.models.params import (  # noqa: F401 (the names other modules import from here)
-    ADAPTER_TENSORS,
-    OUTPUT_LAYERS,
-    SOFT_PROMPT,
-    WRAPPERS,
+from torchneox.models.params import (
     PartFn,
     SoftPrompt,
     init_parameter,
-    is_adapter,
-    is_drawn,
     plain_name,
     trains_with_lora,
     whole,

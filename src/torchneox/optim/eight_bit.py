@@ -116,7 +116,7 @@ def build_eight_bit_adam(
     """Adam with 8-bit moments over ``groups`` (each with its weight decay), with the betas
     and eps GPT-NeoX passes from optimizer.params; ``library``: bitsandbytes or torchao
     (default: the one ``o`` runs, config/features/eight_bit.py: library_for)."""
-    from torchneox.models.transformer import plain_name
+    from torchneox.models.params import plain_name
 
     library = library or importable_library(o)
     keep = {id(p) for n, p in model.named_parameters() if plain_name(n).endswith(STABLE_PARAMS)}

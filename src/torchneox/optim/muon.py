@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from torchneox.config.features.optimizer import OptimizerSpec, muon_matrix
-from torchneox.models.transformer import plain_name
+from torchneox.models.params import plain_name
 from torchneox.optim.groups import NO_DECAY
 
 KERNEL_FLAGS = ("fused", "foreach", "capturable", "differentiable")

@@ -14,7 +14,7 @@ from torch import nn
 from torchneox.models.args import MupScales
 from torchneox.models.lora import adapted_weight
 from torchneox.models.mup import infshape
-from torchneox.models.transformer import is_adapter, plain_name
+from torchneox.models.params import is_adapter, plain_name
 
 
 class _Tagged:

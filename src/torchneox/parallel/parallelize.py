@@ -30,8 +30,9 @@ from torchneox.config.features.fp8_plan import FP8Plan
 from torchneox.config.features.offload import Offload
 from torchneox.config.layout import Layout
 from torchneox.models.args import ModelArgs
+from torchneox.models.params import is_drawn, plain_name
 from torchneox.models.sharing import tie_layers
-from torchneox.models.transformer import Transformer, is_drawn, plain_name
+from torchneox.models.transformer import Transformer
 from torchneox.parallel.activation_ckpt import apply_activation_checkpointing, compile_blocks
 from torchneox.parallel.data_parallel import apply_data_parallel, shard_frozen
 from torchneox.parallel.dims import ParallelDims

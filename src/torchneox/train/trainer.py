@@ -46,7 +46,7 @@ from torchneox.data.loader import BatchLoader
 from torchneox.data.tokenizers import build_tokenizer
 from torchneox.models import cpu_kernels
 from torchneox.models.hf.folder import is_hf_folder, with_hf_folder
-from torchneox.models.transformer import SOFT_PROMPT, is_adapter
+from torchneox.models.params import SOFT_PROMPT, is_adapter
 from torchneox.optim.lr import Schedule
 from torchneox.parallel.collectives import any_rank, mean_over_dp, sum_over_dp
 from torchneox.parallel.data_parallel import offload_line

@@ -10,7 +10,8 @@ import torch
 from tests.helpers import metric_rows
 from tests.train.rl.test_reinforce_run import EXAMPLE, tiny
 from torchneox.cli import main
-from torchneox.models.transformer import build_model, is_adapter
+from torchneox.models.params import is_adapter
+from torchneox.models.transformer import build_model
 from torchneox.train.trainer import Trainer
 
 LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj"]}
