@@ -217,12 +217,15 @@ def dataset_files(data: Any) -> list[str]:
 
 def remove_if_empty(folder: Path) -> bool:
     """``folder`` removed when nothing in it holds a byte (a folder a refused command made
-    for its outputs); whether it was."""
-    if not folder.is_dir():
-        return False
-    for path in folder.rglob("*"):
-        if path.is_symlink() or (path.is_file() and path.stat().st_size > 0):
+    for its outputs); whether it was. Every rank of a refused run may call it at once."""
+    try:
+        if not folder.is_dir():
             return False
+        for path in folder.rglob("*"):
+            if path.is_symlink() or (path.is_file() and path.stat().st_size > 0):
+                return False
+    except FileNotFoundError:  # another rank of the same refused run removed it first
+        return not folder.exists()
     shutil.rmtree(folder, ignore_errors=True)
     return True
 
