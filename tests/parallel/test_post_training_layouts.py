@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import (
+    assert_resumes_bitwise,
     assert_same_training,
     losses,
     metric_rows,
@@ -72,6 +73,8 @@ LAYOUTS = {
     "zero1": ["gradient_accumulation_steps=1", "zero_optimization.stage=1"],
     "zero3": ["gradient_accumulation_steps=1", "zero_optimization.stage=3"],
     "tp2": ["model_parallel_size=2"],
+    # each tensor rank's slice of the positions, gathered whole before the value head
+    "tp2-sp": ["model_parallel_size=2", "sequence_parallel=true"],
     "pp2": ["pipe_parallel_size=2"],  # 2 stages, the reference's split as the policy's
     # each rank's part of every sequence, the outputs (the reference's too) gathered whole
     "cp2": ["context_parallel_size=2"],
@@ -126,7 +129,7 @@ CASES = [
     ("sft", "zero0"), ("sft", "tp2"), ("sft", "pp2"),
     ("dpo", "zero1"), ("dpo", "tp2"),
     ("kto", "zero3"), ("kto", "pp2"),
-    ("rm", "zero3"), ("rm", "tp2"), ("rm", "pp2"),
+    ("rm", "zero3"), ("rm", "tp2-sp"), ("rm", "pp2"),
     # context parallelism: the outputs gathered whole for a sum over a sequence (DPO's; KTO's
     # alike) and for a reward model's last position (SFT under CP is language modelling with a
     # loss mask: test_context_parallel's)
@@ -137,12 +140,15 @@ CASES = [
 @pytest.mark.parametrize("objective, layout", CASES)
 def test_two_processes_equal_one(configs, one_process, tmp_path, objective, layout):
     baseline, rows = one_process(objective)
-    out = tmp_path / "run"
-    train(
-        configs[objective], f"save={out}", "load=null", f"log_dir={out}", *LAYOUTS[layout], nproc=2
-    )
+    out, layout_keys = tmp_path / "run", LAYOUTS[layout]
+    resumed = layout == "tp2-sp"  # stopped after step 2, it resumes on 2 tensor ranks
+    saves = ["checkpoint_factor=2"] * resumed
+    cfg = configs[objective]
+    train(cfg, f"save={out}", "load=null", f"log_dir={out}", *layout_keys, *saves, nproc=2)
     assert_same_training(out, baseline)
     assert_same_metrics(out, rows, METRICS[objective])
+    if resumed:
+        assert_resumes_bitwise(cfg, out, 2, layout_keys, nproc=2)
 
 
 @pytest.mark.parametrize("objective", ["dpo", "kto"])  # a reference model; KTO's paired halves
