@@ -203,11 +203,6 @@ REFUSALS: tuple[Refusal, ...] = (
         "cannot run under zbv, because the last stage's copy of the embedding would lie on the "
         "first stage's rank",
     ),
-    *_each(
-        "lora",
-        ("rm + pp2", "reinforce + pp2"),
-        "is unbuilt for a reward model or REINFORCE through pipeline stages",
-    ),
     Refusal(
         "soft prompt",
         "tp2 sp",
