@@ -85,10 +85,13 @@ CURRICULUM = (
     "schedule_config: {difficulty: [8, 16, 32], max_step: [1, 2]}}"
 )
 VARIANTS = {
-    # documents: positions restart and attention stays inside each, the loss skips EOD inputs
-    "documents": ["inter_document_attention_masking=true", "eod_mask_loss=true"],
-    # with curriculum learning's growing length (each cut into the ranks' chunks)
-    "alibi-window": ["pos_emb=alibi", "sliding_window_width=12", "lm_z_loss=0.01", CURRICULUM],
+    # documents: positions restart and attention stays inside each, the loss skips EOD inputs;
+    # ALiBi and a sliding window under them, with curriculum learning's growing length (each
+    # cut into the ranks' chunks)
+    "documents-alibi-window": [
+        *("inter_document_attention_masking=true", "eod_mask_loss=true"),
+        *("pos_emb=alibi", "sliding_window_width=12", "lm_z_loss=0.01", CURRICULUM),
+    ],
     # top-k routing is per token (sinkhorn balances the tokens a rank holds, as in GPT-NeoX);
     # MLA gathers its latents and rotary keys, each rotated at its own chunk's positions
     "moe-mla": [
@@ -115,7 +118,8 @@ def test_model_options_equal_one_process(config, tmp_path, variant):
         want = losses(one, extra)
         assert losses(out, extra) == pytest.approx(want, rel=1e-5)
         assert bool(want) == (
-            extra in {"moe-mla": "moe_aux_loss", "alibi-window": "z_loss"}.get(variant, "")
+            extra
+            in {"moe-mla": "moe_aux_loss", "documents-alibi-window": "z_loss"}.get(variant, "")
         )
     if CURRICULUM in keys:
         assert losses(out, "curriculum_seqlen") == {1: 8, 2: 16, 3: 32}
