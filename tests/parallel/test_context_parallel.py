@@ -14,6 +14,7 @@ import torch
 
 from tests.helpers import (
     DP_KEYS,
+    assert_resumes_bitwise,
     assert_resumes_like_whole,
     assert_same_training,
     losses,
@@ -84,12 +85,20 @@ CURRICULUM = (
     "schedule_config: {difficulty: [8, 16, 32], max_step: [1, 2]}}"
 )
 VARIANTS = {
-    # documents: positions restart and attention stays inside each, the loss skips EOD inputs
-    "documents": ["inter_document_attention_masking=true", "eod_mask_loss=true"],
-    # with curriculum learning's growing length (each cut into the ranks' chunks)
-    "alibi-window": ["pos_emb=alibi", "sliding_window_width=12", "lm_z_loss=0.01", CURRICULUM],
-    # top-k routing is per token (sinkhorn balances the tokens a rank holds, as in GPT-NeoX)
-    "moe": ["moe_num_experts=4", "moe_top_k=2", "moe_router_type=topk", "moe_aux_loss_coeff=0.01"],
+    # documents: positions restart and attention stays inside each, the loss skips EOD inputs;
+    # ALiBi and a sliding window under them, with curriculum learning's growing length (each
+    # cut into the ranks' chunks)
+    "documents-alibi-window": [
+        *("inter_document_attention_masking=true", "eod_mask_loss=true"),
+        *("pos_emb=alibi", "sliding_window_width=12", "lm_z_loss=0.01", CURRICULUM),
+    ],
+    # top-k routing is per token (sinkhorn balances the tokens a rank holds, as in GPT-NeoX);
+    # MLA gathers its latents and rotary keys, each rotated at its own chunk's positions
+    "moe-mla": [
+        *("moe_num_experts=4", "moe_top_k=2", "moe_router_type=topk", "moe_aux_loss_coeff=0.01"),
+        *("mla_kv_lora_rank=24", "mla_q_lora_rank=32", "mla_qk_nope_head_dim=12"),
+        *("mla_qk_rope_head_dim=8", "mla_v_head_dim=16", "rotary_pct=1.0"),
+    ],
 }
 
 
@@ -99,13 +108,18 @@ def test_model_options_equal_one_process(config, tmp_path, variant):
     one, out = tmp_path / "one", tmp_path / "cp"
     mb = "train_micro_batch_size_per_gpu=4"  # the same micro-batches: their masked means agree
     train(config, f"save={one}", "load=null", mb, *keys)
-    train(config, f"save={out}", "load=null", "context_parallel_size=2", mb, *keys, nproc=2)
+    cp = ["context_parallel_size=2", mb, *keys]
+    resumed = variant == "moe-mla"  # stopped after step 2, it resumes on 2 context ranks
+    train(config, f"save={out}", "load=null", *cp, *["checkpoint_factor=2"] * resumed, nproc=2)
     assert_same_training(out, reference(one))
+    if resumed:
+        assert_resumes_bitwise(config, out, 2, cp, nproc=2)
     for extra in ("moe_aux_loss", "z_loss"):  # the extra terms, each over the whole batch
         want = losses(one, extra)
         assert losses(out, extra) == pytest.approx(want, rel=1e-5)
         assert bool(want) == (
-            extra in {"moe": "moe_aux_loss", "alibi-window": "z_loss"}.get(variant, "")
+            extra
+            in {"moe-mla": "moe_aux_loss", "documents-alibi-window": "z_loss"}.get(variant, "")
         )
     if CURRICULUM in keys:
         assert losses(out, "curriculum_seqlen") == {1: 8, 2: 16, 3: 32}

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import (
+    assert_resumes_bitwise,
     assert_same_training,
     losses,
     metric_rows,
@@ -63,6 +64,8 @@ MODEL = {
 # ranks' micro-batches as one), which tests/parallel/test_expert_parallel.py holds, while
 # here the micro-batches stay as they are (KTO pairs halves of one, SFT averages over one)
 MOE = {"moe_num_experts": 2, "moe_top_k": 1, "moe_aux_loss_coeff": 0.0}
+# adapters on the frozen base (a reward model's value head trained beside them)
+LORA = {"lora": {"rank": 4, "alpha": 8, "target_modules": ["attention.wq", "attention.wv"]}}
 # 2 processes: the same micro-batches as one process with 2 accumulation steps (KTO pairs the
 # halves of each micro-batch, so the micro-batch stays 2 in every layout)
 # (ZeRO-2 runs ZeRO-1's code, FSDP2 keeping the gathered weights through backward: its parity
@@ -72,6 +75,8 @@ LAYOUTS = {
     "zero1": ["gradient_accumulation_steps=1", "zero_optimization.stage=1"],
     "zero3": ["gradient_accumulation_steps=1", "zero_optimization.stage=3"],
     "tp2": ["model_parallel_size=2"],
+    # each tensor rank's slice of the positions, gathered whole before the value head
+    "tp2-sp": ["model_parallel_size=2", "sequence_parallel=true"],
     "pp2": ["pipe_parallel_size=2"],  # 2 stages, the reference's split as the policy's
     # each rank's part of every sequence, the outputs (the reference's too) gathered whole
     "cp2": ["context_parallel_size=2"],
@@ -84,10 +89,9 @@ def configs(tmp_path_factory) -> dict[str, str]:
     data = post_training_data(folder)
     out = {}
     for name, keys in data.items():
-        for moe in (False, True):
-            values = MODEL | keys | (MOE if moe else {})
-            path = folder / f"{name}{'_moe' if moe else ''}.yml"
-            path.write_text(json.dumps(values))
+        for variant, extra in (("", {}), ("_moe", MOE), ("_lora", LORA)):
+            path = folder / f"{name}{variant}.yml"
+            path.write_text(json.dumps(MODEL | keys | extra))
             out[path.stem] = str(path)
     return out
 
@@ -126,7 +130,7 @@ CASES = [
     ("sft", "zero0"), ("sft", "tp2"), ("sft", "pp2"),
     ("dpo", "zero1"), ("dpo", "tp2"),
     ("kto", "zero3"), ("kto", "pp2"),
-    ("rm", "zero3"), ("rm", "tp2"), ("rm", "pp2"),
+    ("rm", "zero3"), ("rm", "tp2-sp"), ("rm_lora", "pp2"),
     # context parallelism: the outputs gathered whole for a sum over a sequence (DPO's; KTO's
     # alike) and for a reward model's last position (SFT under CP is language modelling with a
     # loss mask: test_context_parallel's)
@@ -137,12 +141,17 @@ CASES = [
 @pytest.mark.parametrize("objective, layout", CASES)
 def test_two_processes_equal_one(configs, one_process, tmp_path, objective, layout):
     baseline, rows = one_process(objective)
-    out = tmp_path / "run"
-    train(
-        configs[objective], f"save={out}", "load=null", f"log_dir={out}", *LAYOUTS[layout], nproc=2
-    )
+    out, layout_keys = tmp_path / "run", LAYOUTS[layout]
+    # stopped after step 2, it resumes on 2 tensor ranks (2 stages) to the bit
+    resumed = layout == "tp2-sp" or objective == "rm_lora"
+    saves = ["checkpoint_factor=2"] * resumed
+    cfg = configs[objective]
+    train(cfg, f"save={out}", "load=null", f"log_dir={out}", *layout_keys, *saves, nproc=2)
     assert_same_training(out, baseline)
-    assert_same_metrics(out, rows, METRICS[objective])
+    assert_same_metrics(out, rows, METRICS[objective.removesuffix("_lora")])
+    assert objective.endswith("_lora") == any(".lora_B." in n for n in baseline[2])
+    if resumed:
+        assert_resumes_bitwise(cfg, out, 2, layout_keys, nproc=2)
 
 
 @pytest.mark.parametrize("objective", ["dpo", "kto"])  # a reference model; KTO's paired halves

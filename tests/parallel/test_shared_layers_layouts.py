@@ -1,14 +1,26 @@
 """Layer weight sharing and soft prompts across processes: 2 processes (DDP; ZeRO-3, the blocks
-that share one owner's tensors in one FSDP unit; tensor parallel; a soft prompt under ZeRO-3)
+that share one owner's tensors in one FSDP unit; tensor parallel; the shared MoE layers' experts
+split over 2 expert ranks, resumed to the bit; a soft prompt under ZeRO-3 and CP)
 give the losses and weights of one process on the same global batch."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.helpers import DP_KEYS, assert_same_training, losses, one_process, train
+from tests.helpers import (
+    DP_KEYS,
+    assert_resumes_bitwise,
+    assert_same_training,
+    losses,
+    one_process,
+    train,
+)
 
+# the shared layers are MoE layers (top-k routing is per token; the balancing loss, over each
+# rank's micro-batch, is left out so that every layout has one process's batch)
 SHARED = {"num_layers": 4, "num_unique_layers": 2, "no_weight_tying": True}
+SHARED |= {"moe_num_experts": 4, "moe_top_k": 2, "moe_router_type": "topk"}
+SHARED |= {"moe_aux_loss_coeff": 0.0}
 
 
 @pytest.fixture(scope="module")
@@ -26,17 +38,20 @@ def baseline(config, tmp_path_factory):
 @pytest.mark.parametrize(
     "layout",
     [
-        ["zero_optimization.stage=0"],
         ["zero_optimization.stage=3"],
         ["model_parallel_size=2", "train_micro_batch_size_per_gpu=4"],
+        # DDP (ZeRO 0) with the experts that two layers share split once over the expert ranks
+        ["zero_optimization.stage=0", "expert_parallel_size=2", "checkpoint_factor=2"],
     ],
-    ids=["ddp", "zero3", "tp2"],
+    ids=["zero3", "tp2", "ddp-ep2"],
 )
 def test_two_processes_equal_one(config, tmp_path, baseline, layout):
     out = tmp_path / "run"
     train(config, f"save={out}", "load=null", *layout, nproc=2)
     assert sorted(losses(out)) == [1, 2, 3]
     assert_same_training(out, baseline)
+    if "checkpoint_factor=2" in layout:  # stopped after step 2, it resumes on 2 expert ranks
+        assert_resumes_bitwise(config, out, 2, layout, nproc=2)
 
 
 @pytest.fixture(scope="module")

@@ -352,19 +352,14 @@ def _context_parallel(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
             cause="seq_length",
         )
     impl = cfg.training.train_impl
-    others = (
-        (bool(cfg.model.mla_kv_lora_rank), "mla", "cp2", "MLA (mla_kv_lora_rank)"),
-        (impl != "normal" and lay.pp > 1, impl, "pp2 cp2", f"train_impl {impl!r}"),
-    )
-    for broken, feature, beside, what in others:
-        if broken:
-            return _refuse(
-                f"{what} {refusal(feature, beside)}; set context_parallel_size 1 (context "
-                "parallelism runs with data parallelism, any ZeRO stage, tensor and pipeline "
-                "parallelism)",
-                key=key,
-                cause="mla_kv_lora_rank" if feature == "mla" else "train_impl",
-            )
+    if impl != "normal" and lay.pp > 1:
+        return _refuse(
+            f"train_impl {impl!r} {refusal(impl, 'pp2 cp2')}; set context_parallel_size 1 "
+            "(context parallelism runs with data parallelism, any ZeRO stage, tensor and "
+            "pipeline parallelism)",
+            key=key,
+            cause="train_impl",
+        )
     return None
 
 

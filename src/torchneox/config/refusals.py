@@ -204,16 +204,6 @@ REFUSALS: tuple[Refusal, ...] = (
         "first stage's rank",
     ),
     Refusal(
-        "mla",
-        "cp2",
-        "is unbuilt with context parallelism",
-    ),
-    *_each(
-        "lora",
-        ("rm + pp2", "reinforce + pp2"),
-        "is unbuilt for a reward model or REINFORCE through pipeline stages",
-    ),
-    Refusal(
         "soft prompt",
         "tp2 sp",
         "cannot put the prompt before the text, because each tensor rank holds only part of "
@@ -237,7 +227,6 @@ REFUSALS: tuple[Refusal, ...] = (
         "cannot share layers that a pipeline places on different stages, because their "
         "gradients are not tied across stages",
     ),
-    Refusal("shared layers", "ep2", "is unbuilt with expert parallelism"),
     *_each("8-bit adam", ("tp2", "pp2", "cp2", "ep2"), _EIGHT_BIT),
     *(
         Refusal(
@@ -247,7 +236,6 @@ REFUSALS: tuple[Refusal, ...] = (
         )
         for objective in OBJECTIVES
     ),
-    Refusal("rm", "tp2 sp", "is unbuilt with sequence parallelism"),
     Refusal(
         "reinforce",
         "tp2 sp",

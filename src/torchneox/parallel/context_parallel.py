@@ -58,7 +58,11 @@ def _gatherer(mesh: DeviceMesh) -> Gather:
 
     def gather(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, heads, T_local, D] of every cp rank, concatenated by rank along
-        the sequence (one collective for both)."""
+        the sequence (one collective for both). MLA's latents and rotary keys [B, 1, T_local,
+        *] differ in width: they travel side by side in one tensor."""
+        if k.shape != v.shape:
+            both = all_gather_tensor_autograd(torch.cat([k, v], dim=-1), gather_dim=2, group=group)
+            return both.split([k.shape[-1], v.shape[-1]], dim=-1)
         both = all_gather_tensor_autograd(torch.stack([k, v]), gather_dim=3, group=group)
         return both[0], both[1]
 

@@ -29,7 +29,8 @@ from torchneox.models.positions import apply_rotary
 CPU_ATTENTION_CHOICES = ("auto", "fp32", "native")
 
 Gather = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-"""Context parallelism: every rank's keys and values from this rank's."""
+"""Context parallelism: every rank's keys and values from this rank's (MLA: its latents and rotary
+keys, [B, 1, T, *] each)."""
 
 
 @dataclass
