@@ -1,7 +1,7 @@
 """8-bit Adam (use_bnb_optimizer) in every layout axis, on 4 processes: torchao's AdamW8bit steps
 the DTensor parts of data parallel 2 x expert parallel 2 x tensor parallel 2 under ZeRO 3, and of
-pipeline 2 x context parallel 2; both train as the same optimizer in one process, and the first
-resumes bit for bit. (Which library each layout runs: tests/optim/test_eight_bit.py.)"""
+pipeline 2 x context parallel 2; both train as the same optimizer in one process and resume bit
+for bit. (Which library each layout runs: tests/optim/test_eight_bit.py.)"""
 
 from __future__ import annotations
 
@@ -84,5 +84,6 @@ def test_8bit_adam_in_every_layout_equals_one_process_and_resumes_bitwise(
     assert_trains_as(out, one)
     assert_resumes_bitwise(cfg, out, 2, TP_EP_ZERO3, nproc=4)
     out = tmp_path / "pp-cp"
-    train(cfg, f"save={out}", "load=null", *PP_CP, nproc=4)
+    train(cfg, f"save={out}", "load=null", "checkpoint_factor=2", *PP_CP, nproc=4)
     assert_trains_as(out, one)
+    assert_resumes_bitwise(cfg, out, 2, PP_CP, nproc=4)  # (the stages' state keyed by name)
