@@ -85,7 +85,7 @@ def launch_local(args: argparse.Namespace) -> int:
     _refuse_before_starting(loaded, args)  # config errors once, here
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(PRELOAD)
+    context.set_forkserver_preload([*PRELOAD, *_libraries(loaded)])
     from multiprocessing import forkserver
 
     forkserver.ensure_running()  # it imports the trainer while the rest is prepared here
@@ -128,6 +128,17 @@ def launch_local(args: argparse.Namespace) -> int:
         print(f"torchneox: error: rank {rank} {how}; its output is above", file=sys.stderr)
         return 1
     return 0
+
+
+def _libraries(loaded: Any) -> list[str]:
+    """What the fork server imports too for this run, beyond the trainer: torchao's optimizers
+    where 8-bit Adam runs torchao's (each rank would import them, seconds each, on its first
+    step; one that does not import is left to the ranks, which say why)."""
+    from torchneox.config.features.eight_bit import dtensor_axis, eight_bit, library_for
+
+    cfg, o = loaded.config, loaded.config.optimizer
+    torchao = eight_bit(o) and library_for(o, dtensor_axis(cfg) is not None) == "torchao"
+    return ["torchao.optim"] if torchao else []
 
 
 def _rank_argv(args: argparse.Namespace) -> list[str]:

@@ -19,7 +19,6 @@ from torchneox.config.checker import source_of
 from torchneox.config.checks.ft import replica_layout, require_replicas
 from torchneox.config.checks.model import layer_attention_types
 from torchneox.config.derived import Derived
-from torchneox.config.features.eight_bit import eight_bit_layout
 from torchneox.config.features.offload import offload_spec
 from torchneox.config.features.sparsity import ATTENTION_LAYER_TYPES
 from torchneox.config.load import LoadedConfig
@@ -468,7 +467,6 @@ RULES = (
     _context_parallel,
     _compile_model,
     offload_rule,
-    eight_bit_layout,
     replica_layout,
 )
 """Every layout rule, in the order they are checked."""

@@ -156,7 +156,6 @@ SEQUENTIAL = ("mamba", "rwkv", "gmlp", "amlp")
 """The layer families that read the whole sequence in order."""
 _PP_CP = "cannot run with pipeline stages and context parallelism together: the stages' "
 _PP_CP += "context split carries the tokens alone"
-_EIGHT_BIT = "is unbuilt beside this axis: 8-bit Adam runs with data parallelism and ZeRO 0-3"
 _ONE_GRAPH = "cannot compile the whole model as one graph, because this layout splits or "
 _ONE_GRAPH += "wraps it below its top level"
 _ROTARY = "cannot take these positions, because MLA's keys are rotary"
@@ -227,7 +226,6 @@ REFUSALS: tuple[Refusal, ...] = (
         "cannot share layers that a pipeline places on different stages, because their "
         "gradients are not tied across stages",
     ),
-    *_each("8-bit adam", ("tp2", "pp2", "cp2", "ep2"), _EIGHT_BIT),
     *(
         Refusal(
             objective,
