@@ -158,25 +158,3 @@ def test_what_does_not_run_is_one_line(config, keys, nproc, said):
     lines = [x for x in run.stderr.splitlines() if x.startswith("torchneox:")]
     assert run.returncode == 2 and len(lines) == 1 and said in lines[0], run.stderr
     assert "context_parallel_size" in lines[0]
-
-
-@pytest.mark.parametrize(
-    ("impl", "pp", "said"),
-    [
-        ("reinforce", 2, "'reinforce' is unbuilt with pipeline stages and context parallelism"),
-        ("dpo", 2, "train_impl 'dpo' is unbuilt with pipeline stages and context parallelism"),
-    ],
-)
-def test_what_post_training_does_not_take_is_refused(make_config, impl, pp, said):
-    import dataclasses
-
-    from torchneox.config.derive import derive
-    from torchneox.config.layout import Layout, layout_problem
-    from torchneox.config.load import load_config
-
-    loaded = load_config([make_config(context_parallel_size=2)], [])
-    layout = Layout.from_derived(loaded.config, derive(loaded, world_size=2))
-    loaded.config.training.train_impl = impl
-    problem = layout_problem(loaded.config, dataclasses.replace(layout, pp=pp, gas=2))
-    assert problem is not None and problem.key == "context_parallel_size"
-    assert said in problem.message

@@ -318,6 +318,8 @@ class Transformer(nn.Module):
             length = context.length
             if positions_BT is None:
                 positions_BT = context.index
+            if segments_BT is not None and context.key_segments is None:
+                context = context.with_key_segments(segments_BT)
         static = cache if isinstance(cache, StaticKVCache) else None
         if static is not None and positions_BT is None:
             positions_BT = static.queries(t)
@@ -345,7 +347,9 @@ class Transformer(nn.Module):
             x = self.router_sink(x, stats)  # (the MTP modules' MoE blocks among them)
         _advance(cache, t)
         # the prompt's own outputs are never scored or sampled (cut where the head is)
-        if (prompted or (self.prompt_passed and start == 0)) and self.final_norm is not None:
+        # (under a context split the prompt's positions are some ranks' chunks, scored as 0)
+        passed = self.prompt_passed and start == 0 and context is None
+        if (prompted or passed) and self.final_norm is not None:
             x = x[:, self.args.soft_prompt_tokens :]
         out = self._head(x[:, -1:] if last_only else x)
         out = (out, *depths) if depths else out
