@@ -137,7 +137,8 @@ def test_interleaved_pipeline_stages_with_documents_and_mtp_equal_and_resume_as_
     what the stages' split carries besides the tokens: the documents (each stage gathers the
     keys' documents of every micro-batch), the loss mask (eod_mask_loss), lm_z_loss's term and
     MTP's tokens ahead (the last stage reads them from the whole target). Every step, its
-    z-loss and MTP loss equal one process's, stopped at step 3 and resumed on one process."""
+    z-loss and MTP loss and the evaluation equal one process's, stopped at step 3 and resumed
+    on one process."""
     features = {
         "inter_document_attention_masking": True,
         "eod_mask_loss": True,
@@ -160,6 +161,9 @@ def test_interleaved_pipeline_stages_with_documents_and_mtp_equal_and_resume_as_
         assert sorted(got) == list(range(1, 7)) and all(want.values()), key
         for k in want:
             assert got[k] == pytest.approx(want[k], rel=1e-5), (key, k)
+    # the evaluation of step 2, through the stages (the next token only, its mask applied)
+    want, got = losses(whole, "valid_lm_loss")[2], losses(moved, "valid_lm_loss")[2]
+    assert got == pytest.approx(want, rel=1e-5)
 
 
 @pytest.mark.parametrize(
