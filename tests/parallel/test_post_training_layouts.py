@@ -1,8 +1,9 @@
 """Post-training in every layout: SFT with label masks, DPO and KTO with their frozen reference
 model, and a reward model each give, on 2 processes (data parallel at every ZeRO stage, tensor
 parallel, pipeline parallel, context parallel, experts split over the ranks), the losses,
-metrics, gradients and weights of one process; a stopped run (DPO through 2 pipeline stages x 2
-context ranks among them) resumes like one never stopped, its reference model included."""
+metrics, gradients and weights of one process, and so does a reward model on 2 pipeline stages x
+2 context ranks; a stopped run (DPO through 2 pipeline stages x 2 context ranks among them)
+resumes like one never stopped, its reference model included."""
 
 from __future__ import annotations
 
@@ -75,6 +76,8 @@ LAYOUTS = {
     "pp2": ["pipe_parallel_size=2"],  # 2 stages, the reference's split as the policy's
     # each rank's part of every sequence, the outputs (the reference's too) gathered whole
     "cp2": ["context_parallel_size=2"],
+    # ... through 2 stages (4 processes): the last stage gathers them, the target stays whole
+    "pp2 cp2": ["pipe_parallel_size=2", "context_parallel_size=2"],
 }
 
 
@@ -128,9 +131,10 @@ CASES = [
     ("kto", "zero3"), ("kto", "pp2"),
     ("rm", "zero3"), ("rm", "tp2"), ("rm", "pp2"),
     # context parallelism: the outputs gathered whole for a sum over a sequence (DPO's; KTO's
-    # alike) and for a reward model's last position (SFT under CP is language modelling with a
-    # loss mask: test_context_parallel's)
-    ("dpo", "cp2"), ("rm", "cp2"),
+    # alike) and, through pipeline stages, for a reward model's last position (DPO through
+    # stages: the stopped run below; SFT under CP is language modelling with a loss mask:
+    # test_context_parallel's)
+    ("dpo", "cp2"), ("rm", "pp2 cp2"),
 ]  # fmt: skip
 
 
@@ -138,9 +142,8 @@ CASES = [
 def test_two_processes_equal_one(configs, one_process, tmp_path, objective, layout):
     baseline, rows = one_process(objective)
     out = tmp_path / "run"
-    train(
-        configs[objective], f"save={out}", "load=null", f"log_dir={out}", *LAYOUTS[layout], nproc=2
-    )
+    keys, nproc = LAYOUTS[layout], 4 if layout == "pp2 cp2" else 2
+    train(configs[objective], f"save={out}", "load=null", f"log_dir={out}", *keys, nproc=nproc)
     assert_same_training(out, baseline)
     assert_same_metrics(out, rows, METRICS[objective])
 
