@@ -1,7 +1,8 @@
 """Context parallelism (``context_parallel_size``): every sample's sequence split over ranks in
 load-balanced chunks, attention over the gathered keys and values. With 2 and 4 context ranks,
 alone, with data parallelism (each ZeRO stage), with tensor and with pipeline parallelism, training equals
-one process over several steps; with document masking too; checkpoints resume across layouts;
+one process over several steps; with document masking too (through pipeline stages with the loss
+mask, the z-loss and MTP as well); checkpoints resume across layouts;
 what cannot run beside it is refused in one line (config/refusals.py)."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tests.helpers import (
     one_process,
     reference,
     train,
+    trained_once,
 )
 from torchneox.parallel.context_parallel import chunk_positions
 
@@ -142,17 +144,40 @@ def test_checkpoints_resume_across_layouts(
     assert_resumes_like_whole(cfg, tmp_path, [], first, first_nproc, then, then_nproc)
 
 
-def test_interleaved_pipeline_stages_resume_as_one_process(make_config, tmp_path):
-    # two stages per pipeline rank, each running under the rank's part of the sequence
+def test_interleaved_pipeline_stages_with_documents_and_mtp_equal_and_resume_as_one_process(
+    make_config, tmp_path
+):
+    """Two stages per pipeline rank, each running under the rank's part of the sequence, with
+    what the stages' split carries besides the tokens: the documents (each stage gathers the
+    keys' documents of every micro-batch), the loss mask (eod_mask_loss), lm_z_loss's term and
+    MTP's tokens ahead (the last stage reads them from the whole target). Every step, its
+    z-loss and MTP loss and the evaluation equal one process's, stopped at step 3 and resumed
+    on one process."""
+    features = {
+        "inter_document_attention_masking": True,
+        "eod_mask_loss": True,
+        "lm_z_loss": 0.01,
+        "mtp_num_layers": 1,
+    }
     cfg = make_config(
-        "long.yml", train_micro_batch_size_per_gpu=4, train_iters=6, num_layers=4, **KEYS
-    )
+        "long.yml", train_micro_batch_size_per_gpu=4, train_iters=6, num_layers=4, **KEYS,
+        **features,
+    )  # fmt: skip
     first = [
         "context_parallel_size=2",
         "pipe_parallel_size=2",
         "pipeline_schedule=interleaved_1f1b",
     ]
-    assert_resumes_like_whole(cfg, tmp_path, [], first, 4, [], 1)
+    moved = assert_resumes_like_whole(cfg, tmp_path, [], first, 4, [], 1)
+    whole = trained_once(cfg)
+    for key in ("lm_loss", "z_loss", "mtp_loss_1"):
+        want, got = losses(whole, key), losses(moved, key)
+        assert sorted(got) == list(range(1, 7)) and all(want.values()), key
+        for k in want:
+            assert got[k] == pytest.approx(want[k], rel=1e-5), (key, k)
+    # the evaluation of step 2, through the stages (the next token only, its mask applied)
+    want, got = losses(whole, "valid_lm_loss")[2], losses(moved, "valid_lm_loss")[2]
+    assert got == pytest.approx(want, rel=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -172,25 +197,3 @@ def test_what_does_not_run_is_one_line(config, keys, nproc, said):
     lines = [x for x in run.stderr.splitlines() if x.startswith("torchneox:")]
     assert run.returncode == 2 and len(lines) == 1 and said in lines[0], run.stderr
     assert "context_parallel_size" in lines[0]
-
-
-@pytest.mark.parametrize(
-    ("impl", "pp", "said"),
-    [
-        ("reinforce", 2, "'reinforce' is unbuilt with pipeline stages and context parallelism"),
-        ("dpo", 2, "train_impl 'dpo' is unbuilt with pipeline stages and context parallelism"),
-    ],
-)
-def test_what_post_training_does_not_take_is_refused(make_config, impl, pp, said):
-    import dataclasses
-
-    from torchneox.config.derive import derive
-    from torchneox.config.layout import Layout, layout_problem
-    from torchneox.config.load import load_config
-
-    loaded = load_config([make_config(context_parallel_size=2)], [])
-    layout = Layout.from_derived(loaded.config, derive(loaded, world_size=2))
-    loaded.config.training.train_impl = impl
-    problem = layout_problem(loaded.config, dataclasses.replace(layout, pp=pp, gas=2))
-    assert problem is not None and problem.key == "context_parallel_size"
-    assert said in problem.message

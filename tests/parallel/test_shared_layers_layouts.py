@@ -1,7 +1,8 @@
 """Layer weight sharing and soft prompts across processes: 2 processes (DDP; ZeRO-3, the blocks
 that share one owner's tensors in one FSDP unit; tensor parallel; the shared MoE layers' experts
-split over 2 expert ranks, resumed to the bit; a soft prompt under ZeRO-3 and CP)
-give the losses and weights of one process on the same global batch."""
+split over 2 expert ranks, resumed to the bit; a soft prompt under ZeRO-3, context parallelism,
+and 2 pipeline stages x 2 context ranks) give the losses and weights of one process on the same
+global batch."""
 
 from __future__ import annotations
 
@@ -67,16 +68,21 @@ def prompt_config(make_module_config):
 
 
 @pytest.mark.parametrize(
-    "layout",
+    ("layout", "nproc"),
     [
-        ["zero_optimization.stage=3"],
+        (["zero_optimization.stage=3"], 2),
         # the prompt's positions lead the sequence the context ranks split (rank 0 holds them)
-        ["context_parallel_size=2", "gradient_accumulation_steps=4"],
+        (["context_parallel_size=2", "gradient_accumulation_steps=4"], 2),
+        # ... and through 2 pipeline stages: the first stage's chunks of [prompt, text] take
+        # the prompt's rows, the last scores the text's positions (the prompt's out of the loss)
+        (["context_parallel_size=2", "pipe_parallel_size=2", "train_micro_batch_size_per_gpu=4"], 4),
     ],
-    ids=["zero3", "cp2"],
-)
-def test_soft_prompt_on_two_processes_equals_one(prompt_config, tmp_path, tmp_path_factory, layout):
+    ids=["zero3", "cp2", "pp2-cp2"],
+)  # fmt: skip
+def test_soft_prompt_on_several_processes_equals_one(
+    prompt_config, tmp_path, tmp_path_factory, layout, nproc
+):
     baseline = one_process(prompt_config, tmp_path_factory)
     out = tmp_path / "run"
-    train(prompt_config, f"save={out}", "load=null", *layout, nproc=2)
+    train(prompt_config, f"save={out}", "load=null", *layout, nproc=nproc)
     assert_same_training(out, baseline)

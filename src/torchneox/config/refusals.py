@@ -154,8 +154,6 @@ OBJECTIVES = ("dpo", "kto", "rm", "reinforce")
 """The post-training objectives that are not language modelling (train_impl)."""
 SEQUENTIAL = ("mamba", "rwkv", "gmlp", "amlp")
 """The layer families that read the whole sequence in order."""
-_PP_CP = "cannot run with pipeline stages and context parallelism together: the stages' "
-_PP_CP += "context split carries the tokens alone"
 _ONE_GRAPH = "cannot compile the whole model as one graph, because this layout splits or "
 _ONE_GRAPH += "wraps it below its top level"
 _ROTARY = "cannot take these positions, because MLA's keys are rotary"
@@ -172,14 +170,6 @@ REFUSALS: tuple[Refusal, ...] = (
         "cannot share the embedding with the head under zbv, because its V puts the first and "
         "the last stage on one rank, which would hold two copies of the shared weight",
     ),
-    Refusal("z-loss", "pp2 cp2", _PP_CP),
-    Refusal("eod mask", "pp2 cp2", _PP_CP),
-    Refusal(
-        "document masking",
-        "pp2 cp2",
-        "is unbuilt with pipeline stages and context parallelism together: the stages' "
-        "context split carries no documents",
-    ),
     *_each("rpe", ("pp2 interleaved", "pp2 zbv"), _MANY_STAGES),
     *(
         Refusal(
@@ -189,12 +179,6 @@ REFUSALS: tuple[Refusal, ...] = (
             "sequence in order on every tensor rank",
         )
         for kind in SEQUENTIAL
-    ),
-    Refusal(
-        "mtp",
-        "pp2 cp2",
-        "is unbuilt with context parallelism through pipeline stages: the stages pass each "
-        "context rank its part of the sequence alone, not the tokens ahead of it",
     ),
     Refusal(
         "mtp",
@@ -210,12 +194,6 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         "soft prompt",
-        "pp2 cp2",
-        "is unbuilt with pipeline stages and context parallelism together: the stages' "
-        "context split carries the text alone",
-    ),
-    Refusal(
-        "soft prompt",
         "curriculum + cp2",
         "is unbuilt beside a curriculum with context parallelism: the prompt and each shorter "
         "text would have to split into equal chunks",
@@ -225,14 +203,6 @@ REFUSALS: tuple[Refusal, ...] = (
         "pp2",
         "cannot share layers that a pipeline places on different stages, because their "
         "gradients are not tied across stages",
-    ),
-    *(
-        Refusal(
-            objective,
-            "pp2 cp2",
-            "is unbuilt with pipeline stages and context parallelism together",
-        )
-        for objective in OBJECTIVES
     ),
     Refusal(
         "reinforce",
