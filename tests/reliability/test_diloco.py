@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+import urllib.request
 
 import pytest
 import torch
@@ -108,3 +109,50 @@ def test_the_outer_step_is_nesterov_sgd_on_the_mean_pseudo_gradient_and_resumes(
         for name, tensor in weights(whole).items():
             assert torch.equal(same[name], tensor), (g, name)
     assert "DiLoCo: resumed the weights of the last sync, the outer momentum and 1 steps" in outs[0]
+
+
+def heartbeats(server, text: str) -> bool:
+    """Whether the lighthouse's account of the next quorum (its /status page) says ``text``."""
+    with urllib.request.urlopen(server.address() + "/status", timeout=5) as page:
+        return text in page.read().decode()
+
+
+def test_a_group_killed_under_diloco_heals_from_the_live_one_outer_state_and_all(
+    make_config, tmp_path
+):
+    """Group 1 syncs at step 2, dies in step 3 (kill -9); group 0 syncs alone at step 4, then
+    waits before step 5 until group 1, restarted with an empty save folder, has trained its own
+    2 steps and waits in a quorum. At the sync of step 6 group 1 heals from group 0: its weights,
+    the last sync's weights and the outer momentum (torchft's DiLoCo hands those over itself),
+    and both apply the same outer step."""
+    config = make_config(train_iters=6, **KEYS)
+    flags, h0, h1, back = (tmp_path / n for n in ("flags", "h0", "h1", "h1-restarted"))
+    flags.mkdir()
+    server = lighthouse(min_replicas=1)
+    try:
+        fault = {"TORCHNEOX_FAULT_FLAG": str(flags)}
+        held = fault | {"TORCHNEOX_FAULT": "wait@step.start:1,wait@step.start:5"}
+        first = group(config, server, 0, h0, 2, env=held)
+        killed = fault | {"TORCHNEOX_FAULT": "wait@step.start:1,kill@step.backward:3"}
+        second = group(config, server, 1, h1, 2, env=killed)
+        wait_for(lambda: heartbeats(server, "[2 heartbeating]"), [first, second])
+        (flags / "1").touch()
+        assert second.wait(240) != 0  # killed inside step 3
+        metrics = h0 / "metrics.jsonl"
+        wait_for(lambda: metrics.is_file() and '"iteration": 4,' in metrics.read_text(), [first])
+        third = group(config, server, 1, back, 2)  # an empty save folder
+        asked = "[1/1 participants healthy][2 heartbeating]"
+        wait_for(lambda: heartbeats(server, asked), [first, third])
+        (flags / "5").touch()
+        out0, out1 = finished([first, third])
+    finally:
+        server.shutdown()
+    # group 0: every step once; the live groups at its syncs 2 -> 1 -> 2
+    assert sorted(losses(h0)) == list(range(1, 7)), out0[-3000:]
+    assert losses(h0, "replica_groups") == {2: 2.0, 4: 1.0, 6: 2.0}
+    assert "replica group 1: healed from a live group at step 6" in out1, out1[-3000:]
+    # had the outer state not come over, group 1's outer step would start from its own
+    # initial weights with no momentum, and the weights would differ
+    healed = weights(back)
+    for name, tensor in weights(h0).items():
+        assert torch.equal(healed[name], tensor), name
