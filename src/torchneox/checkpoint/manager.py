@@ -48,6 +48,10 @@ from torchneox.models.hf.folder import is_hf_folder
 from torchneox.models.params import is_adapter, trains_with_lora
 from torchneox.optim.builder import load_optimizer_state, optimizer_state
 
+DILOCO = "diloco"
+"""The part of a checkpoint (its tensors and meta.json) that holds DiLoCo's outer state
+(train/diloco.py)."""
+
 
 def save_iterations(ck: Any, train_iters: int) -> set[int]:
     """GPT-NeoX's checkpoint steps: multiples (linear) or powers (log) of checkpoint_factor,
@@ -346,6 +350,11 @@ class CheckpointManager:
         """The tensors to read the checkpoint's part of ``state.extra`` into (None: the
         checkpoint holds none, said in one line, or the run has none)."""
         extra = state.extra
+        if extra is None and DILOCO in meta:
+            self.line(
+                f"{step_dir} holds DiLoCo's outer state, unused by this run (no "
+                "ft_diloco_sync_every): it goes on from that step's weights"
+            )
         if extra is None or extra.KEY not in meta:
             if extra is not None:
                 self.line(f"{step_dir} holds no {extra.KEY} state: it starts afresh here")

@@ -13,11 +13,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from torchneox.checkpoint.manager import DILOCO
 from torchneox.config.checks.ft import replicated
 from torchneox.optim.builder import load_optimizer_state, optimizer_state
-
-KEY = "diloco"
-"""The part of a checkpoint (its tensors and its meta.json) that holds DiLoCo's outer state."""
 
 
 def outer_state(trainer: Any) -> OuterState | None:
@@ -42,7 +40,7 @@ class OuterState:
     """The outer SGD, the last sync's weights (torchft's backup, or a checkpoint's until
     torchft's DiLoCo is attached) and the steps since the last sync."""
 
-    KEY = KEY
+    KEY = DILOCO
 
     def __init__(self, model: torch.nn.Module, f: Any, line: Any) -> None:
         self.model, self.f, self.line = model, f, line
