@@ -48,6 +48,10 @@ from torchneox.models.hf.folder import is_hf_folder
 from torchneox.models.params import is_adapter, trains_with_lora
 from torchneox.optim.builder import load_optimizer_state, optimizer_state
 
+DILOCO = "diloco"
+"""The part of a checkpoint (its tensors and meta.json) that holds DiLoCo's outer state
+(train/diloco.py)."""
+
 
 def save_iterations(ck: Any, train_iters: int) -> set[int]:
     """GPT-NeoX's checkpoint steps: multiples (linear) or powers (log) of checkpoint_factor,
@@ -78,6 +82,10 @@ class TrainingState:
     by_name: bool = False
     """Save the optimizer state keyed by parameter names (``optimizer_state``): a pipeline
     stage's, whose parameters are not the other stages'."""
+    extra: Any = None
+    """A training part of its own that checkpoints hold (DiLoCo's outer state: see
+    train/diloco.py): ``KEY``, ``checkpoint_tensors(with_optimizer)``,
+    ``checkpoint_meta(tensors)``, ``template(meta, with_optimizer)``, ``resume(tensors, meta)``."""
 
 
 class CheckpointManager:
@@ -141,6 +149,8 @@ class CheckpointManager:
             tensors["rng"] = {"torch": torch.get_rng_state()}
         if state.reference is not None:
             tensors["reference"] = get_model_state_dict(state.reference)
+        if state.extra is not None:
+            tensors[state.extra.KEY] = state.extra.checkpoint_tensors(not ck.no_save_optim)
         meta = {
             "loaders": {name: loader.state_dict() for name, loader in state.loaders.items()},
             "loss_scaler": state.scaler.state_dict(),
@@ -148,6 +158,8 @@ class CheckpointManager:
             "has_rng": "rng" in tensors,
             "has_reference": "reference" in tensors,
         }
+        if state.extra is not None:
+            meta[state.extra.KEY] = state.extra.checkpoint_meta(tensors[state.extra.KEY])
         if self.lora_base is not None:
             meta[LORA_BASE] = self.lora_base
             meta[LORA_BASE_FINGERPRINT] = self.lora_base_fingerprint
@@ -334,6 +346,21 @@ class CheckpointManager:
             f"the adapters on {', '.join(held)})" if held else "a run without lora)"
         )
 
+    def _extra_template(self, step_dir: Path, meta: dict, state: TrainingState) -> Any:
+        """The tensors to read the checkpoint's part of ``state.extra`` into (None: the
+        checkpoint holds none, said in one line, or the run has none)."""
+        extra = state.extra
+        if extra is None and DILOCO in meta:
+            self.line(
+                f"{step_dir} holds DiLoCo's outer state, unused by this run (no "
+                "ft_diloco_sync_every): it goes on from that step's weights"
+            )
+        if extra is None or extra.KEY not in meta:
+            if extra is not None:
+                self.line(f"{step_dir} holds no {extra.KEY} state: it starts afresh here")
+            return None
+        return extra.template(meta[extra.KEY], not self.ck.no_load_optim)
+
     def _load_training_state(self, step_dir: Path, meta: dict, state: TrainingState) -> bool:
         """Whether the reference model's weights were loaded too."""
         then = meta.get(BASE_SHAPES)
@@ -354,6 +381,9 @@ class CheckpointManager:
             tensors["optimizer"] = optimizer_state(state.model, state.optimizer, flat)
         if not ck.no_load_rng and meta.get("has_rng", False):
             tensors["rng"] = {"torch": torch.get_rng_state()}
+        extra = self._extra_template(step_dir, meta, state)
+        if extra is not None:
+            tensors[state.extra.KEY] = extra
         try:
             if tensors:
                 load_state(step_dir, tensors)
@@ -371,6 +401,8 @@ class CheckpointManager:
             ) from None
         if "rng" in tensors:
             torch.set_rng_state(tensors["rng"]["torch"])
+        if extra is not None:
+            state.extra.resume(extra, meta[state.extra.KEY])
         if state.reference is not None and meta.get("has_reference", False):
             load_model_weights(step_dir, state.reference, prefix="reference")
             loaded_reference = True

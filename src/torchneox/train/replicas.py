@@ -90,8 +90,12 @@ class Replicas:
             init_sync=False,  # every group draws the same weights from the seed
             checkpoint_transport=HTTPTransport(timeout=timeout, num_chunks=0),
         )
-        self.manager.load_state_dict({"step": t.iteration, "batches_committed": 0})
-        self.diloco = _diloco(self.manager, t) if f.ft_diloco_sync_every else None
+        self.diloco = self._diloco() if f.ft_diloco_sync_every else None
+        # the quorum's step: the step of the last update all groups agreed on (under DiLoCo,
+        # the last sync's), so that a group restarted from an older checkpoint is the one
+        # behind, and heals
+        since = t.outer.steps_since_sync() if self.diloco is not None else 0
+        self._agreed(t.iteration - since)
         t.logger.line(
             f"replica group {self.group} of {self.groups} through the lighthouse at "
             f"{f.ft_lighthouse}: {sync_words(t.cfg)}; a missing group's share of each batch is "
@@ -159,12 +163,32 @@ class Replicas:
         values = t.step(iteration, lr, micro_batches)
         t.iteration = iteration
         t.step.settle()  # the skip policy's count is part of what a peer heals from
+        agreed = self.manager.current_step()
         # after the inner step, where torchft's DiLoCo hooks its optimizer: the step is whole here
         self.diloco._step_post_hook(t.optimizer, (), {})
         if self.diloco._local_step == 0:  # synced: the quorum it synced in
-            self._say_live(self.manager.num_participants(), iteration)
+            self._say_live(self.manager.num_participants(), t.iteration)
             values._known["replica_groups"] = float(self.live)
+            if self.manager.current_step() > agreed:  # committed (t.iteration: a healed one's)
+                self._agreed(t.iteration)
         return values
+
+    def _agreed(self, step: int) -> None:
+        self.manager.load_state_dict(
+            {"step": step, "batches_committed": self.manager.batches_committed()}
+        )
+
+    def _diloco(self) -> Any:
+        """torchft's DiLoCo over the whole model: the run's optimizer inside, the outer SGD
+        (``t.outer``, where a resumed checkpoint put its state) outside."""
+        t, f = self.t, self.t.cfg.ft
+        t.logger.line(
+            f"DiLoCo: every {f.ft_diloco_sync_every} steps the groups average their "
+            f"pseudo-gradients and SGD (lr {f.ft_diloco_outer_lr}, momentum "
+            f"{f.ft_diloco_outer_momentum}{', Nesterov' if f.ft_diloco_outer_nesterov else ''}) "
+            "applies them"
+        )
+        return t.outer.attach(self.manager, t.optimizer, t.device)
 
     def _say_live(self, live: int, iteration: int) -> None:
         if live != self.live:
@@ -244,33 +268,6 @@ class Replicas:
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
-
-
-def _diloco(manager: Any, t: Any) -> Any:
-    """torchft's DiLoCo over the whole model: the run's optimizer inside, SGD outside."""
-    from torchft.local_sgd import DiLoCo
-
-    f = t.cfg.ft
-    outer = torch.optim.SGD(
-        t.model.parameters(),
-        lr=f.ft_diloco_outer_lr,
-        momentum=f.ft_diloco_outer_momentum,
-        nesterov=f.ft_diloco_outer_nesterov,
-    )
-    t.logger.line(
-        f"DiLoCo: every {f.ft_diloco_sync_every} steps the groups average their pseudo-gradients "
-        f"and SGD (lr {f.ft_diloco_outer_lr}, momentum {f.ft_diloco_outer_momentum}"
-        f"{', Nesterov' if f.ft_diloco_outer_nesterov else ''}) applies them"
-    )
-    return DiLoCo(
-        manager,
-        [t.model],
-        t.optimizer,
-        outer,
-        sync_every=f.ft_diloco_sync_every,
-        backup_device=t.device,
-        pin_memory=False,
-    )
 
 
 def _into(mine: Any, theirs: Any) -> Any:

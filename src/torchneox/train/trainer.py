@@ -58,6 +58,7 @@ from torchneox.reporting.metrics import MetricsLogger, Throughput, Timers
 from torchneox.reporting.profiling import Profiler
 from torchneox.reporting.progress import StepProgress
 from torchneox.train.assembly import add_step, build_run
+from torchneox.train.diloco import outer_state
 from torchneox.train.evaluation import Evaluator
 from torchneox.train.fits import allocation_failure, refuse_what_cannot_fit
 from torchneox.train.guards import Guards
@@ -142,6 +143,7 @@ class Trainer:
             self.logger.line,
         )
         self.evaluator = self._build_evaluator()
+        self.outer = outer_state(self)  # DiLoCo's outer state: a checkpoint may hold it
         resumed = self._resume_or_start(step_dir)
         self.replicas = start_replicas(self)  # ft_lighthouse: this run is one replica group
         if self.parts.reference is not None and not (resumed and resumed.reference):
@@ -319,9 +321,8 @@ class Trainer:
         if self.valid_loader is not None:
             loaders["valid"] = self.valid_loader
         pipelined = self.parts.pipeline is not None
-        return TrainingState(
-            self.model, self.optimizer, self.scaler, loaders, self.parts.reference, pipelined
-        )
+        held = (self.model, self.optimizer, self.scaler, loaders, self.parts.reference)
+        return TrainingState(*held, pipelined, self.outer)
 
     @property
     def peak_tflops(self) -> float | None:
