@@ -218,12 +218,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("qk layernorm", "mla", "cannot apply, because MLA's latents have their own RMSNorms"),
     Refusal("mup", "mla", "cannot apply, because MLA scales its softmax its own way (DeepSeek's)"),
     *_each("mla", ("rpe", "alibi", "learned positions", "sinusoidal positions"), _ROTARY),
-    Refusal(
-        "document masking",
-        "mamba",
-        "is unbuilt for mamba layers: their scan would have to restart at every document "
-        "(they read a packed sample as one sequence, as GPT-NeoX's do)",
-    ),
     *_each(
         "document masking",
         ("gmlp", "amlp"),

@@ -219,6 +219,7 @@ def _whole_sequence(mixer: nn.Module, x_BTH: torch.Tensor, bias: AttentionBias) 
     the all-gather's reduce-scatter, is the one-process gradient of this rank's inputs."""
     mine, keys = bias.positions
     gathered, _ = bias.gather(x_BTH[:, None], x_BTH[:, None])  # [B, 1, T, H], by rank
-    whole = gathered[:, 0, torch.argsort(keys)]
-    out = mixer(whole, None, AttentionBias(None, True), None)
+    order = torch.argsort(keys)
+    documents = bias.documents[:, order] if bias.documents is not None else None
+    out = mixer(gathered[:, 0, order], None, AttentionBias(None, True, documents=documents), None)
     return out[:, mine]

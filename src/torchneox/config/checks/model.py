@@ -204,11 +204,6 @@ def _check_mamba(ch: Checker, types: list[str]) -> None:
             "cannot be set with mamba_use_bias_in_linears (mamba-ssm's mamba_inner_fn has no "
             "x_proj bias; GPT-NeoX refuses the pair too); set one of them false",
         )
-    if mamba and m.inter_document_attention_masking:
-        ch.fail(
-            "inter_document_attention_masking",
-            f"with mamba layers {refusal('document masking', 'mamba')}; leave it false",
-        )
     if mamba and m.intermediate_size and m.expansion_factor:
         ch.fail(
             "expansion_factor",
