@@ -359,9 +359,9 @@ def write_chat_data(folder: Path, records: int = 48, seed: int = 0) -> dict[str,
     return out
 
 
-def post_training_data(folder: Path) -> dict[str, dict]:
+def post_training_data(folder: Path, only: tuple[str, ...] = ()) -> dict[str, dict]:
     """Chat data preprocessed as a user does (`torchneox preprocess --chat`) and the data keys
-    of each objective's config: sft, dpo, kto and rm."""
+    of each objective's config: sft, dpo, kto and rm (``only``: those alone preprocessed)."""
     from torchneox.cli import main
 
     tok = make_chat_tokenizer(folder / "tokenizer")
@@ -369,6 +369,8 @@ def post_training_data(folder: Path) -> dict[str, dict]:
     d = folder / "data"
 
     def pre(source: str, prefix: str, keys: list[str], *flags: str) -> None:
+        if only and prefix not in only:
+            return
         args = ["preprocess", "--input", str(jsonl[source]), "--output-prefix", str(d / prefix)]
         args += ["--tokenizer-path", str(tok), "--jsonl-keys", *keys, *flags]
         assert main(args) == 0

@@ -471,15 +471,6 @@ CASES = [
         ["train_data_weights: has 1 weights for 2 train_data_paths"],
     ),
     (
-        "mamba-document-masking",
-        {
-            "a.yml": "{hidden_size: 64, num_attention_heads: 4, num_layers: 2, seq_length: 64, "
-            "attention_config: [[[mamba], 2]], inter_document_attention_masking: true}"
-        },
-        [],
-        ["a.yml: inter_document_attention_masking: with mamba layers is unbuilt for mamba"],
-    ),
-    (
         "mamba-inner-fusion-with-biases",
         {
             "a.yml": "{hidden_size: 64, num_attention_heads: 4, num_layers: 2, seq_length: 64, "

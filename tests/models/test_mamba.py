@@ -10,7 +10,7 @@ import torch
 
 from tests.helpers import build
 from torchneox.inference.generate import Sampling, generate
-from torchneox.models.mixers.attention import AttentionBias, KVCache
+from torchneox.models.mixers.attention import AttentionBias, KVCache, documents
 from torchneox.models.mixers.mamba import kernels_installed, selective_scan
 from torchneox.optim.builder import param_groups
 
@@ -233,3 +233,36 @@ def test_kernels_equal_the_pytorch_path(fusion):
         mixer.fusion = dataclasses.replace(model.args, mamba_fusion=fusion).mamba_fusion
         fused = mixer(x, None, bias)
     torch.testing.assert_close(fused, ours, atol=1e-4, rtol=1e-4)
+
+
+def test_document_masking_restarts_the_convolution_and_scan_at_every_document():
+    """inter_document_attention_masking: a packed row (mamba and attention layers) computes
+    what each of its documents computes alone, and under a context-parallel shard (one rank's
+    tokens in a shuffled order, its keys' documents in gather order) a mamba mixer run over
+    the whole sequence does the same."""
+    model = lively("mamba-global").eval()
+    eod = 0
+    tokens = torch.randint(1, 200, (2, 24), generator=torch.Generator().manual_seed(2))
+    tokens[0, [6, 7, 15]] = eod  # documents of 7, 1, 8 and 8 tokens; the second row: 11, 13
+    tokens[1, 10] = eod
+    positions, segments = documents(tokens, eod)
+    with torch.no_grad():
+        packed = model(tokens, positions_BT=positions, segments_BT=segments)
+        for row, ends in ((0, [7, 8, 16, 24]), (1, [11, 24])):
+            for start, end in zip([0, *ends[:-1]], ends, strict=True):
+                alone = model(tokens[row : row + 1, start:end])
+                torch.testing.assert_close(packed[row, start:end], alone[0], atol=1e-5, rtol=1e-5)
+        unmasked = model(tokens, positions_BT=positions)
+        assert not torch.allclose(unmasked[0, 8:], packed[0, 8:], atol=1e-3)
+
+        block, x = model.layers["0"], torch.randn(2, 24, 64, generator=torch.Generator())
+        order = torch.randperm(24, generator=torch.Generator().manual_seed(3))
+        shard = AttentionBias(
+            None, False, gather=lambda k, v: (k, v), positions=(order, order),
+            documents=segments[:, order],
+        )  # fmt: skip
+        whole = block.mamba(x, None, AttentionBias(None, True, documents=segments))
+        torch.testing.assert_close(block._mix(block.mamba, x[:, order], None, shard, None),
+                                   whole[:, order], atol=0, rtol=0)  # fmt: skip
+        first = block.mamba(x[:, :7], None, AttentionBias(None, True))
+        torch.testing.assert_close(whole[0, :7], first[0], atol=1e-5, rtol=1e-5)

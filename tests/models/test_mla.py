@@ -16,6 +16,7 @@ from torchneox.config.load import load_mapping
 from torchneox.models.args import model_args
 from torchneox.models.mixers.attention import AttentionBias, KVCache
 from torchneox.models.mixers.mla import MLA, mla_scale
+from torchneox.models.mixers.sparse import SparseAttention, sparse_mask
 from torchneox.models.positions import rotary_tables
 from torchneox.models.transformer import build_model
 
@@ -108,3 +109,62 @@ def test_group_limited_routing_picks_from_the_best_groups():
     assert sorted(experts[0].tolist()) == [2, 3]
     torch.testing.assert_close(gates, torch.full((1, 2), 1.25))
     assert F.sigmoid(logits).argmax().item() == 0
+
+
+HYBRID = {
+    "num_layers": 5,
+    "attention_config": [[["global", "mamba", "rwkv", "amlp", "local"], 1]],
+    "sparsity_config": {"block": 8},
+    "gmlp_attn_dim": 16,
+    "hidden_dropout": 0.0,
+    "attention_dropout": 0.0,
+}
+"""MLA's global and block-sparse layers beside a layer of every other family."""
+
+
+def test_mla_runs_in_the_attention_layers_of_a_hybrid_and_each_layer_equals_its_piece():
+    loaded = load_mapping(MLA_KEYS | HYBRID, "hybrid")
+    model = build_model(model_args(loaded), seed=0).eval()
+    _spread(model)
+    plain_keys = {k: v for k, v in MLA_KEYS.items() if not k.startswith("mla")} | HYBRID
+    plain = build_model(model_args(load_mapping(plain_keys, "plain")), seed=1).eval()
+    alone = build_model(model_args(load_mapping(MLA_KEYS, "mla")), seed=2).eval()
+    assert type(model.layers["0"].attention) is MLA
+    assert isinstance(model.layers["4"].attention, MLA) and isinstance(
+        model.layers["4"].attention, SparseAttention
+    )
+    t = 64
+    x = torch.randn(2, t, 64, generator=torch.Generator().manual_seed(4))
+    rope, causal = model._rope(None, 0, t), AttentionBias(None, is_causal=True)
+    with torch.no_grad():
+        for i, kind in enumerate(["global", "mamba", "rwkv", "amlp"]):
+            piece = alone.layers["0"] if kind == "global" else plain.layers[str(i)]
+            piece.load_state_dict(model.layers[str(i)].state_dict())
+            out, _ = model.layers[str(i)](x, rope, causal, None)
+            torch.testing.assert_close(out, piece(x, rope, causal, None)[0], rtol=0, atol=0)
+        # the local layer: MLA under the layer's layout, the blocks outside it masked
+        sparse = model.layers["4"].attention
+        dense = alone.layers["0"].attention
+        dense.load_state_dict(sparse.state_dict())
+        positions = torch.arange(t)[None]
+        allowed = sparse_mask(sparse.layout, 8, positions, positions)
+        allowed = allowed & torch.ones(t, t, dtype=torch.bool).tril()
+        assert not allowed[..., -1, :-8].all()  # the layout leaves some blocks out
+        masked = dense(x, rope, AttentionBias(allowed, is_causal=False))
+        torch.testing.assert_close(sparse(x, rope, causal), masked, rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(dense(x, rope, causal), masked, atol=1e-3)
+
+
+def test_a_hybrids_cache_holds_mla_latents_and_recurrent_states_and_decoding_equals_the_whole():
+    model = build_model(model_args(load_mapping(MLA_KEYS | HYBRID, "hybrid")), seed=0).eval()
+    _spread(model)
+    tokens = torch.randint(0, 60, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = model(tokens)
+        cache = KVCache(model.args, 2, 16, torch.float32, "cpu")
+        assert cache.k.shape == (2, 2, 1, 16, 24)  # the two attention layers' latents
+        steps = [model(tokens[:, :9], cache=cache)]
+        steps += [model(tokens[:, i : i + 1], cache=cache) for i in range(9, 12)]
+    # (logits up to ~7; the recurrent layers' states sum in another order one token at a time,
+    # as they do in the same hybrid without MLA)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-4)

@@ -1,6 +1,7 @@
-"""inter_document_attention_masking in training: on 2 processes (ZeRO 1 and 3, tensor parallel)
-and pipeline stages (each micro-batch's documents beside its tokens on every stage) it equals
-one process; it changes what a packed sample learns; off, nothing changes (with pipeline stages
+"""inter_document_attention_masking in training, on a model of an attention layer and a mamba
+layer (which restarts its convolution and scan at every document): on 2 processes (ZeRO 1
+and 3, tensor parallel) and pipeline stages (each micro-batch's documents beside its tokens on
+every stage) it equals one process; it changes what a packed sample learns; off, nothing changes (with pipeline stages
 and context parallelism together: tests/parallel/test_context_parallel.py)."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ MASKED = "inter_document_attention_masking=true"
 @pytest.fixture(scope="module")
 def config(make_module_config):
     keys = DP_KEYS | {"seq_length": 64, "no_weight_tying": True}
+    keys |= {"attention_config": [[["global", "mamba"], 1]]}
     return make_module_config(train_micro_batch_size_per_gpu=2, train_iters=4, **keys)
 
 

@@ -58,7 +58,7 @@ FEATURES: dict[str, dict[str, Any]] = {
     },
     "mtp": {"mtp_num_layers": 1},
     "mla": {"mla_kv_lora_rank": 16, "mla_qk_nope_head_dim": 8, "mla_qk_rope_head_dim": 8},
-    "lora": {"lora": {"rank": 4, "target_modules": ["q_proj", "v_proj", "up_proj"]}},
+    "lora": {"lora": {"rank": 4, "target_modules": ["q_proj", "o_proj", "up_proj"]}},
     "soft prompt": {"soft_prompt_tuning": {"enabled": True, "n_tokens": 4}},
     "mup": {"use_mup": True, "base_shapes_file": "base.yml", "save_base_shapes": True},
     "shared layers": {"num_unique_layers": 2},
@@ -157,7 +157,6 @@ SEQUENTIAL = ("mamba", "rwkv", "gmlp", "amlp")
 _ONE_GRAPH = "cannot compile the whole model as one graph, because this layout splits or "
 _ONE_GRAPH += "wraps it below its top level"
 _ROTARY = "cannot take these positions, because MLA's keys are rotary"
-_MLA_LAYERS = "is unbuilt: MLA runs in global attention layers only"
 _LM_ONLY = "is unbuilt for this objective: it trains with language modelling only"
 _MTP_LM = "cannot run, because multi-token prediction is a term of language modelling's loss"
 _MANY_STAGES = "cannot run with several stages on one rank, because every layer reads one "
@@ -218,15 +217,7 @@ REFUSALS: tuple[Refusal, ...] = (
     *_each("whole-model compile", ("tp2", "pp2", "cp2", "ep2", "zero1", "zero3"), _ONE_GRAPH),
     Refusal("qk layernorm", "mla", "cannot apply, because MLA's latents have their own RMSNorms"),
     Refusal("mup", "mla", "cannot apply, because MLA scales its softmax its own way (DeepSeek's)"),
-    Refusal("lora", "mla", "is unbuilt: LoRA does not target MLA's projections"),
     *_each("mla", ("rpe", "alibi", "learned positions", "sinusoidal positions"), _ROTARY),
-    *_each("mla", (*SEQUENTIAL, "sparse attention"), _MLA_LAYERS),
-    Refusal(
-        "document masking",
-        "mamba",
-        "is unbuilt for mamba layers: their scan would have to restart at every document "
-        "(they read a packed sample as one sequence, as GPT-NeoX's do)",
-    ),
     *_each(
         "document masking",
         ("gmlp", "amlp"),

@@ -27,6 +27,7 @@ from torchneox.config.validate import validate
 from torchneox.interop import huggingface
 from torchneox.models.args import ModelArgs, model_args
 from torchneox.models.hf import architectures as hf
+from torchneox.models.hf import deepseek
 from torchneox.models.hf import mamba as hf_mamba
 from torchneox.models.hf import weights as hf_weights
 from torchneox.models.hf.weights import GPT_NEOX
@@ -80,7 +81,9 @@ def fused_qkv_adapter(
 
 def peft_tensors(arch: str, state: dict[str, torch.Tensor], args: ModelArgs) -> dict:
     """The adapter folder's tensors under PEFT's names (a reward model's value head as the
-    modules_to_save copy of the score layer)."""
+    modules_to_save copy of the score layer; under DeepSeek-V3 the B of a query or rotary-key
+    projection with its rotary rows in DeepSeek's interleaved order, as the weight is
+    exported)."""
     out, fused = {}, {}
     for name, t in state.items():
         if name == "value_head.weight" and args.value_head:
@@ -93,6 +96,8 @@ def peft_tensors(arch: str, state: dict[str, torch.Tensor], args: ModelArgs) -> 
             pair = fused.setdefault(layer, {}).setdefault(module, [None, None])
             pair[ab == "lora_B"] = t
             continue
+        if arch == deepseek.DEEPSEEK_V3 and ab == "lora_B":  # B's rows as the weight's
+            t = deepseek.rope_rows(module, args, t, to_hf=True)
         out[peft_name(arch, layer, module, f"{ab}.{leaf}")] = t
     for layer, parts in fused.items():
         a, b = fused_qkv_adapter(parts, args)

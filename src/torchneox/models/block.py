@@ -41,7 +41,7 @@ from torchneox.models.mixers import mamba, rwkv
 from torchneox.models.mixers.attention import Attention, AttentionBias, KVCache
 from torchneox.models.mixers.gmlp import GMLP, gmlp_init
 from torchneox.models.mixers.mla import MLA
-from torchneox.models.mixers.sparse import SparseAttention
+from torchneox.models.mixers.sparse import SparseAttention, SparseMLA
 from torchneox.models.mlp import MLP
 from torchneox.models.moe import MoE, RouterStats
 from torchneox.models.norms import build_norm
@@ -79,9 +79,9 @@ class Family:
 
 def _attention(args: ModelArgs, layer: int) -> nn.Module:
     """Dense attention, or block-sparse where the layer's type has a layout (its parameters
-    are the same), or multi-head latent attention (mla_kv_lora_rank)."""
+    are the same); under mla_kv_lora_rank multi-head latent attention, block-sparse alike."""
     if args.mla:
-        return MLA(args, layer)
+        return SparseMLA(args, layer) if args.sparsity(layer) else MLA(args, layer)
     return SparseAttention(args, layer) if args.sparsity(layer) else Attention(args, layer)
 
 
@@ -219,6 +219,7 @@ def _whole_sequence(mixer: nn.Module, x_BTH: torch.Tensor, bias: AttentionBias) 
     the all-gather's reduce-scatter, is the one-process gradient of this rank's inputs."""
     mine, keys = bias.positions
     gathered, _ = bias.gather(x_BTH[:, None], x_BTH[:, None])  # [B, 1, T, H], by rank
-    whole = gathered[:, 0, torch.argsort(keys)]
-    out = mixer(whole, None, AttentionBias(None, True), None)
+    order = torch.argsort(keys)
+    documents = bias.documents[:, order] if bias.documents is not None else None
+    out = mixer(gathered[:, 0, order], None, AttentionBias(None, True, documents=documents), None)
     return out[:, mine]

@@ -239,6 +239,7 @@ class Transformer(nn.Module):
         if a.sliding_window is not None:
             allowed = allowed & (q - k < a.sliding_window)
         allowed = allowed[None, None]  # [1, 1, T, S]
+        keys = None
         if segments_BT is not None:  # inter_document_attention_masking: within one's document
             assert start == 0, "document masking is for whole sequences, not cached decoding"
             keys = segments_BT if context is None else context.key_segments
@@ -248,10 +249,9 @@ class Transformer(nn.Module):
             allowed = (allowed & key_valid_BS[:, None, None, :]) | (k == q)[None, None]
         gather = context.gather if context is not None else None
         positions = (q[:, 0], k[0]) if context is not None or static is not None else None
-        if a.pos_emb not in ("alibi", "rpe"):
-            return AttentionBias(allowed, False, gather, key_valid_BS, positions)
-        mask = self._position_scores(q - k)[None].masked_fill(~allowed, float("-inf"))
-        return AttentionBias(mask, False, gather, key_valid_BS, positions)
+        if a.pos_emb in ("alibi", "rpe"):
+            allowed = self._position_scores(q - k)[None].masked_fill(~allowed, float("-inf"))
+        return AttentionBias(allowed, False, gather, key_valid_BS, positions, keys)
 
     def _position_scores(self, distance: torch.Tensor) -> torch.Tensor:
         """[heads, T, S] what ALiBi or T5's relative positions add to the attention scores

@@ -21,6 +21,15 @@ BASE = {
 GOOD = {"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "attention.wv"]}
 
 
+MLA = {
+    "pos_emb": "rotary",
+    "mla_kv_lora_rank": 16,
+    "mla_qk_nope_head_dim": 8,
+    "mla_qk_rope_head_dim": 8,
+    "mla_v_head_dim": 12,
+}
+
+
 def lora(**changes) -> dict:
     return {"lora": GOOD | changes}
 
@@ -59,6 +68,18 @@ CASES = [
         {**lora(), "attention_config": [[["mamba"], "all"]]},
         "lora: target_modules names attention.wq, a layer of attention blocks, and "
         "attention_config gives no attention layer",
+    ),
+    (
+        "mla-has-no-v-proj",
+        {**lora(), **MLA},
+        "lora: target_modules names attention.wv (v_proj), a layer that MLA (mla_kv_lora_rank) "
+        "does not have; its attention's are q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj",
+    ),
+    (
+        "mla-names-without-mla",
+        lora(target_modules=["kv_b_proj"]),
+        "lora: target_modules names attention.wkv_b (kv_b_proj), a layer that attention without "
+        "MLA (mla_kv_lora_rank 0) does not have",
     ),
     (
         "router-without-moe",
@@ -163,3 +184,21 @@ def test_numbers_written_as_text_are_read_as_numbers(tmp_path, capsys, keys, sho
     captured = capsys.readouterr()
     assert status == 0, captured.err
     assert shown in captured.out, captured.out
+
+
+def test_mla_adapters_count_what_the_model_holds(tmp_path, capsys):
+    from torchneox.config.load import load_mapping
+    from torchneox.models.args import model_args
+    from torchneox.models.transformer import build_model
+
+    targets = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+    keys = (
+        BASE | MLA | {"mla_q_lora_rank": 24, "padded_vocab_size": 64} | lora(target_modules=targets)
+    )
+    path = tmp_path / "a.yml"
+    path.write_text(json.dumps(keys))
+    assert main(["config", "explain", str(path), "--json"]) == 0
+    counted = json.loads(capsys.readouterr().out)["lora_trainable_parameters"]
+    model = build_model(model_args(load_mapping(keys, "a.yml")), seed=0)
+    held = {n: p.numel() for n, p in model.named_parameters() if ".lora_" in n}
+    assert len(held) == 2 * 5 * 2 and counted == sum(held.values())

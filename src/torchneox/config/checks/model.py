@@ -8,7 +8,7 @@ from typing import Any
 from torchneox.base.errors import ConfigError, did_you_mean
 from torchneox.config.checker import Checker
 from torchneox.config.features.sparsity import SPARSE_TYPES, check_sparsity
-from torchneox.config.refusals import SEQUENTIAL, refusal
+from torchneox.config.refusals import refusal
 from torchneox.config.schema import NeoXConfig
 
 MAX_LAYERS = 100_000  # per-layer lists are built from num_layers; far past any real model
@@ -88,7 +88,7 @@ def _check_model(ch: Checker) -> None:
     if m.mtp_num_layers:
         _check_mtp(ch)
     if m.mla_kv_lora_rank:
-        _check_mla(ch, types)
+        _check_mla(ch)
 
 
 def _check_mtp(ch: Checker) -> None:
@@ -102,9 +102,10 @@ def _check_mtp(ch: Checker) -> None:
         ch.fail("mtp_num_layers", f"with soft_prompt_tuning {reason}; set one of them off")
 
 
-def _check_mla(ch: Checker, types: list[str]) -> None:
-    """Multi-head latent attention: rotary positions of its own sizes, global attention layers,
-    none of the options its projections do not have."""
+def _check_mla(ch: Checker) -> None:
+    """Multi-head latent attention: rotary positions of its own sizes, none of the options its
+    projections do not have (its attention layers, global or block-sparse, are MLA; the other
+    families' layers are their own)."""
     m = ch.c.model
     key = "mla_kv_lora_rank"
     if m.pos_emb != "rotary":
@@ -112,13 +113,6 @@ def _check_mla(ch: Checker, types: list[str]) -> None:
         ch.fail("pos_emb", f"{m.pos_emb!r} with MLA ({key}) {reason}; set rotary")
     if m.mla_qk_rope_head_dim % 2:
         ch.fail("mla_qk_rope_head_dim", f"{m.mla_qk_rope_head_dim} is odd; rotary needs pairs")
-    others = [t for t in types if t not in ("global", "flash")]
-    if others:
-        feature = others[0] if others[0] in SEQUENTIAL else "sparse attention"
-        ch.fail(
-            "attention_config",
-            f"{others[0]!r} layers with MLA ({key}): MLA {refusal('mla', feature)}",
-        )
     refused = (
         ("head_dim", m.head_dim is not None, "mla_qk_nope_head_dim and mla_qk_rope_head_dim"),
         ("num_kv_heads", m.num_kv_heads not in (None, m.num_attention_heads), "one latent"),
@@ -130,7 +124,6 @@ def _check_mla(ch: Checker, types: list[str]) -> None:
     for name, given, feature in (
         ("use_qk_layernorm", m.use_qk_layernorm, "qk layernorm"),
         ("use_mup", ch.c.training.use_mup, "mup"),
-        ("lora", ch.c.training.lora is not None, "lora"),
     ):
         if given:
             ch.fail(name, f"with MLA ({key}) {refusal(feature, 'mla')}; unset it")
@@ -210,11 +203,6 @@ def _check_mamba(ch: Checker, types: list[str]) -> None:
             "mamba_inner_func_fusion",
             "cannot be set with mamba_use_bias_in_linears (mamba-ssm's mamba_inner_fn has no "
             "x_proj bias; GPT-NeoX refuses the pair too); set one of them false",
-        )
-    if mamba and m.inter_document_attention_masking:
-        ch.fail(
-            "inter_document_attention_masking",
-            f"with mamba layers {refusal('document masking', 'mamba')}; leave it false",
         )
     if mamba and m.intermediate_size and m.expansion_factor:
         ch.fail(

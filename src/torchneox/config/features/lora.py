@@ -57,7 +57,21 @@ MAMBA_HF_NAMES = {
     "out_proj": "mamba.out_proj",
 }
 """The Hugging Face (MambaForCausalLM) name of each Mamba projection."""
-ATTENTION_MLP = tuple(HF_NAMES.values())
+MLA_HF_NAMES = {
+    "q_a_proj": "attention.wq_a",
+    "q_b_proj": "attention.wq_b",
+    "kv_a_proj_with_mqa": "attention.wkv_a",
+    "kv_b_proj": "attention.wkv_b",
+}
+"""The Hugging Face (DeepseekV3ForCausalLM) name of each projection of multi-head latent
+attention (models/mixers/mla.py) beside attention.wq (q_proj, without a query latent) and
+attention.wo (o_proj), which it shares with plain attention."""
+MLA_ONLY = tuple(MLA_HF_NAMES.values())
+"""The layers only an MLA model has (mla_kv_lora_rank)."""
+NOT_MLA = ("attention.wk", "attention.wv")
+"""The layers an MLA model has not: its keys and values come from wkv_a and wkv_b."""
+_PLAIN = tuple(HF_NAMES.values())
+ATTENTION_MLP = (*_PLAIN[:3], *MLA_ONLY, *_PLAIN[3:])
 """The attention and MLP linears (on an MoE layer, mlp.up/gate/down adapt every expert's
 weight and the shared expert's layer)."""
 FAMILY_TARGETS = {
@@ -73,7 +87,7 @@ FAMILY_TARGETS = {
 """The layers each layer family can adapt, by their names in the block (after layers.{i}.);
 amlp's are its tiny attention's, beside gmlp's."""
 OURS = tuple(t for targets in FAMILY_TARGETS.values() for t in targets)
-ALIASES = HF_NAMES | MAMBA_HF_NAMES
+ALIASES = HF_NAMES | MLA_HF_NAMES | MAMBA_HF_NAMES
 DEFAULTS = {"rank": 8, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 """PEFT's LoraConfig defaults (its Llama target modules)."""
 BASE_DTYPES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
@@ -212,6 +226,8 @@ def _attention_shapes(cfg: Any, layer: int) -> dict[str, list[tuple[int, int, in
         "attention.wv": [(1, h, kv)],
         "attention.wo": [(1, q, h)],
     }
+    if m.mla_kv_lora_rank:
+        out = _mla_shapes(m)
     w, experts, gated = widths.down, 1, widths.gated
     if is_moe_layer(e, layer):
         experts = e.moe_num_experts
@@ -225,6 +241,19 @@ def _attention_shapes(cfg: Any, layer: int) -> dict[str, list[tuple[int, int, in
             i, o = (shared, h) if name == "mlp.down" else (h, shared)
             mlp[name] = [*mlp[name], (1, i, o)]
     return out | mlp
+
+
+def _mla_shapes(m: Any) -> dict[str, list[tuple[int, int, int]]]:
+    """MLA's projections (models/mixers/mla.py): (1, in, out) each."""
+    h, heads, rank = m.hidden_size, m.num_attention_heads, m.mla_kv_lora_rank
+    nope, rope, v = m.mla_qk_nope_head_dim, m.mla_qk_rope_head_dim, m.mla_v_head_dim
+    q_rank, q = m.mla_q_lora_rank, heads * (nope + rope)
+    queries = {"attention.wq_a": [(1, h, q_rank)], "attention.wq_b": [(1, q_rank, q)]}
+    return (queries if q_rank else {"attention.wq": [(1, h, q)]}) | {
+        "attention.wkv_a": [(1, h, rank + rope)],
+        "attention.wkv_b": [(1, rank, heads * (nope + v))],
+        "attention.wo": [(1, heads * v, h)],
+    }
 
 
 def describe(cfg: Any, spec: LoraSpec) -> str:
@@ -321,6 +350,7 @@ def _check_present(ch: Checker, ours: set[str]) -> None:
     moe = any(
         is_moe_layer(c.moe, i) for i, k in enumerate(kinds) if family_of_type(k) == "attention"
     )
+    _check_attention_kind(ch, ours & set(FAMILY_TARGETS["attention"]))
     for family, names in FAMILY_TARGETS.items():
         for t in sorted(ours & set(names)):
             if family not in families:
@@ -337,3 +367,30 @@ def _check_present(ch: Checker, ours: set[str]) -> None:
                     "(moe_num_experts > 1)",
                     path="target_modules",
                 )
+
+
+def _check_attention_kind(ch: Checker, ours: set[str]) -> None:
+    """The attention targets name projections of the model's kind of attention: MLA's
+    (mla_kv_lora_rank) or plain attention's."""
+    m = ch.c.model
+    mla = bool(m.mla_kv_lora_rank)
+    theirs = {ours: hf for hf, ours in ALIASES.items()}
+    absent = NOT_MLA if mla else MLA_ONLY
+    if mla and m.mla_q_lora_rank:
+        absent = (*absent, "attention.wq")
+    elif mla:
+        absent = (*absent, "attention.wq_a", "attention.wq_b")
+    kinds = ("attention.wq", "attention.wk", "attention.wv", *MLA_ONLY, "attention.wo")
+    present = ", ".join(theirs[t] for t in kinds if t not in absent)
+    for t in sorted(ours & set(absent)):
+        has = "MLA (mla_kv_lora_rank)" if mla else "attention without MLA (mla_kv_lora_rank 0)"
+        if mla and t == "attention.wq":
+            has = "MLA with a query latent (mla_q_lora_rank)"
+        elif mla and t in MLA_ONLY:
+            has = "MLA without a query latent (mla_q_lora_rank 0)"
+        ch.fail(
+            NAME,
+            f"target_modules names {t} ({theirs[t]}), a layer that {has} does not have; its "
+            f"attention's are {present}",
+            path="target_modules",
+        )

@@ -102,8 +102,8 @@ class ModelConfig:
         False,
         "In a packed sample, each token attends only to earlier tokens of its own document "
         "(documents end at the end-of-text token, which belongs to the one it ends) and "
-        "positions restart at each document; false: one causal window over the sample, as "
-        "GPT-NeoX trains (the key is named as GPT-NeoX's pull request #1416 names it).",
+        "positions restart at each document, and a mamba layer restarts its convolution and "
+        "scan at each; false: one causal window over the sample, as GPT-NeoX trains (the key is named as GPT-NeoX's pull request #1416 names it).",
     )
     norm: Literal[
         "layernorm",

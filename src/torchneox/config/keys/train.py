@@ -432,8 +432,9 @@ class TrainingConfig:
     lora: dict[str, Any] | None = extension(
         None,
         "Low-rank adapters, the base frozen: {rank (8), alpha (8), dropout (0), target_modules "
-        "([q_proj, v_proj]): torchneox's layer names (attention.wq/wk/wv/wo, mlp.up/gate/down) "
-        "or Hugging Face's (q_proj ... down_proj), base_dtype (fp32; bf16 stores the frozen base's "
+        "([q_proj, v_proj]): torchneox's layer names (attention.wq/wk/wv/wo, mlp.up/gate/down; "
+        "MLA's attention.wq_a/wq_b/wkv_a/wkv_b) or Hugging Face's (q_proj ... down_proj; "
+        "q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj), base_dtype (fp32; bf16 stores the frozen base's "
         "linear weights in bfloat16)}; each adds (alpha / rank) B(A(dropout(x))).",
     )
     curriculum_seqlen: int = derived(

@@ -50,6 +50,10 @@ class AttentionBias:
     positions: tuple[torch.Tensor, torch.Tensor] | None = None
     """([T] the queries', [S] the keys' positions) where they are not the last T of 0..S
     (context parallelism, a static cache): a block-sparse layer's layout is taken there."""
+    documents: torch.Tensor | None = None
+    """[B, S] each key's document under inter_document_attention_masking (the call's tokens;
+    under context parallelism the gathered keys, in gather order): a mamba mixer restarts its
+    convolution and scan at each document's first token."""
 
 
 @dataclass

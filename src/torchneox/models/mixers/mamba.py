@@ -22,6 +22,13 @@ Decoding keeps ``conv`` (the last 3 inputs of the convolution) and ``ssm`` (the 
 ``cache.state(layer)``; a forward with a cache continues from them, so generation runs one
 token at a time without recomputing the prefix. Padding (``bias.valid_BS``) is zeroed before
 and after the convolution, so a left-padded sequence's state is the unpadded one's.
+
+Under ``inter_document_attention_masking`` (``bias.documents``) the mixer restarts at every
+document of a packed sample: the convolution reads only the inputs of the position's own
+document, and the scan's decay is 0 at a document's first token, so each document computes
+what it would alone. (GPT-NeoX's mamba reads a packed sample as one sequence.) Such a
+forward takes this file's scan even where mamba-ssm is installed: its Mamba-1 selective scan
+takes no document boundaries.
 """
 
 from __future__ import annotations
@@ -81,14 +88,17 @@ def selective_scan(
     D: torch.Tensor,
     h0: torch.Tensor,
     chunk: int = CHUNK,
+    keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y [B, T, d], last state [B, d, n]) of the selective scan in fp32: u and dt (already
-    through softplus) [B, T, d], A [d, n], B and C [B, T, n], D [d], h0 [B, d, n]."""
+    through softplus) [B, T, d], A [d, n], B and C [B, T, n], D [d], h0 [B, d, n]; ``keep``
+    [B, T]: 0 where the state restarts (a document's first token), 1 where it carries on."""
     u, dt, B, C = u.float(), dt.float(), B.float(), C.float()
     ys, h = [], h0.float()
     for start in range(0, u.shape[1], chunk):
         part = slice(start, start + chunk)
-        args = (u[:, part], dt[:, part], A, B[:, part], C[:, part], h)
+        kept = keep[:, part] if keep is not None else None
+        args = (u[:, part], dt[:, part], A, B[:, part], C[:, part], h, kept)
         if torch.is_grad_enabled():  # keep the chunk's inputs, recompute its states backward
             y, h = checkpoint(_scan_part, *args, use_reentrant=False)
         else:
@@ -104,9 +114,12 @@ def _scan_part(
     B: torch.Tensor,
     C: torch.Tensor,
     h0: torch.Tensor,
+    keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk: (y without the D skip [B, L, d], its last state)."""
     decay = torch.exp(dt[..., None] * A)  # [B, L, d, n], in (0, 1]
+    if keep is not None:  # a document's first token: nothing of the state before it
+        decay = decay * keep[:, :, None, None]
     inputs = (dt * u)[..., None] * B[:, :, None, :]
     states = scan_chunk(decay, inputs, h0)
     return torch.einsum("bldn,bln->bld", states, C), states[:, -1]
@@ -144,12 +157,12 @@ class Mamba(nn.Module):
         cache: KVCache | None = None,
     ) -> torch.Tensor:
         t = x_BTH.shape[1]
-        valid = valid_tokens(bias, cache, t)
-        if cache is None and valid is None and self._kernel_ready(x_BTH):
+        valid, docs = valid_tokens(bias, cache, t), bias.documents
+        if cache is None and valid is None and docs is None and self._kernel_ready(x_BTH):
             return self._fused(x_BTH)
         state = cache.state(self.layer) if cache is not None else None
         x, z = self._x_and_gate(x_BTH)
-        x = self._conv(_masked(x, valid), state)
+        x = self._conv(_masked(x, valid), state, docs)
         x = _masked(x, valid)
         dt_B_C = self.x_proj(x)
         if self.tp is not None:  # every rank's channels read dt, B and C
@@ -165,7 +178,8 @@ class Mamba(nn.Module):
             h0 = state.get("ssm") if state is not None else None
             if h0 is None:
                 h0 = x.new_zeros(x.shape[0], *A.shape, dtype=torch.float32)
-            y, h = selective_scan(x, dt, A, B, C, _local(self.D), h0)
+            keep = _same_document(docs) if docs is not None else None
+            y, h = selective_scan(x, dt, A, B, C, _local(self.D), h0, keep=keep)
             y = y * F.silu(z.float())
         if state is not None:
             _keep(state, "ssm", h)
@@ -179,8 +193,11 @@ class Mamba(nn.Module):
         x, z = self.tp.parts(self.tp.copy(self.tp.whole(xz)), 2)
         return x, z
 
-    def _conv(self, x_BTD: torch.Tensor, state: dict | None) -> torch.Tensor:
-        """silu(causal depthwise conv) of x, continuing from the state's last inputs."""
+    def _conv(
+        self, x_BTD: torch.Tensor, state: dict | None, docs_BT: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """silu(causal depthwise conv) of x, continuing from the state's last inputs; with
+        ``docs_BT`` each position reads only the inputs of its own document."""
         x = x_BTD.transpose(1, 2)
         if state:
             before = state["conv"].to(x.dtype)
@@ -190,7 +207,14 @@ class Mamba(nn.Module):
         if state is not None:
             _keep(state, "conv", x[..., -(D_CONV - 1) :])
         w, b = _local(self.conv1d.weight), _local(self.conv1d.bias)
-        return F.silu(F.conv1d(x, w, b, groups=w.shape[0])).transpose(1, 2)
+        if docs_BT is None:
+            return F.silu(F.conv1d(x, w, b, groups=w.shape[0])).transpose(1, 2)
+        windows = x.unfold(-1, D_CONV, 1)  # [B, d, T, D_CONV]: window t ends at position t
+        docs = F.pad(docs_BT, (D_CONV - 1, 0), value=-1).unfold(-1, D_CONV, 1)
+        same = (docs == docs_BT[..., None]).to(x.dtype)  # [B, T, D_CONV]
+        out = (windows * same[:, None] * w[:, 0][None, :, None]).sum(-1)
+        out = out if b is None else out + b[None, :, None]
+        return F.silu(out).transpose(1, 2)
 
     def _kernel_ready(self, x: torch.Tensor) -> bool:
         """Whether mamba-ssm's kernels run the forward: they read x_proj's, dt_proj's and
@@ -244,6 +268,14 @@ def _local(t: torch.Tensor | None) -> torch.Tensor | None:
     """This rank's part of a parameter split over tensor ranks (a DTensor), else ``t``; its
     gradient goes to that part."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _same_document(docs_BT: torch.Tensor) -> torch.Tensor:
+    """[B, T] float: 1 where a token is of the document before it (and at 0), 0 where one
+    starts."""
+    keep = torch.ones(docs_BT.shape, dtype=torch.float32, device=docs_BT.device)
+    keep[:, 1:] = (docs_BT[:, 1:] == docs_BT[:, :-1]).float()
+    return keep
 
 
 def _masked(x_BTD: torch.Tensor, valid_BT: torch.Tensor | None) -> torch.Tensor:

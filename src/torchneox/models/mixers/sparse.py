@@ -14,6 +14,9 @@ mask through ``scaled_dot_product_attention``; on CUDA, for whole sequences from
 without dropout (training and prefill), FlexAttention with a block mask built once per length
 from the layout (``torch.nn.attention.flex_attention``, compiled once per process).
 
+In a model with multi-head latent attention (``mla_kv_lora_rank``) a block-sparse layer is
+MLA under its layout (``SparseMLA``): the same latents, the scores limited alike.
+
 Under tensor parallelism each rank holds a slice of the heads; ``keep_heads`` makes it use
 those heads' layouts (different_layout_per_head), so every layout computes what one process
 computes.
@@ -26,6 +29,7 @@ import torch
 from torchneox.config.features.sparsity import build_layout
 from torchneox.models.args import ModelArgs
 from torchneox.models.mixers.attention import Attention, AttentionBias
+from torchneox.models.mixers.mla import MLA
 
 _COMPILED_FLEX = None
 
@@ -33,6 +37,9 @@ _COMPILED_FLEX = None
 class SparseAttention(Attention):
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__(args, layer)
+        self._init_layout(args, layer)
+
+    def _init_layout(self, args: ModelArgs, layer: int) -> None:
         spec = args.sparsity(layer)
         assert spec is not None, f"layer {layer} is not a block-sparse layer"
         self.spec, self.num_heads, self.seq_length = spec, args.num_heads, args.seq_length
@@ -65,7 +72,8 @@ class SparseAttention(Attention):
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: AttentionBias
     ) -> torch.Tensor:
-        if _flex_applies(q, bias, self.dropout if self.training else 0.0):
+        flex = _flex_applies(q, bias, self.dropout if self.training else 0.0)
+        if flex and q.shape[-1] == v.shape[-1]:
             return self._flex(q, k, v)
         q_slot, k_slot = _positions(bias, q.shape[-2], k.shape[-2], q.device)
         q_pos, k_pos = q_slot[None], k_slot[None]
@@ -108,8 +116,19 @@ class SparseAttention(Attention):
         )  # fmt: skip
 
 
+class SparseMLA(MLA, SparseAttention):
+    """Multi-head latent attention (mixers/mla.py: its parameters and names) whose scores are
+    limited to the blocks of the layer's layout, as ``SparseAttention``'s: a block-sparse
+    layer of a model with ``mla_kv_lora_rank``."""
+
+    def __init__(self, args: ModelArgs, layer: int):
+        MLA.__init__(self, args, layer)
+        self._init_layout(args, layer)
+
+
 def _flex_applies(q: torch.Tensor, bias: AttentionBias, dropout: float) -> bool:
-    """FlexAttention runs whole causal sequences on CUDA (the rest: the dense mask)."""
+    """FlexAttention runs whole causal sequences on CUDA (the rest: the dense mask); MLA's
+    values, narrower than its queries, take the dense mask."""
     plain = bias.is_causal and bias.mask is None and bias.gather is None
     return q.device.type == "cuda" and plain and dropout == 0.0 and q.shape[-2] > 1
 
