@@ -66,14 +66,14 @@ CASES = [
         "pos_emb: 'rpe' with pipeline_schedule interleaved_1f1b cannot run with several stages",
     ),
     (
-        "replica-groups-with-pipeline-stages",
+        "replica-groups-with-expert-parallelism",
         UNTIED
         | {
-            "pipe_parallel_size": 2,
-            "gradient_accumulation_steps": 2,
+            "moe_num_experts": 4,
+            "expert_parallel_size": 2,
             "ft_lighthouse": "http://localhost:29510",
         },
-        "pipe_parallel_size: replica groups (ft_lighthouse) with pipeline stages is unbuilt",
+        "expert_parallel_size: replica groups (ft_lighthouse) with expert parallelism is unbuilt",
     ),
 ]
 

@@ -256,8 +256,9 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     *_each(
         "replica groups",
-        ("pp2", "ep2", "reinforce"),
-        "is unbuilt: the groups average a layout of ZeRO 0-3, tensor or context parallelism",
+        ("ep2", "reinforce"),
+        "is unbuilt: the groups average a layout of ZeRO 0-3, tensor or context parallelism "
+        "or pipeline stages",
     ),
     *_each("whole-model compile", ("tp2", "pp2", "cp2", "ep2", "zero1", "zero3"), _ONE_GRAPH),
     Refusal("qk layernorm", "mla", "cannot apply, because MLA's latents have their own RMSNorms"),

@@ -69,7 +69,6 @@ def _check_diloco(ch: Checker) -> None:
 
 
 REFUSED = (
-    ("pipe_parallel_size", lambda lay, c: lay.pp > 1, "pp2", "pipeline stages"),
     ("expert_parallel_size", lambda lay, c: lay.ep > 1, "ep2", "expert parallelism"),
     (
         "train_impl",
