@@ -4,7 +4,8 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 # pytest-xdist workers for `make test`, each taking whole test files (loadfile: a file's shared
 # one-process baselines are trained once); on a 2-core machine 2 ran the multi-process layout
-# files 1.26x faster than 1 (docs/benchmarks.md)
+# files 1.26x faster than 1 (docs/benchmarks.md); the files are handed out slowest first
+# (tests/conftest.py orders them by tests/durations.json; --no-loadscope-reorder keeps that order)
 TEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.torchneox-installed
@@ -31,7 +32,7 @@ demo: $(STAMP)
 	$(BIN)/python -m torchneox demo
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py

@@ -168,3 +168,28 @@ def moe_config(make_module_config):
         hidden_dropout=0.0,
         num_workers=0,
     )
+
+
+_DURATIONS = REPO / "tests" / "durations.json"
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slowest test files first (longest-processing-time order), so that `make test`'s
+    workers, each taking whole files (`--dist loadfile --no-loadscope-reorder`), end together
+    instead of one waiting on a long multi-process file left for last. The seconds per file
+    are a past run's (tests/durations.json, refreshed by tools/test_durations.py); a file not
+    in it counts as a middling one. Within a file the order is kept."""
+    try:
+        seconds = json.loads(_DURATIONS.read_text())
+    except (OSError, ValueError):
+        return
+    middling = sorted(seconds.values())[len(seconds) // 2] if seconds else 0.0
+    first_seen: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first_seen.setdefault(item.nodeid.split("::")[0], i)
+    items.sort(
+        key=lambda item: (
+            -seconds.get(item.nodeid.split("::")[0], middling),
+            first_seen[item.nodeid.split("::")[0]],
+        )
+    )

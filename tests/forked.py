@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -25,8 +26,9 @@ class Forked:
         self.argv = ["torchneox", *argv]
         self._folder = tempfile.TemporaryDirectory(prefix="torchneox-run-")
         self.out, self.err = Path(self._folder.name, "stdout"), Path(self._folder.name, "stderr")
+        target = _launcher if "--nproc" in argv else _child
         self.process = _CONTEXT.Process(
-            target=_child, args=(argv, env, str(self.out), str(self.err))
+            target=target, args=(argv, env, str(self.out), str(self.err))
         )
         self.process.start()
 
@@ -59,9 +61,26 @@ def run_cli(argv: list[str], env: dict[str, str], timeout: float) -> subprocess.
     return Forked(argv, env).result(timeout)
 
 
-def _child(argv: list[str], env: dict[str, str], out: str, err: str) -> None:
+def _to_files(out: str, err: str) -> None:
     for fd, path in ((1, out), (2, err)):
         file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(file, fd)
         os.close(file)
+
+
+def _child(argv: list[str], env: dict[str, str], out: str, err: str) -> None:
+    _to_files(out, err)
     run_rank(argv, env)
+
+
+def _launcher(argv: list[str], env: dict[str, str], out: str, err: str) -> None:
+    """``torchneox train ... --nproc N`` as the user runs it (the launcher checks the config
+    once, then starts and watches the ranks), except that the ranks are forked from this
+    process, which has imported the trainer already (launch._rank_context), instead of from a
+    fork server that would import it again."""
+    _to_files(out, err)
+    os.environ.clear()
+    os.environ.update(env)
+    from torchneox.cli import main
+
+    sys.exit(main(argv))

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -39,20 +38,17 @@ def metric_rows(folder: Path) -> list[dict]:
 
 
 def train(config: str, *overrides: str, nproc: int = 1) -> subprocess.CompletedProcess:
-    """``torchneox train CONFIG [--nproc N] --set OVERRIDE ...``, which must succeed: with
-    several processes as the user runs it, with one in a process forked from the tests' server
-    (tests/forked.py: the same command, without a fresh import of torch)."""
+    """``torchneox train CONFIG [--nproc N] --set OVERRIDE ...``, which must succeed, in a
+    process forked from the tests' server (tests/forked.py: the same command, without a fresh
+    import of torch; with several processes, the ranks forked from that one). tests/cli and
+    tests/reliability start ``python -m torchneox train --nproc`` itself, as a user does."""
     args = ["train", config]
     if nproc > 1:
         args += ["--nproc", str(nproc)]
     for o in overrides:
         args += ["--set", o]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    if nproc == 1:
-        run = run_cli(args, env, timeout=300)
-    else:
-        command = [sys.executable, "-m", "torchneox", *args]
-        run = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    run = run_cli(args, env, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     return run
 

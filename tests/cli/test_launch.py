@@ -100,3 +100,15 @@ def test_under_torchrun_each_line_is_said_by_the_first_rank_only(tmp_path, monke
     assert [said_first(x) for x in ("a", "a", "b", "a")] == [True, False, True, False]
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert said_first("a") and said_first("a")
+
+
+def test_the_fork_server_imports_torchao_where_8bit_adam_runs_it(make_config):
+    """Each rank of a torchao 8-bit run would import torchao on its first step: the fork server
+    imports it once; a run without it (or one process's bitsandbytes) does not pay for it."""
+    from torchneox.cli.launch import _libraries
+    from torchneox.config.load import load_config
+
+    cfg = make_config(use_bnb_optimizer=True)
+    tp = ["model_parallel_size=2", "global_num_gpus=2"]
+    assert _libraries(load_config([cfg], tp)) == ["torchao.optim"]
+    assert _libraries(load_config([make_config("plain.yml")], tp)) == []

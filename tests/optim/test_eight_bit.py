@@ -158,6 +158,11 @@ def test_explain_shows_the_library(make_config, capsys, monkeypatch):
     # ZeRO 1-3: torchao's, whose optimizer takes FSDP2's DTensor shards, whatever is installed
     assert main(["config", "explain", cfg, "--set", "zero_optimization.stage=2"]) == 0
     assert "eight_bit_adam     torchao  torchao's AdamW8bit (ZeRO 1-3" in capsys.readouterr().out
+    # tensor, pipeline and expert parallelism: DTensor parameters too, at ZeRO 0
+    tp = ["--set", "model_parallel_size=2", "--set", "global_num_gpus=2"]
+    assert main(["config", "explain", cfg, *tp]) == 0
+    said = "torchao's AdamW8bit (tensor parallelism: it takes the DTensor parameters"
+    assert said in capsys.readouterr().out
     monkeypatch.setattr(eight_bit, "installed_library", lambda: "torchao")
     assert main(["config", "explain", cfg]) == 0
     assert "torchao's AdamW8bit (bitsandbytes is not installed)" in capsys.readouterr().out
@@ -166,8 +171,6 @@ def test_explain_shows_the_library(make_config, capsys, monkeypatch):
 @pytest.mark.parametrize(
     "sets,says",
     [
-        (["model_parallel_size=2"], "model_parallel_size 2 is unbuilt beside this axis: 8-bit"),
-        (["pipe_parallel_size=2"], "pipeline stages 2 is unbuilt beside this axis: 8-bit"),
         (["optimizer.params.amsgrad=true"], "8-bit Adam has no amsgrad"),
     ],
 )

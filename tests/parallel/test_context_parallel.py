@@ -1,7 +1,8 @@
 """Context parallelism (``context_parallel_size``): every sample's sequence split over ranks in
 load-balanced chunks, attention over the gathered keys and values. With 2 and 4 context ranks,
 alone, with data parallelism (each ZeRO stage), with tensor and with pipeline parallelism, training equals
-one process over several steps; with document masking too; checkpoints resume across layouts;
+one process over several steps; with document masking too (through pipeline stages with the loss
+mask, the z-loss and MTP as well); checkpoints resume across layouts;
 what cannot run beside it is refused in one line (config/refusals.py)."""
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ import torch
 
 from tests.helpers import (
     DP_KEYS,
+    assert_resumes_bitwise,
     assert_resumes_like_whole,
     assert_same_training,
     losses,
     one_process,
     reference,
     train,
+    trained_once,
 )
 from torchneox.parallel.context_parallel import chunk_positions
 
@@ -84,12 +87,20 @@ CURRICULUM = (
     "schedule_config: {difficulty: [8, 16, 32], max_step: [1, 2]}}"
 )
 VARIANTS = {
-    # documents: positions restart and attention stays inside each, the loss skips EOD inputs
-    "documents": ["inter_document_attention_masking=true", "eod_mask_loss=true"],
-    # with curriculum learning's growing length (each cut into the ranks' chunks)
-    "alibi-window": ["pos_emb=alibi", "sliding_window_width=12", "lm_z_loss=0.01", CURRICULUM],
-    # top-k routing is per token (sinkhorn balances the tokens a rank holds, as in GPT-NeoX)
-    "moe": ["moe_num_experts=4", "moe_top_k=2", "moe_router_type=topk", "moe_aux_loss_coeff=0.01"],
+    # documents: positions restart and attention stays inside each, the loss skips EOD inputs;
+    # ALiBi and a sliding window under them, with curriculum learning's growing length (each
+    # cut into the ranks' chunks)
+    "documents-alibi-window": [
+        *("inter_document_attention_masking=true", "eod_mask_loss=true"),
+        *("pos_emb=alibi", "sliding_window_width=12", "lm_z_loss=0.01", CURRICULUM),
+    ],
+    # top-k routing is per token (sinkhorn balances the tokens a rank holds, as in GPT-NeoX);
+    # MLA gathers its latents and rotary keys, each rotated at its own chunk's positions
+    "moe-mla": [
+        *("moe_num_experts=4", "moe_top_k=2", "moe_router_type=topk", "moe_aux_loss_coeff=0.01"),
+        *("mla_kv_lora_rank=24", "mla_q_lora_rank=32", "mla_qk_nope_head_dim=12"),
+        *("mla_qk_rope_head_dim=8", "mla_v_head_dim=16", "rotary_pct=1.0"),
+    ],
 }
 
 
@@ -99,13 +110,18 @@ def test_model_options_equal_one_process(config, tmp_path, variant):
     one, out = tmp_path / "one", tmp_path / "cp"
     mb = "train_micro_batch_size_per_gpu=4"  # the same micro-batches: their masked means agree
     train(config, f"save={one}", "load=null", mb, *keys)
-    train(config, f"save={out}", "load=null", "context_parallel_size=2", mb, *keys, nproc=2)
+    cp = ["context_parallel_size=2", mb, *keys]
+    resumed = variant == "moe-mla"  # stopped after step 2, it resumes on 2 context ranks
+    train(config, f"save={out}", "load=null", *cp, *["checkpoint_factor=2"] * resumed, nproc=2)
     assert_same_training(out, reference(one))
+    if resumed:
+        assert_resumes_bitwise(config, out, 2, cp, nproc=2)
     for extra in ("moe_aux_loss", "z_loss"):  # the extra terms, each over the whole batch
         want = losses(one, extra)
         assert losses(out, extra) == pytest.approx(want, rel=1e-5)
         assert bool(want) == (
-            extra in {"moe": "moe_aux_loss", "alibi-window": "z_loss"}.get(variant, "")
+            extra
+            in {"moe-mla": "moe_aux_loss", "documents-alibi-window": "z_loss"}.get(variant, "")
         )
     if CURRICULUM in keys:
         assert losses(out, "curriculum_seqlen") == {1: 8, 2: 16, 3: 32}
@@ -128,17 +144,40 @@ def test_checkpoints_resume_across_layouts(
     assert_resumes_like_whole(cfg, tmp_path, [], first, first_nproc, then, then_nproc)
 
 
-def test_interleaved_pipeline_stages_resume_as_one_process(make_config, tmp_path):
-    # two stages per pipeline rank, each running under the rank's part of the sequence
+def test_interleaved_pipeline_stages_with_documents_and_mtp_equal_and_resume_as_one_process(
+    make_config, tmp_path
+):
+    """Two stages per pipeline rank, each running under the rank's part of the sequence, with
+    what the stages' split carries besides the tokens: the documents (each stage gathers the
+    keys' documents of every micro-batch), the loss mask (eod_mask_loss), lm_z_loss's term and
+    MTP's tokens ahead (the last stage reads them from the whole target). Every step, its
+    z-loss and MTP loss and the evaluation equal one process's, stopped at step 3 and resumed
+    on one process."""
+    features = {
+        "inter_document_attention_masking": True,
+        "eod_mask_loss": True,
+        "lm_z_loss": 0.01,
+        "mtp_num_layers": 1,
+    }
     cfg = make_config(
-        "long.yml", train_micro_batch_size_per_gpu=4, train_iters=6, num_layers=4, **KEYS
-    )
+        "long.yml", train_micro_batch_size_per_gpu=4, train_iters=6, num_layers=4, **KEYS,
+        **features,
+    )  # fmt: skip
     first = [
         "context_parallel_size=2",
         "pipe_parallel_size=2",
         "pipeline_schedule=interleaved_1f1b",
     ]
-    assert_resumes_like_whole(cfg, tmp_path, [], first, 4, [], 1)
+    moved = assert_resumes_like_whole(cfg, tmp_path, [], first, 4, [], 1)
+    whole = trained_once(cfg)
+    for key in ("lm_loss", "z_loss", "mtp_loss_1"):
+        want, got = losses(whole, key), losses(moved, key)
+        assert sorted(got) == list(range(1, 7)) and all(want.values()), key
+        for k in want:
+            assert got[k] == pytest.approx(want[k], rel=1e-5), (key, k)
+    # the evaluation of step 2, through the stages (the next token only, its mask applied)
+    want, got = losses(whole, "valid_lm_loss")[2], losses(moved, "valid_lm_loss")[2]
+    assert got == pytest.approx(want, rel=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -158,25 +197,3 @@ def test_what_does_not_run_is_one_line(config, keys, nproc, said):
     lines = [x for x in run.stderr.splitlines() if x.startswith("torchneox:")]
     assert run.returncode == 2 and len(lines) == 1 and said in lines[0], run.stderr
     assert "context_parallel_size" in lines[0]
-
-
-@pytest.mark.parametrize(
-    ("impl", "pp", "said"),
-    [
-        ("reinforce", 2, "'reinforce' is unbuilt with pipeline stages and context parallelism"),
-        ("dpo", 2, "train_impl 'dpo' is unbuilt with pipeline stages and context parallelism"),
-    ],
-)
-def test_what_post_training_does_not_take_is_refused(make_config, impl, pp, said):
-    import dataclasses
-
-    from torchneox.config.derive import derive
-    from torchneox.config.layout import Layout, layout_problem
-    from torchneox.config.load import load_config
-
-    loaded = load_config([make_config(context_parallel_size=2)], [])
-    layout = Layout.from_derived(loaded.config, derive(loaded, world_size=2))
-    loaded.config.training.train_impl = impl
-    problem = layout_problem(loaded.config, dataclasses.replace(layout, pp=pp, gas=2))
-    assert problem is not None and problem.key == "context_parallel_size"
-    assert said in problem.message

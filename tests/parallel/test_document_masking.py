@@ -1,7 +1,7 @@
 """inter_document_attention_masking in training: on 2 processes (ZeRO 1 and 3, tensor parallel)
 and pipeline stages (each micro-batch's documents beside its tokens on every stage) it equals
-one process; it changes what a packed sample learns; off, nothing changes; where it is not
-built (pipeline stages with context parallelism) it is refused in one line."""
+one process; it changes what a packed sample learns; off, nothing changes (with pipeline stages
+and context parallelism together: tests/parallel/test_context_parallel.py)."""
 
 from __future__ import annotations
 
@@ -56,17 +56,6 @@ def test_masking_changes_training_and_off_changes_nothing(config, tmp_path, base
     plain, off = losses(tmp_path / "plain"), losses(tmp_path / "off")
     assert plain == off  # bitwise
     assert all(abs(plain[k] - baseline[0][k]) > 1e-4 for k in (2, 3, 4))
-
-
-def test_pipeline_stages_with_context_parallelism_are_refused_in_one_line(config):
-    args = [sys.executable, "-m", "torchneox", "train", config, "--set", MASKED]
-    args += ["--set", "pipe_parallel_size=2", "--set", "load=null", "--nproc", "4"]
-    args += ["--set", "context_parallel_size=2", "--set", "train_micro_batch_size_per_gpu=4"]
-    run = subprocess.run(args, capture_output=True, text=True, timeout=120, check=False)
-    assert run.returncode == 2
-    lines = [x for x in run.stderr.splitlines() if x.startswith("torchneox:")]
-    assert len(lines) == 1 and "inter_document_attention_masking" in lines[0], run.stderr
-    assert "is unbuilt with pipeline stages and context parallelism together" in lines[0]
 
 
 def test_eval_masks_documents_as_training_did(config, tmp_path, tiny_data):

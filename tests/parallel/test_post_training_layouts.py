@@ -1,8 +1,9 @@
 """Post-training in every layout: SFT with label masks, DPO and KTO with their frozen reference
 model, and a reward model each give, on 2 processes (data parallel at every ZeRO stage, tensor
 parallel, pipeline parallel, context parallel, experts split over the ranks), the losses,
-metrics, gradients and weights of one process; a stopped run resumes like one never stopped, its reference model
-included."""
+metrics, gradients and weights of one process, and so does a reward model on 2 pipeline stages x
+2 context ranks; a stopped run (DPO through 2 pipeline stages x 2 context ranks among them)
+resumes like one never stopped, its reference model included."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import (
+    assert_resumes_bitwise,
     assert_same_training,
     losses,
     metric_rows,
@@ -63,6 +65,8 @@ MODEL = {
 # ranks' micro-batches as one), which tests/parallel/test_expert_parallel.py holds, while
 # here the micro-batches stay as they are (KTO pairs halves of one, SFT averages over one)
 MOE = {"moe_num_experts": 2, "moe_top_k": 1, "moe_aux_loss_coeff": 0.0}
+# adapters on the frozen base (a reward model's value head trained beside them)
+LORA = {"lora": {"rank": 4, "alpha": 8, "target_modules": ["attention.wq", "attention.wv"]}}
 # 2 processes: the same micro-batches as one process with 2 accumulation steps (KTO pairs the
 # halves of each micro-batch, so the micro-batch stays 2 in every layout)
 # (ZeRO-2 runs ZeRO-1's code, FSDP2 keeping the gathered weights through backward: its parity
@@ -72,9 +76,13 @@ LAYOUTS = {
     "zero1": ["gradient_accumulation_steps=1", "zero_optimization.stage=1"],
     "zero3": ["gradient_accumulation_steps=1", "zero_optimization.stage=3"],
     "tp2": ["model_parallel_size=2"],
+    # each tensor rank's slice of the positions, gathered whole before the value head
+    "tp2-sp": ["model_parallel_size=2", "sequence_parallel=true"],
     "pp2": ["pipe_parallel_size=2"],  # 2 stages, the reference's split as the policy's
     # each rank's part of every sequence, the outputs (the reference's too) gathered whole
     "cp2": ["context_parallel_size=2"],
+    # ... through 2 stages (4 processes): the last stage gathers them, the target stays whole
+    "pp2 cp2": ["pipe_parallel_size=2", "context_parallel_size=2"],
 }
 
 
@@ -84,10 +92,9 @@ def configs(tmp_path_factory) -> dict[str, str]:
     data = post_training_data(folder)
     out = {}
     for name, keys in data.items():
-        for moe in (False, True):
-            values = MODEL | keys | (MOE if moe else {})
-            path = folder / f"{name}{'_moe' if moe else ''}.yml"
-            path.write_text(json.dumps(values))
+        for variant, extra in (("", {}), ("_moe", MOE), ("_lora", LORA)):
+            path = folder / f"{name}{variant}.yml"
+            path.write_text(json.dumps(MODEL | keys | extra))
             out[path.stem] = str(path)
     return out
 
@@ -126,23 +133,30 @@ CASES = [
     ("sft", "zero0"), ("sft", "tp2"), ("sft", "pp2"),
     ("dpo", "zero1"), ("dpo", "tp2"),
     ("kto", "zero3"), ("kto", "pp2"),
-    ("rm", "zero3"), ("rm", "tp2"), ("rm", "pp2"),
+    ("rm", "zero3"), ("rm", "tp2-sp"), ("rm_lora", "pp2"),
     # context parallelism: the outputs gathered whole for a sum over a sequence (DPO's; KTO's
-    # alike) and for a reward model's last position (SFT under CP is language modelling with a
-    # loss mask: test_context_parallel's)
-    ("dpo", "cp2"), ("rm", "cp2"),
+    # alike) and, through pipeline stages, for a reward model's last position (DPO through
+    # stages: the stopped run below; SFT under CP is language modelling with a loss mask:
+    # test_context_parallel's)
+    ("dpo", "cp2"), ("rm", "pp2 cp2"),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize("objective, layout", CASES)
 def test_two_processes_equal_one(configs, one_process, tmp_path, objective, layout):
     baseline, rows = one_process(objective)
-    out = tmp_path / "run"
-    train(
-        configs[objective], f"save={out}", "load=null", f"log_dir={out}", *LAYOUTS[layout], nproc=2
-    )
+    out, layout_keys = tmp_path / "run", LAYOUTS[layout]
+    nproc = 4 if layout == "pp2 cp2" else 2
+    # stopped after step 2, it resumes on 2 tensor ranks (2 stages) to the bit
+    resumed = layout == "tp2-sp" or objective == "rm_lora"
+    saves = ["checkpoint_factor=2"] * resumed
+    cfg = configs[objective]
+    train(cfg, f"save={out}", "load=null", f"log_dir={out}", *layout_keys, *saves, nproc=nproc)
     assert_same_training(out, baseline)
-    assert_same_metrics(out, rows, METRICS[objective])
+    assert_same_metrics(out, rows, METRICS[objective.removesuffix("_lora")])
+    assert objective.endswith("_lora") == any(".lora_B." in n for n in baseline[2])
+    if resumed:
+        assert_resumes_bitwise(cfg, out, 2, layout_keys, nproc=2)
 
 
 @pytest.mark.parametrize("objective", ["dpo", "kto"])  # a reference model; KTO's paired halves
@@ -162,27 +176,32 @@ def test_mixture_of_experts_split_over_two_processes_equals_one(
 
 
 STOPPED_UNDER = {
-    "zero3": ["gradient_accumulation_steps=1", "zero_optimization.stage=3"],
-    "pp2": ["pipe_parallel_size=2"],
+    "zero3": (["gradient_accumulation_steps=1", "zero_optimization.stage=3"], 2),
+    # 2 stages x 2 context ranks: each rank's stages run its part of every sequence, the
+    # policy's and the reference's outputs gathered whole on the last stage
+    "pp2 cp2": (["pipe_parallel_size=2", "context_parallel_size=2"], 4),
 }
 
 
-@pytest.mark.parametrize("objective, layout", [("dpo", "zero3"), ("kto", "zero3"), ("dpo", "pp2")])
+@pytest.mark.parametrize(
+    "objective, layout", [("dpo", "zero3"), ("kto", "zero3"), ("dpo", "pp2 cp2")]
+)
 def test_a_stopped_run_resumes_like_one_never_stopped_reference_included(
     configs, tmp_path, objective, layout
 ):
-    """Stopped at step 2 on 2 processes (ZeRO 3, or 2 pipeline stages) and resumed on one: the
-    reference model comes back from the checkpoint (not from the policy of step 2), so steps
-    3-4 and their rewards equal those of a run never stopped."""
+    """Stopped at step 2 (ZeRO 3 on 2 processes, or 2 pipeline stages x 2 context ranks) and
+    resumed on one: steps 1-2 equal one process's, and the reference model comes back from
+    the checkpoint (not from the policy of step 2), so steps 3-4, their rewards and the final
+    weights equal those of a run never stopped."""
     cfg, four = configs[objective], "train_iters=4"
     whole = tmp_path / "whole"
     train(cfg, f"save={whole}", "load=null", f"log_dir={whole}", four)
     moved = tmp_path / "moved"
-    first = [four, "exit_interval=2", *STOPPED_UNDER[layout]]
-    train(cfg, f"save={moved}", "load=null", f"log_dir={moved}", *first, nproc=2)
+    keys, nproc = STOPPED_UNDER[layout]
+    first = [four, "exit_interval=2", *keys]
+    train(cfg, f"save={moved}", "load=null", f"log_dir={moved}", *first, nproc=nproc)
     train(cfg, f"save={moved}", f"load={moved}", f"log_dir={moved}", four)
-    done, after = losses(whole), losses(moved)
-    for k in (3, 4):
-        assert after[k] == pytest.approx(done[k], rel=1e-5), k
+    assert_same_training(moved, reference(whole))  # every step's loss and gradient norm
     key = METRICS[objective][0]
-    assert losses(moved, key)[4] == pytest.approx(losses(whole, key)[4], rel=1e-4, abs=1e-6)
+    for k in (1, 2, 3, 4):
+        assert losses(moved, key)[k] == pytest.approx(losses(whole, key)[k], rel=1e-4, abs=1e-6)

@@ -11,7 +11,13 @@ import random
 import pytest
 
 from tests.data.dataserver import start_server
-from tests.helpers import assert_same_training, losses, reference, train
+from tests.helpers import (
+    assert_resumes_bitwise,
+    assert_same_training,
+    losses,
+    reference,
+    train,
+)
 from tests.train.rl.test_reinforce_run import EXAMPLE, tiny
 from torchneox.data.online import Group
 
@@ -100,20 +106,27 @@ def test_two_processes_equal_one_given_the_same_rollouts(tmp_path, baseline, lay
 def test_rollouts_sampled_under_tensor_parallelism_and_pipeline_stages_equal_one_process(
     tmp_path,
 ):
-    """Sampling in the run under tensor parallelism 2: both ranks sample what one process
+    """LoRA adapters trained by rollouts sampled in the run (the reference: the policy with
+    its adapters left out). Under tensor parallelism 2: both ranks sample what one process
     samples (the same generator, the logits gathered whole), score it once, and train alike.
     Through 2 pipeline stages: each new token is a whole forward through the stages (they keep
     no cache), the last stage's logits shared with the first, both drawing with the same
-    generator."""
-    sampled = tiny(train_iters=STEPS, lr_decay_iters=STEPS, checkpoint_factor=STEPS)
+    generator; stopped after step 2, the pipeline resumes to the bit."""
+    sampled = tiny(train_iters=STEPS, lr_decay_iters=STEPS, checkpoint_factor=2, lora=LORA)
     sampled += [s for s in COMMON if s.split("=")[0] in LAYOUT_KEYS]
     train(str(EXAMPLE), *sampled, f"save={tmp_path / 'one'}")
+    baseline = reference(tmp_path / "one")
+    assert any(".lora_B." in name for name in baseline[2])
     for name, layout in (("tp", "model_parallel_size=2"), ("pp", "pipe_parallel_size=2")):
         train(str(EXAMPLE), *sampled, layout, f"save={tmp_path / name}", nproc=2)
         for key in ("reward", "completion_length", "kl"):
             one, two = losses(tmp_path / "one", key), losses(tmp_path / name, key)
             assert two == pytest.approx(one, rel=1e-4), (name, key)
-        assert_same_training(tmp_path / name, reference(tmp_path / "one"))
+        assert_same_training(tmp_path / name, baseline)
+    assert_resumes_bitwise(str(EXAMPLE), tmp_path / "pp", 2, [*sampled, layout], nproc=2)
+
+
+LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj"]}
 
 
 LAYOUT_KEYS = ("no_weight_tying", "padded_vocab_size", "min_lr", "optimizer.params.lr",

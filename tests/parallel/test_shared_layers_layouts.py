@@ -1,14 +1,27 @@
 """Layer weight sharing and soft prompts across processes: 2 processes (DDP; ZeRO-3, the blocks
-that share one owner's tensors in one FSDP unit; tensor parallel; a soft prompt under ZeRO-3)
-give the losses and weights of one process on the same global batch."""
+that share one owner's tensors in one FSDP unit; tensor parallel; the shared MoE layers' experts
+split over 2 expert ranks, resumed to the bit; a soft prompt under ZeRO-3, context parallelism,
+and 2 pipeline stages x 2 context ranks) give the losses and weights of one process on the same
+global batch."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.helpers import DP_KEYS, assert_same_training, losses, one_process, train
+from tests.helpers import (
+    DP_KEYS,
+    assert_resumes_bitwise,
+    assert_same_training,
+    losses,
+    one_process,
+    train,
+)
 
+# the shared layers are MoE layers (top-k routing is per token; the balancing loss, over each
+# rank's micro-batch, is left out so that every layout has one process's batch)
 SHARED = {"num_layers": 4, "num_unique_layers": 2, "no_weight_tying": True}
+SHARED |= {"moe_num_experts": 4, "moe_top_k": 2, "moe_router_type": "topk"}
+SHARED |= {"moe_aux_loss_coeff": 0.0}
 
 
 @pytest.fixture(scope="module")
@@ -26,17 +39,20 @@ def baseline(config, tmp_path_factory):
 @pytest.mark.parametrize(
     "layout",
     [
-        ["zero_optimization.stage=0"],
         ["zero_optimization.stage=3"],
         ["model_parallel_size=2", "train_micro_batch_size_per_gpu=4"],
+        # DDP (ZeRO 0) with the experts that two layers share split once over the expert ranks
+        ["zero_optimization.stage=0", "expert_parallel_size=2", "checkpoint_factor=2"],
     ],
-    ids=["ddp", "zero3", "tp2"],
+    ids=["zero3", "tp2", "ddp-ep2"],
 )
 def test_two_processes_equal_one(config, tmp_path, baseline, layout):
     out = tmp_path / "run"
     train(config, f"save={out}", "load=null", *layout, nproc=2)
     assert sorted(losses(out)) == [1, 2, 3]
     assert_same_training(out, baseline)
+    if "checkpoint_factor=2" in layout:  # stopped after step 2, it resumes on 2 expert ranks
+        assert_resumes_bitwise(config, out, 2, layout, nproc=2)
 
 
 @pytest.fixture(scope="module")
@@ -52,16 +68,21 @@ def prompt_config(make_module_config):
 
 
 @pytest.mark.parametrize(
-    "layout",
+    ("layout", "nproc"),
     [
-        ["zero_optimization.stage=3"],
+        (["zero_optimization.stage=3"], 2),
         # the prompt's positions lead the sequence the context ranks split (rank 0 holds them)
-        ["context_parallel_size=2", "gradient_accumulation_steps=4"],
+        (["context_parallel_size=2", "gradient_accumulation_steps=4"], 2),
+        # ... and through 2 pipeline stages: the first stage's chunks of [prompt, text] take
+        # the prompt's rows, the last scores the text's positions (the prompt's out of the loss)
+        (["context_parallel_size=2", "pipe_parallel_size=2", "train_micro_batch_size_per_gpu=4"], 4),
     ],
-    ids=["zero3", "cp2"],
-)
-def test_soft_prompt_on_two_processes_equals_one(prompt_config, tmp_path, tmp_path_factory, layout):
+    ids=["zero3", "cp2", "pp2-cp2"],
+)  # fmt: skip
+def test_soft_prompt_on_several_processes_equals_one(
+    prompt_config, tmp_path, tmp_path_factory, layout, nproc
+):
     baseline = one_process(prompt_config, tmp_path_factory)
     out = tmp_path / "run"
-    train(prompt_config, f"save={out}", "load=null", *layout, nproc=2)
+    train(prompt_config, f"save={out}", "load=null", *layout, nproc=nproc)
     assert_same_training(out, baseline)

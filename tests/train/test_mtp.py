@@ -104,10 +104,6 @@ def test_explain_counts_the_modules_and_generation_leaves_them_out():
     [
         ({"train_impl": "dpo"}, "train_impl dpo"),
         (
-            {"context_parallel_size": 2, "pipe_parallel_size": 2, "num_layers": 4},
-            "context_parallel_size",
-        ),
-        (
             {
                 "pipe_parallel_size": 2,
                 "pipeline_schedule": "zbv",

@@ -187,11 +187,6 @@ def test_explain_counts_the_trained_parameters(make_config):
         ({"enabled": True, "n_tokens": 0}, {}, "n_tokens must be an integer >= 1"),
         ({"enabled": True, "n_tokens": 32}, {}, "leaves no text in seq_length 32"),
         ({"enabled": True, "init_range": -1}, {}, "init_range must be a number > 0"),
-        (
-            PROMPT,
-            {"pipe_parallel_size": 2, "context_parallel_size": 2},
-            "is unbuilt with pipeline stages and context parallelism together",
-        ),
         (PROMPT, {"train_impl": "dpo"}, "with train_impl dpo is unbuilt for this objective"),
         (
             PROMPT,

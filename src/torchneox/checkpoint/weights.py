@@ -271,11 +271,26 @@ def _load_weights(
 
 @torch.no_grad()
 def copy_weights(source: torch.nn.Module, target: torch.nn.Module) -> None:
-    """``source``'s parameters into ``target``, a model of the same shape split the same way
-    (either may be wrapped for activation checkpointing or compiled)."""
+    """``source``'s parameters into ``target``, a model of the same shape (either may be
+    wrapped for activation checkpointing or compiled). Where the two split a parameter
+    differently (a policy that runs ZeRO 0 as ZeRO 2 beside pipeline ranks, a reference
+    replicated over them) it is gathered whole and the target takes its part."""
     theirs = {plain_name(n): p for n, p in target.named_parameters()}
     for name, param in source.named_parameters():
-        theirs[plain_name(name)].copy_(param)
+        mine = theirs[plain_name(name)]
+        if _split_alike(param, mine):
+            mine.copy_(param)
+            continue
+        whole = param.full_tensor() if hasattr(param, "full_tensor") else param
+        local, where = local_part(mine)
+        local.copy_(whole if where is None else whole[where])
+
+
+def _split_alike(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are both whole, or DTensors on one mesh with one placement."""
+    if not hasattr(a, "placements") or not hasattr(b, "placements"):
+        return not hasattr(a, "placements") and not hasattr(b, "placements")
+    return a.device_mesh == b.device_mesh and a.placements == b.placements
 
 
 def load_model(

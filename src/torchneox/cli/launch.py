@@ -84,11 +84,7 @@ def launch_local(args: argparse.Namespace) -> int:
         loaded = with_hf_folder(loaded)
     _refuse_before_starting(loaded, args)  # config errors once, here
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(PRELOAD)
-    from multiprocessing import forkserver
-
-    forkserver.ensure_running()  # it imports the trainer while the rest is prepared here
+    context = _rank_context(loaded)
     save = loaded.config.checkpoint.save
     latest = Path(save) / "latest" if save else None
 
@@ -128,6 +124,32 @@ def launch_local(args: argparse.Namespace) -> int:
         print(f"torchneox: error: rank {rank} {how}; its output is above", file=sys.stderr)
         return 1
     return 0
+
+
+def _rank_context(loaded: Any) -> Any:
+    """Where the ranks are forked from: the fork server, which imports the trainer once while
+    the rest is prepared here; or this process itself where it has imported the trainer
+    already (a program that runs the CLI in its own process, as the tests' forked runs do):
+    a second import would cost seconds and buy nothing."""
+    if "torchneox.train.trainer" in sys.modules:
+        return multiprocessing.get_context("fork")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([*PRELOAD, *_libraries(loaded)])
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+    return context
+
+
+def _libraries(loaded: Any) -> list[str]:
+    """What the fork server imports too for this run, beyond the trainer: torchao's optimizers
+    where 8-bit Adam runs torchao's (each rank would import them, seconds each, on its first
+    step; one that does not import is left to the ranks, which say why)."""
+    from torchneox.config.features.eight_bit import dtensor_axis, eight_bit, library_for
+
+    cfg, o = loaded.config, loaded.config.optimizer
+    torchao = eight_bit(o) and library_for(o, dtensor_axis(cfg) is not None) == "torchao"
+    return ["torchao.optim"] if torchao else []
 
 
 def _rank_argv(args: argparse.Namespace) -> list[str]:

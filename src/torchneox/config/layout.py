@@ -19,7 +19,6 @@ from torchneox.config.checker import source_of
 from torchneox.config.checks.ft import replica_layout, require_replicas
 from torchneox.config.checks.model import layer_attention_types
 from torchneox.config.derived import Derived
-from torchneox.config.features.eight_bit import eight_bit_layout
 from torchneox.config.features.offload import offload_spec
 from torchneox.config.features.sparsity import ATTENTION_LAYER_TYPES
 from torchneox.config.load import LoadedConfig
@@ -208,29 +207,13 @@ def _tied_embeddings(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
 
 def _multi_token(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     """MTP reads the tokens ahead of each position and embeds them where the last layer is."""
-    if not cfg.model.mtp_num_layers:
-        return None
-    for on, beside, what, cause in (
-        (
-            lay.cp > 1 and lay.pp > 1,
-            "pp2 cp2",
-            "context_parallel_size > 1 through pipeline stages",
-            "context_parallel_size",
-        ),
-        (
-            lay.pp > 1 and lay.schedule == "zbv",
-            "pp2 zbv",
-            "pipeline_schedule zbv",
-            "pipeline_schedule",
-        ),
-    ):
-        if on:
-            return _refuse(
-                f"with {what}: multi-token prediction {refusal('mtp', beside)}; use another "
-                "layout, or mtp_num_layers: 0",
-                key="mtp_num_layers",
-                cause=cause,
-            )
+    if cfg.model.mtp_num_layers and lay.pp > 1 and lay.schedule == "zbv":
+        return _refuse(
+            f"with pipeline_schedule zbv: multi-token prediction {refusal('mtp', 'pp2 zbv')}; "
+            "use another layout, or mtp_num_layers: 0",
+            key="mtp_num_layers",
+            cause="pipeline_schedule",
+        )
     return None
 
 
@@ -243,16 +226,6 @@ def _tensor_parallel_positions(cfg: NeoXConfig, lay: Layout) -> ConfigError | No
             "or 1f1b",
             key="pos_emb",
             cause="pipeline_schedule",
-        )
-    return None
-
-
-def _document_masking(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
-    if lay.pp > 1 and lay.cp > 1 and cfg.model.inter_document_attention_masking:
-        return _refuse(
-            f"{refusal('document masking', 'pp2 cp2')}; either axis alone takes it",
-            key="inter_document_attention_masking",
-            cause="context_parallel_size",
         )
     return None
 
@@ -283,12 +256,6 @@ def _hybrid_sharding(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
 def _pipeline(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     if lay.pp < 2:
         return None
-    if cfg.training.eod_mask_loss and lay.cp > 1:
-        return _refuse(
-            f"{refusal('eod mask', 'pp2 cp2')}; either axis alone takes it",
-            key="eod_mask_loss",
-            cause="context_parallel_size",
-        )
     if cfg.model.num_layers and lay.total_stages > cfg.model.num_layers:
         return _refuse(
             f"{lay.total_stages} stages but only {cfg.model.num_layers} layers; each stage "
@@ -330,16 +297,6 @@ def _experts(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     return None
 
 
-def _z_loss(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
-    if cfg.training.lm_z_loss and lay.pp > 1 and lay.cp > 1:
-        return _refuse(
-            f"{refusal('z-loss', 'pp2 cp2')}; either axis alone takes it",
-            key="lm_z_loss",
-            cause="context_parallel_size",
-        )
-    return None
-
-
 def _context_parallel(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     if lay.cp == 1:
         return None
@@ -351,20 +308,6 @@ def _context_parallel(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
             key=key,
             cause="seq_length",
         )
-    impl = cfg.training.train_impl
-    others = (
-        (bool(cfg.model.mla_kv_lora_rank), "mla", "cp2", "MLA (mla_kv_lora_rank)"),
-        (impl != "normal" and lay.pp > 1, impl, "pp2 cp2", f"train_impl {impl!r}"),
-    )
-    for broken, feature, beside, what in others:
-        if broken:
-            return _refuse(
-                f"{what} {refusal(feature, beside)}; set context_parallel_size 1 (context "
-                "parallelism runs with data parallelism, any ZeRO stage, tensor and pipeline "
-                "parallelism)",
-                key=key,
-                cause="mla_kv_lora_rank" if feature == "mla" else "train_impl",
-            )
     return None
 
 
@@ -464,16 +407,13 @@ RULES = (
     _whole_heads,
     _pipeline,
     _experts,
-    _z_loss,
     _tied_embeddings,
     _multi_token,
     _tensor_parallel_positions,
-    _document_masking,
     _hybrid_sharding,
     _context_parallel,
     _compile_model,
     offload_rule,
-    eight_bit_layout,
     replica_layout,
 )
 """Every layout rule, in the order they are checked."""

@@ -154,9 +154,6 @@ OBJECTIVES = ("dpo", "kto", "rm", "reinforce")
 """The post-training objectives that are not language modelling (train_impl)."""
 SEQUENTIAL = ("mamba", "rwkv", "gmlp", "amlp")
 """The layer families that read the whole sequence in order."""
-_PP_CP = "cannot run with pipeline stages and context parallelism together: the stages' "
-_PP_CP += "context split carries the tokens alone"
-_EIGHT_BIT = "is unbuilt beside this axis: 8-bit Adam runs with data parallelism and ZeRO 0-3"
 _ONE_GRAPH = "cannot compile the whole model as one graph, because this layout splits or "
 _ONE_GRAPH += "wraps it below its top level"
 _ROTARY = "cannot take these positions, because MLA's keys are rotary"
@@ -173,14 +170,6 @@ REFUSALS: tuple[Refusal, ...] = (
         "cannot share the embedding with the head under zbv, because its V puts the first and "
         "the last stage on one rank, which would hold two copies of the shared weight",
     ),
-    Refusal("z-loss", "pp2 cp2", _PP_CP),
-    Refusal("eod mask", "pp2 cp2", _PP_CP),
-    Refusal(
-        "document masking",
-        "pp2 cp2",
-        "is unbuilt with pipeline stages and context parallelism together: the stages' "
-        "context split carries no documents",
-    ),
     *_each("rpe", ("pp2 interleaved", "pp2 zbv"), _MANY_STAGES),
     *(
         Refusal(
@@ -193,37 +182,15 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         "mtp",
-        "pp2 cp2",
-        "is unbuilt with context parallelism through pipeline stages: the stages pass each "
-        "context rank its part of the sequence alone, not the tokens ahead of it",
-    ),
-    Refusal(
-        "mtp",
         "pp2 zbv",
         "cannot run under zbv, because the last stage's copy of the embedding would lie on the "
         "first stage's rank",
-    ),
-    Refusal(
-        "mla",
-        "cp2",
-        "is unbuilt with context parallelism",
-    ),
-    *_each(
-        "lora",
-        ("rm + pp2", "reinforce + pp2"),
-        "is unbuilt for a reward model or REINFORCE through pipeline stages",
     ),
     Refusal(
         "soft prompt",
         "tp2 sp",
         "cannot put the prompt before the text, because each tensor rank holds only part of "
         "the text's positions",
-    ),
-    Refusal(
-        "soft prompt",
-        "pp2 cp2",
-        "is unbuilt with pipeline stages and context parallelism together: the stages' "
-        "context split carries the text alone",
     ),
     Refusal(
         "soft prompt",
@@ -237,17 +204,6 @@ REFUSALS: tuple[Refusal, ...] = (
         "cannot share layers that a pipeline places on different stages, because their "
         "gradients are not tied across stages",
     ),
-    Refusal("shared layers", "ep2", "is unbuilt with expert parallelism"),
-    *_each("8-bit adam", ("tp2", "pp2", "cp2", "ep2"), _EIGHT_BIT),
-    *(
-        Refusal(
-            objective,
-            "pp2 cp2",
-            "is unbuilt with pipeline stages and context parallelism together",
-        )
-        for objective in OBJECTIVES
-    ),
-    Refusal("rm", "tp2 sp", "is unbuilt with sequence parallelism"),
     Refusal(
         "reinforce",
         "tp2 sp",

@@ -36,7 +36,6 @@ from torchneox.config.features.sharing import check_sharing
 from torchneox.config.features.soft_prompt import check_soft_prompt
 from torchneox.config.features.sparsity import ATTENTION_LAYER_TYPES
 from torchneox.config.features.streaming import check_streaming
-from torchneox.config.refusals import refusal
 from torchneox.config.schema import NeoXConfig
 
 SUPPORTED_OPTIMIZERS = (
@@ -187,8 +186,6 @@ def _check_post_training(ch: Checker) -> None:
     pack_impl, label and reward datasets), as GPT-NeoX's get_batch expects them."""
     c = ch.c
     d, impl = c.data, c.training.train_impl
-    if impl == "rm" and c.parallel.sequence_parallel:
-        ch.fail("sequence_parallel", f"a reward model {refusal('rm', 'tp2 sp')}; turn it off")
     if d.dataset_impl == "pairwise" and impl not in ("dpo", "rm"):
         ch.fail(
             "dataset_impl",

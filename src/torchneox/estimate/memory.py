@@ -10,6 +10,7 @@ from typing import Any
 
 from torchneox.config.checks.model import layer_attention_types
 from torchneox.config.features.eight_bit import (
+    dtensor_axis,
     eight_bit,
     eight_bit_optimizer_bytes,
     library_for,
@@ -45,7 +46,8 @@ def optimizer_bytes_per_tensor(
     values (config/features/eight_bit.py), in place of a number of bytes per parameter."""
     if not eight_bit(loaded.config.optimizer):
         return None
-    library = library_for(loaded.config.optimizer) or "torchao"
+    cfg = loaded.config
+    library = library_for(cfg.optimizer, dtensor_axis(cfg) is not None) or "torchao"
     return functools.partial(eight_bit_optimizer_bytes, library)
 
 

@@ -312,12 +312,8 @@ class Transformer(nn.Module):
         ``context``: the tokens are this rank's part of each sequence (context parallelism);
         ``last_only``: [B, 1, vocab], the last token's logits only (a prefill that samples);
         ``mtp_tokens_BT``: the inputs (``context``: the whole sequence's) for MTP's depths."""
-        t, start, length = tokens_BT.shape[1], cache.length if cache is not None else 0, None
-        context = context if context is not None else self.stage_context
-        if context is not None:
-            length = context.length
-            if positions_BT is None:
-                positions_BT = context.index
+        t, start = tokens_BT.shape[1], cache.length if cache is not None else 0
+        context, positions_BT, length = self._context(context, positions_BT, segments_BT)
         static = cache if isinstance(cache, StaticKVCache) else None
         if static is not None and positions_BT is None:
             positions_BT = static.queries(t)
@@ -344,12 +340,30 @@ class Transformer(nn.Module):
         if self.router_sink is not None and stats and not router_stats:
             x = self.router_sink(x, stats)  # (the MTP modules' MoE blocks among them)
         _advance(cache, t)
-        # the prompt's own outputs are never scored or sampled (cut where the head is)
-        if (prompted or (self.prompt_passed and start == 0)) and self.final_norm is not None:
+        # the prompt's own outputs are never scored or sampled (cut where the head is; a
+        # context split keeps them, out of the loss)
+        passed = self.prompt_passed and start == 0 and context is None
+        if (prompted or passed) and self.final_norm is not None:
             x = x[:, self.args.soft_prompt_tokens :]
         out = self._head(x[:, -1:] if last_only else x)
         out = (out, *depths) if depths else out
         return (out, stats) if router_stats else out
+
+    def _context(
+        self,
+        context: ContextShard | None,
+        positions_BT: torch.Tensor | None,
+        segments_BT: torch.Tensor | None,
+    ) -> tuple[ContextShard | None, torch.Tensor | None, int | None]:
+        """The shard a forward runs under (given, or a pipeline stage's), the positions (its
+        tokens' in the whole sequence, unless given) and the whole sequence's length. A
+        stage's shard serves every micro-batch: the keys' documents are gathered for each."""
+        context = context if context is not None else self.stage_context
+        if context is None:
+            return None, positions_BT, None
+        if segments_BT is not None and context.key_segments is None:
+            context = context.with_key_segments(segments_BT)
+        return context, context.index if positions_BT is None else positions_BT, context.length
 
     def _prompted(
         self,

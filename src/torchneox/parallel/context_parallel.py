@@ -58,7 +58,11 @@ def _gatherer(mesh: DeviceMesh) -> Gather:
 
     def gather(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, heads, T_local, D] of every cp rank, concatenated by rank along
-        the sequence (one collective for both)."""
+        the sequence (one collective for both). MLA's latents and rotary keys [B, 1, T_local,
+        *] differ in width: they travel side by side in one tensor."""
+        if k.shape != v.shape:
+            both = all_gather_tensor_autograd(torch.cat([k, v], dim=-1), gather_dim=2, group=group)
+            return both.split([k.shape[-1], v.shape[-1]], dim=-1)
         both = all_gather_tensor_autograd(torch.stack([k, v]), gather_dim=3, group=group)
         return both[0], both[1]
 
@@ -69,13 +73,19 @@ def split_sequence(prep, mesh: DeviceMesh):
     """This rank's part of a prepared micro-batch (``objectives.Prepared``): its chunks of the
     inputs, labels, loss mask and document positions, with the ``ContextShard`` the model
     takes and the whole micro-batch's count of tokens in the loss."""
-    b, t = prep.inputs.shape
-    device = prep.inputs.device
+    t = prep.inputs.shape[1]
     context = shard_of(
-        t, mesh.size(), mesh.get_local_rank(), _gatherer(mesh), device, prep.segments
+        t, mesh.size(), mesh.get_local_rank(), _gatherer(mesh), prep.inputs.device, prep.segments
     )
+    return part_of(prep, context)
+
+
+def part_of(prep, context: ContextShard):
+    """The part of ``prep`` (whole sequences) at ``context``'s positions, with the whole
+    micro-batch's count of tokens in the loss and the whole kept (the tokens ahead, for MTP)."""
+    b, t = prep.inputs.shape
     index = context.index
-    counted = prep.mask.sum() if prep.mask is not None else torch.tensor(b * t, device=device)
+    counted = prep.mask.sum() if prep.mask is not None else torch.tensor(b * t, device=index.device)
 
     def part(x: torch.Tensor | None) -> torch.Tensor | None:
         return None if x is None else x[:, index]
@@ -92,18 +102,10 @@ def split_sequence(prep, mesh: DeviceMesh):
     )
 
 
-def split_pipeline_batch(
-    inputs: torch.Tensor, target: torch.Tensor, mesh: DeviceMesh
-) -> tuple[torch.Tensor, torch.Tensor, ContextShard]:
-    """This rank's part of a pipeline's language-modelling batch (inputs and next tokens,
-    [B, T] each), and the ``ContextShard`` every stage runs under. Under a pipeline every
-    token counts (its stages refuse loss masks), so a rank's mean loss over its own tokens
-    is its share of the micro-batch's loss times ``cp``: the gradient the reduction over the
-    data- and context-parallel ranks averages; the logged loss divides by ``cp``."""
-    context = shard_of(
-        inputs.shape[1], mesh.size(), mesh.get_local_rank(), _gatherer(mesh), inputs.device
-    )
-    return inputs[:, context.index], target[:, context.index], context
+def stage_shard(length: int, mesh: DeviceMesh, device: torch.device) -> ContextShard:
+    """The ``ContextShard`` every pipeline stage of this rank runs a batch of ``length``-token
+    sequences under (the stages gather the keys' documents micro-batch by micro-batch)."""
+    return shard_of(length, mesh.size(), mesh.get_local_rank(), _gatherer(mesh), device)
 
 
 def gather_sequence(x: torch.Tensor, context: ContextShard, mesh: DeviceMesh) -> torch.Tensor:

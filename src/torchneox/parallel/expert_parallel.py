@@ -52,6 +52,7 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> list[str]:
     ep_mesh = mesh["ep"]
     size, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     names = []
+    done: dict[int, nn.Parameter] = {}  # shared layers (num_unique_layers): one split each
     for module_name, module in model.named_modules():
         if not isinstance(module, MoE):
             continue
@@ -60,13 +61,14 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> list[str]:
             param = getattr(owner, attr)
             if param is None:
                 continue
-            shard = param.detach()[rank * local : (rank + 1) * local].clone()
-            split = nn.Parameter(
-                DTensor.from_local(shard, ep_mesh, [Shard(0)], run_check=False),
-                requires_grad=param.requires_grad,
-            )
-            setattr(owner, attr, split)
-            names.append(f"{module_name}.{name}")
+            if id(param) not in done:
+                shard = param.detach()[rank * local : (rank + 1) * local].clone()
+                done[id(param)] = nn.Parameter(
+                    DTensor.from_local(shard, ep_mesh, [Shard(0)], run_check=False),
+                    requires_grad=param.requires_grad,
+                )
+            setattr(owner, attr, done[id(param)])
+            names.append(f"{module_name}.{name}")  # (DDP leaves alone each name it goes by)
         module.dispatcher = AllToAllTokenDispatcher(ep_mesh.get_group(), size)
     return names
 
@@ -76,13 +78,15 @@ def sync_expert_gradients(model: nn.Module, replicas: DeviceMesh, batch_ranks: i
     expert replicas, and with context parallelism the context ranks beside them), then average
     over the ``batch_ranks`` that split the batch, as DDP does."""
     replicate = replicas.get_group() if replicas.size() > 1 else None
+    seen: set[int] = set()  # a tensor that shared layers hold is reduced once
     for module in model.modules():
         if not isinstance(module, MoE):
             continue
         for owner, attr, _ in expert_tensors(module):
             param = getattr(owner, attr)
-            if param is None or param.grad is None:
+            if param is None or param.grad is None or id(param) in seen:
                 continue
+            seen.add(id(param))
             local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
             if replicate is not None:
                 dist.all_reduce(local, group=replicate)

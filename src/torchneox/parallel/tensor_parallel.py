@@ -101,8 +101,14 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
     tied = model.output is None and model.value_head is None and model.final_norm is not None
     if tied:  # the head is the embedding's weight: its vocabulary shards give the logits'
         model.tied_head_input = functools.partial(_whole, mesh=mesh, seq=seq)
-    if sequence_parallel and (model.output is not None or tied):
+    if sequence_parallel and model.final_norm is not None:
         top["final_norm"] = SequenceParallel()
+    if sequence_parallel and model.value_head is not None:
+        # a reward model reads each sequence's last real position: the normalised slices are
+        # gathered whole (every rank the same values; the gradient of its own slice back)
+        top["value_head"] = PrepareModuleInput(
+            input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True
+        )
     if model.rpe is not None:  # the relative position table, split by heads
         top["rpe"] = ColwiseParallel(input_layouts=Replicate())
     if top:

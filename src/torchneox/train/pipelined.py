@@ -8,19 +8,32 @@ target carries, per position, the label, the loss mask, KTO's reward (reinforce'
 the reference's log-probability (computed first by a forward-only pass of the reference's own
 pipeline), reinforce's raw reward and its sampling policy's log-probability.
 The objective's metrics are kept on the last stage, then shared with the other stages.
+
+With context parallelism every stage runs this rank's chunks of each sequence
+(``context_split``) while the target stays whole: language modelling scores the rank's own
+positions (its share of the micro-batch's loss, the tokens ahead read from the whole target for
+MTP), the other objectives (sums over a sequence, a reward model's one position) the outputs
+gathered whole, as the loop does without stages.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 
 import torch
 
+from torchneox.models.lora import adapters_off
+from torchneox.models.mixers.attention import ContextShard
 from torchneox.models.moe import MoE, RouterStats, balancing_loss
 from torchneox.parallel.collectives import plain, sum_over_pp, sum_router_stats
+from torchneox.parallel.context_parallel import gather_sequence, part_of, stage_shard
 from torchneox.parallel.dims import ParallelDims
+from torchneox.parallel.pipeline import evaluate_pipeline
+from torchneox.train.loss import token_logp
 from torchneox.train.objectives import LanguageModeling, Objective, Prepared
+from torchneox.train.soft_prompt import before_text
 
 
 def encode_target(prep: Prepared) -> torch.Tensor:
@@ -61,17 +74,31 @@ class PipelinedObjective:
         self.metrics: list[dict[str, torch.Tensor]] = []
         self.losses: list[torch.Tensor] = []
         """Each call's loss (the objective less lm_z_loss's term), as the logs show it."""
+        self.context: ContextShard | None = None
+        """Context parallelism: the step's split (``context_split``), over ``mesh``."""
+        self.mesh = None
 
     def __call__(self, out: torch.Tensor, target: torch.Tensor, scaled: bool = True):
-        """The objective to run backward on (scaled); unscaled (evaluation): the loss."""
-        prep = decode_target(target)
-        terms = self.objective.terms(out, prep, None)
+        """The objective to run backward on (scaled); unscaled (evaluation): the loss (under
+        context parallelism each rank's share of it, the shares added by the reductions)."""
+        terms = self._terms(out, decode_target(target))
         kept = {k: plain(v).detach().float() for k, v in terms.metrics.items()}
         if terms.z_loss is not None:
             kept["z_loss"] = plain(terms.z_loss).detach().float()
         self.metrics.append(kept)
         self.losses.append(plain(terms.loss).detach().float())
         return terms.objective * self.scale() if scaled else terms.loss
+
+    def _terms(self, out, prep: Prepared):
+        if self.context is None:
+            return self.objective.terms(out, prep, None)
+        if isinstance(getattr(self.objective, "inner", self.objective), LanguageModeling):
+            return self.objective.terms(out, part_of(prep, self.context), None)
+        cp = self.context.ranks  # every context rank computes the whole micro-batch's terms
+        terms = self.objective.terms(gather_sequence(out, self.context, self.mesh), prep, None)
+        terms.loss = terms.loss / cp
+        terms.metrics = {k: v / cp for k, v in terms.metrics.items()}
+        return terms
 
     def mean_loss(self, micro_batches: int) -> torch.Tensor:
         """The mean loss of the last ``micro_batches`` calls (on the last stage)."""
@@ -86,7 +113,8 @@ class PipelinedObjective:
         step calls the loss once more, to learn the shapes), known on every pipeline rank."""
         out = {}
         kept = self.metrics[-micro_batches:]
-        if isinstance(self.objective, LanguageModeling) and self.objective.z_weight:
+        inner = getattr(self.objective, "inner", self.objective)  # (under DocumentMasked)
+        if isinstance(inner, LanguageModeling) and inner.z_weight:
             names = (*names, "z_loss")  # lm_z_loss's term, logged beside the loss
         for name in names:
             values = [m[name] for m in kept if name in m]
@@ -97,12 +125,32 @@ class PipelinedObjective:
 
 
 def prepared_batch(
-    objective: Objective, micro_batches: list[dict[str, torch.Tensor]]
+    objective: Objective, micro_batches: list, prompt: int = 0, seq_length: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, list[Prepared]]:
-    """The inputs of every micro-batch and their targets, concatenated in order."""
+    """The inputs of every micro-batch and their targets, concatenated in order; ``prompt``:
+    a soft prompt's tokens put before the text (``before_text``: under context parallelism
+    the stages run the prompt's positions as the text's)."""
     preps = [objective.prepare(b) for b in micro_batches]
+    if prompt:
+        preps = [before_text(p, prompt, seq_length) for p in preps]
     inputs = torch.cat([p.inputs for p in preps])
     return inputs, torch.cat([encode_target(p) for p in preps]), preps
+
+
+def context_split(
+    inputs: torch.Tensor, target: torch.Tensor, extra: dict, pipelines: list, mesh
+) -> tuple[torch.Tensor, torch.Tensor, dict, ContextShard]:
+    """Context parallelism through pipeline stages: this rank's chunks of a step's sequences
+    (inputs, next tokens, the documents' positions), the ``ContextShard`` they run under set
+    on every stage of ``pipelines`` (the policy's, the reference's). A float target (the
+    prepared micro-batches') stays whole: ``PipelinedObjective`` takes its part or gathers."""
+    context = stage_shard(inputs.shape[1], mesh, inputs.device)
+    for pipeline in pipelines:
+        for part in pipeline.parts:
+            part.stage_context = context
+    index = context.index
+    target = target if target.is_floating_point() else target[:, index]
+    return inputs[:, index], target, {k: v[:, index] for k, v in extra.items()}, context
 
 
 class _AuxGradient(torch.autograd.Function):
@@ -170,3 +218,25 @@ class StageRouters:
             calls.clear()
         local = total / (micro_batches * self.moe_layers * dims.cp)
         return sum_over_pp(local, dims)
+
+
+def reference_logp(gradients, inputs, labels, extra: dict) -> torch.Tensor | None:
+    """The frozen reference's log-probability of each label, by its own pipeline pass (forward
+    only; lora's: the policy's stages, their adapters left out), on the last stage (else
+    None). Under context parallelism its outputs are gathered whole for the labels."""
+    parts, split = gradients.parts, gradients.pipelined
+    fp32, context = getattr(gradients.objective, "fp32", True), split.context
+
+    def logp(out: torch.Tensor, y: torch.Tensor, _) -> torch.Tensor:
+        if context is not None:
+            out = gather_sequence(out, context, split.mesh)
+        return token_logp(out, y, fp32)
+
+    ref = parts.reference_pipeline
+    base = adapters_off(parts.model) if ref is None else contextlib.nullcontext()
+    with base:
+        per_micro_batch = evaluate_pipeline(
+            ref or parts.pipeline, inputs, labels, gradients.grad_accum,
+            gradients.dims.mesh["pp"], logp, reduce=False, kwargs=extra,
+        )  # fmt: skip
+    return torch.cat(per_micro_batch) if per_micro_batch else None

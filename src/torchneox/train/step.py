@@ -11,7 +11,6 @@ fp16's dynamic loss scale and the other optimizers decide on the host each step.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -34,11 +33,7 @@ from torchneox.parallel.collectives import (
     sum_over_pp,
     sum_router_stats,
 )
-from torchneox.parallel.context_parallel import (
-    gather_sequence,
-    split_pipeline_batch,
-    split_sequence,
-)
+from torchneox.parallel.context_parallel import gather_sequence, split_sequence
 from torchneox.parallel.data_parallel import set_gradient_sync
 from torchneox.parallel.dims import ParallelDims
 from torchneox.parallel.expert_parallel import sync_expert_gradients
@@ -47,9 +42,15 @@ from torchneox.parallel.pipeline import evaluate_pipeline
 from torchneox.parallel.tensor_parallel import loss_context, placed_like
 from torchneox.reporting.metrics import Timers
 from torchneox.train.batch import cut, to_device
-from torchneox.train.loss import lm_loss, token_logp
+from torchneox.train.loss import lm_loss
 from torchneox.train.objectives import DocumentMasked, LanguageModeling, Objective
-from torchneox.train.pipelined import PipelinedObjective, StageRouters, prepared_batch
+from torchneox.train.pipelined import (
+    PipelinedObjective,
+    StageRouters,
+    context_split,
+    prepared_batch,
+    reference_logp,
+)
 from torchneox.train.precision import LossScaler, autocast
 from torchneox.train.soft_prompt import before_text
 
@@ -289,76 +290,67 @@ class Gradients:
         positions, segments = documents(inputs, self.objective.eod_id)
         return {"positions_BT": positions, "segments_BT": segments}
 
-    def _pipeline_inputs(
-        self, micro_batches: list[Batch]
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """The pipeline's input and target for a global batch: tokens and next tokens, or
-        post-training micro-batches prepared, with the reference's log-probabilities; and the
-        model's other inputs (``_documents``)."""
-        inputs, target = self._pipeline_tensors(micro_batches)
-        return inputs, target, self._documents(inputs)
+    def _pipeline_inputs(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, ...]:
+        """The pipeline's input and target for a global batch (``_pipeline_tensors``), the
+        model's other inputs (``_documents``) and the last stage's (MTP's tokens ahead: the
+        whole sequences'), each context rank's part of the sequences in every stage."""
+        inputs, target, preps = self._pipeline_tensors(micro_batches)
+        extra, ahead = self._documents(inputs), self._mtp_inputs(inputs)
+        if self.dims.cp > 1:
+            pipelines = [p for p in (self.parts.pipeline, self.parts.reference_pipeline) if p]
+            self.pipelined.mesh = mesh = self.dims.mesh["cp"]
+            inputs, target, extra, self.pipelined.context = context_split(
+                inputs, target, extra, pipelines, mesh
+            )
+        if preps and self.objective.needs_reference:
+            labels = torch.cat([p.labels for p in preps])
+            logp = reference_logp(self, inputs, labels, extra)
+            if logp is not None:  # (the last stage: the one that computes the loss)
+                target[..., 3] = logp
+        return inputs, target, extra, ahead
 
-    def _pipeline_tensors(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pipeline_tensors(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, ...]:
+        """Tokens and next tokens; or (post-training, a loss mask, lm_z_loss's or MTP's terms,
+        a soft prompt before context-split text) the micro-batches prepared, their target a
+        float tensor (``encode_target``), and the ``Prepared`` of each."""
         objective = getattr(self.objective, "inner", self.objective)  # (under DocumentMasked)
         lm = objective if isinstance(objective, LanguageModeling) else None
-        # eod_mask_loss and lm_z_loss: the target carries the loss mask and the loss its terms
-        masked_or_z = lm is not None and (lm.eod_id is not None or lm.z_weight > 0)
-        masked_or_z = masked_or_z or (lm is not None and lm.mtp_depth > 0)  # ... and MTP's terms
-        if not isinstance(micro_batches[0], dict) and not (masked_or_z and self.dims.cp == 1):
+        plain_lm = lm is not None and lm.eod_id is None and not lm.z_weight and not lm.mtp_depth
+        args = self.parts.model.args
+        prompt = args.soft_prompt_tokens if self.dims.cp > 1 else 0
+        if not isinstance(micro_batches[0], dict) and plain_lm and not prompt:
             tokens = torch.cat(micro_batches).to(self.device, non_blocking=True)
-            if self.dims.cp > 1:  # this rank's chunks of every sequence, in every stage
-                inputs, target, context = split_pipeline_batch(
-                    tokens[:, :-1], tokens[:, 1:], self.dims.mesh["cp"]
-                )
-                for part in self.parts.pipeline.parts:
-                    part.stage_context = context
-                return inputs, target
-            return tokens[:, :-1], tokens[:, 1:]
+            return tokens[:, :-1], tokens[:, 1:], []
         batches = [to_device(b, self.device) for b in micro_batches]
-        inputs, target, preps = prepared_batch(objective, batches)
-        if self.objective.needs_reference:
-            ref = self.parts.reference_pipeline
-            labels = torch.cat([p.labels for p in preps])
-            fp32 = getattr(self.objective, "fp32", True)
-            # lora's reference: the policy's own stages, their adapters left out
-            base = adapters_off(self.parts.model) if ref is None else contextlib.nullcontext()
-            with base:
-                per_micro_batch = evaluate_pipeline(
-                    ref or self.parts.pipeline, inputs, labels, self.grad_accum,
-                    self.dims.mesh["pp"], lambda out, y, _: token_logp(out, y, fp32), reduce=False,
-                    kwargs=self._documents(inputs),
-                )  # fmt: skip
-            if per_micro_batch:  # the last stage: the one that computes the loss
-                target[..., 3] = torch.cat(per_micro_batch)
-        return inputs, target
+        return prepared_batch(objective, batches, prompt, args.seq_length)
 
     def _pipeline_batch(self, micro_batches: list[Batch], train: bool) -> torch.Tensor:
         """One global batch through the pipeline; the mean loss, known on every rank (the
         objective's metrics in ``self.pipeline_metrics``)."""
         p = self.parts.pipeline
         with self._loss_context(), self._autocast():
-            inputs, target, extra = self._pipeline_inputs(micro_batches)
+            inputs, target, extra, ahead = self._pipeline_inputs(micro_batches)
+            cp = self.dims.cp  # (a context rank's loss: its tokens' mean / cp, or its share)
             if not train:
-                loss_fn = lambda out, y, _: lm_loss(out, y[:, : out.shape[1]], None)  # noqa: E731
+                loss_fn = lambda out, y, _: lm_loss(out, y[:, : out.shape[1]], None) / cp  # noqa: E731
                 if target.is_floating_point():
                     loss_fn = lambda out, y, _: self.pipelined(out, y, scaled=False)  # noqa: E731
                 local = evaluate_pipeline(
                     p, inputs, target, self.grad_accum, self.dims.mesh["pp"], loss_fn, kwargs=extra
                 )
                 self._share_pipeline_metrics()
-                # only the last stage adds a loss; a context rank's is its tokens' mean
-                return sum_over_pp(local / self.dims.cp, self.dims)
+                return sum_over_pp(local, self.dims)  # (only the last stage adds a loss)
             losses: list[torch.Tensor] = []
             args = (inputs,) if p.has_first else ()
             kwargs = {"target": target, "losses": losses} if p.has_last else {}
             if p.has_last:  # the last stage's MTP modules embed the tokens ahead
-                kwargs |= self._mtp_inputs(inputs)
+                kwargs |= ahead
             p.reschedule(tuple(inputs.shape))
             with self.timers("pipeline"):
                 p.schedule.step(*args, **extra, **kwargs)
         local = torch.zeros((), device=self.device)
         if p.has_last and target.is_floating_point():  # the objective's loss, as logged
-            local = self.pipelined.mean_loss(self.grad_accum) / self.dims.cp
+            local = self.pipelined.mean_loss(self.grad_accum)  # (a context rank's share)
         elif p.has_last:
             local = torch.stack([plain(x).detach().float() for x in losses]).mean()
             local = local / (self.scale() * self.dims.cp)  # cp: its tokens' share

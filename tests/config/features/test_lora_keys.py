@@ -55,11 +55,6 @@ CASES = [
         "lora: target_modules names mlp.gate, but the activation is not gated",
     ),
     (
-        "pipeline-rm",
-        {**lora(), "pipe_parallel_size": 2, "train_impl": "rm"},
-        "lora: lora with pipe_parallel_size > 1 and train_impl rm is unbuilt for a reward model",
-    ),
-    (
         "no-such-family",
         {**lora(), "attention_config": [[["mamba"], "all"]]},
         "lora: target_modules names attention.wq, a layer of attention blocks, and "

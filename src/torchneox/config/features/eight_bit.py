@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from typing import Any
 
-from torchneox.base.errors import ConfigError
 from torchneox.config.checker import Checker
 from torchneox.config.derived import Derived
 from torchneox.config.features.optimizer import optimizer_spec
@@ -58,12 +56,30 @@ def sharded(o: OptimizerConfig) -> bool:
     return int((o.zero_optimization or {}).get("stage", 0) or 0) > 0
 
 
-def library_for(o: OptimizerConfig) -> str | None:
-    """The library whose 8-bit Adam a run with ``o`` steps: at ZeRO 0 the installed one
-    (bitsandbytes first, as GPT-NeoX); at ZeRO 1-3 torchao, whose AdamW8bit takes FSDP2's
-    DTensor shards and quantises each rank's shard block by block; bitsandbytes' kernels
-    cannot take a DTensor. None: the one it needs is not installed."""
-    if not sharded(o):
+def dtensor_axis(cfg: NeoXConfig) -> str | None:
+    """What makes the parameters the optimizer steps DTensors, which bitsandbytes' kernels
+    cannot take (None: plain tensors, DDP's or one process's): ZeRO 1-3's shards, or tensor,
+    pipeline or expert parallelism (FSDP2 wraps every tensor- or pipeline-parallel model; the
+    experts are split as DTensors)."""
+    p = cfg.parallel
+    for axis, on in (
+        ("ZeRO 1-3", sharded(cfg.optimizer)),
+        ("tensor parallelism", p.model_parallel_size > 1),
+        ("pipeline parallelism", p.pipe_parallel_size > 1),
+        ("expert parallelism", cfg.moe.expert_parallel_size > 1),
+    ):
+        if on:
+            return axis
+    return None
+
+
+def library_for(o: OptimizerConfig, dtensors: bool | None = None) -> str | None:
+    """The library whose 8-bit Adam a run with ``o`` steps: over plain tensors (ZeRO 0 alone,
+    or with context parallelism) the installed one (bitsandbytes first, as GPT-NeoX); over
+    DTensors (``dtensors``; by default ZeRO 1-3's) torchao, whose AdamW8bit steps each rank's
+    part block by block; bitsandbytes' kernels cannot take a DTensor. None: the one it needs
+    is not installed."""
+    if not (sharded(o) if dtensors is None else dtensors):
         return installed_library()
     return "torchao" if importlib.util.find_spec("torchao") is not None else None
 
@@ -92,8 +108,9 @@ def eight_bit_optimizer_bytes(library: str, tensors: list[tuple[str, int]]) -> i
     return total + (2 * QMAP_BYTES if library == "bitsandbytes" and quantised else 0)
 
 
-def describe(o: OptimizerConfig) -> str:
+def describe(cfg: NeoXConfig) -> str:
     """What use_bnb_optimizer does to the optimizer (config explain)."""
+    o = cfg.optimizer
     if not o.use_bnb_optimizer:
         return "off: use_bnb_optimizer is not set; Adam keeps fp32 moments"
     kind = optimizer_spec(o).kind
@@ -102,14 +119,15 @@ def describe(o: OptimizerConfig) -> str:
             f"off: use_bnb_optimizer swaps Adam only (as GPT-NeoX does); {kind} keeps its own "
             "state (learned position embeddings still become StableEmbedding)"
         )
-    library = library_for(o)
+    axis = dtensor_axis(cfg)
+    library = library_for(o, axis is not None)
     if library is None:
         return "none: neither bitsandbytes nor torchao is installed (pip install torchneox[bnb])"
-    if sharded(o):
+    if axis is not None:
         return (
-            "torchao's AdamW8bit (ZeRO 1-3: it takes FSDP2's DTensor shards, which bitsandbytes' "
+            f"torchao's AdamW8bit ({axis}: it takes the DTensor parameters, which bitsandbytes' "
             f"kernels cannot): moments in uint8 with one fp32 absmax per {BLOCK} values of each "
-            f"rank's shard; shards under {MIN_8BIT} values or not whole blocks and StableEmbedding "
+            f"rank's part; parts under {MIN_8BIT} values or not whole blocks and StableEmbedding "
             "weights keep fp32 moments; decoupled weight decay as GPT-NeoX's Adam"
         )
     rule = (
@@ -122,29 +140,6 @@ def describe(o: OptimizerConfig) -> str:
             f"bitsandbytes' Adam8bit (bitsandbytes is installed; else torchao's AdamW8bit): {rule}"
         )
     return f"torchao's AdamW8bit (bitsandbytes is not installed): {rule}"
-
-
-def eight_bit_layout(cfg: NeoXConfig, layout: Any) -> ConfigError | None:
-    """The layout rule: 8-bit Adam runs over data parallelism at every ZeRO stage (ZeRO 0:
-    DDP's whole tensors; 1-3: torchao's AdamW8bit over FSDP2's shards), without tensor,
-    pipeline, context or expert parallelism (config/refusals.py's table)."""
-    if not eight_bit(cfg.optimizer):
-        return None
-    for name, value, beside, fix in (
-        ("model_parallel_size", layout.tp, "tp2", "model_parallel_size 1"),
-        ("pipeline stages", layout.pp, "pp2", "pipe_parallel_size 1"),
-        ("context_parallel_size", layout.cp, "cp2", "context_parallel_size 1"),
-        ("expert_parallel_size", layout.ep, "ep2", "expert_parallel_size 1"),
-    ):
-        if value != 1:
-            error = ConfigError(
-                f"8-bit Adam with {name} {value} {refusal('8-bit adam', beside)}; set {fix} "
-                "or drop use_bnb_optimizer",
-                key="use_bnb_optimizer",
-            )
-            error.cause, error.path = fix.split(".")[0].split()[0], None  # type: ignore[attr-defined]
-            return error
-    return None
 
 
 def check_eight_bit(ch: Checker) -> None:
@@ -168,8 +163,8 @@ def derive_eight_bit(cfg: NeoXConfig, out: Derived) -> None:
     o = cfg.optimizer
     if not o.use_bnb_optimizer:
         return
-    library = library_for(o) if eight_bit(o) else None
-    why = describe(o)
+    library = library_for(o, dtensor_axis(cfg) is not None) if eight_bit(o) else None
+    why = describe(cfg)
     if cfg.model.pos_emb != "learned":
         why += f"; pos_emb {cfg.model.pos_emb}: no position table to make a StableEmbedding"
     out.put("eight_bit_adam", library or "off", why)

@@ -27,7 +27,6 @@ from torchneox.config.checker import Checker
 from torchneox.config.checks.model import layer_attention_types
 from torchneox.config.features.sharing import layer_owners
 from torchneox.config.numbers import number, whole
-from torchneox.config.refusals import refusal
 from torchneox.config.sizes import (
     MAMBA_STATE,
     gmlp_width,
@@ -265,7 +264,6 @@ def check_lora(ch: Checker) -> None:
             f"base_dtype must be fp32 or bf16, got {base!r}{did_you_mean(str(base), BASE_DTYPES)}",
             path="base_dtype",
         )
-    _check_use(ch)
 
 
 def _read_numbers(ch: Checker, given: dict) -> None:
@@ -339,14 +337,3 @@ def _check_present(ch: Checker, ours: set[str]) -> None:
                     "(moe_num_experts > 1)",
                     path="target_modules",
                 )
-
-
-def _check_use(ch: Checker) -> None:
-    """The objectives and layouts the adapters do not run with (config/refusals.py)."""
-    c = ch.c
-    if c.parallel.pipe_parallel_size > 1 and c.training.train_impl in ("rm", "reinforce"):
-        ch.fail(
-            NAME,
-            f"lora with pipe_parallel_size > 1 and train_impl {c.training.train_impl} "
-            f"{refusal('lora', c.training.train_impl + ' + pp2')}; set pipe_parallel_size 1",
-        )

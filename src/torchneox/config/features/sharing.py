@@ -87,5 +87,3 @@ def _check_layout(ch: Checker, key: str, shared: bool) -> None:
             key,
             f"{refusal('shared layers', 'pp2')}; set pipe_parallel_size 1",
         )
-    if c.moe.moe_num_experts > 1 and c.moe.expert_parallel_size > 1:
-        ch.fail(key, f"{refusal('shared layers', 'ep2')}; set expert_parallel_size 1")

@@ -92,8 +92,6 @@ def _check_layout(ch: Checker) -> None:
     if c.training.train_impl != "normal":
         impl = c.training.train_impl
         ch.fail(NAME, f"with train_impl {impl} {refusal('soft prompt', impl)}; drop it")
-    if c.parallel.context_parallel_size > 1 and c.parallel.pipe_parallel_size >= 2:
-        ch.fail(NAME, f"{refusal('soft prompt', 'pp2 cp2')}; either axis alone takes it")
     curriculum = c.training.curriculum_learning or {}
     if c.parallel.context_parallel_size > 1 and curriculum.get("enabled", False):
         ch.fail(

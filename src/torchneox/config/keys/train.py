@@ -117,9 +117,9 @@ class OptimizerConfig:
     )
     use_bnb_optimizer: bool = key(
         False,
-        "Adam with 8-bit moments (ZeRO 0: bitsandbytes' Adam8bit, else torchao's AdamW8bit; "
-        "ZeRO 1-3: torchao's, over each rank's shard; one pipeline stage, no tensor, context or "
-        "expert parallelism) and learned position embeddings as StableEmbedding (a LayerNorm "
+        "Adam with 8-bit moments (ZeRO 0 over plain tensors: bitsandbytes' Adam8bit, else "
+        "torchao's AdamW8bit; ZeRO 1-3, tensor, pipeline and expert parallelism: torchao's, over "
+        "each rank's part) and learned position embeddings as StableEmbedding (a LayerNorm "
         "after the lookup).",
     )
     scheduler: dict[str, Any] | None = no_effect(

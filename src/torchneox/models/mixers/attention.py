@@ -13,6 +13,7 @@ rounding. Forward-only calls (evaluation, generation) are left as they are.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,7 +30,8 @@ from torchneox.models.positions import apply_rotary
 CPU_ATTENTION_CHOICES = ("auto", "fp32", "native")
 
 Gather = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-"""Context parallelism: every rank's keys and values from this rank's."""
+"""Context parallelism: every rank's keys and values from this rank's (MLA: its latents and rotary
+keys, [B, 1, T, *] each)."""
 
 
 @dataclass
@@ -70,6 +72,14 @@ class ContextShard:
     def ranks(self) -> int:
         """The ranks that split the sequence (each holds as many of its tokens)."""
         return self.keys.numel() // self.index.numel()
+
+    def with_key_segments(self, segments_BT: torch.Tensor) -> ContextShard:
+        """This shard with the keys' documents, gathered from every rank's ``segments_BT``
+        [B, T_local] (a pipeline stage's shard serves every micro-batch of a step; document
+        numbers are exact in float32)."""
+        s = segments_BT[:, None, :, None].float()
+        keys, _ = self.gather(s, s)
+        return dataclasses.replace(self, key_segments=keys[:, 0, :, 0].round().long())
 
 
 def documents(tokens_BT: torch.Tensor, eod_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,6 +19,11 @@ Under tensor parallelism the down projections (``wq_a``, ``wkv_a``) and the late
 whole on every rank and the up projections (``wq``/``wq_b``, ``wkv_b``) and ``wo`` are split by
 heads (parallel/tensor_parallel.py); the shared rotary key meets only this rank's heads, so the
 plan sets ``shared_key_grad`` to sum its gradient over the ranks.
+
+Under context parallelism each rank rotates its own tokens' rotary key at their positions in
+the whole sequence (``rope`` is taken there), and ``bias.gather`` brings every rank's latents
+and rotary keys (not the heads' keys and values); the keys and values are then rebuilt from the
+whole sequence and the rank's queries attend to them under the context mask.
 """
 
 from __future__ import annotations
