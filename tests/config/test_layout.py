@@ -66,14 +66,17 @@ CASES = [
         "pos_emb: 'rpe' with pipeline_schedule interleaved_1f1b cannot run with several stages",
     ),
     (
-        "replica-groups-with-pipeline-stages",
+        "replica-groups-with-reinforce",
         UNTIED
         | {
-            "pipe_parallel_size": 2,
-            "gradient_accumulation_steps": 2,
+            "train_impl": "reinforce",
+            "rollout_prompts": "p.jsonl",
+            "reward_function": "r:f",
+            "rollout_max_new_tokens": 8,
+            "load": None,
             "ft_lighthouse": "http://localhost:29510",
         },
-        "pipe_parallel_size: replica groups (ft_lighthouse) with pipeline stages is unbuilt",
+        "train_impl: replica groups (ft_lighthouse) with REINFORCE is unbuilt",
     ),
 ]
 

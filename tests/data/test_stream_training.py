@@ -117,3 +117,40 @@ def test_two_processes_resumed_equal_the_whole_run(tmp_path, mix, layout):
     again = config(tmp_path, mix, "resumed")
     train(again, *LAYOUTS[layout], "num_workers=1", nproc=2)  # each rank's own tokenizer
     assert_same(tmp_path / "resumed", tmp_path / "whole")
+
+
+def test_a_spike_rewound_skips_the_streams_batches(tmp_path, mix, monkeypatch, capsys):
+    """The loss-spike guard on streamed text (one process, in this one): a spike at step 4 (the
+    loss and gradients x 1000, the guards' fault hook) rewinds to step 2's checkpoint; the
+    stream goes back with it and then on past the batches of steps 3-4. Steps 3-5 trained again
+    and the weights equal those of a run whose stream simply lacked those batches, bit for
+    bit."""
+    from torchneox.base import faults
+    from torchneox.config.load import load_config
+    from torchneox.train.trainer import Trainer
+
+    monkeypatch.setattr(faults, "_fired", set())
+    monkeypatch.setenv(faults.ENV, "spike@step.backward:4")
+    keys = {"train_iters": 5, "eval_iters": 0, "checkpoint_factor": 2}
+    guarded = config(tmp_path, mix, "guarded", **keys, spike_action="rewind", spike_window=2)
+    trainer = Trainer(load_config([guarded]), device="cpu")
+    trainer.run()
+    said = capsys.readouterr().out
+    assert "skipping the 2 batch(es) of steps 3-4 (rewind 1 of 3" in said, said[-2000:]
+    got = losses(tmp_path / "guarded"), losses(tmp_path / "guarded", "grad_norm")
+    assert losses(tmp_path / "guarded", "skipped_batches")[5] == 2
+
+    monkeypatch.delenv(faults.ENV)
+    plain = config(tmp_path, mix, "plain", **keys, save=None, load=None)
+    reference = Trainer(load_config([plain]), device="cpu")
+    want: tuple[dict, dict] = ({}, {})
+    for step in range(1, 6):
+        if step == 3:  # the stream simply lacks the 2 batches the spike's steps read
+            reference.train_loader.next()
+            reference.train_loader.next()
+        out = reference.train_step()
+        want[0][step], want[1][step] = out["lm_loss"], out["grad_norm"]
+    assert got == want
+    for a, b in zip(trainer.model.parameters(), reference.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert trainer.train_loader.state_dict() == reference.train_loader.state_dict()

@@ -5,7 +5,8 @@ its step counter goes on (the live groups it logs go 2 -> 1 -> 2); group 1, rest
 empty save folder, joins the next quorum, heals from group 0 over torchft's checkpoint transport
 and ends with group 0's weights, bit for bit. Disk checkpoints cross over both ways: a group's
 resumes into a run without groups, the one run's into a group. One scenario checks all of it,
-its runs side by side where they can be: a launch of 4 processes costs more than its steps."""
+its runs side by side where they can be: a launch of 4 processes costs more than its steps.
+Every run is forked from the tests' server (tests/forked.py): no import of torch per run."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def status(server) -> str:
         return page.read().decode()
 
 
-def wait_for(ready, run: subprocess.Popen, timeout: float = 120) -> None:
+def wait_for(ready, run: Forked, timeout: float = 120) -> None:
     """Until ``ready()`` (the group ``run`` still alive)."""
     end = time.monotonic() + timeout
     while not ready():
@@ -63,24 +64,21 @@ def logged(folder: Path, step: int) -> bool:
     return metrics.is_file() and f'"iteration": {step},' in metrics.read_text()
 
 
-def torchneox(config: str, keys: list[str], nproc: int, out: Path, env=None) -> subprocess.Popen:
-    """``torchneox train CONFIG --nproc N --set KEY ...`` started, its output in ``out``."""
-    args = [sys.executable, "-m", "torchneox", "train", config, "--nproc", str(nproc)]
-    args += [a for k in keys for a in ("--set", k)]
-    log = open(out, "w")  # noqa: SIM115 (the run's, closed when it ends)
-    env = dict(os.environ, OMP_NUM_THREADS="1") | (env or {})
-    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+def torchneox(config: str, keys: list[str], nproc: int, env=None) -> Forked:
+    """``torchneox train CONFIG --nproc N --set KEY ...``, forked from the tests' server (no
+    import of torch per run; tests/forked.py)."""
+    args = ["train", config, "--nproc", str(nproc), *[a for k in keys for a in ("--set", k)]]
+    return Forked(args, dict(os.environ, OMP_NUM_THREADS="1") | (env or {}))
 
 
-def group(config: str, server, g: int, folder: Path, flags: Path, fault: str) -> subprocess.Popen:
-    """Replica group ``g`` of 2: 2 processes, ZeRO-3, saving to ``folder``; its output in
-    ``folder``.out."""
+def group(config: str, server, g: int, folder: Path, flags: Path, fault: str) -> Forked:
+    """Replica group ``g`` of 2: 2 processes, ZeRO-3, saving to ``folder``."""
     env = {"TORCHFT_MANAGER_PORT": "0", "TORCHNEOX_FAULT": fault}
     env["TORCHNEOX_FAULT_FLAG"] = str(flags)
     keys = [f"ft_lighthouse={server.address()}", f"ft_replica_group={g}", "ft_replica_groups=2"]
     keys += [f"save={folder}", f"load={folder}", "ft_timeout_seconds=20"]
     keys += ["zero_optimization.stage=3", "checkpoint_factor=2"]
-    return torchneox(config, keys, 2, Path(f"{folder}.out"), env)
+    return torchneox(config, keys, 2, env)
 
 
 def alone(server) -> list[str]:
@@ -97,10 +95,11 @@ def resume(config: str, folder: Path, step: Path, keys: list[str]) -> Forked:
     return Forked(["train", config, *[a for k in keys for a in ("--set", k)]], env)
 
 
-def ended(run: subprocess.Popen, folder: Path, timeout: float = 240) -> str:
-    code = run.wait(timeout)
-    text = Path(f"{folder}.out").read_text()
-    assert code == 0, text[-4000:]
+def ended(run: Forked, timeout: float = 240) -> str:
+    """What the run printed, once it has ended (it must succeed)."""
+    result = run.result(timeout)
+    text = result.stdout + result.stderr
+    assert result.returncode == 0, text[-4000:]
     return text
 
 
@@ -116,7 +115,7 @@ def run_scenario(config: str, tmp_path: Path, server, lone) -> tuple[str, str]:
     flags.mkdir()
     hsdp = tmp_path / "hsdp"
     keys = [f"save={hsdp}", "load=null", f"exit_interval={KILLED}", "checkpoint_factor=2"]
-    one = torchneox(config, [*keys, HYBRID], 4, tmp_path / "hsdp.out")
+    one = torchneox(config, [*keys, HYBRID], 4)
     # both groups wait before step 1 until both beat (a quorum then waits for both), and
     # group 0 again before step HELD, until restarted group 1 is waiting in a quorum
     first = group(config, server, 0, g0, flags, f"wait@step.start:1,wait@step.start:{HELD}")
@@ -124,12 +123,12 @@ def run_scenario(config: str, tmp_path: Path, server, lone) -> tuple[str, str]:
     second = group(config, server, 1, g1, flags, kill)
     wait_for(lambda: "[2 heartbeating]" in status(server), first)
     (flags / "1").touch()
-    assert second.wait(240) != 0  # every process of group 1 killed inside step KILLED
+    assert second.result(240).returncode != 0  # every process of group 1 killed inside step KILLED
     wait_for(lambda: logged(g0, HELD - 1), first)  # group 0 on alone, then held
     third = group(config, server, 1, back, flags, "")  # an empty save folder
     # disk checkpoints cross over: the groups' into a run without groups, the one run's into a
     # group alone in its quorum, each on to step KILLED
-    ended(one, hsdp)
+    ended(one)
     resumed = [
         resume(config, tmp_path / "no-groups", g0 / f"global_step{KILLED - 1}", []),
         resume(config, tmp_path / "a-group", hsdp / f"global_step{KILLED - 1}", alone(lone)),
@@ -138,7 +137,7 @@ def run_scenario(config: str, tmp_path: Path, server, lone) -> tuple[str, str]:
     asked = "[1/1 participants healthy][2 heartbeating]"
     wait_for(lambda: asked in status(server), third)
     (flags / str(HELD)).touch()
-    out = ended(first, g0), ended(third, back)
+    out = ended(first), ended(third)
     for run in resumed:
         result = run.result(timeout=240)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -209,10 +209,11 @@ REFUSALS: tuple[Refusal, ...] = (
         "cannot sample rollouts in the run with sequence parallelism, because a decode step's "
         "one token cannot be split by positions",
     ),
-    *_each(
+    Refusal(
         "replica groups",
-        ("pp2", "ep2", "reinforce"),
-        "is unbuilt: the groups average a layout of ZeRO 0-3, tensor or context parallelism",
+        "reinforce",
+        "is unbuilt: each rank's rollouts not yet trained and its reward baseline's history "
+        "are its own, so a group restarted after a failure could not heal them from a live group",
     ),
     *_each("whole-model compile", ("tp2", "pp2", "cp2", "ep2", "zero1", "zero3"), _ONE_GRAPH),
     Refusal("qk layernorm", "mla", "cannot apply, because MLA's latents have their own RMSNorms"),

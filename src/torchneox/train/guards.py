@@ -90,6 +90,9 @@ class SpikeGuard:
         position = trainer.train_loader.state_dict()
         resumed = checkpoints.resume(Path(checkpoints.save_dir) / name, trainer.state)
         trainer.train_loader.load_state_dict(position)  # past the spike's batches
+        rewound = getattr(trainer.train_loader, "rewound", None)
+        if rewound is not None:  # REINFORCE: past the rest of the spike's rollout batch too
+            rewound()
         trainer.iteration = resumed.iteration
         skipped = step - resumed.iteration
         self.rewinds += 1

@@ -140,6 +140,7 @@ class Replicas:
                 micro_batches = t.train_loader.next()
             loss, metrics = t.step.checked_gradients(iteration, micro_batches)
             loss = self._average(loss)
+            self._sum_loads()
             if self.manager.should_commit():
                 t.iteration = iteration
                 values = t.step.apply(iteration, lr, loss, metrics)
@@ -218,6 +219,17 @@ class Replicas:
                 offset += g.numel()
         loss_work.wait()
         return total.reshape(()).to(loss.dtype)
+
+    def _sum_loads(self) -> None:
+        """Each MoE layer's tokens per expert, summed over the live groups' same ranks: the
+        router bias (moe_router_bias_update_rate) moves by the load of every group's tokens, the
+        same in every group, and the logged load is the whole step's."""
+        from torch.distributed import ReduceOp
+
+        counts = self.t.step.gradients.moe_counts
+        works = [self.manager.allreduce(c, reduce_op=ReduceOp.SUM) for c in counts]
+        for work in works:
+            work.wait()
 
     # ------------------------------------------------------------------ healing
 

@@ -158,3 +158,39 @@ def test_one_step_of_the_clipped_loss_has_reinforces_gradient():
     logp = torch.log_softmax(LOGITS, -1).gather(-1, LABELS[..., None]).squeeze(-1)
     Reinforce(beta=0.0, updates=2).terms(logits, _prep(logp.detach())).objective.backward()
     torch.testing.assert_close(logits.grad, plain_grad)
+
+
+# ------------------------------------------------------------------ a loss spike rewound
+
+
+def test_a_rewind_skips_the_rest_of_the_spikes_rollout_batch():
+    """With rollout_updates 2 a rollout batch trains 2 steps. A spike rewound in the first of
+    them (spike_action rewind: the loader set back where the spike left it, then ``rewound``)
+    skips the second too: the next step samples a new batch from the rewound policy, with its
+    own sampling log-probabilities, instead of training the policy the rewind threw away."""
+    from types import SimpleNamespace
+
+    from torchneox.data.online import Group
+    from torchneox.train.rl.rollouts import RolloutBatches
+
+    made = []
+
+    def make(index: int) -> list[Group]:
+        made.append(index)
+        return [Group([1, 2], [[3 + index], [4 + index]], [1.0, 0.0])]
+
+    rollout = SimpleNamespace(reinforce_leave_one_out=True, advantage_normalization=None)
+    batches = RolloutBatches(
+        SimpleNamespace(make=make), rollout, micro_batch=2, gas=1, seq_length=4, dp_rank=0,
+        dp_size=1, old_logp=lambda micro_batches: [torch.zeros(2, 4)], updates=2,
+    )  # fmt: skip
+    first = batches.next()
+    assert made == [0] and torch.equal(batches.next()[0]["text"], first[0]["text"])
+    batches.rewound()  # at a batch's end: nothing to skip
+    assert batches.steps == 2 and made == [0]
+    batches.next()  # a new batch (index 1); its first step spikes and is rewound
+    batches.load_state_dict(batches.state_dict())  # where the spike left the data
+    batches.rewound()
+    after = batches.next()
+    assert made == [0, 1, 2]  # not the rest of batch 1: batch 2, sampled anew
+    assert after[0]["text"][0, 2].item() == 3 + 2

@@ -68,33 +68,19 @@ def _check_diloco(ch: Checker) -> None:
         )
 
 
-REFUSED = (
-    ("pipe_parallel_size", lambda lay, c: lay.pp > 1, "pp2", "pipeline stages"),
-    ("expert_parallel_size", lambda lay, c: lay.ep > 1, "ep2", "expert parallelism"),
-    (
-        "train_impl",
-        lambda lay, c: c.training.train_impl == "reinforce",
-        "reinforce",
-        "REINFORCE's rollouts",
-    ),
-)
-
-
 def replica_layout(c, layout) -> ConfigError | None:
-    """A layout rule: a replica group's layout is one the groups can average over (every
-    gradient a tensor, or a data-parallel shard, that each group holds alike)."""
-    if not replicated(c):
+    """A layout rule: a replica group's run is one the groups can average and heal (ZeRO 0-3,
+    tensor, context and expert parallelism, pipeline stages: every gradient a tensor, or a
+    shard, that each group holds alike)."""
+    if not replicated(c) or c.training.train_impl != "reinforce":
         return None
-    for key, refused, beside, what in REFUSED:
-        if refused(layout, c):
-            error = ConfigError(
-                f"replica groups (ft_lighthouse) with {what} {refusal('replica groups', beside)}: "
-                "train each group so, or unset ft_lighthouse",
-                key=key,
-            )
-            error.cause, error.path = "ft_lighthouse", None
-            return error
-    return None
+    error = ConfigError(
+        f"replica groups (ft_lighthouse) with REINFORCE {refusal('replica groups', 'reinforce')}: "
+        "train REINFORCE in one run (unset ft_lighthouse)",
+        key="train_impl",
+    )
+    error.cause, error.path = "ft_lighthouse", None
+    return error
 
 
 def require_replicas(c) -> None:

@@ -111,6 +111,13 @@ class RolloutBatches:
     def has_full_batch(self) -> bool:
         return True  # a source never runs dry
 
+    def rewound(self) -> None:
+        """The run went back to its last checkpoint past a loss spike (spike_action rewind):
+        the rest of the rollout batch the spike trained on is skipped with it (rollout_updates
+        above 1), so the next step samples a new one from the rewound policy, not the policy the
+        rewind threw away."""
+        self.steps = -(-self.steps // self.updates) * self.updates
+
     def _new_cycle(self) -> None:
         began, tokens = time.perf_counter(), 0
         while len(self.pending) < self.rows_per_step:
