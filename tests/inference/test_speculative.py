@@ -104,6 +104,9 @@ def test_generate_speculative_prints_plain_greedy_text_and_what_the_drafts_did(t
     got = capsys.readouterr()
     assert got.out == plain
     assert "speculative decoding: " in got.err and " forwards of the model, " in got.err
+    assert main([*args, "--speculative", "--decode-loop", "static"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "decode_loop: speculative decoding keeps" in err, err
     _char_checkpoint(tmp_path / "plain")
     args[2] = str(tmp_path / "plain")
     assert main([*args, "--speculative"]) == 2
