@@ -136,18 +136,32 @@ def assert_resumes_like_whole(
     return moved
 
 
-def assert_resumes_bitwise(cfg, whole: Path, step: int, overrides: list[str], nproc: int) -> None:
+def assert_resumes_bitwise(
+    cfg,
+    whole: Path,
+    step: int,
+    overrides: list[str],
+    nproc: int,
+    until: int | None = None,
+    keys: tuple[str, ...] = ("lm_loss", "grad_norm"),
+) -> None:
     """Resumed from the step-``step`` checkpoint of the run in ``whole`` (same layout,
-    ``overrides``), the later steps' losses and gradient norms and the final weights are that
-    run's, to the bit."""
-    moved = whole.parent / f"{whole.name}-resumed"
-    train(cfg, f"save={moved}", f"load={whole / f'global_step{step}'}", *overrides, nproc=nproc)
-    for key in ("lm_loss", "grad_norm"):
+    ``overrides``), the later steps' losses and gradient norms (``keys``) and the final weights
+    are that run's, to the bit. With ``until``, the resume stops there and is held to those
+    steps and to the weights of ``whole``'s step-``until`` checkpoint."""
+    moved = whole.parent / f"{whole.name}-resumed{step}"
+    stop = [] if until is None else [f"exit_interval={until}"]
+    train(
+        cfg, f"save={moved}", f"load={whole / f'global_step{step}'}", *overrides, *stop,
+        nproc=nproc,
+    )  # fmt: skip
+    for key in keys:
         done, after = losses(whole, key), losses(moved, key)
-        assert sorted(after) == [k for k in sorted(done) if k > step], key
+        later = [k for k in sorted(done) if k > step and (until is None or k <= until)]
+        assert sorted(after) == later and later, key
         assert all(after[k] == done[k] for k in after), (key, after, done)
     resumed = weights(moved)
-    for name, tensor in weights(whole).items():
+    for name, tensor in weights(whole if until is None else whole / f"global_step{until}").items():
         assert torch.equal(tensor, resumed[name]), name
 
 

@@ -99,8 +99,9 @@ def test_static_decode_loop_reads_back_only_at_stop_checks(monkeypatch):
     assert counts == {20: 1, 61: 1 + 60 // gen.STOP_CHECK_INTERVAL} == {20: 1, 61: 2}
 
 
-def _char_checkpoint(folder):
-    """A tiny random character-level model saved as a torchneox checkpoint."""
+def _char_checkpoint(folder, **extra):
+    """A tiny random character-level model saved as a torchneox checkpoint (``extra``: more
+    model keys)."""
     from torchneox.checkpoint import files as checkpoint_format
     from torchneox.config.derive import derive
     from torchneox.config.load import load_mapping
@@ -110,6 +111,7 @@ def _char_checkpoint(folder):
 
     keys = {"num_layers": 1, "hidden_size": 16, "num_attention_heads": 2, "seq_length": 16}
     keys |= {"tokenizer_type": "CharLevelTokenizer", "make_vocab_size_divisible_by": 64}
+    keys |= extra
     loaded = load_mapping(keys, "test")
     state = {"model": build_model(model_args(loaded), seed=0).state_dict()}
     checkpoint_format.save_checkpoint(folder, 0, state, render_yaml(loaded, derive(loaded)))

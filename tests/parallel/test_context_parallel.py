@@ -152,7 +152,9 @@ def test_interleaved_pipeline_stages_with_documents_and_mtp_equal_and_resume_as_
     keys' documents of every micro-batch), the loss mask (eod_mask_loss), lm_z_loss's term and
     MTP's tokens ahead (the last stage reads them from the whole target). Every step, its
     z-loss and MTP loss and the evaluation equal one process's, stopped at step 3 and resumed
-    on one process."""
+    on two stages under zbv, whose V puts the first and the last stage on the first rank: the
+    last stage's copy of the embedding (MTP's tokens ahead) is loaded, its gradient added to
+    the first stage's and its values refreshed after each step."""
     features = {
         "inter_document_attention_masking": True,
         "eod_mask_loss": True,
@@ -168,7 +170,8 @@ def test_interleaved_pipeline_stages_with_documents_and_mtp_equal_and_resume_as_
         "pipe_parallel_size=2",
         "pipeline_schedule=interleaved_1f1b",
     ]
-    moved = assert_resumes_like_whole(cfg, tmp_path, [], first, 4, [], 1)
+    then = ["pipe_parallel_size=2", "pipeline_schedule=zbv"]
+    moved = assert_resumes_like_whole(cfg, tmp_path, [], first, 4, then, 2)
     whole = trained_once(cfg)
     for key in ("lm_loss", "z_loss", "mtp_loss_1"):
         want, got = losses(whole, key), losses(moved, key)

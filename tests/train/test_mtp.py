@@ -1,6 +1,6 @@
 """Multi-token prediction (issue 62, DeepSeek-V3's MTP): the loss equals a hand-written
 reference at depths 1 and 2; `config explain` counts the modules; the layouts that cannot carry
-it are refused in one line; a run saves and resumes it bitwise, and through two pipeline stages
+it are refused in one line (two modules under a zero-bubble schedule); a run saves and resumes it bitwise, and through two pipeline stages
 (the last stage holding a copy of the embedding) it trains as one process does."""
 
 from __future__ import annotations
@@ -109,6 +109,7 @@ def test_explain_counts_the_modules_and_generation_leaves_them_out():
                 "pipeline_schedule": "zbv",
                 "num_layers": 4,
                 "gradient_accumulation_steps": 2,
+                "mtp_num_layers": 2,  # (one module runs under zbv: test_context_parallel.py)
             },
             "zbv",
         ),

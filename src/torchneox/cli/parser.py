@@ -247,6 +247,13 @@ def _generate_verb(verbs: argparse._SubParsersAction) -> None:
         choices=("auto", "static", "dynamic"),
         help="static: fixed-shape steps, CUDA graphs on a GPU; auto: static on CUDA",
     )
+    gen.add_argument(
+        "--speculative",
+        action="store_true",
+        default=None,
+        help="greedy, drafting with the model's MTP module: plain greedy decoding's tokens, up "
+        "to two per forward",
+    )
     gen.add_argument("--seed", type=COUNT, help="seed for sampling")
     gen.add_argument(
         "--device",

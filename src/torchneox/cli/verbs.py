@@ -108,6 +108,7 @@ GEN_FLAGS = (
     "num_samples",
     "recompute",
     "decode_loop",
+    "speculative",
 )
 
 

@@ -206,11 +206,13 @@ def _tied_embeddings(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
 
 
 def _multi_token(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
-    """MTP reads the tokens ahead of each position and embeds them where the last layer is."""
-    if cfg.model.mtp_num_layers and lay.pp > 1 and lay.schedule == "zbv":
+    """The zero-bubble schedules split a stage's backward in two (torch.distributed.pipelining's
+    input and weight halves); the second depth's MTP module breaks that split."""
+    depth = cfg.model.mtp_num_layers or 0
+    if depth > 1 and lay.pp > 1 and lay.schedule in ("zbv", "interleaved_zero_bubble"):
         return _refuse(
-            f"with pipeline_schedule zbv: multi-token prediction {refusal('mtp', 'pp2 zbv')}; "
-            "use another layout, or mtp_num_layers: 0",
+            f"{depth} with pipeline_schedule {lay.schedule}: multi-token prediction "
+            f"{refusal('mtp', 'pp2 zbv')}; use mtp_num_layers: 1, or another pipeline_schedule",
             key="mtp_num_layers",
             cause="pipeline_schedule",
         )

@@ -56,7 +56,7 @@ FEATURES: dict[str, dict[str, Any]] = {
         "moe_shared_expert_intermediate_size": 64,
         "moe_router_bias_update_rate": 0.001,
     },
-    "mtp": {"mtp_num_layers": 1},
+    "mtp": {"mtp_num_layers": 2},  # (two modules: one runs where two are refused)
     "mla": {"mla_kv_lora_rank": 16, "mla_qk_nope_head_dim": 8, "mla_qk_rope_head_dim": 8},
     "lora": {"lora": {"rank": 4, "target_modules": ["q_proj", "o_proj", "up_proj"]}},
     "soft prompt": {"soft_prompt_tuning": {"enabled": True, "n_tokens": 4}},
@@ -182,8 +182,10 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(
         "mtp",
         "pp2 zbv",
-        "cannot run under zbv, because the last stage's copy of the embedding would lie on the "
-        "first stage's rank",
+        "cannot run two or more modules under zbv or interleaved_zero_bubble, because these "
+        "split a stage's backward into input and weight halves and the embedding reaches the "
+        "loss through every depth: torch's weight half would run back through the first "
+        "depth's freed graph",
     ),
     Refusal(
         "soft prompt",

@@ -16,6 +16,7 @@ from torchneox.base.errors import ConfigError
 from torchneox.config.keys.io import TextGenConfig
 from torchneox.config.paths import atomic_output
 from torchneox.data.tokenizers import Tokenizer
+from torchneox.inference.speculative import Drafts, check_speculative, speculative_greedy
 from torchneox.models.mixers.attention import KVCache, StaticKVCache
 from torchneox.models.transformer import Transformer
 from torchneox.parallel.collectives import plain
@@ -33,6 +34,8 @@ class Sampling:
     seed: int | None = None
     decode_loop: str = "auto"
     """static: fixed-shape steps (CUDA graphs on a GPU); dynamic; auto: static on CUDA."""
+    speculative: bool = False
+    """Greedy, drafting with the model's MTP module (inference/speculative.py)."""
 
 
 def filter_logits(logits_BV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -72,11 +75,24 @@ def generate(
     prompts: list[list[int]],
     s: Sampling,
     pad_id: int = 0,
+    drafts: Drafts | None = None,
 ) -> list[list[int]]:
     """The continuation of each prompt (stop token excluded). Prompts may differ in length:
-    they are left-padded, and padding is masked out and excluded from positions."""
+    they are left-padded, and padding is masked out and excluded from positions. With
+    ``s.speculative``, one prompt at a time, drafting with the MTP module (``drafts`` counts)."""
     model.eval()
-    rows = _decode(model, model, prompts, s, pad_id, _seeded(s, model.embed.weight.device))
+    if s.speculative:
+        check_speculative(model, s.temperature, s.use_cache)
+        device = model.embed.weight.device
+        rows = [
+            speculative_greedy(
+                model, p, _steps(model, [p], s), s.stop_ids, _cache_dtype(model, device),
+                drafts=drafts,
+            )
+            for p in prompts
+        ]  # fmt: skip
+    else:
+        rows = _decode(model, model, prompts, s, pad_id, _seeded(s, model.embed.weight.device))
     return _cut_at_stops(rows, s.stop_ids, keep_stop=False)
 
 
@@ -159,9 +175,23 @@ def _decode(
 ) -> list[list[int]]:
     """Each prompt's generated tokens (pad after a row's stop token): ``call`` is the module
     to run (``core``, or a wrapper of it), ``core`` the Transformer (its args and weights)."""
+    device = _device_of(core)
+    longest, steps = max((len(p) for p in prompts), default=0), _steps(core, prompts, s)
+    prompt = core.args.soft_prompt_tokens
+    tokens, positions, valid, padded = _left_padded(prompts, longest + steps, pad_id, device)
+    mask = valid if padded else None
+    if static and s.use_cache and static_decoding(s.decode_loop, device) and not prompt:
+        return _static_loop(core, tokens, positions, mask, longest, s, pad_id, generator).tolist()
+    return _dynamic_loop(
+        call, core, tokens, positions, mask, longest, s, pad_id, generator, tp, lockstep
+    )
+
+
+def _steps(core: Transformer, prompts: list[list[int]], s: Sampling) -> int:
+    """How many tokens to generate after ``prompts``: maximum_tokens, never past the model's
+    last position (as GPT-NeoX, whatever maximum_tokens asks)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    device = _device_of(core)
     longest = max(len(p) for p in prompts)
     limit, prompt = core.args.max_positions, core.args.soft_prompt_tokens
     if prompt:  # a soft prompt's model: prompt and text within seq_length, as in training
@@ -172,15 +202,7 @@ def _decode(
             "shorten it (TextGenerator cuts such prompts from the left)",
             key="maximum_tokens",
         )
-    # as GPT-NeoX: never past the model's last position, whatever maximum_tokens asks
-    steps = min(s.maximum_tokens, limit - longest)
-    tokens, positions, valid, padded = _left_padded(prompts, longest + steps, pad_id, device)
-    mask = valid if padded else None
-    if static and s.use_cache and static_decoding(s.decode_loop, device) and not prompt:
-        return _static_loop(core, tokens, positions, mask, longest, s, pad_id, generator).tolist()
-    return _dynamic_loop(
-        call, core, tokens, positions, mask, longest, s, pad_id, generator, tp, lockstep
-    )
+    return min(s.maximum_tokens, limit - longest)
 
 
 def _dynamic_loop(
@@ -392,12 +414,20 @@ class TextGenerator:
                     file=sys.stderr,
                 )
         pad = self.tokenizer.pad_id if self.tokenizer.pad_id is not None else self.tokenizer.eod_id
-        outputs = generate(self.model, prompts, self.sampling, pad_id=pad)
-        return [self.tokenizer.decode(ids) for ids in outputs]
+        return self._texts(prompts, pad)
 
     def unconditional(self, count: int) -> list[str]:
-        prompts = [[self.tokenizer.eod_id]] * count
-        outputs = generate(self.model, prompts, self.sampling, pad_id=self.tokenizer.eod_id)
+        return self._texts([[self.tokenizer.eod_id]] * count, self.tokenizer.eod_id)
+
+    def _texts(self, prompts: list[list[int]], pad: int) -> list[str]:
+        drafts = Drafts()
+        outputs = generate(self.model, prompts, self.sampling, pad_id=pad, drafts=drafts)
+        if self.sampling.speculative:
+            print(
+                f"speculative decoding: {drafts.tokens} tokens in {drafts.forwards} forwards "
+                f"of the model, {drafts.accepted} drafts kept",
+                file=sys.stderr,
+            )
         return [self.tokenizer.decode(ids) for ids in outputs]
 
 
@@ -405,6 +435,12 @@ def sampling_from(cfg: TextGenConfig, eod_id: int, seed: int | None) -> Sampling
     if cfg.recompute and cfg.decode_loop == "static":
         raise ConfigError(
             "a static decode loop runs on the KV cache, which recompute turns off: drop one",
+            key="decode_loop",
+        )
+    if cfg.speculative and cfg.decode_loop == "static":
+        raise ConfigError(
+            "speculative decoding keeps as many tokens as each forward's draft allows, which a "
+            "static loop's fixed steps cannot: set decode_loop auto or dynamic",
             key="decode_loop",
         )
     return Sampling(
@@ -416,6 +452,7 @@ def sampling_from(cfg: TextGenConfig, eod_id: int, seed: int | None) -> Sampling
         use_cache=not cfg.recompute,
         decode_loop=cfg.decode_loop,
         seed=seed,
+        speculative=cfg.speculative,
     )
 
 

@@ -15,7 +15,8 @@ parameters are named as DeepSeek-V3's, so a Hugging Face name maps by one rule:
 
 Training reads them (the model's forward given ``mtp_tokens_BT``: under context parallelism the
 whole sequence's inputs, of which each rank embeds the tokens ahead of its own positions);
-generation leaves them out.
+generation leaves them out, unless it drafts with depth 1 (``draft_logits``: speculative
+decoding, inference/speculative.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from torch import nn
 from torchneox.models.args import ModelArgs
 from torchneox.models.block import Block
 from torchneox.models.linear import Linear
-from torchneox.models.mixers.attention import AttentionBias
+from torchneox.models.mixers.attention import AttentionBias, KVCache
 from torchneox.models.moe import RouterStats
 from torchneox.models.norms import build_norm
 
@@ -64,10 +65,12 @@ class MTPLayer(Block):
         embedded: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None,
         bias: AttentionBias,
+        cache: KVCache | None = None,
     ) -> tuple[torch.Tensor, RouterStats | None]:
-        """This depth's hidden state (before ``shared_head.norm``) and its router statistics."""
+        """This depth's hidden state (before ``shared_head.norm``) and its router statistics
+        (``cache``: the module's own, when generation drafts with it)."""
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1))
-        return super().forward(x, rope, bias)
+        return super().forward(x, rope, bias, cache)
 
 
 def build_mtp(args: ModelArgs) -> nn.ModuleDict | None:
@@ -106,3 +109,30 @@ def mtp_depths(model: nn.Module, h, tokens_BT, rope, bias, stats: list, index=No
     if tokens_BT is None or model.mtp is None or model.final_norm is None:
         return []
     return mtp_logits(model, h, tokens_BT, rope, bias, stats, index)
+
+
+def draft_cache(model: nn.Module, batch: int, room: int, dtype, device) -> KVCache:
+    """A KV cache for depth 1's block alone (it computes as the last layer does, under that
+    layer's index): ``room`` positions."""
+    cache = KVCache(model.args, batch, room, dtype, device)
+    last = model.args.num_layers - 1
+    row = cache.slot_of[last]
+    cache.k, cache.v = cache.k[row : row + 1].clone(), cache.v[row : row + 1].clone()
+    cache.slot_of = {last: 0}
+    return cache
+
+
+def draft_logits(
+    model: nn.Module, h_BTH: torch.Tensor, ahead_BT: torch.Tensor, cache: KVCache
+) -> torch.Tensor:
+    """Depth 1's logits [B, T, V] at the T positions after ``cache``'s (``draft_cache``) from
+    the last layer's outputs there and the tokens one ahead of them: at each, the prediction
+    of the token after next, as training computes it (``mtp_logits``)."""
+    t, start = h_BTH.shape[1], cache.length
+    rope = model._rope(None, start, t)
+    bias = model._attention_bias(t, start, None, h_BTH.device)
+    layer = model.mtp["0"]
+    embedded = model.embed(ahead_BT)
+    x, _ = layer(h_BTH, embedded, rope, bias, cache)
+    cache.length += t
+    return model.logits(layer.shared_head.norm(x))

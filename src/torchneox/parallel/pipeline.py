@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -128,6 +128,11 @@ class Pipeline:
     """A fresh schedule over the same stages (``reschedule``)."""
     shape: tuple[int, ...] | None = None
     """The input shape the schedule last learnt its stages' shapes from."""
+    last_rank: int = -1
+    """The pipeline rank holding the last stage (zbv's V: the first; else the last rank)."""
+    twin: tuple[torch.nn.Parameter, torch.nn.Parameter] | None = None
+    """zbv with MTP: the first stage's embedding (the container's) and the last stage's copy,
+    both on the first rank (``StageShared.twins``)."""
 
     def reschedule(self, shape: tuple[int, ...]) -> None:
         """A schedule learns the shapes its stages pass on at its first step and keeps them;
@@ -156,6 +161,11 @@ class StageShared:
     """Per parameter: the process group of its holders."""
     repeated: set[int]
     """The ids of this rank's copies the gradient norm leaves out."""
+    twins: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = field(default_factory=list)
+    """(kept, copy): two stages on this rank holding one parameter (zbv puts the first and the
+    last stage on the first rank), the kept one the container's (optimizer, checkpoints); the
+    copy's gradient is added to the kept one's, and the copy takes the kept one's values
+    before each batch (``refresh``: after a step, a load, an initialisation)."""
 
     def sync(self) -> None:
         from torch.distributed.tensor import DTensor
@@ -166,6 +176,28 @@ class StageShared:
                 continue
             local = grad.to_local() if isinstance(grad, DTensor) else grad
             torch.distributed.all_reduce(local, group=group)
+        for kept, twin in self.twins:
+            grad, twin.grad = twin.grad, None
+            if grad is None:
+                continue
+            if kept.grad is None:
+                kept.grad = grad
+                continue
+            if isinstance(grad, DTensor) and grad.placements != kept.grad.placements:
+                grad = grad.redistribute(kept.grad.device_mesh, kept.grad.placements)
+            _local(kept.grad).add_(_local(grad))
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Each copy of ``twins`` given its kept parameter's values (this rank's shard)."""
+        for kept, twin in self.twins:
+            _local(twin).copy_(_local(kept))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def share_across_stages(pipeline: Pipeline, mesh: DeviceMesh, args: ModelArgs) -> None:
@@ -175,14 +207,14 @@ def share_across_stages(pipeline: Pipeline, mesh: DeviceMesh, args: ModelArgs) -
     rows = mesh.mesh.movedim(pp_dim, -1).reshape(-1, mesh.size(pp_dim)).tolist()
     pp_rank, pp_size = mesh["pp"].get_local_rank(), mesh.size(pp_dim)
     holders = {
-        "embed.weight": [0, pp_size - 1] if embeds_on_last(args) else [],
+        "embed.weight": sorted({0, pipeline.last_rank}) if embeds_on_last(args) else [],
         "rpe.weight": list(range(pp_size)) if args.pos_emb == "rpe" else [],
     }
     held = dict(pipeline.container.named_parameters())
     params, groups, repeated = [], [], set()
     for name in SHARED_ACROSS_STAGES:
         ranks = holders[name]
-        if not ranks:
+        if len(ranks) < 2:  # (zbv: the first rank holds both ends, ``twins``)
             continue
         if len(ranks) == pp_size:
             group = mesh["pp"].get_group()
@@ -195,7 +227,8 @@ def share_across_stages(pipeline: Pipeline, mesh: DeviceMesh, args: ModelArgs) -
             groups.append(group)
             if pp_rank != ranks[0]:
                 repeated.add(id(held[name]))
-    pipeline.shared = StageShared(params, groups, repeated)
+    twins = [pipeline.twin] if pipeline.twin is not None else []
+    pipeline.shared = StageShared(params, groups, repeated, twins)
 
 
 def build_pipeline(
@@ -220,7 +253,7 @@ def build_pipeline(
         full = Transformer(args)
     indices = rank_stage_indices(schedule, pp_rank, pp_size, virtual)
     container = stage_module(full, range(0), False, False)
-    parts, stages = [], []
+    parts, stages, twin = [], [], None
     for index in indices:
         first, last = index == 0, index == total_stages - 1
         part = stage_module(full, ranges[index], first, last)
@@ -233,7 +266,9 @@ def build_pipeline(
         if first:
             container.embed, container.pos_embed = part.embed, part.pos_embed
             container.soft_prompt = part.soft_prompt
-        elif last and part.embed is not None:  # the tied head's copy of the embedding
+        elif last and part.embed is not None and container.embed is not None:  # zbv: rank 0's
+            twin = (container.embed.weight, part.embed.weight)  # (the first stage's is kept)
+        elif last and part.embed is not None:  # the tied head's or MTP's copy of the embedding
             container.embed = part.embed
         if last:
             container.final_norm, container.output = part.final_norm, part.output
@@ -249,8 +284,9 @@ def build_pipeline(
     has_last = total_stages - 1 in indices
     # the container is never run: its own position tables stay on the meta device
     return Pipeline(
-        container, parts, stages, make_schedule(), has_first, has_last, make_schedule=make_schedule
-    )
+        container, parts, stages, make_schedule(), has_first, has_last, make_schedule=make_schedule,
+        last_rank=0 if schedule == "zbv" else pp_size - 1, twin=twin,
+    )  # fmt: skip
 
 
 def is_multi(schedule: object) -> bool:

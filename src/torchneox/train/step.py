@@ -328,6 +328,8 @@ class Gradients:
         """One global batch through the pipeline; the mean loss, known on every rank (the
         objective's metrics in ``self.pipeline_metrics``)."""
         p = self.parts.pipeline
+        if p.shared is not None:  # zbv's copy of the embedding on the first rank: its values
+            p.shared.refresh()
         with self._loss_context(), self._autocast():
             inputs, target, extra, ahead = self._pipeline_inputs(micro_batches)
             cp = self.dims.cp  # (a context rank's loss: its tokens' mean / cp, or its share)

@@ -269,6 +269,13 @@ class TextGenConfig:
         "attends over the keys so far), auto (static on CUDA, dynamic on the CPU). Both give "
         "the same tokens.",
     )
+    speculative: bool = extension(
+        False,
+        "Greedy decoding that drafts with the model's first multi-token prediction module "
+        "(mtp_num_layers): each forward of the model checks the draft of the token after next "
+        "and keeps it when the head agrees, so up to two tokens a forward, the tokens those of "
+        "plain greedy decoding. Needs temperature 0, the KV cache and attention layers.",
+    )
     return_logits: bool = no_effect(
         False,
         "Also return the logits of generated tokens.",
