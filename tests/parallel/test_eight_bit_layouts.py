@@ -68,14 +68,16 @@ def test_8bit_adam_in_every_layout_equals_one_process_and_resumes_bitwise(
 ):
     # torchao's step eager in every process (torch.compile would compile it once per part
     # shape, most of this test's time): what is held here is how the parts are stepped
+    # (torch._dynamo.config.patch, not monkeypatch: monkeypatch's undo deletes the config
+    # module's attribute, and every later compile in this test process then fails)
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
-    monkeypatch.setattr(torch._dynamo.config, "disable", True)
     one = tmp_path / "one"
     cfg = make_config("e.yml", save=str(one), load=str(one), **KEYS)
     # one process runs bitsandbytes where it is installed: the baseline is torchao's optimizer
     monkeypatch.setattr(optim_eight_bit, "library_for", lambda o, dtensors=None: "torchao")
     trainer = Trainer(load_config([cfg]), device="cpu")
-    trainer.run()
+    with torch._dynamo.config.patch(disable=True):
+        trainer.run()
     assert type(trainer.optimizer).__name__ == "AdamW8bit"
     monkeypatch.undo()
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
