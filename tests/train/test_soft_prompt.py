@@ -187,7 +187,11 @@ def test_explain_counts_the_trained_parameters(make_config):
         ({"enabled": True, "n_tokens": 0}, {}, "n_tokens must be an integer >= 1"),
         ({"enabled": True, "n_tokens": 32}, {}, "leaves no text in seq_length 32"),
         ({"enabled": True, "init_range": -1}, {}, "init_range must be a number > 0"),
-        (PROMPT, {"train_impl": "dpo"}, "with train_impl dpo is unbuilt for this objective"),
+        (
+            PROMPT,
+            {"train_impl": "kto", "lora": {"rank": 4}},
+            "with lora and train_impl kto cannot keep the reference's prompt",
+        ),
         (
             PROMPT,
             {"model_parallel_size": 2, "sequence_parallel": True, "no_weight_tying": True},
