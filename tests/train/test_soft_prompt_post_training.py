@@ -1,6 +1,7 @@
 """soft_prompt_tuning under the post-training objectives: DPO trains the prompt alone against a
-reference that carries the prompt's initial values (ln 2 at the first step), its loss on the
-prompted pairs equal to a hand computation on the text the model kept; KTO, a reward model and
+reference that carries the prompt's initial values (ln 2 at the first step; a resumed run reads
+that reference back and continues to the bit), its loss on the prompted pairs equal to a hand
+computation on the text the model kept; KTO, a reward model and
 REINFORCE read their rewards, values and log-probabilities at the kept positions, and only the
 prompt (a reward model: and its value head) gets a gradient; context parallelism's layout of
 [prompt, text] comes back to the text alone."""
@@ -48,9 +49,10 @@ def test_dpo_tunes_the_prompt_alone_against_the_prompt_it_started_from(tmp_path)
     values = post_training_data(tmp_path, only=("dpo",))["dpo"] | {
         "num_layers": 1, "hidden_size": 16, "num_attention_heads": 2, "seq_length": 64,
         "max_position_embeddings": 64, "pos_emb": "rotary", "train_micro_batch_size_per_gpu": 2,
-        "train_iters": 2, "num_workers": 0, "eval_interval": 100, "eval_iters": 0,
+        "train_iters": 3, "num_workers": 0, "eval_interval": 100, "eval_iters": 0,
         "optimizer": {"type": "Adam", "params": {"lr": 0.05}}, "make_vocab_size_divisible_by": 64,
         "dpo_beta": 0.5, "soft_prompt_tuning": PROMPT, "precision": "fp32",
+        "save": str(tmp_path / "run"),
     }  # fmt: skip
     (tmp_path / "dpo.yml").write_text(json.dumps(values))
     from torchneox.train.trainer import Trainer
@@ -62,9 +64,16 @@ def test_dpo_tunes_the_prompt_alone_against_the_prompt_it_started_from(tmp_path)
     first = trainer.train_step()
     assert first["lm_loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy = reference
     trainer.train_step()
+    trainer.save()  # stopped after step 2, resumed below: step 3 to the bit, the reference's
+    third = trainer.train_step()  # prompt read back as it started, not the trained one
     for name, param in model.named_parameters():
         assert torch.equal(param, start[name]) != (name == SOFT_PROMPT), name
     assert torch.equal(ref.soft_prompt.weight, start[SOFT_PROMPT])  # the reference stays
+    resumed = Trainer(load_config([tmp_path / "dpo.yml"]))
+    assert resumed.iteration == 2
+    assert torch.equal(resumed.parts.reference.soft_prompt.weight, start[SOFT_PROMPT])
+    assert resumed.train_step()["lm_loss"] == third["lm_loss"]
+    assert torch.equal(resumed.model.soft_prompt.weight, model.soft_prompt.weight)
 
     # the loss on the prompted pairs by hand: chosen rows, then rejected, 60 text positions
     batch = stack([trainer.train_loader.samples[i] for i in range(2)])
