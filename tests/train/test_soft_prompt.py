@@ -169,10 +169,16 @@ def test_a_prompt_left_out_by_the_next_run_is_said_and_one_of_another_size_named
     assert len(err.splitlines()) == 1
 
 
-def test_explain_counts_the_trained_parameters(make_config):
-    loaded = load_config([make_config(soft_prompt_tuning=PROMPT)])
+RM = {"train_impl": "rm", "dataset_impl": "pairwise", "pack_impl": "unpacked", "data_path": None}
+RM |= {f"{s}_train_{k}data_paths": ["d"] for s in ("pos", "neg") for k in ("", "label_")}
+
+
+@pytest.mark.parametrize("keys", [{}, RM], ids=["lm", "rm"])
+def test_explain_counts_the_trained_parameters(make_config, keys):
+    """The prompt (a reward model: and its value head, which trains beside it)."""
+    loaded = load_config([make_config(soft_prompt_tuning=PROMPT, **keys)])
     d = derive(loaded)
-    assert d["trainable_parameters"] == 4 * 32
+    assert d["trainable_parameters"] == 4 * 32 + (32 if keys else 0)
     model = build_model(model_args(loaded))
     assert d["num_parameters"] == sum(p.numel() for p in model.parameters())
     assert d["trainable_parameters"] == sum(
