@@ -96,9 +96,9 @@ CASES = [
         "cannot cut into 2 x 8 equal chunks; use multiples of 16",
     ),
     (
-        "curriculum-dpo",
-        {**curriculum(), "train_impl": "dpo"},
-        "curriculum_learning: with train_impl dpo is unbuilt for this objective",
+        "curriculum-rm",
+        {**curriculum(), "train_impl": "rm"},
+        "curriculum_learning: with train_impl rm cannot cut a pair shorter",
     ),
 ]
 

@@ -103,3 +103,40 @@ def test_tokens_per_second_counts_the_tokens_trained(make_config, monkeypatch):
     monkeypatch.setattr(Trainer, "step_row", recording)
     Trainer(load_config([cfg]), device="cpu").run()
     assert tokens == [4 * n for n in (8, 8, 16, 16, 32, 32)]  # micro-batch 4 x the length
+
+
+def test_dpo_cuts_both_sides_of_a_pair_to_the_length(tmp_path):
+    """Under DPO each row is cut to the step's length, chosen and rejected alike: step 1's
+    loss (reference-free) is the hand computation on the pairs' first 16 inputs."""
+    import json
+
+    from tests.helpers import post_training_data
+    from torchneox.data.loader import stack
+    from torchneox.train.batch import cut
+
+    values = post_training_data(tmp_path, only=("dpo",))["dpo"] | {
+        "num_layers": 1, "hidden_size": 16, "num_attention_heads": 2, "seq_length": 64,
+        "max_position_embeddings": 64, "train_micro_batch_size_per_gpu": 2, "train_iters": 1,
+        "num_workers": 0, "eval_interval": 100, "eval_iters": 0, "precision": "fp32",
+        "make_vocab_size_divisible_by": 64, "dpo_beta": 0.5, "dpo_reference_free": True,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+        "curriculum_learning": spec("fixed_discrete", 16, 64, difficulty=[16, 64], max_step=[1]),
+    }  # fmt: skip
+    (tmp_path / "dpo.yml").write_text(json.dumps(values))
+    trainer = Trainer(load_config([tmp_path / "dpo.yml"]), device="cpu")
+    objective = trainer.step.gradients.objective
+    batch = stack([trainer.train_loader.samples[i] for i in range(2)])
+
+    def by_hand(rows) -> float:
+        prep = objective.prepare(rows)
+        with torch.no_grad():
+            logp = F.log_softmax(trainer.model(prep.inputs).float(), -1)
+        picked = logp.gather(-1, prep.labels[..., None]).squeeze(-1) * prep.mask
+        summed = picked.sum(-1)
+        return -F.logsigmoid(0.5 * (summed[:2] - summed[2:])).mean().item()
+
+    short, whole = by_hand(cut(batch, 16)), by_hand(batch)
+    assert cut(batch, 16)["pos"].shape[1] == 17 and cut(batch, 16)["neg_label"].shape[1] == 17
+    first = trainer.train_step()
+    assert first["lm_loss"] == pytest.approx(short, rel=1e-5)
+    assert abs(short - whole) > 1e-4  # (the whole pairs would give another loss)

@@ -169,10 +169,16 @@ def test_a_prompt_left_out_by_the_next_run_is_said_and_one_of_another_size_named
     assert len(err.splitlines()) == 1
 
 
-def test_explain_counts_the_trained_parameters(make_config):
-    loaded = load_config([make_config(soft_prompt_tuning=PROMPT)])
+RM = {"train_impl": "rm", "dataset_impl": "pairwise", "pack_impl": "unpacked", "data_path": None}
+RM |= {f"{s}_train_{k}data_paths": ["d"] for s in ("pos", "neg") for k in ("", "label_")}
+
+
+@pytest.mark.parametrize("keys", [{}, RM], ids=["lm", "rm"])
+def test_explain_counts_the_trained_parameters(make_config, keys):
+    """The prompt (a reward model: and its value head, which trains beside it)."""
+    loaded = load_config([make_config(soft_prompt_tuning=PROMPT, **keys)])
     d = derive(loaded)
-    assert d["trainable_parameters"] == 4 * 32
+    assert d["trainable_parameters"] == 4 * 32 + (32 if keys else 0)
     model = build_model(model_args(loaded))
     assert d["num_parameters"] == sum(p.numel() for p in model.parameters())
     assert d["trainable_parameters"] == sum(
@@ -187,7 +193,11 @@ def test_explain_counts_the_trained_parameters(make_config):
         ({"enabled": True, "n_tokens": 0}, {}, "n_tokens must be an integer >= 1"),
         ({"enabled": True, "n_tokens": 32}, {}, "leaves no text in seq_length 32"),
         ({"enabled": True, "init_range": -1}, {}, "init_range must be a number > 0"),
-        (PROMPT, {"train_impl": "dpo"}, "with train_impl dpo is unbuilt for this objective"),
+        (
+            PROMPT,
+            {"train_impl": "kto", "lora": {"rank": 4}},
+            "with lora and train_impl kto cannot keep the reference's prompt",
+        ),
         (
             PROMPT,
             {"model_parallel_size": 2, "sequence_parallel": True, "no_weight_tying": True},

@@ -157,7 +157,6 @@ SEQUENTIAL = ("mamba", "rwkv", "gmlp", "amlp")
 _ONE_GRAPH = "cannot compile the whole model as one graph, because this layout splits or "
 _ONE_GRAPH += "wraps it below its top level"
 _ROTARY = "cannot take these positions, because MLA's keys are rotary"
-_LM_ONLY = "is unbuilt for this objective: it trains with language modelling only"
 _MTP_LM = "cannot run, because multi-token prediction is a term of language modelling's loss"
 _MANY_STAGES = "cannot run with several stages on one rank, because every layer reads one "
 _MANY_STAGES += "bias table and such a rank would hold several copies of it"
@@ -236,8 +235,27 @@ REFUSALS: tuple[Refusal, ...] = (
         "mtp", "soft prompt", "cannot train, because soft prompt tuning freezes the MTP layers"
     ),
     *_each("mtp", OBJECTIVES, _MTP_LM),
-    *_each("soft prompt", OBJECTIVES, _LM_ONLY),
-    *_each("curriculum", OBJECTIVES, _LM_ONLY),
+    *(
+        Refusal(
+            "soft prompt",
+            f"lora + {impl}",
+            "cannot keep the reference's prompt, because LoRA's reference is the policy with "
+            "its adapters off, which carries the prompt as it trains",
+        )
+        for impl in ("dpo", "kto", "reinforce")
+    ),
+    Refusal(
+        "curriculum",
+        "rm",
+        "cannot cut a pair shorter, because a reward model reads each sample's value at its "
+        "one labelled position, the answer's end, which the cut takes off",
+    ),
+    Refusal(
+        "curriculum",
+        "reinforce",
+        "cannot cut a rollout shorter, because each completion's reward and advantage are for "
+        "the whole completion sampled, not for the part a shorter length keeps",
+    ),
     Refusal(
         "8-bit adam",
         "mup",

@@ -23,7 +23,13 @@ from torchneox.config.sizes import is_moe_layer
 from torchneox.estimate.activations import Trace
 from torchneox.estimate.host import offload_parts
 from torchneox.estimate.parameters import PARAM_BYTES, expert_sharded, local_dims, local_numel
-from torchneox.models.params import SOFT_PROMPT, is_adapter, is_drawn, trains_with_lora
+from torchneox.models.params import (
+    SOFT_PROMPT,
+    VALUE_HEAD,
+    is_adapter,
+    is_drawn,
+    trains_with_lora,
+)
 
 GIB = 2**30
 CUDA_RESERVE = 1.5 * GIB  # CUDA context, cuBLAS/NCCL workspaces
@@ -120,10 +126,10 @@ def memory_per_rank(
 
 def trained(params: list[tuple[str, tuple]]) -> list[tuple[str, tuple]]:
     """The parameters with gradients and optimizer state: all of them, or under
-    soft_prompt_tuning the prompt alone, under LoRA the adapters (everything else is frozen)."""
-    prompt = [(n, s) for n, s in params if n == SOFT_PROMPT]
-    if prompt:
-        return prompt
+    soft_prompt_tuning the prompt alone (and a reward model's value head), under LoRA the
+    adapters (and the prompt beside them; everything else is frozen)."""
+    if any(n == SOFT_PROMPT for n, _ in params) and not any_adapter(params):
+        return [(n, s) for n, s in params if n in (SOFT_PROMPT, VALUE_HEAD)]
     if any_adapter(params):  # LoRA: the adapters alone (the base is frozen)
         return [(n, s) for n, s in params if trains_with_lora(n)]
     return params

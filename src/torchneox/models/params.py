@@ -21,6 +21,8 @@ def _param_seed(seed: int, name: str) -> int:
 
 
 SOFT_PROMPT = "soft_prompt.weight"
+VALUE_HEAD = "value_head.weight"
+"""A reward model's head (one value per position)."""
 WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
 """What activation checkpointing and torch.compile insert into parameter names."""
 
@@ -51,7 +53,7 @@ def is_adapter(name: str) -> bool:
 def trains_with_lora(name: str) -> bool:
     """Whether a run with lora trains parameter ``name`` (and its checkpoints hold it): the
     adapters, a reward model's value head and a soft prompt."""
-    return is_adapter(name) or name.endswith(("value_head.weight", SOFT_PROMPT))
+    return is_adapter(name) or name.endswith((VALUE_HEAD, SOFT_PROMPT))
 
 
 def plain_name(name: str) -> str:

@@ -39,6 +39,7 @@ from torchneox.models.moe import RouterStats
 from torchneox.models.mtp import build_mtp, mtp_depths
 from torchneox.models.norms import build_norm
 from torchneox.models.params import (
+    VALUE_HEAD,
     PartFn,
     SoftPrompt,
     init_parameter,
@@ -135,13 +136,15 @@ class Transformer(nn.Module):
             param.requires_grad_(trains_with_lora(name))
 
     def freeze_for_prompt(self) -> None:
-        """soft_prompt_tuning: every parameter but the prompt (and LoRA's adapters, which
-        train beside it) frozen (no gradient, no optimizer state); nothing changes without a
-        soft prompt."""
+        """soft_prompt_tuning: every parameter but the prompt (and LoRA's adapters and a
+        reward model's value head, which train beside it: a fresh head cannot stay as drawn)
+        frozen (no gradient, no optimizer state); nothing changes without a soft prompt."""
         if not self.args.soft_prompt_tokens:
             return
+        lora = bool(self.args.lora_rank)
         for name, param in self.named_parameters():
-            param.requires_grad_(bool(self.args.lora_rank) and trains_with_lora(name))
+            head = name.endswith(VALUE_HEAD)
+            param.requires_grad_(head or (lora and trains_with_lora(name)))
         if self.soft_prompt is not None:  # (a later pipeline stage holds none)
             self.soft_prompt.weight.requires_grad_(True)
 

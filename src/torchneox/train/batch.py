@@ -60,13 +60,31 @@ class Prepared:
 
 
 def text_kept(logits: torch.Tensor, prep: Prepared) -> Prepared:
-    """The labels and loss mask of the positions a soft prompt left in (it takes the first
-    n_tokens positions of the sequence, so the last n tokens' labels are not scored)."""
+    """The labels, loss mask and per-position values (KTO's rewards, a precomputed or
+    pipelined reference's log-probabilities, reinforce's sampling ones) of the positions a
+    soft prompt left in (it takes the first n_tokens positions of the sequence, so the last n
+    tokens' labels are not scored)."""
     kept = logits.shape[1]
     if kept >= prep.labels.shape[1]:
         return prep
-    mask = None if prep.mask is None else prep.mask[:, :kept]
-    return dataclasses.replace(prep, labels=prep.labels[:, :kept], mask=mask)
+    cut = {"labels": prep.labels[:, :kept]}
+    for name in ("mask", "rewards", "reference_logp", "old_logp"):
+        value = getattr(prep, name)
+        if value is not None and value.dim() == 2:
+            cut[name] = value[:, :kept]
+    return dataclasses.replace(prep, **cut)
+
+
+def past_prompt(prep: Prepared, n_tokens: int) -> Prepared:
+    """A micro-batch laid out with a soft prompt's ``n_tokens`` placeholders first
+    (``soft_prompt.before_text``: context parallelism) as the text alone: what a whole-sequence
+    objective scores, the outputs cut alike."""
+    cut = {}
+    for name in ("labels", "mask", "rewards", "reference_logp", "old_logp"):
+        value = getattr(prep, name)
+        if value is not None and value.dim() == 2:
+            cut[name] = value[:, n_tokens:]
+    return dataclasses.replace(prep, **cut)
 
 
 def shifted(

@@ -142,3 +142,12 @@ def token_logp(logits_BTV: torch.Tensor, labels_BT: torch.Tensor, fp32: bool) ->
     else:
         losses = F.cross_entropy(flat, labels, reduction="none")
     return -plain(losses).reshape(b, t)
+
+
+def kept_logp(logits_BTV: torch.Tensor, labels_BT: torch.Tensor, fp32: bool) -> torch.Tensor:
+    """``token_logp`` of a model that may keep fewer positions than the labels (a soft
+    prompt's: the text's first seq_length - n_tokens), [B, T] with 0 where nothing was kept
+    (out of the loss mask once ``text_kept`` cuts the micro-batch)."""
+    kept = logits_BTV.shape[1]
+    logp = token_logp(logits_BTV, labels_BT[:, :kept], fp32)
+    return F.pad(logp, (0, labels_BT.shape[1] - kept))

@@ -165,6 +165,7 @@ class DPO(_Pairs):
         placed: Any = None,
     ) -> Terms:
         assert prep.mask is not None
+        prep = text_kept(logits, prep)  # (a soft prompt's model scores the text it kept)
         mask = prep.mask.float()
         chosen_pos, chosen_neg = _summed(token_logp(logits, prep.labels, self.fp32), mask)
         m: dict[str, torch.Tensor] = {}
@@ -227,6 +228,7 @@ class KTO:
         placed: Any = None,
     ) -> Terms:
         assert prep.mask is not None and prep.rewards is not None
+        prep = text_kept(logits, prep)
         mask, rewards = prep.mask.float(), prep.rewards
         with torch.no_grad():
             ref = prep.reference_logp
@@ -286,9 +288,17 @@ class RewardModel(_Pairs):
         placed: Any = None,
     ) -> Terms:
         assert prep.mask is not None
+        whole = prep.mask.sum(-1)
+        prep = text_kept(values, prep)
         counts = prep.mask.sum(-1)
         if not bool((counts == 1).all()):
             n = int(counts[counts != 1][0])
+            if bool((whole == 1).all()):  # a soft prompt's cut took the labelled position
+                raise DataError(
+                    "train_impl rm reads each sample's value at its one labelled position, but "
+                    "soft_prompt_tuning's n_tokens cut a sample's off (the model keeps "
+                    "seq_length - n_tokens tokens); shorten the samples or the prompt"
+                )
             raise DataError(
                 f"train_impl rm reads each sample's value at its one labelled position, but a "
                 f"sample has {n}; preprocess the pairs with --chat --for-rm"

@@ -31,7 +31,8 @@ from torchneox.parallel.collectives import plain, sum_over_pp, sum_router_stats
 from torchneox.parallel.context_parallel import gather_sequence, part_of, stage_shard
 from torchneox.parallel.dims import ParallelDims
 from torchneox.parallel.pipeline import evaluate_pipeline
-from torchneox.train.loss import token_logp
+from torchneox.train.batch import past_prompt
+from torchneox.train.loss import kept_logp
 from torchneox.train.objectives import LanguageModeling, Objective, Prepared
 from torchneox.train.soft_prompt import before_text
 
@@ -77,6 +78,9 @@ class PipelinedObjective:
         self.context: ContextShard | None = None
         """Context parallelism: the step's split (``context_split``), over ``mesh``."""
         self.mesh = None
+        self.prompt = 0
+        """Context parallelism with a soft prompt: its tokens, placeholders before the text in
+        the target (``before_text``), cut from the gathered outputs before the objective."""
 
     def __call__(self, out: torch.Tensor, target: torch.Tensor, scaled: bool = True):
         """The objective to run backward on (scaled); unscaled (evaluation): the loss (under
@@ -95,7 +99,10 @@ class PipelinedObjective:
         if isinstance(getattr(self.objective, "inner", self.objective), LanguageModeling):
             return self.objective.terms(out, part_of(prep, self.context), None)
         cp = self.context.ranks  # every context rank computes the whole micro-batch's terms
-        terms = self.objective.terms(gather_sequence(out, self.context, self.mesh), prep, None)
+        out = gather_sequence(out, self.context, self.mesh)
+        if self.prompt:
+            out, prep = out[:, self.prompt :], past_prompt(prep, self.prompt)
+        terms = self.objective.terms(out, prep, None)
         terms.loss = terms.loss / cp
         terms.metrics = {k: v / cp for k, v in terms.metrics.items()}
         return terms
@@ -230,7 +237,7 @@ def reference_logp(gradients, inputs, labels, extra: dict) -> torch.Tensor | Non
     def logp(out: torch.Tensor, y: torch.Tensor, _) -> torch.Tensor:
         if context is not None:
             out = gather_sequence(out, context, split.mesh)
-        return token_logp(out, y, fp32)
+        return kept_logp(out, y, fp32)
 
     ref = parts.reference_pipeline
     base = adapters_off(parts.model) if ref is None else contextlib.nullcontext()

@@ -53,7 +53,7 @@ def start_soft_prompt(model: Transformer, cfg: NeoXConfig, fresh: bool) -> bool:
 
 
 def before_text(prep: Any, n_tokens: int, seq_length: int) -> Any:
-    """Context parallelism: a language-modelling micro-batch (``Prepared``) as the sequence the
+    """Context parallelism: an objective's micro-batch (``Prepared``) as the sequence the
     model runs, the prompt's ``n_tokens`` positions (placeholders, which the model's embedding
     fills with the prompt) before the text cut to ``seq_length - n_tokens``, out of the loss;
     the context ranks then take their chunks of it, and the loss is one process's."""
@@ -64,9 +64,17 @@ def before_text(prep: Any, n_tokens: int, seq_length: int) -> Any:
         head = torch.full((x.shape[0], n_tokens), value, dtype=x.dtype, device=x.device)
         return torch.cat([head, x[:, :keep]], dim=1)
 
+    # the post-training objectives' per-position values move with the labels (KTO's
+    # rewards, a precomputed reference's and reinforce's sampling log-probabilities)
+    moved = {
+        name: put_after(value, 0)
+        for name in ("rewards", "reference_logp", "old_logp")
+        if (value := getattr(prep, name)) is not None and value.dim() == 2
+    }
     return dataclasses.replace(
         prep,
         inputs=put_after(prep.inputs, 0),
         labels=put_after(prep.labels, 0),
         mask=put_after(mask, False),
+        **moved,
     )

@@ -210,6 +210,8 @@ class Gradients:
         out = gather_sequence(out, context, mesh)
         if reference is not None:
             reference = gather_sequence(reference, context, mesh)
+        n = self.parts.model.args.soft_prompt_tokens  # (the prompt's outputs, before the text)
+        out, reference = out[:, n:], None if reference is None else reference[:, n:]
         terms = self.objective.terms(out, self.whole, reference, stats, placed)
         terms.loss = terms.loss / cp
         terms.metrics = {k: v / cp for k, v in terms.metrics.items()}
@@ -299,6 +301,7 @@ class Gradients:
         if self.dims.cp > 1:
             pipelines = [p for p in (self.parts.pipeline, self.parts.reference_pipeline) if p]
             self.pipelined.mesh = mesh = self.dims.mesh["cp"]
+            self.pipelined.prompt = self.parts.model.args.soft_prompt_tokens
             inputs, target, extra, self.pipelined.context = context_split(
                 inputs, target, extra, pipelines, mesh
             )

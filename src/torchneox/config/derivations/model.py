@@ -92,11 +92,15 @@ def _sharing_and_prompt(cfg: NeoXConfig, out: Derived) -> None:
     spec = soft_prompt(cfg)
     if spec is not None:
         trained = spec.n_tokens * (m.hidden_size or 0)
+        alone = "the prompt alone"
+        if cfg.training.train_impl == "rm":  # the value head trains beside it
+            trained += m.hidden_size or 0
+            alone = "the prompt and the reward model's value head, which trains beside it"
         out.put(
             "trainable_parameters",
             trained,
             f"{trained:,}: soft_prompt_tuning's {spec.describe()}; the optimizer holds state "
-            "for the prompt alone",
+            f"for {alone}",
         )
 
 

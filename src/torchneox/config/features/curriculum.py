@@ -9,6 +9,9 @@ iteration + 1) is, as DeepSpeed's CurriculumScheduler computes it:
 
 DeepSpeed stops updating once a length reaches max_difficulty; the schedules only grow, so that
 changes a length only where a fixed_discrete list comes back down, and ``length`` keeps it too.
+Under DPO and KTO every row (chosen and rejected alike) is cut to the length; a reward model
+(its value sits at the answer's end) and reinforce (a reward is for a whole completion) refuse
+it.
 """
 
 from __future__ import annotations
@@ -229,8 +232,8 @@ def _check_schedule(ch: Checker, s: Any, kind: str, low: int) -> None:
 
 def _check_layout(ch: Checker, spec: dict) -> None:
     c = ch.c
-    if c.training.train_impl != "normal":
-        impl = c.training.train_impl
+    impl = c.training.train_impl
+    if impl in ("rm", "reinforce"):  # (DPO and KTO cut both sides of a row alike)
         ch.fail(NAME, f"with train_impl {impl} {refusal('curriculum', impl)}; drop it")
     cp, seq = c.parallel.context_parallel_size, c.model.seq_length
     if cp > 1:  # each rank takes 2 equal chunks of every length the curriculum trains on

@@ -4,7 +4,13 @@ checked once.
 As GPT-NeoX's SoftEmbedding intends: the prompt goes after the word embeddings, prepended to
 the sequence, which is then cut back to its length (the last ``n_tokens`` tokens of each
 training sample are dropped; their labels are not scored), and everything but the prompt is
-frozen. The prompt starts from ``init_string``'s token embeddings (repeated or cut to
+frozen. Every objective runs with it: DPO's chosen and rejected rows, KTO's, a reward model's
+and reinforce's rollouts each get the prompt, and their log-probabilities, rewards and values
+are read on the text the model kept. The frozen reference of DPO, KTO and reinforce is the
+policy as training starts, so it carries the prompt's initial values (as a copy of GPT-NeoX's
+model with its SoftEmbedding would): at the first step policy and reference agree. Under LoRA
+the reference is the policy with its adapters off, which would carry the trained prompt: that
+pair is refused where a reference runs. The prompt starts from ``init_string``'s token embeddings (repeated or cut to
 ``n_tokens``), or uniform in [-init_range, init_range].
 """
 
@@ -89,9 +95,13 @@ def check_soft_prompt(ch: Checker) -> None:
 
 def _check_layout(ch: Checker) -> None:
     c = ch.c
-    if c.training.train_impl != "normal":
-        impl = c.training.train_impl
-        ch.fail(NAME, f"with train_impl {impl} {refusal('soft prompt', impl)}; drop it")
+    impl = c.training.train_impl
+    if c.training.lora is not None and _live_reference(c):
+        ch.fail(
+            NAME,
+            f"with lora and train_impl {impl} {refusal('soft prompt', f'lora + {impl}')}; "
+            "drop one of them",
+        )
     curriculum = c.training.curriculum_learning or {}
     if c.parallel.context_parallel_size > 1 and curriculum.get("enabled", False):
         ch.fail(
@@ -107,3 +117,13 @@ def _check_layout(ch: Checker) -> None:
             f"with inter_document_attention_masking {refusal('soft prompt', 'document masking')}"
             "; set it false",
         )
+
+
+def _live_reference(c: Any) -> bool:
+    """Whether train_impl scores against a frozen reference model run beside the policy."""
+    impl, t = c.training.train_impl, c.training
+    if impl == "dpo":
+        return not t.dpo_reference_free and not c.textgen.precompute_model_name
+    if impl == "kto":
+        return not c.textgen.precompute_model_name
+    return impl == "reinforce" and c.rollout.kl_div_beta > 0

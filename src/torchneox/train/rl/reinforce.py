@@ -156,9 +156,10 @@ class Reinforce:
         router_stats: Any = None,
         placed: Any = None,
     ) -> Any:
-        from torchneox.train.batch import Terms
+        from torchneox.train.batch import Terms, text_kept
 
         assert prep.mask is not None and prep.advantages is not None
+        prep = text_kept(logits, prep)  # (a soft prompt's model scores the text it kept)
         logp = token_logp(logits, prep.labels, self.fp32)
         adv = prep.advantages[:, None]
         old = prep.old_logp if self.updates > 1 else None  # (a pipeline's target has zeros)

@@ -266,7 +266,7 @@ def _old_logp(run: Any, module: torch.nn.Module):
     for the importance ratio of the later steps on the same rollouts)."""
     from torchneox.parallel.tensor_parallel import loss_context
     from torchneox.train.batch import to_device
-    from torchneox.train.loss import token_logp
+    from torchneox.train.loss import kept_logp
     from torchneox.train.precision import autocast
 
     @torch.no_grad()
@@ -279,7 +279,7 @@ def _old_logp(run: Any, module: torch.nn.Module):
                 prep = run.objective.prepare(to_device(batch, run.device))
                 with loss_context(run.dims.tp > 1), autocast(run.precision, run.device.type):
                     logits = module(prep.inputs)
-                    out.append(token_logp(logits, prep.labels, run.objective.fp32))
+                    out.append(kept_logp(logits, prep.labels, run.objective.fp32))
         finally:
             module.train(was)
         return out
