@@ -19,16 +19,14 @@ PROBE = Path(__file__).with_name("memory_probe.py")
 
 MOE = ["moe_num_experts=4", "moe_top_k=2", "moe_expert_interval=2"]
 # (the suite's budget: ZeRO-1 is held beside tensor parallelism, where its shards are a tensor
-# rank's; ZeRO's sharding of experts at ZeRO-3 beside the expert axis; MoE under tensor
-# parallelism in MLA's model)
+# rank's, and tensor parallelism only there; the expert axis only at ZeRO-3, where ZeRO shards
+# the other weights and leaves the experts alone; MoE under tensor parallelism in MLA's model)
 LAYOUTS = {
     "dp2-zero0": (2, ["zero_optimization.stage=0"]),
     "dp2-zero3": (2, ["zero_optimization.stage=3"]),
-    "tp2": (2, ["model_parallel_size=2", "train_micro_batch_size_per_gpu=4"]),
     "dp2-tp2-zero1": (4, ["model_parallel_size=2", "zero_optimization.stage=1"]),
     # mixture of experts: experts sharded by ZeRO like any weight, or split over the expert
     # axis and left alone by ZeRO/DDP, or whole on every tensor rank
-    "moe-dp2-ep2": (2, [*MOE, "expert_parallel_size=2"]),
     "moe-dp2-ep2-zero3": (2, [*MOE, "expert_parallel_size=2", "zero_optimization.stage=3"]),
     # MLA (its down projections whole on each tensor rank, the up projections split by heads)
     # with DeepSeek-V3's experts of their own width, a shared expert and the router bias
