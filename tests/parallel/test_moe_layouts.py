@@ -48,9 +48,9 @@ def test_moe_layouts_equal_one_process_and_resume_into_each_other(moe_config, tm
     parallelism (the sequence gathered before routing). Together they equal one process never
     stopped, the MTP module (an MoE block, its statistics among the others') too: on the last
     stage, reading the tokens ahead from the whole sequence on each context rank, on each
-    sequence slice. And the first two layouts, resumed from their own first step's
-    checkpoint, give their second step's losses (MTP's and the balancing loss too), gradient
-    norm and weights (the router bias among them) to the bit."""
+    sequence slice. And each layout, resumed from its own first step's checkpoint, gives its
+    second step's losses (MTP's and the balancing loss too), gradient norm and weights (the
+    router bias among them) to the bit."""
     train(moe_config, f"save={tmp_path / 'one'}", "load=null", *DEEPSEEK)
     moved = tmp_path / "moved"
     for k, (nproc, layout) in enumerate(LEGS):
@@ -67,8 +67,6 @@ def test_moe_layouts_equal_one_process_and_resume_into_each_other(moe_config, tm
     biases = [name for name in one[2] if name.endswith("router_bias")]
     assert biases and all(one[2][name].abs().sum() > 0 for name in biases)
     keys = ("lm_loss", "grad_norm", "moe_aux_loss", "mtp_loss_1")
-    # (the suite's budget: the stages' and ZeRO-3's shards resumed; the tensor ranks' state,
-    # whole weights split by the plan as they load, is the one-process checkpoint's)
-    for k, (nproc, layout) in enumerate(LEGS[:2]):
+    for k, (nproc, layout) in enumerate(LEGS):
         resume = [*DEEPSEEK, *layout]
         assert_resumes_bitwise(moe_config, moved, 2 * k + 1, resume, nproc, 2 * k + 2, keys)
