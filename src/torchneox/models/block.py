@@ -23,7 +23,9 @@ Under context parallelism (``bias.gather`` set) a mixer that reads the sequence 
 (mamba's convolution and scan, RWKV's token shift and recurrence, gMLP's spatial gating) runs
 over the whole sequence: every rank's part is gathered and put in order (one all-gather
 forward, its reduce-scatter backward), so each chunk starts from the state the chunks before
-it leave, and each rank keeps the outputs of its own positions (``_whole_sequence``).
+it leave, and each rank keeps the outputs of its own positions (``_whole_sequence``). A mixer
+with ``passes_state`` set takes its own rank's part instead and passes its state between the
+ranks itself.
 """
 
 from __future__ import annotations
@@ -207,8 +209,8 @@ class Block(nn.Module):
         bias: AttentionBias,
         cache: KVCache | None,
     ) -> torch.Tensor:
-        if bias.gather is None or not self.reads_in_order:
-            return mixer(x, rope, bias, cache)
+        if bias.gather is None or not self.reads_in_order or getattr(mixer, "passes_state", False):
+            return mixer(x, rope, bias, cache)  # (a mixer that passes_state does CP itself)
         return _whole_sequence(mixer, x, bias)
 
 
