@@ -54,12 +54,29 @@ def sum_router_stats(stats: RouterStats, mesh: DeviceMesh) -> RouterStats:
     """One MoE layer's router statistics summed over the ranks of ``mesh`` (the ranks that
     split the batch), as one process holding the whole batch would have them; the gradient
     reaches every rank's router through the all-reduce."""
-    from torch.distributed.nn.functional import all_reduce
-
     group = mesh.get_group()
-    counts = all_reduce(stats.tokens_per_expert.float().detach(), group=group)
-    prob_sum = all_reduce(stats.prob_sum, group=group)
+    counts = stats.tokens_per_expert.float().detach().clone()
+    dist.all_reduce(counts, group=group)
+    prob_sum = _Summed.apply(stats.prob_sum, group)
     return RouterStats(counts, prob_sum, stats.tokens * mesh.size(), stats.top_k)
+
+
+class _Summed(torch.autograd.Function):
+    """A tensor summed over ``group``'s ranks, its gradient summed over them too (every rank's
+    loss reads the sum). torch.distributed.nn's all_reduce does this and is deprecated."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        out = t.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 def vocab_parallel_logsumexp(logits_NV: DTensor) -> DTensor:
