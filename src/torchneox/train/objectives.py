@@ -266,7 +266,7 @@ def _kto_metrics(
         "neg_ref_logp": (ref * neg).sum(-1).mean(),
         "pos_policy_logp": (policy * pos).sum(-1).mean(),
         "neg_policy_logp": (policy * neg).sum(-1).mean(),
-        "kl": (policy - ref).sum() / mask.sum(),
+        "kl": (policy - ref).sum() / mask.sum().clamp(min=1),  # (0, not NaN, if all masked)
         "reward_acc": (policy_rewards.sum(-1) > 0.0).float().mean(),
         "policy_rewards": policy_rewards.sum(),
     }
