@@ -85,6 +85,10 @@ def test_kto_loss_equals_trl_s_where_the_two_forms_meet(first_reward):
     # GPT-NeoX weighs each half by 0.5 and averages over the rows of a half (one here)
     want = 0.5 * (losses[0] + losses[1])
     assert terms.loss.item() == pytest.approx(want.item(), rel=1e-6)
+    assert terms.metrics["kl"].item() == pytest.approx((logratio.sum() / mask.sum()).item())
+    # a micro-batch without a labelled token (a curriculum's cut) logs a kl of 0, not NaN
+    empty = KTO(beta, wd, wu).terms(policy, Prepared(labels, labels, ~mask, rewards), ref)
+    assert empty.metrics["kl"].item() == 0.0
 
 
 def test_reward_model_loss_is_bradley_terry_at_the_labelled_position():
