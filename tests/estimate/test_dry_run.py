@@ -32,7 +32,7 @@ def _assert_holds_estimate(run) -> None:
         first = r.coordinates["dp"] == r.coordinates["tp"] == r.coordinates["cp"] == 0
         for part in ("parameters", "gradients", "optimizer"):
             got, want = r.bytes[part], r.expected[part]
-            assert got == want if first else 0 < got <= want, (r.rank, part, got, want)
+            assert got == want if first or not want else 0 < got <= want, (r.rank, part, got)
         # building: the shards and the largest weight drawn whole, as estimate's build line
         assert 0 < r.bytes["build"] <= r.expected["build"], (r.rank, r.bytes, r.expected)
         assert r.bytes["build"] == r.expected["build"] or not first
@@ -45,9 +45,23 @@ def _assert_holds_estimate(run) -> None:
         (4, ["model_parallel_size=2", "zero_optimization.stage=3"]),
         (4, ["context_parallel_size=2", "zero_optimization.stage=2"]),
         (4, ["zero_optimization.stage=3", "zero_optimization.mics_shard_size=2"]),
-        (8, ["pipe_parallel_size=2", "context_parallel_size=2", "zero_optimization.stage=1"]),
+        (
+            8,
+            [
+                *("pipe_parallel_size=2", "context_parallel_size=2", "zero_optimization.stage=1"),
+                # tied: the last stage trains a copy of the embedding; a soft prompt: only it
+                # trains, on the first stage
+                *("no_weight_tying=false", 'soft_prompt_tuning={"enabled": true, "n_tokens": 4}'),
+            ],
+        ),
     ],
-    ids=["pp2-tp2-dp2-zero1", "tp2-dp2-zero3", "cp2-dp2-zero2", "hybrid-2x2", "pp2-cp2-dp2-zero1"],
+    ids=[
+        "pp2-tp2-dp2-zero1",
+        "tp2-dp2-zero3",
+        "cp2-dp2-zero2",
+        "hybrid-2x2",
+        "pp2-cp2-tied-prompt",
+    ],
 )
 def test_every_rank_builds_agrees_and_holds_estimates_bytes(world, sets):
     loaded = _loaded(*sets)
@@ -55,9 +69,11 @@ def test_every_rank_builds_agrees_and_holds_estimates_bytes(world, sets):
     assert [r.rank for r in run.ranks] == list(range(world))
     _assert_holds_estimate(run)
     assert run.groups_checked > 0
-    # the estimate verb's most loaded rank is the heaviest rehearsed one
-    est = estimate(loaded, world)["resident_bytes"]
-    heaviest = max(run.ranks, key=lambda r: r.bytes["parameters"])
+    # the estimate verb's most loaded rank holds what that stage's heaviest rehearsed one does
+    out = estimate(loaded, world)
+    est, stage = out["resident_bytes"], out["heaviest_stage"]
+    ranks = [r for r in run.ranks if r.coordinates["pp"] == stage]
+    heaviest = max(ranks, key=lambda r: r.bytes["parameters"])
     assert heaviest.bytes["parameters"] == est["parameter_shard"]
     assert heaviest.bytes["optimizer"] == est["optimizer"]
 

@@ -95,9 +95,10 @@ def memory_per_rank(
     fsdp = fsdp_ranks(layout)
     stored = weight_bytes(loaded)
     worst: dict[str, Any] | None = None
+    prompted = any(n == SOFT_PROMPT for params in stages for n, _ in params)
     for k, params in enumerate(stages):
         state = state_bytes(
-            params, layout, fsdp, opt_per_param, per_dim, hidden, per_tensor, stored
+            params, layout, fsdp, opt_per_param, per_dim, hidden, per_tensor, stored, prompted
         )
         parts, temporary = state["parts"], state["temporary"]
         host = offload_parts(parts, state["resident"]) if layout.offload else None
@@ -124,11 +125,13 @@ def memory_per_rank(
     return worst
 
 
-def trained(params: list[tuple[str, tuple]]) -> list[tuple[str, tuple]]:
+def trained(params: list[tuple[str, tuple]], prompted: bool = False) -> list[tuple[str, tuple]]:
     """The parameters with gradients and optimizer state: all of them, or under
     soft_prompt_tuning the prompt alone (and a reward model's value head), under LoRA the
-    adapters (and the prompt beside them; everything else is frozen)."""
-    if any(n == SOFT_PROMPT for n, _ in params) and not any_adapter(params):
+    adapters (and the prompt beside them; everything else is frozen). ``prompted``: the model
+    has a soft prompt, on another pipeline stage than ``params``."""
+    prompted = prompted or any(n == SOFT_PROMPT for n, _ in params)
+    if prompted and not any_adapter(params):
         return [(n, s) for n, s in params if n in (SOFT_PROMPT, VALUE_HEAD)]
     if any_adapter(params):  # LoRA: the adapters alone (the base is frozen)
         return [(n, s) for n, s in params if trains_with_lora(n)]
@@ -144,6 +147,7 @@ def state_bytes(
     opt_hidden: int | None = None,
     per_tensor: Callable[[list[tuple[str, int]]], int] | None = None,
     stored: Callable[[str], int] | None = None,
+    prompted: bool = False,
 ) -> dict[str, Any]:
     """A stage's parameters, gradients and optimizer state on one rank, and the temporary
     bytes ZeRO-3's gathered blocks and a whole embedding gradient add. ``per_dim``: optimizer
@@ -151,13 +155,14 @@ def state_bytes(
     element of a block's hidden matrix, where it differs (muon's); ``per_tensor``: the
     optimizer bytes of the shards, from their names and values (8-bit Adam), in place of
     ``opt_per_param``; ``stored``: the bytes of an element of each parameter, by name (fp32's
-    four where not given; a LoRA base in bf16 holds two)."""
+    four where not given; a LoRA base in bf16 holds two); ``prompted``: the model has a soft
+    prompt (only it trains, on whichever stage)."""
     tp, ep = layout.tp, layout.ep
     nbytes = stored or (lambda _: PARAM_BYTES)
     local = sum(local_numel(s, n, tp, 1, ep) for n, s in params)
     shard = sum(local_numel(s, n, tp, fsdp, ep) for n, s in params)
     shard_bytes = sum(local_numel(s, n, tp, fsdp, ep) * nbytes(n) for n, s in params)
-    train = trained(params)
+    train = trained(params, prompted)
     trained_shard = sum(local_numel(s, n, tp, fsdp, ep) for n, s in train)
     resident = {
         "parameter_shard": shard_bytes,

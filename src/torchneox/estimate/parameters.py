@@ -71,7 +71,7 @@ def stage_params(
     loaded: LoadedConfig, vocab: int, pp: int, method: str
 ) -> list[list[tuple[str, tuple]]]:
     """(name, shape) of the parameters each pipeline stage holds."""
-    from torchneox.parallel.pipeline import stage_layers
+    from torchneox.parallel.pipeline import embeds_on_last, stage_layers
 
     args, model = meta_model(loaded, vocab)
     shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
@@ -85,8 +85,11 @@ def stage_params(
             if name.startswith("layers."):
                 if int(name.split(".")[1]) in r:
                     keep.append((name, shape))
-            elif name.startswith(("embed.", "pos_embed.")):
-                if k == 0:
+            elif name.startswith(("embed.", "pos_embed.", "soft_prompt.")):
+                # the first stage's; the last keeps a copy of the embedding for a tied head
+                # or MTP modules (trained there too, its gradient summed with the first's)
+                copied = name.startswith("embed.") and embeds_on_last(args)
+                if k == 0 or (k == pp - 1 and copied):
                     keep.append((name, shape))
             elif k == pp - 1:
                 keep.append((name, shape))

@@ -28,6 +28,7 @@ from torchneox.estimate.memory import (
     weight_bytes,
 )
 from torchneox.estimate.parameters import stage_params
+from torchneox.models.params import SOFT_PROMPT
 
 if TYPE_CHECKING:
     from torchneox.train.assembly import Run
@@ -408,7 +409,15 @@ def expected_bytes(loaded: LoadedConfig, built: Run, stages: list[int]) -> dict[
         hidden = hidden_optimizer_bytes(loaded)
         per_tensor = optimizer_bytes_per_tensor(loaded)
         resident = state_bytes(
-            params[k], lay, fsdp_ranks(lay), opt, per_dim, hidden, per_tensor, weight_bytes(loaded)
+            params[k],
+            lay,
+            fsdp_ranks(lay),
+            opt,
+            per_dim,
+            hidden,
+            per_tensor,
+            weight_bytes(loaded),
+            prompted=any(n == SOFT_PROMPT for stage in params for n, _ in stage),
         )["resident"]
         out["parameters"] += resident["parameter_shard"]
         out["gradients"] += resident["gradient_shard"]
