@@ -135,7 +135,7 @@ def _byte_size(text: str) -> int:
             f"{text!r} is not a size; write e.g. 5GB, 500MB or 2GiB"
         ) from None
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: a shard needs a size above 0")
+        raise argparse.ArgumentTypeError(f"{text!r}: a size must be above 0")
     return int(value * unit)
 
 
