@@ -15,14 +15,16 @@ from torchneox.config.load import load_config, load_mapping
 UNTIED = {"no_weight_tying": True}
 CASES = [
     (
-        "tied-embeddings-with-the-v-schedule",
+        "mtp-beside-a-tied-head-with-a-zero-bubble-schedule",
         {
             "pipe_parallel_size": 2,
             "gradient_accumulation_steps": 2,
             "pipeline_schedule": "zbv",
             "num_layers": 4,
+            "mtp_num_layers": 1,
         },
-        "no_weight_tying: tied embeddings cannot share the embedding with the head under zbv",
+        "mtp_num_layers: 1 with pipeline_schedule zbv and tied embeddings: multi-token "
+        "prediction cannot run two or more modules (or one beside tied embeddings)",
     ),
     (
         "1f1b-with-fewer-micro-batches-than-stages",
@@ -128,10 +130,10 @@ def test_an_unset_key_is_named_without_a_file():
         {"num_layers": 4, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 32}, "x"
     )
     layout = Layout.from_derived(loaded.config, derive(loaded, world_size=2))
-    pp2 = Layout(**{**layout.__dict__, "pp": 2, "dp": 1, "schedule": "zbv", "gas": 4})
+    pp2 = Layout(**{**layout.__dict__, "pp": 2, "dp": 1, "schedule": "1f1b", "gas": 1})
     with pytest.raises(ConfigError) as e:
         check_layout(loaded, pp2)
-    assert str(e.value).startswith("no_weight_tying: tied embeddings")
+    assert str(e.value).startswith("gradient_accumulation_steps: 1 micro-batches per step")
     assert layout_problem(loaded.config, layout) is None
 
 

@@ -126,6 +126,18 @@ def test_tied_embeddings_rpe_and_the_loss_mask_through_stages_resume_as_stages(c
         assert z_pp[k] == pytest.approx(z_one[k], rel=1e-5), k
 
 
+def test_tied_embeddings_under_zbv_resume_as_one_process(config, tmp_path):
+    """zbv's V puts the first and the last stage on the first rank: the tied head's copy of
+    the embedding is its twin there, its gradient added to the embedding's and its values
+    refreshed after each step and after the resume's load (stopped at step 2, resumed)."""
+    tied = ["no_weight_tying=false", "train_iters=4"]
+    train(config, f"save={tmp_path / 'one'}", "load=null", *tied)
+    moved, zbv = tmp_path / "moved", ["pipe_parallel_size=2", "pipeline_schedule=zbv"]
+    train(config, f"save={moved}", "load=null", *tied, *zbv, "exit_interval=2", nproc=2)
+    train(config, f"save={moved}", f"load={moved}", *tied, *zbv, nproc=2)
+    assert_same_training(moved, reference(tmp_path / "one"))
+
+
 def test_soft_prompt_curriculum_and_eval_tasks_through_stages_resume_as_stages(
     make_config, tmp_path, monkeypatch
 ):

@@ -192,27 +192,21 @@ def _whole_mlp(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     return None
 
 
-def _tied_embeddings(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
-    if cfg.model.no_weight_tying:
-        return None
-    if lay.pp > 1 and lay.schedule == "zbv":
-        return _refuse(
-            f"tied embeddings {refusal('tied embeddings', 'pp2 zbv')}; use another "
-            "pipeline_schedule, or no_weight_tying: true",
-            key="no_weight_tying",
-            cause="pipeline_schedule",
-        )
-    return None
+ZERO_BUBBLE = ("zbv", "interleaved_zero_bubble")
 
 
 def _multi_token(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     """The zero-bubble schedules split a stage's backward in two (torch.distributed.pipelining's
-    input and weight halves); the second depth's MTP module breaks that split."""
+    input and weight halves); the second depth's MTP module, or a tied head after the first,
+    breaks that split."""
     depth = cfg.model.mtp_num_layers or 0
-    if depth > 1 and lay.pp > 1 and lay.schedule in ("zbv", "interleaved_zero_bubble"):
+    tied = not cfg.model.no_weight_tying
+    if depth > int(not tied) and lay.pp > 1 and lay.schedule in ZERO_BUBBLE:
+        fix = "no_weight_tying: true" if depth == 1 else "mtp_num_layers: 1"
         return _refuse(
-            f"{depth} with pipeline_schedule {lay.schedule}: multi-token prediction "
-            f"{refusal('mtp', 'pp2 zbv')}; use mtp_num_layers: 1, or another pipeline_schedule",
+            f"{depth} with pipeline_schedule {lay.schedule}{' and tied embeddings' * tied}: "
+            f"multi-token prediction {refusal('mtp', 'pp2 zbv')}; use {fix}, or another "
+            "pipeline_schedule",
             key="mtp_num_layers",
             cause="pipeline_schedule",
         )
@@ -409,7 +403,6 @@ RULES = (
     _whole_heads,
     _pipeline,
     _experts,
-    _tied_embeddings,
     _multi_token,
     _tensor_parallel_positions,
     _hybrid_sharding,

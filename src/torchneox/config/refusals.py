@@ -162,12 +162,6 @@ _MANY_STAGES = "cannot run with several stages on one rank, because every layer 
 _MANY_STAGES += "bias table and such a rank would hold several copies of it"
 
 REFUSALS: tuple[Refusal, ...] = (
-    Refusal(
-        "tied embeddings",
-        "pp2 zbv",
-        "cannot share the embedding with the head under zbv, because its V puts the first and "
-        "the last stage on one rank, which would hold two copies of the shared weight",
-    ),
     *_each("rpe", ("pp2 interleaved", "pp2 zbv"), _MANY_STAGES),
     *(
         Refusal(
@@ -181,10 +175,10 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(
         "mtp",
         "pp2 zbv",
-        "cannot run two or more modules under zbv or interleaved_zero_bubble, because these "
-        "split a stage's backward into input and weight halves and the embedding reaches the "
-        "loss through every depth: torch's weight half would run back through the first "
-        "depth's freed graph",
+        "cannot run two or more modules (or one beside tied embeddings) under zbv or "
+        "interleaved_zero_bubble, because these split a stage's backward into input and weight "
+        "halves and the embedding reaches the loss through every depth (and through the tied "
+        "head after it): torch's weight half would run back through the first use's freed graph",
     ),
     Refusal(
         "soft prompt",
