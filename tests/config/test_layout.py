@@ -56,18 +56,6 @@ CASES = [
         "expert_parallel_size: 2 must divide the data-parallel size 2 and moe_num_experts 3",
     ),
     (
-        "relative-positions-with-several-stages-per-rank",
-        UNTIED
-        | {
-            "pipe_parallel_size": 2,
-            "gradient_accumulation_steps": 2,
-            "pipeline_schedule": "interleaved_1f1b",
-            "num_layers": 4,
-            "pos_emb": "rpe",
-        },
-        "pos_emb: 'rpe' with pipeline_schedule interleaved_1f1b cannot run with several stages",
-    ),
-    (
         "replica-groups-with-reinforce",
         UNTIED
         | {

@@ -126,15 +126,22 @@ def test_tied_embeddings_rpe_and_the_loss_mask_through_stages_resume_as_stages(c
         assert z_pp[k] == pytest.approx(z_one[k], rel=1e-5), k
 
 
-def test_tied_embeddings_under_zbv_resume_as_one_process(config, tmp_path):
-    """zbv's V puts the first and the last stage on the first rank: the tied head's copy of
-    the embedding is its twin there, its gradient added to the embedding's and its values
-    refreshed after each step and after the resume's load (stopped at step 2, resumed)."""
-    tied = ["no_weight_tying=false", "train_iters=4"]
-    train(config, f"save={tmp_path / 'one'}", "load=null", *tied)
-    moved, zbv = tmp_path / "moved", ["pipe_parallel_size=2", "pipeline_schedule=zbv"]
-    train(config, f"save={moved}", "load=null", *tied, *zbv, "exit_interval=2", nproc=2)
-    train(config, f"save={moved}", f"load={moved}", *tied, *zbv, nproc=2)
+def test_tied_embeddings_and_rpe_with_several_stages_per_rank_resume_as_one_process(
+    config, tmp_path
+):
+    """Several stages on a rank: each holds its own copy of rpe's table, and zbv's V puts the
+    first and the last stage (the tied head's copy of the embedding) on the first rank. A
+    rank's later copies are twins of its first: their gradients added to it before the
+    holders sum theirs, their values refreshed after each step and each load. Two steps
+    under interleaved_1f1b, resumed for two under zbv: one process's training."""
+    keys = ["no_weight_tying=false", *SHARED_ACROSS_STAGES[1:4], "train_iters=4"]
+    train(config, f"save={tmp_path / 'one'}", "load=null", *keys)
+    moved, stages = tmp_path / "moved", ["pipe_parallel_size=2"]
+    interleaved = [*stages, "pipeline_schedule=interleaved_1f1b", "exit_interval=2"]
+    train(config, f"save={moved}", "load=null", *keys, *interleaved, nproc=2)
+    train(
+        config, f"save={moved}", f"load={moved}", *keys, *stages, "pipeline_schedule=zbv", nproc=2
+    )
     assert_same_training(moved, reference(tmp_path / "one"))
 
 

@@ -213,19 +213,6 @@ def _multi_token(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     return None
 
 
-def _tensor_parallel_positions(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
-    pos = cfg.model.pos_emb
-    if lay.pp > 1 and pos == "rpe" and lay.schedule not in ("gpipe", "1f1b"):
-        beside = "pp2 zbv" if lay.schedule == "zbv" else "pp2 interleaved"
-        return _refuse(
-            f"'rpe' with pipeline_schedule {lay.schedule} {refusal('rpe', beside)}; use gpipe "
-            "or 1f1b",
-            key="pos_emb",
-            cause="pipeline_schedule",
-        )
-    return None
-
-
 def _hybrid_sharding(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     size = lay.dp_shard
     if size is None:
@@ -404,7 +391,6 @@ RULES = (
     _pipeline,
     _experts,
     _multi_token,
-    _tensor_parallel_positions,
     _hybrid_sharding,
     _context_parallel,
     _compile_model,

@@ -158,11 +158,8 @@ _ONE_GRAPH = "cannot compile the whole model as one graph, because this layout s
 _ONE_GRAPH += "wraps it below its top level"
 _ROTARY = "cannot take these positions, because MLA's keys are rotary"
 _MTP_LM = "cannot run, because multi-token prediction is a term of language modelling's loss"
-_MANY_STAGES = "cannot run with several stages on one rank, because every layer reads one "
-_MANY_STAGES += "bias table and such a rank would hold several copies of it"
 
 REFUSALS: tuple[Refusal, ...] = (
-    *_each("rpe", ("pp2 interleaved", "pp2 zbv"), _MANY_STAGES),
     *(
         Refusal(
             kind,

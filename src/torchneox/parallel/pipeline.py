@@ -130,9 +130,10 @@ class Pipeline:
     """The input shape the schedule last learnt its stages' shapes from."""
     last_rank: int = -1
     """The pipeline rank holding the last stage (zbv's V: the first; else the last rank)."""
-    twin: tuple[torch.nn.Parameter, torch.nn.Parameter] | None = None
-    """zbv with MTP: the first stage's embedding (the container's) and the last stage's copy,
-    both on the first rank (``StageShared.twins``)."""
+    twins: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = field(default_factory=list)
+    """(kept, copy): a parameter two stages of this rank hold (``StageShared.twins``): zbv's
+    first stage's embedding (the container's) and the last stage's copy (a tied head's, MTP's),
+    both on the first rank; the rank's first stage's rpe table and each later stage's."""
 
     def reschedule(self, shape: tuple[int, ...]) -> None:
         """A schedule learns the shapes its stages pass on at its first step and keeps them;
@@ -168,14 +169,16 @@ class StageShared:
     before each batch (``refresh``: after a step, a load, an initialisation)."""
 
     def sync(self) -> None:
+        """Each copy's gradient added to its kept parameter's on this rank, then the kept
+        ones' summed over their holders."""
+        self._add_twins()
+        for param, group in zip(self.params, self.groups, strict=True):
+            if param.grad is not None:
+                torch.distributed.all_reduce(_local(param.grad), group=group)
+
+    def _add_twins(self) -> None:
         from torch.distributed.tensor import DTensor
 
-        for param, group in zip(self.params, self.groups, strict=True):
-            grad = param.grad
-            if grad is None:
-                continue
-            local = grad.to_local() if isinstance(grad, DTensor) else grad
-            torch.distributed.all_reduce(local, group=group)
         for kept, twin in self.twins:
             grad, twin.grad = twin.grad, None
             if grad is None:
@@ -227,8 +230,7 @@ def share_across_stages(pipeline: Pipeline, mesh: DeviceMesh, args: ModelArgs) -
             groups.append(group)
             if pp_rank != ranks[0]:
                 repeated.add(id(held[name]))
-    twins = [pipeline.twin] if pipeline.twin is not None else []
-    pipeline.shared = StageShared(params, groups, repeated, twins)
+    pipeline.shared = StageShared(params, groups, repeated, pipeline.twins)
 
 
 def build_pipeline(
@@ -253,7 +255,7 @@ def build_pipeline(
         full = Transformer(args)
     indices = rank_stage_indices(schedule, pp_rank, pp_size, virtual)
     container = stage_module(full, range(0), False, False)
-    parts, stages, twin = [], [], None
+    parts, stages, twins = [], [], []
     for index in indices:
         first, last = index == 0, index == total_stages - 1
         part = stage_module(full, ranges[index], first, last)
@@ -263,11 +265,13 @@ def build_pipeline(
             container.layers[name] = block
         if part.rpe is not None and not parts[:-1]:  # every stage's copy of rpe's table
             container.rpe = part.rpe
+        elif part.rpe is not None:  # a later stage of this rank: its copy is a twin
+            twins.append((container.rpe.weight, part.rpe.weight))
         if first:
             container.embed, container.pos_embed = part.embed, part.pos_embed
             container.soft_prompt = part.soft_prompt
         elif last and part.embed is not None and container.embed is not None:  # zbv: rank 0's
-            twin = (container.embed.weight, part.embed.weight)  # (the first stage's is kept)
+            twins.append((container.embed.weight, part.embed.weight))  # (the first's is kept)
         elif last and part.embed is not None:  # the tied head's or MTP's copy of the embedding
             container.embed = part.embed
         if last:
@@ -285,7 +289,7 @@ def build_pipeline(
     # the container is never run: its own position tables stay on the meta device
     return Pipeline(
         container, parts, stages, make_schedule(), has_first, has_last, make_schedule=make_schedule,
-        last_rank=0 if schedule == "zbv" else pp_size - 1, twin=twin,
+        last_rank=0 if schedule == "zbv" else pp_size - 1, twins=twins,
     )  # fmt: skip
 
 
