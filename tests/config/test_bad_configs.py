@@ -481,16 +481,6 @@ CASES = [
         ["a.yml: mamba_inner_func_fusion: cannot be set with mamba_use_bias_in_linears"],
     ),
     (
-        "mamba-sequence-parallel",
-        {
-            "a.yml": "{hidden_size: 64, num_attention_heads: 4, num_layers: 2, seq_length: 64, "
-            "attention_config: [[[mamba, global], 1]], model_parallel_size: 2, "
-            "sequence_parallel: true}"
-        },
-        [],
-        ["a.yml: sequence_parallel: cannot split mamba layers' inputs by positions"],
-    ),
-    (
         "attention-count",
         {"a.yml": "{num_layers: 4, attention_config: [[[global], 3]]}"},
         [],

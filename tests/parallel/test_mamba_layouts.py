@@ -68,7 +68,7 @@ def test_mamba_gmlp_and_rwkv_layers_split_over_tensor_ranks_equal_one_process(
     A_log and D, gMLP's and aMLP's halves, gate and tiny attention's output split by
     channels, and RWKV's time mix by heads (its decay, bonus and GroupNorm too) and channel mix
     by width: loss and gradient norm at every step are one process's; stopped after step 2,
-    the run resumes on 2 tensor ranks to the bit."""
+    the run resumes on 2 tensor ranks to the bit; with sequence parallelism too."""
     cfg = make_config(
         "tp.yml", train_iters=3, num_layers=5, train_micro_batch_size_per_gpu=2, seq_length=32,
         attention_config=[[["mamba", "gmlp", "global", "amlp", "rwkv"], 1]],
@@ -81,3 +81,9 @@ def test_mamba_gmlp_and_rwkv_layers_split_over_tensor_ranks_equal_one_process(
     train(cfg, f"save={split}", "load=null", "checkpoint_factor=2", *tp, nproc=2)
     assert_same_training(split, reference(one))
     assert_resumes_bitwise(cfg, split, 2, tp, nproc=2)
+    # with sequence parallelism: the norms on each rank's slice, each mixer reading the
+    # sequence gathered whole and its output reduce-scattered back to the slices (RWKV's
+    # channel mix: its rank's slice of the gated product)
+    sp = tmp_path / "sp"
+    train(cfg, f"save={sp}", "load=null", *tp, "sequence_parallel=true", nproc=2)
+    assert_same_training(sp, reference(one))

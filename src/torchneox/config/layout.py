@@ -22,7 +22,7 @@ from torchneox.config.derived import Derived
 from torchneox.config.features.offload import offload_spec
 from torchneox.config.features.sparsity import ATTENTION_LAYER_TYPES
 from torchneox.config.load import LoadedConfig
-from torchneox.config.refusals import SEQUENTIAL, refusal
+from torchneox.config.refusals import refusal
 from torchneox.config.schema import NeoXConfig
 from torchneox.config.sizes import rwkv_widths
 
@@ -343,13 +343,6 @@ def _layer_families(cfg: NeoXConfig, lay: Layout) -> ConfigError | None:
     if lay.tp == 1:
         return None
     kinds = set(layer_attention_types(cfg))
-    sequential = sorted(kinds & set(SEQUENTIAL))
-    if lay.sequence_parallel and sequential:
-        return _refuse(
-            f"{refusal(sequential[0], 'tp2 sp')}; set sequence_parallel: false",
-            key="sequence_parallel",
-            cause="attention_config",
-        )
     ffn = rwkv_widths(cfg.model).ffn_dim if "rwkv" in kinds else 0
     if ffn % lay.tp:  # the time mix splits by heads (whole heads: _whole_heads)
         return _refuse(

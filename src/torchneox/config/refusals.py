@@ -160,15 +160,6 @@ _ROTARY = "cannot take these positions, because MLA's keys are rotary"
 _MTP_LM = "cannot run, because multi-token prediction is a term of language modelling's loss"
 
 REFUSALS: tuple[Refusal, ...] = (
-    *(
-        Refusal(
-            kind,
-            "tp2 sp",
-            f"cannot split {kind} layers' inputs by positions, because they read the whole "
-            "sequence in order on every tensor rank",
-        )
-        for kind in SEQUENTIAL
-    ),
     Refusal(
         "mtp",
         "pp2 zbv",

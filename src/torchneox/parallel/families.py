@@ -78,10 +78,16 @@ class Split:
         return [c.chunk(self.size, -1)[self.rank] for c in t.chunk(n, -1)]
 
 
-def split_family(block: nn.Module, mesh: DeviceMesh) -> None:
-    """Split ``block``'s mamba, gMLP or RWKV mixer over ``mesh`` (attention: nothing here)."""
+def split_family(block: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
+    """Split ``block``'s mamba, gMLP or RWKV mixer over ``mesh`` (attention: nothing here);
+    with ``sequence_parallel`` the block's norms run on each rank's slice of the sequence, each
+    mixer reads the sequence gathered whole (as attention does: it reads it in order) and its
+    output is reduce-scattered back to the slices (``sequence_plan``)."""
+    seq = Shard(1) if sequence_parallel else Replicate()
     if hasattr(block, "time_mix"):
-        _split_rwkv(block, mesh)
+        _split_rwkv(block, mesh, seq)
+        if sequence_parallel:
+            parallelize_module(block, mesh, sequence_plan(block))
         return
     mixer = getattr(block, "mamba", None) or getattr(block, "gmlp", None)
     if mixer is None:
@@ -92,11 +98,11 @@ def split_family(block: nn.Module, mesh: DeviceMesh) -> None:
         "mamba": lambda: {
             "in_proj": column_style(layer("in_proj"), use_local_output=False),
             "x_proj": row_style(layer("x_proj")),
-            "out_proj": row_style(layer("out_proj")),
+            "out_proj": row_style(layer("out_proj"), output_layouts=seq),
         },
         "gmlp": lambda: {
             "input_linear": column_style(layer("input_linear"), use_local_output=False),
-            "output_linear": row_style(layer("output_linear")),
+            "output_linear": row_style(layer("output_linear"), output_layouts=seq),
         },
     }[name]()
     if name == "gmlp" and mixer.sgu.attn is not None:
@@ -107,13 +113,44 @@ def split_family(block: nn.Module, mesh: DeviceMesh) -> None:
             _shard(mixer, param, 0, mesh)
     _mark_split(mixer, plan)
     mixer.tp = Split(mesh)
+    if sequence_parallel:
+        parallelize_module(block, mesh, sequence_plan(block))
 
 
-def _split_rwkv(block: nn.Module, mesh: DeviceMesh) -> None:
+def sequence_plan(block: nn.Module) -> dict:
+    """A family block under sequence parallelism: its norms on the rank's slice (their weights'
+    gradients summed over the slices), each mixer's input gathered whole; the mixer's output
+    leaves it as the slices (the split output layers reduce-scatter; RWKV's channel mix, whose
+    receptance gates the all-reduced value, keeps its rank's slice of the whole product)."""
+    from torch.distributed.tensor.parallel import (
+        PrepareModuleInput,
+        PrepareModuleInputOutput,
+        SequenceParallel,
+    )
+
+    family, gathered = block.family, ((Shard(1), None, None, None), (Replicate(), None, None, None))
+    plan: dict = {family.norm: SequenceParallel(use_local_output=True)}
+    plan[family.mixer] = PrepareModuleInput(
+        input_layouts=gathered[0], desired_input_layouts=gathered[1], use_local_output=True
+    )
+    if family.mlp is not None:  # RWKV's channel mix
+        plan[family.mlp_norm] = SequenceParallel(use_local_output=True)
+        plan[family.mlp] = PrepareModuleInputOutput(
+            input_layouts=gathered[0],
+            desired_input_layouts=gathered[1],
+            use_local_input=True,
+            output_layouts=Replicate(),
+            desired_output_layouts=Shard(1),
+            use_local_output=True,
+        )
+    return plan
+
+
+def _split_rwkv(block: nn.Module, mesh: DeviceMesh, seq: Shard | Replicate) -> None:
     """The time mix split by heads, the channel mix by its inner width (module docstring)."""
     time, channel = block.time_mix, block.channel_mix
     plan: dict = {n: column_style(time.get_submodule(n)) for n in RWKV_HEADS}
-    plan["output"] = row_style(time.output)
+    plan["output"] = row_style(time.output, output_layouts=seq)
     parallelize_module(time, mesh, plan)
     for param in ("time_decay", "time_decay_w2", "time_faaaa", "out_norm.weight", "out_norm.bias"):
         _shard(time, param, FAMILY_SPLITS[f"time_mix.{param}"], mesh)

@@ -128,7 +128,7 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
         _mark_split(block, present)
         _split_qk_norms(getattr(block, "attention", None), mesh)
         _split_adapters(block, adapters, mesh)
-        split_family(block, mesh)
+        split_family(block, mesh, sequence_parallel)
         if isinstance(getattr(block, "attention", None), MLA):
             block.attention.shared_key_grad = functools.partial(_sum_gradient, mesh=mesh)
         if isinstance(getattr(block, "attention", None), SparseAttention):
@@ -157,7 +157,7 @@ def _block_plan(
     layer = block.get_submodule
     plan: dict = {n: column_style(layer(n), fp8) for n in present if n in COLUMN_SPLIT}
     plan |= {n: row_style(layer(n), fp8, output_layouts=seq) for n in present if n in ROW_SPLIT}
-    if sequence_parallel:
+    if sequence_parallel and not block.reads_in_order:  # (the other families: families.py)
         plan["attention_norm"] = SequenceParallel()
         qkv = [layer(n) for n in present if n.startswith("attention.w") and n in COLUMN_SPLIT]
         mla = isinstance(getattr(block, "attention", None), MLA)
