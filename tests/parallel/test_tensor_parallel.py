@@ -182,6 +182,13 @@ OPTIONS = {
         "qk_norm_scope=width",
         "sequence_parallel=true",
     ],
+    # a soft prompt: the embeddings stay whole until the prompt is put before the text (and
+    # the learned positions added), then each rank keeps its slice
+    "soft-prompt-learned-sequence-parallel": [
+        'soft_prompt_tuning={"enabled": true, "n_tokens": 4}',
+        "pos_emb=learned",
+        "sequence_parallel=true",
+    ],
 }
 
 

@@ -198,11 +198,6 @@ def test_explain_counts_the_trained_parameters(make_config, keys):
             {"train_impl": "kto", "lora": {"rank": 4}},
             "with lora and train_impl kto cannot keep the reference's prompt",
         ),
-        (
-            PROMPT,
-            {"model_parallel_size": 2, "sequence_parallel": True, "no_weight_tying": True},
-            "set sequence_parallel false",
-        ),
     ],
 )
 def test_refusals_in_one_line(make_config, capsys, spec, keys, message):

@@ -170,12 +170,6 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         "soft prompt",
-        "tp2 sp",
-        "cannot put the prompt before the text, because each tensor rank holds only part of "
-        "the text's positions",
-    ),
-    Refusal(
-        "soft prompt",
         "curriculum + cp2",
         "is unbuilt beside a curriculum with context parallelism: the prompt and each shorter "
         "text would have to split into equal chunks",

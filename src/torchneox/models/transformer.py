@@ -328,7 +328,7 @@ class Transformer(nn.Module):
             x, positions_BT, key_valid_BS = self._prompted(
                 tokens_BT, positions_BT, key_valid_BS, start
             )
-            t, prompted = x.shape[1], start == 0
+            t, prompted = x.shape[1] * self.sequence_shards, start == 0  # (its slice's)
         else:
             x = self._embed(tokens_BT, positions_BT, start, t)
         rope = self._rope(positions_BT, start, t, length)
@@ -346,11 +346,19 @@ class Transformer(nn.Module):
         # the prompt's own outputs are never scored or sampled (cut where the head is; a
         # context split keeps them, out of the loss)
         passed = self.prompt_passed and start == 0 and context is None
-        if (prompted or passed) and self.final_norm is not None:
-            x = x[:, self.args.soft_prompt_tokens :]
-        out = self._head(x[:, -1:] if last_only else x)
+        cut = (prompted or passed) and self.final_norm is not None
+        out = self._scored(x, cut, last_only)
         out = (out, *depths) if depths else out
         return (out, stats) if router_stats else out
+
+    def _scored(self, x: torch.Tensor, cut: bool, last_only: bool) -> torch.Tensor:
+        """The head's outputs, the prompt's own positions ``cut``: before the head, or after
+        it under sequence parallelism (whose head gathers the slices first)."""
+        n, sliced = self.args.soft_prompt_tokens, self.sequence_shards > 1
+        if cut and not sliced:
+            x = x[:, n:]
+        out = self._head(x[:, -1:] if last_only else x)
+        return out[:, n:] if cut and sliced else out
 
     def _context(
         self,
@@ -388,7 +396,8 @@ class Transformer(nn.Module):
             key_valid_BS = None if key_valid_BS is None else key_valid_BS[:, :keep]
         text_pos = None if positions_BT is None else positions_BT + n
         t = tokens_BT.shape[1]
-        x = self._embed(tokens_BT, text_pos, start + n if start == 0 else start, t)
+        # (sequence parallelism's slice is taken of prompt and text together, below)
+        x = self._embed(tokens_BT, text_pos, start + n if start == 0 else start, t, start != 0)
         if key_valid_BS is not None:
             ones = torch.ones(b, n, dtype=key_valid_BS.dtype, device=key_valid_BS.device)
             key_valid_BS = torch.cat([ones, key_valid_BS], dim=1)
@@ -396,6 +405,8 @@ class Transformer(nn.Module):
             return x, text_pos, key_valid_BS
         prompt = self.soft_prompt.weight.to(x.dtype)
         x = torch.cat([prompt[None].expand(b, -1, -1), x], dim=1)
+        if self.embedded_output is not None:
+            x = self.embedded_output(x)
         if text_pos is not None:
             head = torch.arange(n, device=x.device).expand(*text_pos.shape[:-1], n)
             text_pos = torch.cat([head, text_pos], dim=-1)
@@ -421,8 +432,15 @@ class Transformer(nn.Module):
         return self.output(x)
 
     def _embed(
-        self, tokens_BT: torch.Tensor, positions_BT: torch.Tensor | None, start: int, t: int
+        self,
+        tokens_BT: torch.Tensor,
+        positions_BT: torch.Tensor | None,
+        start: int,
+        t: int,
+        sliced: bool = True,
     ) -> torch.Tensor:
+        """The tokens' embeddings, positions added; under sequence parallelism with whole
+        embeddings first (``embedded_output``), this rank's slice unless not ``sliced``."""
         x = self.embed(tokens_BT)
         if self.pos_embed is not None or self.args.pos_emb == "sinusoidal":
             pos = (
@@ -439,13 +457,13 @@ class Transformer(nn.Module):
         x = self.embed_dropout(x)
         if self.args.mup is not None and self.args.mup.embedding_mult != 1:
             x = x * self.args.mup.embedding_mult
-        if self.embedded_output is not None:
-            x = self.embedded_output(x)
         if self.soft_prompt is not None and positions_BT is not None and positions_BT.dim() == 1:
             # a context rank's chunks of [prompt, text]: positions below n are the prompt's
             n = self.args.soft_prompt_tokens
             rows = self.soft_prompt.weight.to(x.dtype)[positions_BT.clamp(max=n - 1)]
             x = torch.where((positions_BT < n)[:, None], rows, x)
+        if sliced and self.embedded_output is not None:
+            x = self.embedded_output(x)
         return x
 
 

@@ -87,13 +87,7 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
     # a pipeline stage may hold neither end; with sequence parallelism the hidden states pass
     # between stages as each tensor rank's sequence slice
     if model.embed is not None:
-        # positions added to the embeddings (learned, sinusoidal) are the whole sequence's:
-        # the embeddings stay whole until they are added, then each rank keeps its slice
-        whole_first = sequence_parallel and model.args.pos_emb in ("learned", "sinusoidal")
-        out = Replicate() if whole_first else seq
-        top["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=out)
-        if whole_first:
-            model.embedded_output = functools.partial(_sequence_slice, mesh=mesh)
+        top["embed"] = _embedding_plan(model, mesh, sequence_parallel)
     if model.output is not None:
         top["output"] = ColwiseParallel(
             input_layouts=seq, output_layouts=Shard(-1), use_local_output=False
@@ -137,6 +131,20 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, sequence_paralle
     if sequence_parallel:
         for layer in mtp:
             _mtp_sequence_parallel(layer, mesh)
+
+
+def _embedding_plan(model: Transformer, mesh: DeviceMesh, sequence_parallel: bool):
+    """The embedding split by vocabulary rows. Positions added to the embeddings (learned,
+    sinusoidal) are the whole sequence's, and a soft prompt goes before the text: under
+    sequence parallelism the embeddings then stay whole until they are added (the prompt put
+    first), and each rank keeps its slice (``embedded_output``)."""
+    whole_first = sequence_parallel and (
+        model.args.pos_emb in ("learned", "sinusoidal") or model.soft_prompt is not None
+    )
+    if whole_first:
+        model.embedded_output = functools.partial(_sequence_slice, mesh=mesh)
+    out = Shard(1) if sequence_parallel and not whole_first else Replicate()
+    return RowwiseParallel(input_layouts=Replicate(), output_layouts=out)
 
 
 def _mtp_sequence_parallel(layer: nn.Module, mesh: DeviceMesh) -> None:

@@ -109,8 +109,6 @@ def _check_layout(ch: Checker) -> None:
             f"with curriculum_learning {refusal('soft prompt', 'curriculum + cp2')}; drop one "
             "or set context_parallel_size 1",
         )
-    if c.parallel.sequence_parallel and c.parallel.model_parallel_size > 1:
-        ch.fail(NAME, f"{refusal('soft prompt', 'tp2 sp')}; set sequence_parallel false")
     if c.model.inter_document_attention_masking:
         ch.fail(
             NAME,
