@@ -50,8 +50,9 @@ def _assert_holds_estimate(run) -> None:
             [
                 *("pipe_parallel_size=2", "context_parallel_size=2", "zero_optimization.stage=1"),
                 # tied: the last stage trains a copy of the embedding; a soft prompt: only it
-                # trains, on the first stage
+                # trains, on the first stage; the second stage's layers share the first's
                 *("no_weight_tying=false", 'soft_prompt_tuning={"enabled": true, "n_tokens": 4}'),
+                "num_unique_layers=2",
             ],
         ),
     ],

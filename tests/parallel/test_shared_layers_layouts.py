@@ -1,6 +1,7 @@
 """Layer weight sharing and soft prompts across processes: 2 processes (DDP; ZeRO-3, the blocks
 that share one owner's tensors in one FSDP unit; tensor parallel; the shared MoE layers' experts
-split over 2 expert ranks, resumed to the bit; a soft prompt under ZeRO-3, context parallelism,
+split over 2 expert ranks, and 2 pipeline stages whose layers share across them, each resumed
+to the bit; a soft prompt under ZeRO-3, context parallelism,
 and 2 pipeline stages x 2 context ranks) give the losses and weights of one process on the same
 global batch."""
 
@@ -43,8 +44,12 @@ def baseline(config, tmp_path_factory):
         ["model_parallel_size=2", "train_micro_batch_size_per_gpu=4"],
         # DDP (ZeRO 0) with the experts that two layers share split once over the expert ranks
         ["zero_optimization.stage=0", "expert_parallel_size=2", "checkpoint_factor=2"],
+        # layers 2 and 3 (stage 1) share the weights of layers 0 and 1 (stage 0): stage 1 holds
+        # copies under the owners' names, their gradients summed with the owners' and counted
+        # once, saved once; stopped after step 2, it resumes on 2 stages
+        ["pipe_parallel_size=2", "gradient_accumulation_steps=4", "checkpoint_factor=2"],
     ],
-    ids=["zero3", "tp2", "ddp-ep2"],
+    ids=["zero3", "tp2", "ddp-ep2", "pp2"],
 )
 def test_two_processes_equal_one(config, tmp_path, baseline, layout):
     out = tmp_path / "run"

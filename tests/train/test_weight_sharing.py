@@ -138,7 +138,6 @@ def test_gpt_neox_import_with_sharing_is_refused_in_one_line(tmp_path, capsys):
     [
         ({"num_unique_layers": 3}, "num_layers 4 is not a multiple of 3"),
         ({"num_unique_layers": 5}, "5 is more than num_layers 4"),
-        ({"num_unique_layers": 2, "pipe_parallel_size": 2}, "set pipe_parallel_size 1"),
         ({"num_unique_layers": 2, "param_sharing_style": "mixed"}, "param_sharing_style"),
         (
             {"num_unique_layers": 2, "attention_config": [[["global", "rwkv"], 2]]},

@@ -175,12 +175,6 @@ REFUSALS: tuple[Refusal, ...] = (
         "text would have to split into equal chunks",
     ),
     Refusal(
-        "shared layers",
-        "pp2",
-        "cannot share layers that a pipeline places on different stages, because their "
-        "gradients are not tied across stages",
-    ),
-    Refusal(
         "reinforce",
         "tp2 sp",
         "cannot sample rollouts in the run with sequence parallelism, because a decode step's "

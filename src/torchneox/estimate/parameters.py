@@ -78,12 +78,14 @@ def stage_params(
     if pp <= 1:
         return [shapes]
     ranges = stage_layers(args, pp, method)
+    owners = args.layer_owners or tuple(range(args.num_layers))
     stages = []
     for k, r in enumerate(ranges):
         keep = []
+        held = {owners[layer] for layer in r}  # (a sharer's stage holds a copy of its owner's)
         for name, shape in shapes:
             if name.startswith("layers."):
-                if int(name.split(".")[1]) in r:
+                if int(name.split(".")[1]) in held:
                     keep.append((name, shape))
             elif name.startswith(("embed.", "pos_embed.", "soft_prompt.")):
                 # the first stage's; the last keeps a copy of the embedding for a tied head

@@ -209,7 +209,7 @@ def build_parallel_model(
             drawn[0] += materialise(part, device, options.seed, init, offloads(options, layout))
 
         pipeline = build_pipeline(args, dims.mesh["pp"], device, layout, pipeline_loss, prepare)
-        share_across_stages(pipeline, dims.mesh, args)
+        share_across_stages(pipeline, dims.mesh, args, layout)
         return ParallelModel(pipeline.container, pipeline.container, pipeline, drawn=drawn[0])
     with torch.device("meta"):
         model = Transformer(args)

@@ -93,6 +93,7 @@ def stage_module(full_meta: Transformer, layers: range, first: bool, last: bool)
     for name in list(part.layers):
         if int(name) not in layers:
             del part.layers[name]
+    _name_copies(part, layers)
     part.first_stage = first
     if not first:
         if not (last and embeds_on_last(full_meta.args)):
@@ -106,6 +107,38 @@ def stage_module(full_meta: Transformer, layers: range, first: bool, last: bool)
         part.value_head = None
         part.mtp = None
     return part
+
+
+def _name_copies(part: Transformer, layers: range) -> None:
+    """Layer weight sharing: a layer whose owner is on another stage holds a copy of the
+    owner's weights under the owner's name (drawn, stepped, saved and loaded as the owner's;
+    ``layer_holders``); later sharers of that owner on the stage are tied to it as usual."""
+    owners, named = part.args.layer_owners, {}
+    if not owners:
+        return
+    for name, block in part.layers.items():
+        owner = owners[int(name)]
+        key = name if owner in layers or str(owner) in named else str(owner)
+        named[key] = block
+    if list(named) != list(part.layers):
+        part.layers = torch.nn.ModuleDict(named)
+
+
+def layer_holders(args: ModelArgs, layout: Layout, pp_size: int) -> dict[int, list[int]]:
+    """Layer weight sharing: each owner layer whose weights more than one pipeline rank holds
+    (the owner's stage, its sharers' stages) -> those ranks."""
+    owners = args.layer_owners
+    if not owners:
+        return {}
+    virtual = layout.virtual_stages
+    per_rank = 2 if layout.schedule == "zbv" else (1 if layout.schedule in SINGLE else virtual)
+    ranges = stage_layers(args, pp_size * per_rank, layout.partition_method)
+    held: dict[int, set[int]] = {}
+    for rank in range(pp_size):
+        for index in rank_stage_indices(layout.schedule, rank, pp_size, virtual):
+            for layer in ranges[index]:
+                held.setdefault(owners[layer], set()).add(rank)
+    return {o: sorted(ranks) for o, ranks in held.items() if len(ranks) > 1}
 
 
 def embeds_on_last(args: ModelArgs) -> bool:
@@ -203,7 +236,9 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def share_across_stages(pipeline: Pipeline, mesh: DeviceMesh, args: ModelArgs) -> None:
+def share_across_stages(
+    pipeline: Pipeline, mesh: DeviceMesh, args: ModelArgs, layout: Layout
+) -> None:
     """Set ``pipeline.shared``: the groups of the ranks holding each shared parameter (every
     rank takes part in making them: new process groups are collective)."""
     pp_dim = mesh.mesh_dim_names.index("pp")
@@ -213,24 +248,44 @@ def share_across_stages(pipeline: Pipeline, mesh: DeviceMesh, args: ModelArgs) -
         "embed.weight": sorted({0, pipeline.last_rank}) if embeds_on_last(args) else [],
         "rpe.weight": list(range(pp_size)) if args.pos_emb == "rpe" else [],
     }
+    names = dict.fromkeys(SHARED_ACROSS_STAGES)  # (then each shared layer's weights)
+    for owner, ranks in layer_holders(args, layout, pp_size).items():
+        holders[f"layers.{owner}."] = ranks
+        names[f"layers.{owner}."] = None
     held = dict(pipeline.container.named_parameters())
-    params, groups, repeated = [], [], set()
-    for name in SHARED_ACROSS_STAGES:
-        ranks = holders[name]
+    params, groups, repeated, made = [], [], set(), {}
+    for prefix in names:
+        ranks = holders[prefix]
         if len(ranks) < 2:  # (zbv: the first rank holds both ends, ``twins``)
             continue
-        if len(ranks) == pp_size:
-            group = mesh["pp"].get_group()
-        else:
-            group, _ = torch.distributed.new_subgroups_by_enumeration(
-                [[row[r] for r in ranks] for row in rows]
+        if tuple(ranks) not in made:
+            made[tuple(ranks)] = (
+                mesh["pp"].get_group()
+                if len(ranks) == pp_size
+                else torch.distributed.new_subgroups_by_enumeration(
+                    [[row[r] for r in ranks] for row in rows]
+                )[0]
             )
-        if pp_rank in ranks and name in held:
-            params.append(held[name])
-            groups.append(group)
-            if pp_rank != ranks[0]:
-                repeated.add(id(held[name]))
+        for name, param in held.items():
+            if pp_rank in ranks and (name == prefix or name.startswith(prefix)):
+                params.append(param)
+                groups.append(made[tuple(ranks)])
+                if pp_rank != ranks[0]:
+                    repeated.add(id(param))
     pipeline.shared = StageShared(params, groups, repeated, pipeline.twins)
+
+
+def _hold_layers(container: Transformer, part: Transformer) -> list[tuple]:
+    """``part``'s blocks into ``container``; a copy of a shared layer that another stage of
+    this rank holds already becomes its twins (parameter by parameter)."""
+    twins = []
+    for name, block in part.layers.items():
+        if name in container.layers:
+            mine = container.layers[name].parameters()
+            twins.extend(zip(mine, block.parameters(), strict=True))
+        else:
+            container.layers[name] = block
+    return twins
 
 
 def build_pipeline(
@@ -261,8 +316,7 @@ def build_pipeline(
         part = stage_module(full, ranges[index], first, last)
         prepare(part)
         parts.append(part)
-        for name, block in part.layers.items():
-            container.layers[name] = block
+        twins += _hold_layers(container, part)
         if part.rpe is not None and not parts[:-1]:  # every stage's copy of rpe's table
             container.rpe = part.rpe
         elif part.rpe is not None:  # a later stage of this rank: its copy is a twin

@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Any
 
 from torchneox.config.checker import Checker
-from torchneox.config.refusals import refusal
 
 STYLES = ("grouped", "spaced")
 
@@ -75,15 +74,3 @@ def check_sharing(ch: Checker, kinds: list[str], moe_layers: list[bool]) -> None
                 f"({kinds[owner]}{' MoE' * moe_layers[owner]}); shared layers must be of one "
                 "kind: change attention_config, moe_expert_interval or param_sharing_style",
             )
-    _check_layout(ch, key, bool(held))
-
-
-def _check_layout(ch: Checker, key: str, shared: bool) -> None:
-    c = ch.c
-    if not shared:
-        return
-    if c.parallel.pipe_parallel_size >= 2:
-        ch.fail(
-            key,
-            f"{refusal('shared layers', 'pp2')}; set pipe_parallel_size 1",
-        )
