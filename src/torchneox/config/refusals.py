@@ -229,8 +229,9 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(
         "8-bit adam",
         "mup",
-        "cannot run, because muP's per-group learning rates have no 8-bit optimizer (GPT-NeoX "
-        "drops the 8-bit switch with use_mup)",
+        "is not run, because GPT-NeoX runs muP's 32-bit MuAdam and drops use_bnb_optimizer "
+        "without a word, and an 8-bit MuAdam would compute something else: which one is meant "
+        "must be said",
     ),
 )
 """Every pair that does not run, in the order of the table."""
