@@ -60,14 +60,27 @@ def test_two_processes_equal_one(config, tmp_path, baseline, layout):
         assert_resumes_bitwise(config, out, 2, layout, nproc=2)
 
 
+# a curriculum's growing length (8, 16, then 32 tokens) after a prompt of 3: under context
+# parallelism 3 + 8 and 3 + 16 tokens are padded (out of the loss) to 2 x cp equal chunks
+CURRICULUM = {
+    "enabled": True,
+    "curriculum_type": "seqlen",
+    "min_difficulty": 8,
+    "max_difficulty": 32,
+    "schedule_type": "fixed_discrete",
+    "schedule_config": {"difficulty": [8, 16, 32], "max_step": [1, 2]},
+}
+
+
 @pytest.fixture(scope="module")
 def prompt_config(make_module_config):
-    spec = {"enabled": True, "n_tokens": 4, "init_string": "the"}
+    spec = {"enabled": True, "n_tokens": 3, "init_string": "the"}
     return make_module_config(
         "prompt.yml",
         train_micro_batch_size_per_gpu=2,
         train_iters=3,
         soft_prompt_tuning=spec,
+        curriculum_learning=CURRICULUM,
         **DP_KEYS,
     )
 

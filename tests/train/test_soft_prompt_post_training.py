@@ -184,16 +184,21 @@ def test_reinforce_scores_the_kept_completion_tokens():
     assert_only_trained(model, (SOFT_PROMPT,))
 
 
-def test_context_parallel_layout_comes_back_to_the_kept_text():
-    """before_text puts the prompt's placeholders first (what the context ranks split);
-    past_prompt, on the gathered outputs' side, gives the micro-batch text_kept gives."""
-    tokens = torch.randint(0, 100, (2, SEQ + 1))
+@pytest.mark.parametrize("length", [SEQ, 5], ids=["whole", "a-curriculum-s-shorter-text"])
+def test_context_parallel_layout_comes_back_to_the_kept_text(length):
+    """before_text puts the prompt's placeholders first (what the context ranks split), and
+    pads a shorter text's sequence (a curriculum's) to a multiple of 2 x cp; past_prompt, on
+    the gathered outputs' side, gives the micro-batch text_kept gives."""
+    tokens = torch.randint(0, 100, (2, length + 1))
     prep = shifted(tokens, None, None)
-    prep.mask = torch.rand(2, SEQ) > 0.3
-    prep.rewards, prep.reference_logp = torch.randn(2, SEQ), torch.randn(2, SEQ)
-    laid_out = before_text(prep, N, SEQ)
-    assert laid_out.inputs.shape == (2, SEQ) and not laid_out.mask[:, :N].any()
-    back = past_prompt(laid_out, N)
-    kept = text_kept(torch.zeros(2, SEQ - N, 1), prep)
+    prep.mask = torch.rand(2, length) > 0.3
+    prep.rewards, prep.reference_logp = torch.randn(2, length), torch.randn(2, length)
+    laid_out = before_text(prep, N, SEQ, multiple=8)
+    text = min(length, SEQ - N)
+    assert laid_out.text == text and laid_out.inputs.shape[1] % 8 == 0
+    assert laid_out.inputs.shape[1] - N - text < 8 and not laid_out.mask[:, :N].any()
+    assert not laid_out.mask[:, N + text :].any()  # the padding is out of the loss
+    back = past_prompt(laid_out, N, laid_out.text)
+    kept = text_kept(torch.zeros(2, text, 1), prep)
     for name in ("labels", "mask", "rewards", "reference_logp"):
         assert torch.equal(getattr(back, name), getattr(kept, name)), name

@@ -169,12 +169,6 @@ REFUSALS: tuple[Refusal, ...] = (
         "head after it): torch's weight half would run back through the first use's freed graph",
     ),
     Refusal(
-        "soft prompt",
-        "curriculum + cp2",
-        "is unbuilt beside a curriculum with context parallelism: the prompt and each shorter "
-        "text would have to split into equal chunks",
-    ),
-    Refusal(
         "reinforce",
         "tp2 sp",
         "cannot sample rollouts in the run with sequence parallelism, because a decode step's "

@@ -99,6 +99,7 @@ def part_of(prep, context: ContextShard):
         context=context,
         counted=counted,
         whole=prep,  # (multi-token prediction reads the tokens ahead, on any rank)
+        text=prep.text,
     )
 
 

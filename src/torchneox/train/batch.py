@@ -43,6 +43,7 @@ class Prepared:
     raw_rewards: torch.Tensor | None = None  # ... its reward [B]
     old_logp: torch.Tensor | None = None  # ... the sampling policy's log-probabilities [B, T]
     whole: Prepared | None = None  # context parallelism: the micro-batch before its split (MTP)
+    text: int | None = None  # ... with a soft prompt: the text's tokens after its placeholders
 
     @property
     def context_ranks(self) -> int:
@@ -75,15 +76,16 @@ def text_kept(logits: torch.Tensor, prep: Prepared) -> Prepared:
     return dataclasses.replace(prep, **cut)
 
 
-def past_prompt(prep: Prepared, n_tokens: int) -> Prepared:
+def past_prompt(prep: Prepared, n_tokens: int, text: int | None = None) -> Prepared:
     """A micro-batch laid out with a soft prompt's ``n_tokens`` placeholders first
-    (``soft_prompt.before_text``: context parallelism) as the text alone: what a whole-sequence
-    objective scores, the outputs cut alike."""
+    (``soft_prompt.before_text``: context parallelism) as the ``text`` tokens alone (the padding
+    after them cut too): what a whole-sequence objective scores, the outputs cut alike."""
     cut = {}
+    end = None if text is None else n_tokens + text
     for name in ("labels", "mask", "rewards", "reference_logp", "old_logp"):
         value = getattr(prep, name)
         if value is not None and value.dim() == 2:
-            cut[name] = value[:, n_tokens:]
+            cut[name] = value[:, n_tokens:end]
     return dataclasses.replace(prep, **cut)
 
 

@@ -81,6 +81,8 @@ class PipelinedObjective:
         self.prompt = 0
         """Context parallelism with a soft prompt: its tokens, placeholders before the text in
         the target (``before_text``), cut from the gathered outputs before the objective."""
+        self.text: int | None = None
+        """... and the text's tokens (the padding after them cut too)."""
 
     def __call__(self, out: torch.Tensor, target: torch.Tensor, scaled: bool = True):
         """The objective to run backward on (scaled); unscaled (evaluation): the loss (under
@@ -101,7 +103,8 @@ class PipelinedObjective:
         cp = self.context.ranks  # every context rank computes the whole micro-batch's terms
         out = gather_sequence(out, self.context, self.mesh)
         if self.prompt:
-            out, prep = out[:, self.prompt :], past_prompt(prep, self.prompt)
+            end = None if self.text is None else self.prompt + self.text
+            out, prep = out[:, self.prompt : end], past_prompt(prep, self.prompt, self.text)
         terms = self.objective.terms(out, prep, None)
         terms.loss = terms.loss / cp
         terms.metrics = {k: v / cp for k, v in terms.metrics.items()}
@@ -132,14 +135,18 @@ class PipelinedObjective:
 
 
 def prepared_batch(
-    objective: Objective, micro_batches: list, prompt: int = 0, seq_length: int = 0
+    objective: Objective,
+    micro_batches: list,
+    prompt: int = 0,
+    seq_length: int = 0,
+    multiple: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, list[Prepared]]:
     """The inputs of every micro-batch and their targets, concatenated in order; ``prompt``:
     a soft prompt's tokens put before the text (``before_text``: under context parallelism
-    the stages run the prompt's positions as the text's)."""
+    the stages run the prompt's positions as the text's, padded to a ``multiple``)."""
     preps = [objective.prepare(b) for b in micro_batches]
     if prompt:
-        preps = [before_text(p, prompt, seq_length) for p in preps]
+        preps = [before_text(p, prompt, seq_length, multiple) for p in preps]
     inputs = torch.cat([p.inputs for p in preps])
     return inputs, torch.cat([encode_target(p) for p in preps]), preps
 

@@ -52,17 +52,22 @@ def start_soft_prompt(model: Transformer, cfg: NeoXConfig, fresh: bool) -> bool:
     return True
 
 
-def before_text(prep: Any, n_tokens: int, seq_length: int) -> Any:
+def before_text(prep: Any, n_tokens: int, seq_length: int, multiple: int = 1) -> Any:
     """Context parallelism: an objective's micro-batch (``Prepared``) as the sequence the
     model runs, the prompt's ``n_tokens`` positions (placeholders, which the model's embedding
-    fills with the prompt) before the text cut to ``seq_length - n_tokens``, out of the loss;
-    the context ranks then take their chunks of it, and the loss is one process's."""
-    keep = seq_length - n_tokens
+    fills with the prompt) before the text cut to ``seq_length - n_tokens``, out of the loss,
+    then padding out of the loss to a ``multiple`` of tokens (a curriculum's shorter text: the
+    context ranks' 2 x cp equal chunks; causal attention keeps the padding from every earlier
+    position); the context ranks then take their chunks of it, and the loss is one process's.
+    ``text``: the text's tokens kept (what the objective scores)."""
+    text = min(prep.inputs.shape[1], seq_length - n_tokens)
+    pad = -(n_tokens + text) % multiple
     mask = prep.mask if prep.mask is not None else torch.ones_like(prep.inputs, dtype=torch.bool)
 
     def put_after(x: torch.Tensor, value: Any) -> torch.Tensor:
         head = torch.full((x.shape[0], n_tokens), value, dtype=x.dtype, device=x.device)
-        return torch.cat([head, x[:, :keep]], dim=1)
+        tail = torch.full((x.shape[0], pad), value, dtype=x.dtype, device=x.device)
+        return torch.cat([head, x[:, :text], tail], dim=1)
 
     # the post-training objectives' per-position values move with the labels (KTO's
     # rewards, a precomputed reference's and reinforce's sampling log-probabilities)
@@ -76,5 +81,6 @@ def before_text(prep: Any, n_tokens: int, seq_length: int) -> Any:
         inputs=put_after(prep.inputs, 0),
         labels=put_after(prep.labels, 0),
         mask=put_after(mask, False),
+        text=text,
         **moved,
     )

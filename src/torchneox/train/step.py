@@ -188,7 +188,7 @@ class Gradients:
         if self.dims.cp > 1:
             args = self.parts.model.args
             if args.soft_prompt_tokens:  # the prompt's positions first, then split
-                prep = before_text(prep, args.soft_prompt_tokens, args.seq_length)
+                prep = before_text(prep, args.soft_prompt_tokens, args.seq_length, 2 * self.dims.cp)
             prep = split_sequence(prep, self.dims.mesh["cp"])
         return prep
 
@@ -211,7 +211,8 @@ class Gradients:
         if reference is not None:
             reference = gather_sequence(reference, context, mesh)
         n = self.parts.model.args.soft_prompt_tokens  # (the prompt's outputs, before the text)
-        out, reference = out[:, n:], None if reference is None else reference[:, n:]
+        text = slice(n, n + prep.text if prep.text is not None else None)  # (then the padding)
+        out, reference = out[:, text], None if reference is None else reference[:, text]
         terms = self.objective.terms(out, self.whole, reference, stats, placed)
         terms.loss = terms.loss / cp
         terms.metrics = {k: v / cp for k, v in terms.metrics.items()}
@@ -302,6 +303,7 @@ class Gradients:
             pipelines = [p for p in (self.parts.pipeline, self.parts.reference_pipeline) if p]
             self.pipelined.mesh = mesh = self.dims.mesh["cp"]
             self.pipelined.prompt = self.parts.model.args.soft_prompt_tokens
+            self.pipelined.text = preps[0].text if preps else None
             inputs, target, extra, self.pipelined.context = context_split(
                 inputs, target, extra, pipelines, mesh
             )
@@ -325,7 +327,7 @@ class Gradients:
             tokens = torch.cat(micro_batches).to(self.device, non_blocking=True)
             return tokens[:, :-1], tokens[:, 1:], []
         batches = [to_device(b, self.device) for b in micro_batches]
-        return prepared_batch(objective, batches, prompt, args.seq_length)
+        return prepared_batch(objective, batches, prompt, args.seq_length, 2 * self.dims.cp)
 
     def _pipeline_batch(self, micro_batches: list[Batch], train: bool) -> torch.Tensor:
         """One global batch through the pipeline; the mean loss, known on every rank (the

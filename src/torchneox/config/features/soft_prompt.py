@@ -102,13 +102,6 @@ def _check_layout(ch: Checker) -> None:
             f"with lora and train_impl {impl} {refusal('soft prompt', f'lora + {impl}')}; "
             "drop one of them",
         )
-    curriculum = c.training.curriculum_learning or {}
-    if c.parallel.context_parallel_size > 1 and curriculum.get("enabled", False):
-        ch.fail(
-            NAME,
-            f"with curriculum_learning {refusal('soft prompt', 'curriculum + cp2')}; drop one "
-            "or set context_parallel_size 1",
-        )
     if c.model.inter_document_attention_masking:
         ch.fail(
             NAME,
