@@ -55,19 +55,6 @@ CASES = [
         {"moe_num_experts": 3, "expert_parallel_size": 2},
         "expert_parallel_size: 2 must divide the data-parallel size 2 and moe_num_experts 3",
     ),
-    (
-        "replica-groups-with-reinforce",
-        UNTIED
-        | {
-            "train_impl": "reinforce",
-            "rollout_prompts": "p.jsonl",
-            "reward_function": "r:f",
-            "rollout_max_new_tokens": 8,
-            "load": None,
-            "ft_lighthouse": "http://localhost:29510",
-        },
-        "train_impl: replica groups (ft_lighthouse) with REINFORCE is unbuilt",
-    ),
 ]
 
 

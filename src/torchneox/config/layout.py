@@ -16,7 +16,7 @@ from typing import Any
 from torchneox.base.errors import ConfigError
 from torchneox.config import sizes
 from torchneox.config.checker import source_of
-from torchneox.config.checks.ft import replica_layout, require_replicas
+from torchneox.config.checks.ft import require_replicas
 from torchneox.config.checks.model import layer_attention_types
 from torchneox.config.derived import Derived
 from torchneox.config.features.offload import offload_spec
@@ -388,7 +388,6 @@ RULES = (
     _context_parallel,
     _compile_model,
     offload_rule,
-    replica_layout,
 )
 """Every layout rule, in the order they are checked."""
 

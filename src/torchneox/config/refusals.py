@@ -174,12 +174,6 @@ REFUSALS: tuple[Refusal, ...] = (
         "cannot sample rollouts in the run with sequence parallelism, because a decode step's "
         "one token cannot be split by positions",
     ),
-    Refusal(
-        "replica groups",
-        "reinforce",
-        "is unbuilt: each rank's rollouts not yet trained and its reward baseline's history "
-        "are its own, so a group restarted after a failure could not heal them from a live group",
-    ),
     *_each("whole-model compile", ("tp2", "pp2", "cp2", "ep2", "zero1", "zero3"), _ONE_GRAPH),
     Refusal("qk layernorm", "mla", "cannot apply, because MLA's latents have their own RMSNorms"),
     Refusal("mup", "mla", "cannot apply, because MLA scales its softmax its own way (DeepSeek's)"),

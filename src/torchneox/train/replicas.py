@@ -247,7 +247,10 @@ class Replicas:
             "model": model,
             "optimizer": optim,
             "scaler": t.scaler.state_dict(),
-            "loaders": {name: loader.state_dict() for name, loader in t.state.loaders.items()},
+            "loaders": {
+                name: getattr(loader, "heal_state", loader.state_dict)()
+                for name, loader in t.state.loaders.items()
+            },
             "rng": torch.get_rng_state(),
             "cuda_rng": cuda,
         }
@@ -267,8 +270,8 @@ class Replicas:
             leaves = [_into(o, v) for o, v in zip(ours, theirs, strict=True)]
             load_optimizer_state(t.model, t.optimizer, pytree.tree_unflatten(leaves, spec))
         t.scaler.load_state_dict(sd["scaler"])
-        for name, loader in t.state.loaders.items():
-            loader.load_state_dict(sd["loaders"][name])
+        for name, loader in t.state.loaders.items():  # (REINFORCE's rows: this group's own)
+            getattr(loader, "heal", loader.load_state_dict)(sd["loaders"][name])
         torch.set_rng_state(sd["rng"])
         if sd["cuda_rng"] is not None:
             torch.cuda.set_rng_state_all(sd["cuda_rng"])

@@ -7,7 +7,6 @@ import importlib.util
 
 from torchneox.base.errors import ConfigError
 from torchneox.config.checker import Checker
-from torchneox.config.refusals import refusal
 
 
 def replicated(c) -> bool:
@@ -66,21 +65,6 @@ def _check_diloco(ch: Checker) -> None:
             "ft_diloco_outer_nesterov",
             "Nesterov momentum needs ft_diloco_outer_momentum above 0 (or set it false)",
         )
-
-
-def replica_layout(c, layout) -> ConfigError | None:
-    """A layout rule: a replica group's run is one the groups can average and heal (ZeRO 0-3,
-    tensor, context and expert parallelism, pipeline stages: every gradient a tensor, or a
-    shard, that each group holds alike)."""
-    if not replicated(c) or c.training.train_impl != "reinforce":
-        return None
-    error = ConfigError(
-        f"replica groups (ft_lighthouse) with REINFORCE {refusal('replica groups', 'reinforce')}: "
-        "train REINFORCE in one run (unset ft_lighthouse)",
-        key="train_impl",
-    )
-    error.cause, error.path = "ft_lighthouse", None
-    return error
 
 
 def require_replicas(c) -> None:

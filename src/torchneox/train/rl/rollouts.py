@@ -100,7 +100,7 @@ class RolloutBatches:
         return self.micro_batch * self.gas
 
     def next(self) -> list[dict[str, torch.Tensor]]:
-        if self.steps % self.updates == 0:  # a new rollout batch
+        if self.steps % self.updates == 0 or not self.cycle:  # a new rollout batch (or healed)
             self._new_cycle()
             self.batches = None
         if self.batches is None:  # (or the current one, resumed)
@@ -205,6 +205,22 @@ class RolloutBatches:
         self.cycle_logp = mine["cycle_logp"]
         self.stats = dict(mine.get("stats", {}))
         self.batches = None
+
+    def heal_state(self) -> dict[str, Any]:
+        """What a replica group restarted after a failure takes from this live one (not
+        collective: torchft asks for it in its quorum thread): the position alone. The rows
+        and the baseline's history are this rank's own; the healed one's are its own."""
+        return {"steps": self.steps, "made": self.made}
+
+    def heal(self, state: dict[str, Any]) -> None:
+        """A live group's position (``heal_state``), this group's own rows dropped: the rest of
+        the current rollout batch is sampled anew, for this rank's prompts of that batch, from
+        the healed policy; the baseline's history stays this rank's (its checkpoint's, or
+        none)."""
+        self.steps, made = int(state["steps"]), int(state["made"])
+        self.pending, self.cycle, self.cycle_logp, self.batches = [], [], None, None
+        mid = self.steps % self.updates != 0  # (next() then samples the current batch again)
+        self.made = made - 1 if mid and made > 0 else made
 
     def close(self) -> None:
         close = getattr(self.source, "close", None)

@@ -148,10 +148,12 @@ def build_rollouts(run: Any, module: torch.nn.Module, line: Callable[[str], None
     """The reinforce run's loaders by split (``run``: the trainer), from its config: sampled in
     the run when rollout_prompts is set, else from the data servers (valid and test too)."""
     from torchneox.data.online import DataServer, check_addresses
+    from torchneox.train.replicas import data_share
     from torchneox.train.rl.reinforce import advantage_mode
     from torchneox.train.rl.rollouts import RolloutBatches
 
     cfg, lay, dims = run.cfg, run.layout, run.dims
+    share = data_share(cfg, dims)  # replica groups: group g's ranks as data ranks g x dp ..
     r = cfg.rollout
     group = model_group(dims)
     common = dict(
@@ -165,16 +167,16 @@ def build_rollouts(run: Any, module: torch.nn.Module, line: Callable[[str], None
     mode = advantage_mode(r)
     old = _old_logp(run, module) if r.rollout_updates > 1 else None
     if r.rollout_prompts:
-        source = _sampled(run, module, line, group)
+        source = _sampled(run, module, line, group, share)
         train = RolloutBatches(source, **common, old_logp=old, updates=r.rollout_updates)
         if cfg.training.eval_iters:
             line("reinforce: rollouts sampled in the run have no valid or test split; "
                  "eval_iters is not used (the reward of each step is logged)")  # fmt: skip
         return {"train": train}
     source = run.loaded.source("online_dataserver_ports")
-    check_addresses(r.online_dataserver_ips, r.online_dataserver_ports, dims.dp, source)
+    check_addresses(r.online_dataserver_ips, r.online_dataserver_ports, share["dp_size"], source)
     server = DataServer(
-        r.online_dataserver_ips, r.online_dataserver_ports, dims.dp_rank,
+        r.online_dataserver_ips, r.online_dataserver_ports, share["dp_rank"],
         r.online_dataserver_timeout, run.derived["padded_vocab_size"],
     )  # fmt: skip
     if cfg.rollout.serve_model_weights:
@@ -188,7 +190,9 @@ def build_rollouts(run: Any, module: torch.nn.Module, line: Callable[[str], None
     return out
 
 
-def _sampled(run: Any, module: torch.nn.Module, line: Callable[[str], None], group: Any):
+def _sampled(
+    run: Any, module: torch.nn.Module, line: Callable[[str], None], group: Any, share: dict
+):
     from torchneox.data.prompts import read_prompts
     from torchneox.data.tokenizers import build_tokenizer
     from torchneox.inference.generate import Sampling, generation_stop_ids, sample_policy
@@ -231,7 +235,8 @@ def _sampled(run: Any, module: torch.nn.Module, line: Callable[[str], None], gro
     )
     per_batch = run.layout.micro_batch * run.layout.gas // r.rollout_generations  # (derive checked)
     return SampledRollouts(sample, prompts, score, per_batch, r.rollout_generations,
-                           cfg.training.seed, dims.dp_rank, dims.dp, run.device, group)  # fmt: skip
+                           cfg.training.seed, share["dp_rank"], share["dp_size"], run.device,
+                           group)  # fmt: skip
 
 
 def _scorer(cfg: Any, origin: dict, tok: Any, stops: set[int], device: torch.device, vocab: int):

@@ -1,0 +1,97 @@
+"""REINFORCE trained by replica groups (torchft, CPU, gloo): 2 groups of 1 process sample their
+rollouts as data-parallel ranks 0 and 1 of one run would (group g's prompts and sampling
+generators), so while both are live they train as one 2-process run, bit for bit. Each batch
+of rollouts trains 2 steps (rollout_updates 2). Group 1 is killed (kill -9) inside step 3, the
+first step of the second batch; group 0 goes on alone. Restarted with an empty save folder,
+group 1 heals from group 0 after step 3, in the middle of that batch: it takes the live group's
+model, optimizer and position, not its rollouts, and samples its own share of that batch again
+from the healed policy. Both end with the same weights, bit for bit. The runs are forked from
+the tests' server (tests/forked.py): no import of torch per run."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.forked import Forked
+from tests.helpers import losses, weights
+from tests.reliability.test_replica_groups import ended, lighthouse, logged, status, wait_for
+
+torchft = pytest.importorskip("torchft")
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "configs" / "reinforce_tiny.yml"
+HERE = REPO / "configs" / "reinforce_tiny"
+KILLED, HELD, LAST = 3, 4, 5  # group 1 dies in step 3; group 0 holds before step 4 for it
+
+
+def keys(**more) -> list[str]:
+    """The shipped example, smaller: 2 prompts x 4 completions a step per group."""
+    values = {
+        "rollout_prompts": str(HERE / "prompts.jsonl"),
+        "vocab_file": str(HERE / "tokenizer.json"),
+        "reward_function": f"{HERE / 'reward.py'}:spell_neox",
+        "train_micro_batch_size_per_gpu": 8,
+        "rollout_updates": 2,
+        "train_iters": LAST,
+        "lr_decay_iters": LAST,
+        "checkpoint_factor": 2,
+        "log_interval": 1,
+    }
+    return [f"{k}={json.dumps(v)}" for k, v in (values | more).items()]
+
+
+def run(sets: list[str], nproc: int = 1, env: dict | None = None) -> Forked:
+    argv = ["train", str(EXAMPLE), "--nproc", str(nproc), *[a for s in sets for a in ("--set", s)]]
+    return Forked(argv, dict(os.environ, OMP_NUM_THREADS="1") | (env or {}))
+
+
+def group(server, g: int, folder: Path, flags: Path, fault: str) -> Forked:
+    env = {"TORCHFT_MANAGER_PORT": "0", "TORCHNEOX_FAULT": fault}
+    env["TORCHNEOX_FAULT_FLAG"] = str(flags)
+    ft = [f"ft_lighthouse={server.address()}", f"ft_replica_group={g}", "ft_replica_groups=2"]
+    ft += ["ft_timeout_seconds=20", f"save={folder}", "load=null"]  # (from random weights)
+    return run([*keys(), *ft], env=env)
+
+
+def test_reinforce_groups_train_as_one_run_and_a_killed_group_heals_mid_batch(tmp_path):
+    flags, g0, g1, back, one = (tmp_path / n for n in ("flags", "g0", "g1", "back", "one"))
+    flags.mkdir()
+    server = lighthouse()
+    try:
+        whole = run([*keys(), f"save={one}", "load=null", f"exit_interval={KILLED - 1}"], 2)
+        first = group(server, 0, g0, flags, f"wait@step.start:1,wait@step.start:{HELD}")
+        second = group(server, 1, g1, flags, f"wait@step.start:1,kill@step.backward:{KILLED}")
+        wait_for(lambda: "[2 heartbeating]" in status(server), first)
+        (flags / "1").touch()
+        assert second.result(240).returncode != 0  # killed inside step KILLED
+        wait_for(lambda: logged(g0, HELD - 1), first)  # group 0 on alone, then held
+        third = group(server, 1, back, flags, "")  # an empty save folder
+        wait_for(lambda: "[1/1 participants healthy][2 heartbeating]" in status(server), third)
+        (flags / str(HELD)).touch()
+        out0, out1 = ended(first), ended(third)
+        ended(whole)
+    finally:
+        server.shutdown()
+    # while both were live: one 2-process run's steps and weights (checkpoint of step 2)
+    for k in range(1, KILLED):
+        assert losses(g0)[k] == pytest.approx(losses(one)[k], rel=1e-6, abs=0), k
+        assert losses(g0, "grad_norm")[k] == losses(one, "grad_norm")[k], k
+    at = weights(g0 / f"global_step{KILLED - 1}")
+    for name, tensor in weights(one / f"global_step{KILLED - 1}").items():
+        assert torch.equal(at[name], tensor), name
+    # group 1 healed after step 3, mid-batch: its own share of that batch sampled again
+    assert sorted(losses(g0)) == list(range(1, LAST + 1)), out0[-3000:]
+    assert f"replica group 1: healed from a live group at step {HELD - 1}" in out1, out1[-3000:]
+    assert sorted(losses(back)) == list(range(HELD, LAST + 1))
+    assert losses(back, "replica_groups") == {HELD: 2.0, LAST: 2.0}
+    # its rows at step HELD are its own (a peer's would log the peer's rewards and lengths)
+    mine = [losses(back, key)[HELD] for key in ("reward", "completion_length")]
+    assert mine != [losses(g0, key)[HELD] for key in ("reward", "completion_length")]
+    healed = weights(back)
+    for name, tensor in weights(g0).items():
+        assert torch.equal(healed[name], tensor), name
