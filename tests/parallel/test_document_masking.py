@@ -1,6 +1,7 @@
 """inter_document_attention_masking in training, on a model of an attention layer and a mamba
 layer (which restarts its convolution and scan at every document): on 2 processes (ZeRO 1
-and 3, tensor parallel) and pipeline stages (each micro-batch's documents beside its tokens on
+and 3, tensor parallel, context parallel: the mamba layer's state passed between the ranks'
+chunks and cut at documents) and pipeline stages (each micro-batch's documents beside its tokens on
 every stage) it equals one process; it changes what a packed sample learns; off, nothing changes (with pipeline stages
 and context parallelism together: tests/parallel/test_context_parallel.py)."""
 
@@ -36,8 +37,10 @@ def baseline(config, tmp_path_factory):
         ["model_parallel_size=2", "train_micro_batch_size_per_gpu=4"],
         # each micro-batch's documents go to every stage beside the tokens
         ["pipe_parallel_size=2", "train_micro_batch_size_per_gpu=4"],
+        # the mamba layer runs each rank's chunks and passes its state on, cut at documents
+        ["context_parallel_size=2", "train_micro_batch_size_per_gpu=4"],
     ],
-    ids=["zero1", "zero3", "tp2", "pp2"],
+    ids=["zero1", "zero3", "tp2", "pp2", "cp2"],
 )
 def test_two_processes_equal_one(config, tmp_path, baseline, layout):
     out = tmp_path / "two"

@@ -46,6 +46,7 @@ from torchneox.models.args import ModelArgs
 from torchneox.models.init import InitFn, init_function
 from torchneox.models.linear import Linear
 from torchneox.models.mixers.attention import AttentionBias, KVCache, valid_tokens
+from torchneox.models.mixers.state_passing import chunks_of, halo, incoming
 
 D_STATE = 16
 """The state's size per channel (GPT-NeoX's d_state)."""
@@ -129,6 +130,10 @@ class Mamba(nn.Module):
     """GPT-NeoX's ParallelMambaBlock: parameters in_proj, conv1d, x_proj, dt_proj, A_log, D,
     out_proj (transformers' MambaMixer's names)."""
 
+    passes_state = True
+    """Under context parallelism it runs its own chunks and passes its state on (no gather of
+    the whole sequence: models/block.py)."""
+
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
         self.layer = layer
@@ -156,6 +161,8 @@ class Mamba(nn.Module):
         bias: AttentionBias,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
+        if bias.gather is not None and cache is None:  # context parallelism: state passing
+            return self._context_parallel(x_BTH, bias)
         t = x_BTH.shape[1]
         valid, docs = valid_tokens(bias, cache, t), bias.documents
         if cache is None and valid is None and docs is None and self._kernel_ready(x_BTH):
@@ -164,16 +171,8 @@ class Mamba(nn.Module):
         x, z = self._x_and_gate(x_BTH)
         x = self._conv(_masked(x, valid), state, docs)
         x = _masked(x, valid)
-        dt_B_C = self.x_proj(x)
-        if self.tp is not None:  # every rank's channels read dt, B and C
-            dt_B_C = self.tp.copy(dt_B_C)
-        dt, B, C = dt_B_C.split([self.dt_rank, D_STATE, D_STATE], dim=-1)
+        dt, B, C = self._dt_B_C(x)
         with torch.autocast(x.device.type, enabled=False):
-            w, b = _local(self.dt_proj.weight).float(), _local(self.dt_proj.bias).float()
-            dt = dt.float()
-            term = self.dt_proj.adapter_term(dt)  # LoRA's, in fp32 as the product
-            dt = F.linear(dt, w, b)
-            dt = F.softplus(dt if term is None else dt + term)
             A = -torch.exp(_local(self.A_log).float())
             h0 = state.get("ssm") if state is not None else None
             if h0 is None:
@@ -185,6 +184,54 @@ class Mamba(nn.Module):
             _keep(state, "ssm", h)
         return self.out_proj(y.to(x.dtype))
 
+    def _dt_B_C(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """dt (through dt_proj and softplus, fp32), B and C of the convolution's output."""
+        dt_B_C = self.x_proj(x)
+        if self.tp is not None:  # every rank's channels read dt, B and C
+            dt_B_C = self.tp.copy(dt_B_C)
+        dt, B, C = dt_B_C.split([self.dt_rank, D_STATE, D_STATE], dim=-1)
+        with torch.autocast(x.device.type, enabled=False):
+            w, b = _local(self.dt_proj.weight).float(), _local(self.dt_proj.bias).float()
+            dt = dt.float()
+            term = self.dt_proj.adapter_term(dt)  # LoRA's, in fp32 as the product
+            dt = F.linear(dt, w, b)
+            return F.softplus(dt if term is None else dt + term), B, C
+
+    def _context_parallel(self, x_BTH: torch.Tensor, bias: AttentionBias) -> torch.Tensor:
+        """This rank's two chunks of each sequence (models/mixers/state_passing.py): the
+        convolution reads the 3 inputs before each chunk from the rank that holds them, each
+        chunk's scan runs from a zero state for its last state and whole decay, the ranks
+        pass those on, and each chunk is scanned again from the state entering it."""
+        chunks = chunks_of(bias)
+        x, z = self._x_and_gate(x_BTH)
+        before = halo(x, D_CONV - 1, chunks, bias)
+        docs = chunks.documents
+        convolved, keeps = [], []
+        for k, chunk in enumerate(chunks.mine):
+            start, mine = chunks.starts(chunk), x[:, chunks.span(k)]
+            if docs is None:
+                convolved.append(self._conv(mine, None, None, before[:, k]))
+                keeps.append(None)
+                continue
+            own = docs[:, start : start + chunks.size]
+            ahead = F.pad(docs, (D_CONV - 1, 0), value=-1)[:, start : start + D_CONV - 1]
+            convolved.append(self._conv(mine, None, own, before[:, k], ahead))
+            keeps.append(_same_document(docs[:, max(start - 1, 0) : start + chunks.size]))
+            keeps[-1] = keeps[-1][:, -chunks.size :] if start else keeps[-1]
+        x = torch.cat(convolved, 1)
+        dt, B, C = self._dt_B_C(x)
+        with torch.autocast(x.device.type, enabled=False):
+            A, D = -torch.exp(_local(self.A_log).float()), _local(self.D)
+            zero = x.new_zeros(x.shape[0], *A.shape, dtype=torch.float32)
+            spans = [chunks.span(k) for k in (0, 1)]
+            args = [(x[:, s], dt[:, s], A, B[:, s], C[:, s], D) for s in spans]
+            last = [selective_scan(*args[k], zero, keep=keeps[k])[1] for k in (0, 1)]
+            decay = [_chunk_decay(dt[:, spans[k]], A, keeps[k]) for k in (0, 1)]
+            entering = incoming(torch.stack(last, 1), torch.stack(decay, 1), chunks, bias)
+            ys = [selective_scan(*args[k], entering[:, k], keep=keeps[k])[0] for k in (0, 1)]
+            y = torch.cat(ys, 1) * F.silu(z.float())
+        return self.out_proj(y.to(x.dtype))
+
     def _x_and_gate(self, x_BTH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """in_proj's x and z (split over tensor ranks: this rank's channels of each)."""
         xz = self.in_proj(x_BTH)
@@ -194,12 +241,20 @@ class Mamba(nn.Module):
         return x, z
 
     def _conv(
-        self, x_BTD: torch.Tensor, state: dict | None, docs_BT: torch.Tensor | None = None
+        self,
+        x_BTD: torch.Tensor,
+        state: dict | None,
+        docs_BT: torch.Tensor | None = None,
+        halo_BKD: torch.Tensor | None = None,
+        halo_docs_BK: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """silu(causal depthwise conv) of x, continuing from the state's last inputs; with
-        ``docs_BT`` each position reads only the inputs of its own document."""
+        """silu(causal depthwise conv) of x, continuing from the state's last inputs (or a
+        context-parallel chunk's ``halo_BKD``, the inputs just before it, of documents
+        ``halo_docs_BK``); with ``docs_BT`` each position reads only its own document's."""
         x = x_BTD.transpose(1, 2)
-        if state:
+        if halo_BKD is not None:
+            before = halo_BKD.transpose(1, 2).to(x.dtype)
+        elif state:
             before = state["conv"].to(x.dtype)
         else:
             before = x.new_zeros(x.shape[0], x.shape[1], D_CONV - 1)
@@ -210,7 +265,10 @@ class Mamba(nn.Module):
         if docs_BT is None:
             return F.silu(F.conv1d(x, w, b, groups=w.shape[0])).transpose(1, 2)
         windows = x.unfold(-1, D_CONV, 1)  # [B, d, T, D_CONV]: window t ends at position t
-        docs = F.pad(docs_BT, (D_CONV - 1, 0), value=-1).unfold(-1, D_CONV, 1)
+        if halo_docs_BK is None:
+            docs = F.pad(docs_BT, (D_CONV - 1, 0), value=-1).unfold(-1, D_CONV, 1)
+        else:
+            docs = torch.cat([halo_docs_BK, docs_BT], 1).unfold(-1, D_CONV, 1)
         same = (docs == docs_BT[..., None]).to(x.dtype)  # [B, T, D_CONV]
         out = (windows * same[:, None] * w[:, 0][None, :, None]).sum(-1)
         out = out if b is None else out + b[None, :, None]
@@ -268,6 +326,13 @@ def _local(t: torch.Tensor | None) -> torch.Tensor | None:
     """This rank's part of a parameter split over tensor ranks (a DTensor), else ``t``; its
     gradient goes to that part."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _chunk_decay(dt: torch.Tensor, A: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """[B, d, n] what a chunk's scan does to the state entering it: exp(A x the chunk's dt),
+    or nothing of it where a document starts in the chunk."""
+    decay = torch.exp(dt.sum(1)[..., None] * A)
+    return decay if keep is None else decay * keep.prod(1)[:, None, None]
 
 
 def _same_document(docs_BT: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,83 @@
+"""Context parallelism's state passing for the recurrent mixers, in one process: each context
+rank is a thread that runs its two chunks of the sequence (parallel/context_parallel.py's
+split), the all-gather a barrier over the threads. Each rank's outputs, and the gradients of
+the whole input, equal the mixer run over the whole sequence, with and without documents."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from tests.helpers import build
+from torchneox.models.mixers.attention import AttentionBias
+from torchneox.parallel.context_parallel import chunk_positions
+
+CP, T = 2, 24  # 4 chunks of 6 positions: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
+
+
+class FakeGather:
+    """``bias.gather`` for ``ranks`` threads: every rank's tensors, in rank order (dim 2)."""
+
+    def __init__(self, ranks: int):
+        self.barrier, self.slots, self.ranks = threading.Barrier(ranks), {}, ranks
+
+    def of(self, rank: int):
+        def gather(k: torch.Tensor, v: torch.Tensor):
+            self.slots[rank] = (k, v)
+            self.barrier.wait()
+            ks, vs = zip(*(self.slots[r] for r in range(self.ranks)), strict=True)
+            out = torch.cat(ks, 2), torch.cat(vs, 2)
+            self.barrier.wait()  # (every rank has read this call's tensors)
+            return out
+
+        return gather
+
+
+def run_ranks(mixer, x_BTH: torch.Tensor, docs_BT: torch.Tensor | None) -> torch.Tensor:
+    """The whole sequence's outputs, each rank's positions computed by its own thread."""
+    keys = torch.cat([chunk_positions(T, CP, r, x_BTH.device) for r in range(CP)])
+    fake, outs, errors = FakeGather(CP), {}, []
+
+    def rank(r: int) -> None:
+        try:
+            mine = chunk_positions(T, CP, r, x_BTH.device)
+            documents = None if docs_BT is None else docs_BT[:, keys]
+            bias = AttentionBias(None, False, fake.of(r), None, (mine, keys), documents)
+            outs[r] = (mine, mixer(x_BTH[:, mine], None, bias, None))
+        except BaseException as e:  # (seen by the main thread)
+            errors.append(e)
+            fake.barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(CP)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    out = torch.empty_like(x_BTH)
+    for mine, o in outs.values():
+        out = out.index_copy(1, mine, o)
+    return out
+
+
+@pytest.mark.parametrize("with_documents", [False, True], ids=["one-document", "documents"])
+def test_mamba_passes_its_state_between_context_ranks(with_documents):
+    _, model = build("mamba")
+    mixer = model.layers["0"].mamba.double()
+    assert mixer.passes_state
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, T, model.args.hidden_size, generator=g, dtype=torch.float64)
+    # documents start inside a chunk, on a chunk's first position and one after a chunk's end
+    docs = torch.tensor([[0] * 4 + [1] * 8 + [2] * 7 + [3] * 5, [0] * 13 + [1] * 11])
+    docs = docs if with_documents else None
+    whole_x, split_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    whole = mixer(whole_x, None, AttentionBias(None, True, documents=docs), None)
+    split = run_ranks(mixer, split_x, docs)
+    torch.testing.assert_close(split, whole, rtol=1e-9, atol=1e-9)
+    weight = torch.randn(whole.shape, generator=g, dtype=torch.float64)
+    (whole * weight).sum().backward()
+    (split * weight).sum().backward()
+    torch.testing.assert_close(split_x.grad, whole_x.grad, rtol=1e-9, atol=1e-9)
