@@ -1,8 +1,8 @@
 """Layer weight sharing and soft prompts across processes: 2 processes (DDP; ZeRO-3, the blocks
 that share one owner's tensors in one FSDP unit; tensor parallel; the shared MoE layers' experts
 split over 2 expert ranks, and 2 pipeline stages whose layers share across them, each resumed
-to the bit; a soft prompt under ZeRO-3, context parallelism,
-and 2 pipeline stages x 2 context ranks) give the losses and weights of one process on the same
+to the bit; a soft prompt before a curriculum's growing text under ZeRO-3, context
+parallelism and 2 pipeline stages x 2 context ranks, the last two resumed to the bit) give the losses and weights of one process on the same
 global batch."""
 
 from __future__ import annotations
@@ -90,10 +90,11 @@ def prompt_config(make_module_config):
     [
         (["zero_optimization.stage=3"], 2),
         # the prompt's positions lead the sequence the context ranks split (rank 0 holds them)
-        (["context_parallel_size=2", "gradient_accumulation_steps=4"], 2),
+        (["context_parallel_size=2", "gradient_accumulation_steps=4", "checkpoint_factor=1"], 2),
         # ... and through 2 pipeline stages: the first stage's chunks of [prompt, text] take
         # the prompt's rows, the last scores the text's positions (the prompt's out of the loss)
-        (["context_parallel_size=2", "pipe_parallel_size=2", "train_micro_batch_size_per_gpu=4"], 4),
+        (["context_parallel_size=2", "pipe_parallel_size=2", "train_micro_batch_size_per_gpu=4",
+          "checkpoint_factor=1"], 4),
     ],
     ids=["zero3", "cp2", "pp2-cp2"],
 )  # fmt: skip
@@ -104,3 +105,5 @@ def test_soft_prompt_on_several_processes_equals_one(
     out = tmp_path / "run"
     train(prompt_config, f"save={out}", "load=null", *layout, nproc=nproc)
     assert_same_training(out, baseline)
+    if "checkpoint_factor=1" in layout:  # resumed after step 1: the padded 3 + 16, then 3 + 32
+        assert_resumes_bitwise(prompt_config, out, 1, layout, nproc=nproc)
