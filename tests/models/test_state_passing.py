@@ -81,3 +81,27 @@ def test_mamba_passes_its_state_between_context_ranks(with_documents):
     (whole * weight).sum().backward()
     (split * weight).sum().backward()
     torch.testing.assert_close(split_x.grad, whole_x.grad, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("mix", ["time_mix", "channel_mix"])
+def test_rwkv_passes_its_shift_and_state_between_context_ranks(mix, monkeypatch):
+    """The time mix: its token shift's input and WKV state from the chunk before; the
+    channel mix: its token shift's (RWKV runs on across documents, as GPT-NeoX's). In float64
+    (the WKV's fp32 casts made float64 here): equal to 1e-9, so nothing but rounding differs."""
+    _, model = build("rwkv")
+    mixer = getattr(model.layers["0"], mix).double()
+    with torch.no_grad():  # lively: decays and mixes away from their initial curves
+        for p in mixer.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.3)
+    monkeypatch.setattr(torch.Tensor, "float", torch.Tensor.double)
+    assert mixer.passes_state
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, T, model.args.hidden_size, generator=g, dtype=torch.float64)
+    whole_x, split_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    whole = mixer(whole_x, None, AttentionBias(None, True), None)
+    split = run_ranks(mixer, split_x, None)
+    torch.testing.assert_close(split, whole, rtol=1e-9, atol=1e-9)
+    weight = torch.randn(whole.shape, generator=g, dtype=torch.float64)
+    (whole * weight).sum().backward()
+    (split * weight).sum().backward()
+    torch.testing.assert_close(split_x.grad, whole_x.grad, rtol=1e-9, atol=1e-9)

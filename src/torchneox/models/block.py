@@ -19,13 +19,12 @@ Every mixer is called as ``mixer(x, rope, bias, cache)`` and returns a tensor sh
 ``x``: attention reads the rotary tables, the mask and the KV cache; a recurrent mixer keeps
 its state in ``cache.state(layer)`` and ignores the rest.
 
-Under context parallelism (``bias.gather`` set) a mixer that reads the sequence in order
-(mamba's convolution and scan, RWKV's token shift and recurrence, gMLP's spatial gating) runs
-over the whole sequence: every rank's part is gathered and put in order (one all-gather
-forward, its reduce-scatter backward), so each chunk starts from the state the chunks before
-it leave, and each rank keeps the outputs of its own positions (``_whole_sequence``). A mixer
-with ``passes_state`` set takes its own rank's part instead and passes its state between the
-ranks itself.
+Under context parallelism (``bias.gather`` set) a mixer that reads the sequence in order runs
+one of two ways. Mamba's and RWKV's mixers (``passes_state``) take their own rank's chunks and
+pass their recurrent state between the ranks (models/mixers/state_passing.py). gMLP's spatial
+gating, which mixes every position, runs over the whole sequence: every rank's part is gathered
+and put in order (one all-gather forward, its reduce-scatter backward), and each rank keeps the
+outputs of its own positions (``_whole_sequence``).
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ from torchneox.models.args import ModelArgs
 from torchneox.models.init import InitFn
 from torchneox.models.linear import Linear
 from torchneox.models.mixers.attention import valid_tokens
+from torchneox.models.mixers.state_passing import chunks_of, incoming, shifted
 
 TIME_MIX_EXTRA_DIM = 32
 """The rank of each of the five token-shift mixes (W1: hidden x 5*32, W2: 5 x 32 x hidden)."""
@@ -149,7 +150,19 @@ def _ratios(args: ModelArgs, layer: int) -> tuple[float, float]:
     return layer / max(args.num_layers - 1, 1), 1.0 - layer / args.num_layers
 
 
+def _previous(x: torch.Tensor, state: dict, name: str, cache, bias) -> torch.Tensor:
+    """x_{t-1} at every position: under context parallelism a chunk's first takes the last
+    input of the chunk before, from the rank that holds it."""
+    if bias is not None and bias.gather is not None and cache is None:
+        return shifted(x, chunks_of(bias), bias)
+    return _shifted(x, state, name, cache)
+
+
 class TimeMix(nn.Module):
+    passes_state = True
+    """Under context parallelism it runs its own chunks and passes its shift and WKV state on
+    (models/mixers/state_passing.py), never gathering the whole sequence."""
+
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
         self.layer = layer
@@ -178,7 +191,7 @@ class TimeMix(nn.Module):
         b, t, _ = x_BTH.shape
         state = cache.state(self.layer) if cache is not None else {}
         x = zero_padding(x_BTH, bias, cache)
-        dx = _shifted(x, state, "time_shift", cache) - x
+        dx = _previous(x, state, "time_shift", cache, bias) - x
         low = torch.tanh((x + dx * self.time_maa_x) @ self.time_maa_w1)
         low = low.view(b * t, 5, TIME_MIX_EXTRA_DIM).transpose(0, 1)
         mw, mk, mv, mr, mg = torch.bmm(low, self.time_maa_w2).view(5, b, t, -1).unbind(0)
@@ -194,7 +207,10 @@ class TimeMix(nn.Module):
         n = r.shape[-1] // self.head_size  # the heads this rank holds (all of them unsplit)
         heads = [z.view(b, t, n, self.head_size).transpose(1, 2) for z in (r, k, v)]
         log_decay = -torch.exp(w.float()).view(b, t, n, self.head_size).transpose(1, 2)
-        y, final = self._wkv(*heads, log_decay, state.get("wkv"))
+        if bias is not None and bias.gather is not None and cache is None:
+            y, final = self._passed(*heads, log_decay, bias)
+        else:
+            y, final = self._wkv(*heads, log_decay, state.get("wkv"))
         if cache is not None:
             _keep(state, "wkv", final)
         y = y.transpose(1, 2).reshape(b * t, -1)
@@ -209,6 +225,18 @@ class TimeMix(nn.Module):
         weight, bias = _local(norm.weight), _local(norm.bias)
         return F.group_norm(y, heads, weight, bias, norm.eps)
 
+    def _passed(self, r, k, v, log_decay, bias):
+        """Context parallelism: each of this rank's two chunks run from a zero state for its
+        last state and whole decay, the states entering them composed over the ranks, then each
+        run again from the state entering it ([B, heads, T, N] each)."""
+        chunks = chunks_of(bias)
+        spans = [[z[:, :, chunks.span(c)] for z in (r, k, v, log_decay)] for c in (0, 1)]
+        last = [self._wkv(*part, None)[1] for part in spans]
+        decay = [part[3].sum(2).exp()[..., None].expand_as(last[0]) for part in spans]
+        entering = incoming(torch.stack(last, 1), torch.stack(decay, 1), chunks, bias)
+        ys = [self._wkv(*part, entering[:, c])[0] for c, part in enumerate(spans)]
+        return torch.cat(ys, 2), None
+
     def _wkv(self, r, k, v, log_decay, state):
         if r.is_cuda:
             out = fla_wkv(r, k, v, log_decay, _local(self.time_faaaa), state)
@@ -219,6 +247,10 @@ class TimeMix(nn.Module):
 
 
 class ChannelMix(nn.Module):
+    passes_state = True
+    """Under context parallelism its token shift reads the last input before each chunk from
+    the rank that holds it (models/mixers/state_passing.py)."""
+
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
         self.layer = layer
@@ -232,7 +264,7 @@ class ChannelMix(nn.Module):
     def forward(self, x_BTH, rope=None, bias=None, cache=None) -> torch.Tensor:
         state = cache.state(self.layer) if cache is not None else {}
         x = zero_padding(x_BTH, bias, cache)
-        dx = _shifted(x, state, "channel_shift", cache) - x
+        dx = _previous(x, state, "channel_shift", cache, bias) - x
         k = torch.relu(self.key(x + dx * self.time_maa_k)) ** 2
         return torch.sigmoid(self.receptance(x + dx * self.time_maa_r)) * self.value(k)
 

@@ -1,5 +1,6 @@
-"""Context parallelism for the recurrent mixers (mamba, RWKV): each rank runs its own chunks
-and the ranks pass their states on, instead of every rank running the whole sequence.
+"""Context parallelism for the recurrent mixers (mamba, RWKV's time and channel mixes): each
+rank runs its own chunks and the ranks pass their states on, instead of every rank running
+the whole sequence.
 
 Under context parallelism a rank holds two chunks of every sequence, chunk r and chunk
 2 cp - 1 - r of 2 cp equal chunks (parallel/context_parallel.py). A recurrence that is linear in
@@ -89,6 +90,13 @@ def halo(x_BTD: torch.Tensor, width: int, chunks: Chunks, bias: AttentionBias) -
         else:
             out.append(every[:, chunks.slot(chunk - 1)])
     return torch.stack(out, 1)
+
+
+def shifted(x_BTD: torch.Tensor, chunks: Chunks, bias: AttentionBias) -> torch.Tensor:
+    """x_{t-1} at each of this rank's positions (a token shift: zeros before the sequence)."""
+    before = halo(x_BTD, 1, chunks, bias)
+    parts = [torch.cat([before[:, k], x_BTD[:, chunks.span(k)][:, :-1]], 1) for k in (0, 1)]
+    return torch.cat(parts, 1)
 
 
 def incoming(last: torch.Tensor, decay: torch.Tensor, chunks: Chunks, bias: AttentionBias):
