@@ -44,7 +44,7 @@ def run_ranks(mixer, x_BTH: torch.Tensor, docs_BT: torch.Tensor | None) -> torch
         try:
             mine = chunk_positions(T, CP, r, x_BTH.device)
             documents = None if docs_BT is None else docs_BT[:, keys]
-            bias = AttentionBias(None, False, fake.of(r), None, (mine, keys), documents)
+            bias = AttentionBias(None, False, fake.of(r), None, (mine, keys), documents, r)
             outs[r] = (mine, mixer(x_BTH[:, mine], None, bias, None))
         except BaseException as e:  # (seen by the main thread)
             errors.append(e)
@@ -105,3 +105,20 @@ def test_rwkv_passes_its_shift_and_state_between_context_ranks(mix, monkeypatch)
     (whole * weight).sum().backward()
     (split * weight).sum().backward()
     torch.testing.assert_close(split_x.grad, whole_x.grad, rtol=1e-9, atol=1e-9)
+
+
+def test_a_context_rank_holds_half_the_recurrent_layers_activations():
+    """estimate traces a context rank's forward (its gather a stand-in, on fake tensors): with
+    the state passed on, a rank of 2 keeps about half of one process's activations of a mamba
+    and an RWKV layer (gathering the sequence, it kept more than the whole)."""
+    from tests.helpers import BASE
+    from torchneox.config.load import load_mapping
+    from torchneox.estimate.search import estimate
+
+    held = {}
+    for cp in (1, 2):
+        keys = {"attention_config": [[["mamba", "rwkv"], 1]], "num_layers": 2, "seq_length": 256}
+        keys |= {"max_position_embeddings": 256, "train_micro_batch_size_per_gpu": 2}
+        loaded = load_mapping(BASE | keys | {"context_parallel_size": cp}, "x")
+        held[cp] = estimate(loaded, gpus=cp, gpu="h100")["activations_after_forward_bytes"]
+    assert 0.4 * held[1] < held[2] < 0.6 * held[1], held

@@ -208,8 +208,8 @@ def _traced_context(seq: int, cp: int, device: torch.device):
     from torchneox.parallel.context_parallel import shard_of
 
     def gather(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        both = torch.cat([torch.stack([k, v])] * cp, dim=3)
-        return both[0], both[1]
+        # (the recurrent mixers' states travel with an empty second tensor)
+        return torch.cat([k] * cp, dim=2), torch.cat([v] * cp, dim=2)
 
     return shard_of(seq, cp, 0, gather, device)
 

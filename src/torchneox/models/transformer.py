@@ -254,7 +254,8 @@ class Transformer(nn.Module):
         positions = (q[:, 0], k[0]) if context is not None or static is not None else None
         if a.pos_emb in ("alibi", "rpe"):
             allowed = self._position_scores(q - k)[None].masked_fill(~allowed, float("-inf"))
-        return AttentionBias(allowed, False, gather, key_valid_BS, positions, keys)
+        rank = context.rank if context is not None else 0
+        return AttentionBias(allowed, False, gather, key_valid_BS, positions, keys, rank)
 
     def _position_scores(self, distance: torch.Tensor) -> torch.Tensor:
         """[heads, T, S] what ALiBi or T5's relative positions add to the attention scores

@@ -50,6 +50,7 @@ def shard_of(
         length=length,
         gather=gather,
         key_segments=None if segments is None else segments[:, keys],
+        rank=rank,
     )
 
 

@@ -54,6 +54,8 @@ class AttentionBias:
     """[B, S] each key's document under inter_document_attention_masking (the call's tokens;
     under context parallelism the gathered keys, in gather order): a mamba mixer restarts its
     convolution and scan at each document's first token."""
+    context_rank: int = 0
+    """Context parallelism: this rank's place among the ranks (its chunks r and 2 cp - 1 - r)."""
 
 
 @dataclass
@@ -71,6 +73,8 @@ class ContextShard:
     gather: Gather
     key_segments: torch.Tensor | None = None
     """[B, T] each gathered key's document (inter_document_attention_masking)."""
+    rank: int = 0
+    """This rank's place among the context ranks."""
 
     @property
     def ranks(self) -> int:

@@ -61,13 +61,12 @@ class Chunks:
 def chunks_of(bias: AttentionBias) -> Chunks:
     """The chunks of this rank under ``bias`` (a context-parallel forward's)."""
     assert bias.positions is not None and bias.gather is not None
-    mine, keys = bias.positions
-    size = mine.numel() // 2
+    mine, keys = bias.positions  # (read for their sizes: the estimate traces on fake tensors)
+    size, ranks, rank = mine.numel() // 2, keys.numel() // mine.numel(), bias.context_rank
     documents = None
     if bias.documents is not None:  # the gathered keys' documents, put in sequence order
         documents = bias.documents[:, torch.argsort(keys)]
-    first, second = int(mine[0]) // size, int(mine[size]) // size
-    return Chunks(size, keys.numel() // (2 * size), (first, second), documents)
+    return Chunks(size, ranks, (rank, 2 * ranks - 1 - rank), documents)
 
 
 def _gathered(bias: AttentionBias, t: torch.Tensor) -> torch.Tensor:
