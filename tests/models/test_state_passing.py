@@ -63,6 +63,19 @@ def run_ranks(mixer, x_BTH: torch.Tensor, docs_BT: torch.Tensor | None) -> torch
     return out
 
 
+def assert_split_like_whole(mixer, x: torch.Tensor, docs: torch.Tensor | None) -> None:
+    """The ranks' outputs and the input's gradients (of a random weighting of the outputs)
+    equal the whole sequence's, to 1e-9 (float64)."""
+    whole_x, split_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    whole = mixer(whole_x, None, AttentionBias(None, True, documents=docs), None)
+    split = run_ranks(mixer, split_x, docs)
+    torch.testing.assert_close(split, whole, rtol=1e-9, atol=1e-9)
+    weight = torch.randn(whole.shape, generator=torch.Generator().manual_seed(5), dtype=x.dtype)
+    (whole * weight).sum().backward()
+    (split * weight).sum().backward()
+    torch.testing.assert_close(split_x.grad, whole_x.grad, rtol=1e-9, atol=1e-9)
+
+
 @pytest.mark.parametrize("with_documents", [False, True], ids=["one-document", "documents"])
 def test_mamba_passes_its_state_between_context_ranks(with_documents):
     _, model = build("mamba")
@@ -73,14 +86,7 @@ def test_mamba_passes_its_state_between_context_ranks(with_documents):
     # documents start inside a chunk, on a chunk's first position and one after a chunk's end
     docs = torch.tensor([[0] * 4 + [1] * 8 + [2] * 7 + [3] * 5, [0] * 13 + [1] * 11])
     docs = docs if with_documents else None
-    whole_x, split_x = x.clone().requires_grad_(), x.clone().requires_grad_()
-    whole = mixer(whole_x, None, AttentionBias(None, True, documents=docs), None)
-    split = run_ranks(mixer, split_x, docs)
-    torch.testing.assert_close(split, whole, rtol=1e-9, atol=1e-9)
-    weight = torch.randn(whole.shape, generator=g, dtype=torch.float64)
-    (whole * weight).sum().backward()
-    (split * weight).sum().backward()
-    torch.testing.assert_close(split_x.grad, whole_x.grad, rtol=1e-9, atol=1e-9)
+    assert_split_like_whole(mixer, x, docs)
 
 
 @pytest.mark.parametrize("mix", ["time_mix", "channel_mix"])
@@ -97,14 +103,7 @@ def test_rwkv_passes_its_shift_and_state_between_context_ranks(mix, monkeypatch)
     assert mixer.passes_state
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, T, model.args.hidden_size, generator=g, dtype=torch.float64)
-    whole_x, split_x = x.clone().requires_grad_(), x.clone().requires_grad_()
-    whole = mixer(whole_x, None, AttentionBias(None, True), None)
-    split = run_ranks(mixer, split_x, None)
-    torch.testing.assert_close(split, whole, rtol=1e-9, atol=1e-9)
-    weight = torch.randn(whole.shape, generator=g, dtype=torch.float64)
-    (whole * weight).sum().backward()
-    (split * weight).sum().backward()
-    torch.testing.assert_close(split_x.grad, whole_x.grad, rtol=1e-9, atol=1e-9)
+    assert_split_like_whole(mixer, x, None)
 
 
 def test_a_context_rank_holds_half_the_recurrent_layers_activations():

@@ -10,7 +10,6 @@ the tests' server (tests/forked.py): no import of torch per run."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -20,29 +19,18 @@ import torch
 from tests.forked import Forked
 from tests.helpers import losses, weights
 from tests.reliability.test_replica_groups import ended, lighthouse, logged, status, wait_for
+from tests.train.rl.test_reinforce_run import EXAMPLE, tiny
 
 torchft = pytest.importorskip("torchft")
 
-REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = REPO / "configs" / "reinforce_tiny.yml"
-HERE = REPO / "configs" / "reinforce_tiny"
 KILLED, HELD, LAST = 3, 4, 5  # group 1 dies in step 3; group 0 holds before step 4 for it
 
 
-def keys(**more) -> list[str]:
+def keys() -> list[str]:
     """The shipped example, smaller: 2 prompts x 4 completions a step per group."""
-    values = {
-        "rollout_prompts": str(HERE / "prompts.jsonl"),
-        "vocab_file": str(HERE / "tokenizer.json"),
-        "reward_function": f"{HERE / 'reward.py'}:spell_neox",
-        "train_micro_batch_size_per_gpu": 8,
-        "rollout_updates": 2,
-        "train_iters": LAST,
-        "lr_decay_iters": LAST,
-        "checkpoint_factor": 2,
-        "log_interval": 1,
-    }
-    return [f"{k}={json.dumps(v)}" for k, v in (values | more).items()]
+    more = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1}
+    more |= {"train_iters": LAST, "lr_decay_iters": LAST, "checkpoint_factor": 2}
+    return tiny(rollout_updates=2, **more)
 
 
 def run(sets: list[str], nproc: int = 1, env: dict | None = None) -> Forked:
