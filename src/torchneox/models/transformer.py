@@ -359,7 +359,7 @@ class Transformer(nn.Module):
         if cut and not sliced:
             x = x[:, n:]
         out = self._head(x[:, -1:] if last_only else x)
-        return out[:, n:] if cut and sliced else out
+        return out[:, n:] if cut and sliced and not last_only else out
 
     def _context(
         self,
