@@ -2,11 +2,13 @@
 rollouts as data-parallel ranks 0 and 1 of one run would (group g's prompts and sampling
 generators), so while both are live they train as one 2-process run, bit for bit. Each batch
 of rollouts trains 2 steps (rollout_updates 2). Group 1 is killed (kill -9) inside step 3, the
-first step of the second batch; group 0 goes on alone. Restarted with an empty save folder,
-group 1 heals from group 0 after step 3, in the middle of that batch: it takes the live group's
-model, optimizer and position, not its rollouts, and samples its own share of that batch again
-from the healed policy. Both end with the same weights, bit for bit. The runs are forked from
-the tests' server (tests/forked.py): no import of torch per run."""
+first step of the second batch; group 0 goes on alone. Restarted to resume its save folder,
+group 1 loads its own checkpoint of step 2 (the first batch's rows, its baseline's history), then
+heals from group 0 after step 3, in the middle of the second batch: it takes the live group's
+model, optimizer and position, not its rollouts, drops the first batch's rows it loaded, and
+samples its own share of the second batch again from the healed policy. Both end with the same
+weights, bit for bit. The runs are forked from the tests' server (tests/forked.py): no import
+of torch per run."""
 
 from __future__ import annotations
 
@@ -38,16 +40,16 @@ def run(sets: list[str], nproc: int = 1, env: dict | None = None) -> Forked:
     return Forked(argv, dict(os.environ, OMP_NUM_THREADS="1") | (env or {}))
 
 
-def group(server, g: int, folder: Path, flags: Path, fault: str) -> Forked:
+def group(server, g: int, folder: Path, flags: Path, fault: str, load: str = "null") -> Forked:
     env = {"TORCHFT_MANAGER_PORT": "0", "TORCHNEOX_FAULT": fault}
     env["TORCHNEOX_FAULT_FLAG"] = str(flags)
     ft = [f"ft_lighthouse={server.address()}", f"ft_replica_group={g}", "ft_replica_groups=2"]
-    ft += ["ft_timeout_seconds=20", f"save={folder}", "load=null"]  # (from random weights)
+    ft += ["ft_timeout_seconds=20", f"save={folder}", f"load={load}"]  # (null: random weights)
     return run([*keys(), *ft], env=env)
 
 
 def test_reinforce_groups_train_as_one_run_and_a_killed_group_heals_mid_batch(tmp_path):
-    flags, g0, g1, back, one = (tmp_path / n for n in ("flags", "g0", "g1", "back", "one"))
+    flags, g0, g1, one = (tmp_path / n for n in ("flags", "g0", "g1", "one"))
     flags.mkdir()
     server = lighthouse()
     try:
@@ -58,7 +60,7 @@ def test_reinforce_groups_train_as_one_run_and_a_killed_group_heals_mid_batch(tm
         (flags / "1").touch()
         assert second.result(240).returncode != 0  # killed inside step KILLED
         wait_for(lambda: logged(g0, HELD - 1), first)  # group 0 on alone, then held
-        third = group(server, 1, back, flags, "")  # an empty save folder
+        third = group(server, 1, g1, flags, "", load=str(g1))  # resumes step KILLED - 1
         wait_for(lambda: "[1/1 participants healthy][2 heartbeating]" in status(server), third)
         (flags / str(HELD)).touch()
         out0, out1 = ended(first), ended(third)
@@ -72,14 +74,17 @@ def test_reinforce_groups_train_as_one_run_and_a_killed_group_heals_mid_batch(tm
     at = weights(g0 / f"global_step{KILLED - 1}")
     for name, tensor in weights(one / f"global_step{KILLED - 1}").items():
         assert torch.equal(at[name], tensor), name
-    # group 1 healed after step 3, mid-batch: its own share of that batch sampled again
+    # group 1 loaded step 2 and healed after step 3, mid-batch: its own share of that batch
+    # sampled again (the killed run logged steps 1 and 2, the restarted one HELD on)
     assert sorted(losses(g0)) == list(range(1, LAST + 1)), out0[-3000:]
     assert f"replica group 1: healed from a live group at step {HELD - 1}" in out1, out1[-3000:]
-    assert sorted(losses(back)) == list(range(HELD, LAST + 1))
-    assert losses(back, "replica_groups") == {HELD: 2.0, LAST: 2.0}
-    # its rows at step HELD are its own (a peer's would log the peer's rewards and lengths)
-    mine = [losses(back, key)[HELD] for key in ("reward", "completion_length")]
-    assert mine != [losses(g0, key)[HELD] for key in ("reward", "completion_length")]
-    healed = weights(back)
+    assert sorted(losses(g1)) == [*range(1, KILLED), *range(HELD, LAST + 1)]
+    assert losses(g1, "replica_groups") == {1: 2.0, 2: 2.0, HELD: 2.0, LAST: 2.0}
+    # its rows at step HELD are new and its own: neither the first batch's it loaded nor a peer's
+    stats = ("reward", "completion_length")
+    mine = [losses(g1, key)[HELD] for key in stats]
+    assert mine != [losses(g1, key)[KILLED - 1] for key in stats]
+    assert mine != [losses(g0, key)[HELD] for key in stats]
+    healed = weights(g1)
     for name, tensor in weights(g0).items():
         assert torch.equal(healed[name], tensor), name
