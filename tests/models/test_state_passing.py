@@ -116,8 +116,8 @@ def test_a_context_rank_holds_half_the_recurrent_layers_activations():
 
     held = {}
     for cp in (1, 2):
-        keys = {"attention_config": [[["mamba", "rwkv"], 1]], "num_layers": 2, "seq_length": 256}
-        keys |= {"max_position_embeddings": 256, "train_micro_batch_size_per_gpu": 2}
+        keys = {"attention_config": [[["mamba", "rwkv"], 1]], "num_layers": 2, "seq_length": 128}
+        keys |= {"max_position_embeddings": 128, "train_micro_batch_size_per_gpu": 2}
         loaded = load_mapping(BASE | keys | {"context_parallel_size": cp}, "x")
         held[cp] = estimate(loaded, gpus=cp, gpu="h100")["activations_after_forward_bytes"]
     assert 0.4 * held[1] < held[2] < 0.6 * held[1], held

@@ -226,15 +226,23 @@ class TimeMix(nn.Module):
         return F.group_norm(y, heads, weight, bias, norm.eps)
 
     def _passed(self, r, k, v, log_decay, bias):
-        """Context parallelism: each of this rank's two chunks run from a zero state for its
-        last state and whole decay, the states entering them composed over the ranks, then each
-        run again from the state entering it ([B, heads, T, N] each)."""
+        """Context parallelism ([B, heads, T, N] each): each of this rank's two chunks runs once
+        from a zero state, giving its outputs, last state and whole decay; the states entering
+        the chunks are composed over the ranks (one small all-gather), and each chunk's outputs
+        gain what its entering state adds: r_t (decay over the chunk before t) h_in, the
+        recurrence being linear in its state."""
         chunks = chunks_of(bias)
         spans = [[z[:, :, chunks.span(c)] for z in (r, k, v, log_decay)] for c in (0, 1)]
-        last = [self._wkv(*part, None)[1] for part in spans]
-        decay = [part[3].sum(2).exp()[..., None].expand_as(last[0]) for part in spans]
-        entering = incoming(torch.stack(last, 1), torch.stack(decay, 1), chunks, bias)
-        ys = [self._wkv(*part, entering[:, c])[0] for c, part in enumerate(spans)]
+        runs = [self._wkv(*part, None) for part in spans]
+        upto = [part[3].cumsum(2) for part in spans]  # the log decay from the chunk's start
+        decay = [c[:, :, -1].exp()[..., None].expand_as(runs[0][1]) for c in upto]
+        last = torch.stack([final for _, final in runs], 1)
+        entering = incoming(last, torch.stack(decay, 1), chunks, bias)
+        ys = []
+        with torch.autocast(r.device.type, enabled=False):  # the state's term in fp32
+            for c, (r_c, _, _, log_decay_c) in enumerate(spans):
+                read = r_c.float() * (upto[c] - log_decay_c).exp()  # r_t x decay through t - 1
+                ys.append(runs[c][0] + read @ entering[:, c].float())
         return torch.cat(ys, 2), None
 
     def _wkv(self, r, k, v, log_decay, state):
