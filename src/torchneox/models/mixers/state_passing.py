@@ -79,15 +79,17 @@ def _gathered(bias: AttentionBias, t: torch.Tensor) -> torch.Tensor:
 
 def halo(x_BTD: torch.Tensor, width: int, chunks: Chunks, bias: AttentionBias) -> torch.Tensor:
     """[B, 2, width, D] the ``width`` inputs just before each of this rank's chunks (zeros
-    before the first chunk of the sequence)."""
-    tails = torch.stack([x_BTD[:, chunks.span(k)][:, -width:] for k in (0, 1)], 1)
-    every = _gathered(bias, tails)  # [B, 2 x ranks, width, D]
+    before the sequence's start). A chunk shorter than ``width`` (a short sequence over many
+    ranks) hands on all it has, and the inputs come from as many chunks before as it takes."""
+    take = min(width, chunks.size)
+    tails = torch.stack([x_BTD[:, chunks.span(k)][:, -take:] for k in (0, 1)], 1)
+    every = _gathered(bias, tails)  # [B, 2 x ranks, take, D]
+    zeros = x_BTD.new_zeros(x_BTD.shape[0], width, *x_BTD.shape[2:])
     out = []
     for chunk in chunks.mine:
-        if chunk == 0:
-            out.append(torch.zeros_like(tails[:, 0]))
-        else:
-            out.append(every[:, chunks.slot(chunk - 1)])
+        first = max(chunk - -(-width // take), 0)  # the earliest chunk the window reaches
+        before = [every[:, chunks.slot(c)] for c in range(first, chunk)]
+        out.append(torch.cat([zeros, *before], 1)[:, -width:])
     return torch.stack(out, 1)
 
 
