@@ -11,8 +11,10 @@ its state, h_t = a_t * h_{t-1} + b_t, is run over each chunk from a zero state; 
 where h_in is the state the chunks before leave. Each rank gives every other its chunks' last
 local state and their whole decay (a_1 ... a_L), one small all-gather, and every rank composes
 the incoming state of each chunk in sequence order from those; the mixer adds the incoming
-state's term to its outputs. A convolution or a token shift that reads the positions just before
-a chunk takes them from the chunk before (``halo``, one more small all-gather). Gradients flow
+state's term to its outputs (RWKV) or runs the chunk from it (mamba, whose last local state is
+a weighted sum of its inputs that needs no scan). A convolution or a token shift that reads the
+positions just before a chunk takes them from the chunks before (``halo``, one more small
+all-gather). Gradients flow
 through the gathers (``bias.gather`` is an all-gather whose backward is its reduce-scatter), so
 each rank's loss reaches every state it read.
 
