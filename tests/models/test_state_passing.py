@@ -35,14 +35,17 @@ class FakeGather:
         return gather
 
 
-def run_ranks(mixer, x_BTH: torch.Tensor, docs_BT: torch.Tensor | None) -> torch.Tensor:
+def run_ranks(
+    mixer, x_BTH: torch.Tensor, docs_BT: torch.Tensor | None, ranks: int = CP
+) -> torch.Tensor:
     """The whole sequence's outputs, each rank's positions computed by its own thread."""
-    keys = torch.cat([chunk_positions(T, CP, r, x_BTH.device) for r in range(CP)])
-    fake, outs, errors = FakeGather(CP), {}, []
+    length = x_BTH.shape[1]
+    keys = torch.cat([chunk_positions(length, ranks, r, x_BTH.device) for r in range(ranks)])
+    fake, outs, errors = FakeGather(ranks), {}, []
 
     def rank(r: int) -> None:
         try:
-            mine = chunk_positions(T, CP, r, x_BTH.device)
+            mine = chunk_positions(length, ranks, r, x_BTH.device)
             documents = None if docs_BT is None else docs_BT[:, keys]
             bias = AttentionBias(None, False, fake.of(r), None, (mine, keys), documents, r)
             outs[r] = (mine, mixer(x_BTH[:, mine], None, bias, None))
@@ -50,7 +53,7 @@ def run_ranks(mixer, x_BTH: torch.Tensor, docs_BT: torch.Tensor | None) -> torch
             errors.append(e)
             fake.barrier.abort()
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(CP)]
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
     for t in threads:
         t.start()
     for t in threads:
@@ -63,12 +66,14 @@ def run_ranks(mixer, x_BTH: torch.Tensor, docs_BT: torch.Tensor | None) -> torch
     return out
 
 
-def assert_split_like_whole(mixer, x: torch.Tensor, docs: torch.Tensor | None) -> None:
+def assert_split_like_whole(
+    mixer, x: torch.Tensor, docs: torch.Tensor | None, ranks: int = CP
+) -> None:
     """The ranks' outputs and the input's gradients (of a random weighting of the outputs)
     equal the whole sequence's, to 1e-9 (float64)."""
     whole_x, split_x = x.clone().requires_grad_(), x.clone().requires_grad_()
     whole = mixer(whole_x, None, AttentionBias(None, True, documents=docs), None)
-    split = run_ranks(mixer, split_x, docs)
+    split = run_ranks(mixer, split_x, docs, ranks)
     torch.testing.assert_close(split, whole, rtol=1e-9, atol=1e-9)
     weight = torch.randn(whole.shape, generator=torch.Generator().manual_seed(5), dtype=x.dtype)
     (whole * weight).sum().backward()
@@ -76,17 +81,26 @@ def assert_split_like_whole(mixer, x: torch.Tensor, docs: torch.Tensor | None) -
     torch.testing.assert_close(split_x.grad, whole_x.grad, rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("with_documents", [False, True], ids=["one-document", "documents"])
-def test_mamba_passes_its_state_between_context_ranks(with_documents):
+# documents start inside a chunk, on a chunk's first position and one after a chunk's end
+DOCUMENTS = [[0] * 4 + [1] * 8 + [2] * 7 + [3] * 5, [0] * 13 + [1] * 11]
+# 4 ranks' chunks of 1 position: the convolution's 3 inputs before come from 3 chunks back
+SHORT = [[0] * 3 + [1] * 2 + [2] * 3, [0] * 8]
+
+
+@pytest.mark.parametrize(
+    "ranks,documents",
+    [(CP, None), (CP, DOCUMENTS), (4, None), (4, SHORT)],
+    ids=["one-document", "documents", "short-chunks", "short-chunks-documents"],
+)
+def test_mamba_passes_its_state_between_context_ranks(ranks, documents):
     _, model = build("mamba")
     mixer = model.layers["0"].mamba.double()
     assert mixer.passes_state
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, T, model.args.hidden_size, generator=g, dtype=torch.float64)
-    # documents start inside a chunk, on a chunk's first position and one after a chunk's end
-    docs = torch.tensor([[0] * 4 + [1] * 8 + [2] * 7 + [3] * 5, [0] * 13 + [1] * 11])
-    docs = docs if with_documents else None
-    assert_split_like_whole(mixer, x, docs)
+    t = T if ranks == CP else 8
+    x = torch.randn(2, t, model.args.hidden_size, generator=g, dtype=torch.float64)
+    docs = None if documents is None else torch.tensor(documents)
+    assert_split_like_whole(mixer, x, docs, ranks)
 
 
 @pytest.mark.parametrize("mix", ["time_mix", "channel_mix"])

@@ -29,6 +29,13 @@ document, and the scan's decay is 0 at a document's first token, so each documen
 what it would alone. (GPT-NeoX's mamba reads a packed sample as one sequence.) Such a
 forward takes this file's scan even where mamba-ssm is installed: its Mamba-1 selective scan
 takes no document boundaries.
+
+Under context parallelism (``bias.gather``) the mixer runs only this rank's two chunks of the
+sequence (models/mixers/state_passing.py). The scan being linear in its state, each chunk's
+last state from a zero state is a weighted sum of its inputs (``last_state``, without a scan);
+the ranks pass those on, and each chunk is scanned once, from the state entering it (composed
+from the chunks before it). It takes this file's scan on CUDA too: mamba-ssm's selective scan
+takes no entering state.
 """
 
 from __future__ import annotations
@@ -106,6 +113,44 @@ def selective_scan(
             y, h = _scan_part(*args)
         ys.append(y)
     return torch.cat(ys, 1) + u * D.float(), h
+
+
+def last_state(
+    u: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    keep: torch.Tensor | None = None,
+    chunk: int = CHUNK,
+) -> torch.Tensor:
+    """[B, d, n] the state a scan from a zero state ends in, without running the scan (the
+    scan being linear): the sum over t of exp(A (dt_{t+1} + ... + dt_L)) dt_t u_t B_t, from the
+    last document start on (``keep``), in fp32. The decays since each position are summed from
+    the end (no difference of large sums), ``chunk`` positions at a time, each recomputed in the
+    backward, so no [B, L, d, n] tensor is held for more than one."""
+    u, dt, B = u.float(), dt.float(), B.float()
+    after = torch.flip(torch.cumsum(torch.flip(dt, [1]), 1), [1])  # dt_t + ... + dt_L
+    after = F.pad(after[:, 1:], (0, 0, 0, 1))  # dt_{t+1} + ... + dt_L
+    weight = dt * u
+    if keep is not None:  # nothing from before a document that starts after t
+        alive = torch.flip(torch.cumprod(torch.flip(keep, [1]), 1), [1])
+        weight = weight * F.pad(alive[:, 1:], (0, 1), value=1.0)[..., None]
+    total = None
+    for start in range(0, u.shape[1], chunk):
+        part = slice(start, start + chunk)
+        args = (weight[:, part], after[:, part], A, B[:, part])
+        if torch.is_grad_enabled():
+            term = checkpoint(_last_part, *args, use_reentrant=False)
+        else:
+            term = _last_part(*args)
+        total = term if total is None else total + term
+    return total
+
+
+def _last_part(
+    weight: torch.Tensor, after: torch.Tensor, A: torch.Tensor, B: torch.Tensor
+) -> torch.Tensor:  # fmt: skip
+    return torch.einsum("bldn,bln->bdn", torch.exp(after[..., None] * A) * weight[..., None], B)
 
 
 def _scan_part(
@@ -200,8 +245,8 @@ class Mamba(nn.Module):
     def _context_parallel(self, x_BTH: torch.Tensor, bias: AttentionBias) -> torch.Tensor:
         """This rank's two chunks of each sequence (models/mixers/state_passing.py): the
         convolution reads the 3 inputs before each chunk from the rank that holds them, each
-        chunk's scan runs from a zero state for its last state and whole decay, the ranks
-        pass those on, and each chunk is scanned again from the state entering it."""
+        chunk's last state from a zero state (``last_state``, no scan) and whole decay go to
+        every rank, and each chunk is scanned once, from the state entering it."""
         chunks = chunks_of(bias)
         x, z = self._x_and_gate(x_BTH)
         before = halo(x, D_CONV - 1, chunks, bias)
@@ -222,10 +267,11 @@ class Mamba(nn.Module):
         dt, B, C = self._dt_B_C(x)
         with torch.autocast(x.device.type, enabled=False):
             A, D = -torch.exp(_local(self.A_log).float()), _local(self.D)
-            zero = x.new_zeros(x.shape[0], *A.shape, dtype=torch.float32)
             spans = [chunks.span(k) for k in (0, 1)]
             args = [(x[:, s], dt[:, s], A, B[:, s], C[:, s], D) for s in spans]
-            last = [selective_scan(*args[k], zero, keep=keeps[k])[1] for k in (0, 1)]
+            last = [
+                last_state(x[:, s], dt[:, s], A, B[:, s], keeps[k]) for k, s in enumerate(spans)
+            ]
             decay = [_chunk_decay(dt[:, spans[k]], A, keeps[k]) for k in (0, 1)]
             entering = incoming(torch.stack(last, 1), torch.stack(decay, 1), chunks, bias)
             ys = [selective_scan(*args[k], entering[:, k], keep=keeps[k])[0] for k in (0, 1)]

@@ -11,8 +11,10 @@ its state, h_t = a_t * h_{t-1} + b_t, is run over each chunk from a zero state; 
 where h_in is the state the chunks before leave. Each rank gives every other its chunks' last
 local state and their whole decay (a_1 ... a_L), one small all-gather, and every rank composes
 the incoming state of each chunk in sequence order from those; the mixer adds the incoming
-state's term to its outputs. A convolution or a token shift that reads the positions just before
-a chunk takes them from the chunk before (``halo``, one more small all-gather). Gradients flow
+state's term to its outputs (RWKV) or runs the chunk from it (mamba, whose last local state is
+a weighted sum of its inputs that needs no scan). A convolution or a token shift that reads the
+positions just before a chunk takes them from the chunks before (``halo``, one more small
+all-gather). Gradients flow
 through the gathers (``bias.gather`` is an all-gather whose backward is its reduce-scatter), so
 each rank's loss reaches every state it read.
 
@@ -79,15 +81,17 @@ def _gathered(bias: AttentionBias, t: torch.Tensor) -> torch.Tensor:
 
 def halo(x_BTD: torch.Tensor, width: int, chunks: Chunks, bias: AttentionBias) -> torch.Tensor:
     """[B, 2, width, D] the ``width`` inputs just before each of this rank's chunks (zeros
-    before the first chunk of the sequence)."""
-    tails = torch.stack([x_BTD[:, chunks.span(k)][:, -width:] for k in (0, 1)], 1)
-    every = _gathered(bias, tails)  # [B, 2 x ranks, width, D]
+    before the sequence's start). A chunk shorter than ``width`` (a short sequence over many
+    ranks) hands on all it has, and the inputs come from as many chunks before as it takes."""
+    take = min(width, chunks.size)
+    tails = torch.stack([x_BTD[:, chunks.span(k)][:, -take:] for k in (0, 1)], 1)
+    every = _gathered(bias, tails)  # [B, 2 x ranks, take, D]
+    zeros = x_BTD.new_zeros(x_BTD.shape[0], width, *x_BTD.shape[2:])
     out = []
     for chunk in chunks.mine:
-        if chunk == 0:
-            out.append(torch.zeros_like(tails[:, 0]))
-        else:
-            out.append(every[:, chunks.slot(chunk - 1)])
+        first = max(chunk - -(-width // take), 0)  # the earliest chunk the window reaches
+        before = [every[:, chunks.slot(c)] for c in range(first, chunk)]
+        out.append(torch.cat([zeros, *before], 1)[:, -width:])
     return torch.stack(out, 1)
 
 
