@@ -95,7 +95,7 @@ def memory_per_rank(
     fsdp = fsdp_ranks(layout)
     stored = weight_bytes(loaded)
     worst: dict[str, Any] | None = None
-    prompted = any(n == SOFT_PROMPT for params in stages for n, _ in params)
+    prompted = has_prompt(stages)
     for k, params in enumerate(stages):
         state = state_bytes(
             params, layout, fsdp, opt_per_param, per_dim, hidden, per_tensor, stored, prompted
@@ -123,6 +123,11 @@ def memory_per_rank(
             }
     assert worst is not None
     return worst
+
+
+def has_prompt(stages: list[list[tuple[str, tuple]]]) -> bool:
+    """Whether the model whose stages' parameters these are has a soft prompt (on stage 0)."""
+    return any(n == SOFT_PROMPT for params in stages for n, _ in params)
 
 
 def trained(params: list[tuple[str, tuple]], prompted: bool = False) -> list[tuple[str, tuple]]:

@@ -20,6 +20,7 @@ from torchneox.config.layout import Layout
 from torchneox.config.load import LoadedConfig
 from torchneox.estimate.memory import (
     build_bytes,
+    has_prompt,
     hidden_optimizer_bytes,
     optimizer_bytes_per_dim,
     optimizer_bytes_per_param,
@@ -28,7 +29,6 @@ from torchneox.estimate.memory import (
     weight_bytes,
 )
 from torchneox.estimate.parameters import stage_params
-from torchneox.models.params import SOFT_PROMPT
 
 if TYPE_CHECKING:
     from torchneox.train.assembly import Run
@@ -404,6 +404,7 @@ def expected_bytes(loaded: LoadedConfig, built: Run, stages: list[int]) -> dict[
     out = {"parameters": 0, "gradients": 0, "optimizer": 0}
     reference = built.parts.reference is not None
     whole = [p for k in stages for p in params[k]]
+    prompted = has_prompt(params)
     for k in stages:
         per_dim = optimizer_bytes_per_dim(loaded)
         hidden = hidden_optimizer_bytes(loaded)
@@ -417,7 +418,7 @@ def expected_bytes(loaded: LoadedConfig, built: Run, stages: list[int]) -> dict[
             hidden,
             per_tensor,
             weight_bytes(loaded),
-            prompted=any(n == SOFT_PROMPT for stage in params for n, _ in stage),
+            prompted=prompted,
         )["resident"]
         out["parameters"] += resident["parameter_shard"]
         out["gradients"] += resident["gradient_shard"]

@@ -177,11 +177,6 @@ class Pipeline:
         self.shape = shape
 
 
-SHARED_ACROSS_STAGES = ("embed.weight", "rpe.weight")
-"""Parameters more than one stage reads: tied embeddings (the first stage's embedding, the last
-stage's head) and ``pos_emb: rpe``'s table (every layer's attention)."""
-
-
 @dataclass
 class StageShared:
     """One parameter held by several pipeline stages, Megatron's way: each holding rank keeps
@@ -239,8 +234,10 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def share_across_stages(
     pipeline: Pipeline, mesh: DeviceMesh, args: ModelArgs, layout: Layout
 ) -> None:
-    """Set ``pipeline.shared``: the groups of the ranks holding each shared parameter (every
-    rank takes part in making them: new process groups are collective)."""
+    """Set ``pipeline.shared``: the groups of the ranks holding each parameter more than one
+    stage reads (tied embeddings: the first stage's embedding, the last stage's head; rpe's
+    table, every layer's; a shared layer's weights, its owner's and its sharers' stages); every
+    rank takes part in making them: new process groups are collective."""
     pp_dim = mesh.mesh_dim_names.index("pp")
     rows = mesh.mesh.movedim(pp_dim, -1).reshape(-1, mesh.size(pp_dim)).tolist()
     pp_rank, pp_size = mesh["pp"].get_local_rank(), mesh.size(pp_dim)
@@ -248,14 +245,11 @@ def share_across_stages(
         "embed.weight": sorted({0, pipeline.last_rank}) if embeds_on_last(args) else [],
         "rpe.weight": list(range(pp_size)) if args.pos_emb == "rpe" else [],
     }
-    names = dict.fromkeys(SHARED_ACROSS_STAGES)  # (then each shared layer's weights)
-    for owner, ranks in layer_holders(args, layout, pp_size).items():
+    for owner, ranks in layer_holders(args, layout, pp_size).items():  # each shared layer's
         holders[f"layers.{owner}."] = ranks
-        names[f"layers.{owner}."] = None
     held = dict(pipeline.container.named_parameters())
     params, groups, repeated, made = [], [], set(), {}
-    for prefix in names:
-        ranks = holders[prefix]
+    for prefix, ranks in holders.items():
         if len(ranks) < 2:  # (zbv: the first rank holds both ends, ``twins``)
             continue
         if tuple(ranks) not in made:
@@ -267,7 +261,7 @@ def share_across_stages(
                 )[0]
             )
         for name, param in held.items():
-            if pp_rank in ranks and (name == prefix or name.startswith(prefix)):
+            if pp_rank in ranks and name.startswith(prefix):
                 params.append(param)
                 groups.append(made[tuple(ranks)])
                 if pp_rank != ranks[0]:

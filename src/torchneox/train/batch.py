@@ -76,16 +76,21 @@ def text_kept(logits: torch.Tensor, prep: Prepared) -> Prepared:
     return dataclasses.replace(prep, **cut)
 
 
+def text_span(n_tokens: int, text: int | None = None) -> slice:
+    """The positions of the text in a sequence laid out with a soft prompt's ``n_tokens``
+    placeholders first and padding after its ``text`` tokens (``soft_prompt.before_text``)."""
+    return slice(n_tokens, None if text is None else n_tokens + text)
+
+
 def past_prompt(prep: Prepared, n_tokens: int, text: int | None = None) -> Prepared:
     """A micro-batch laid out with a soft prompt's ``n_tokens`` placeholders first
     (``soft_prompt.before_text``: context parallelism) as the ``text`` tokens alone (the padding
     after them cut too): what a whole-sequence objective scores, the outputs cut alike."""
-    cut = {}
-    end = None if text is None else n_tokens + text
+    cut, span = {}, text_span(n_tokens, text)
     for name in ("labels", "mask", "rewards", "reference_logp", "old_logp"):
         value = getattr(prep, name)
         if value is not None and value.dim() == 2:
-            cut[name] = value[:, n_tokens:end]
+            cut[name] = value[:, span]
     return dataclasses.replace(prep, **cut)
 
 

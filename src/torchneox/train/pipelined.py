@@ -31,7 +31,7 @@ from torchneox.parallel.collectives import plain, sum_over_pp, sum_router_stats
 from torchneox.parallel.context_parallel import gather_sequence, part_of, stage_shard
 from torchneox.parallel.dims import ParallelDims
 from torchneox.parallel.pipeline import evaluate_pipeline
-from torchneox.train.batch import past_prompt
+from torchneox.train.batch import past_prompt, text_span
 from torchneox.train.loss import kept_logp
 from torchneox.train.objectives import LanguageModeling, Objective, Prepared
 from torchneox.train.soft_prompt import before_text
@@ -103,8 +103,8 @@ class PipelinedObjective:
         cp = self.context.ranks  # every context rank computes the whole micro-batch's terms
         out = gather_sequence(out, self.context, self.mesh)
         if self.prompt:
-            end = None if self.text is None else self.prompt + self.text
-            out, prep = out[:, self.prompt : end], past_prompt(prep, self.prompt, self.text)
+            span = text_span(self.prompt, self.text)
+            out, prep = out[:, span], past_prompt(prep, self.prompt, self.text)
         terms = self.objective.terms(out, prep, None)
         terms.loss = terms.loss / cp
         terms.metrics = {k: v / cp for k, v in terms.metrics.items()}

@@ -41,7 +41,7 @@ from torchneox.parallel.parallelize import ParallelModel
 from torchneox.parallel.pipeline import evaluate_pipeline
 from torchneox.parallel.tensor_parallel import loss_context, placed_like
 from torchneox.reporting.metrics import Timers
-from torchneox.train.batch import cut, to_device
+from torchneox.train.batch import cut, text_span, to_device
 from torchneox.train.loss import lm_loss
 from torchneox.train.objectives import DocumentMasked, LanguageModeling, Objective
 from torchneox.train.pipelined import (
@@ -211,7 +211,7 @@ class Gradients:
         if reference is not None:
             reference = gather_sequence(reference, context, mesh)
         n = self.parts.model.args.soft_prompt_tokens  # (the prompt's outputs, before the text)
-        text = slice(n, n + prep.text if prep.text is not None else None)  # (then the padding)
+        text = text_span(n, prep.text)  # (then the padding)
         out, reference = out[:, text], None if reference is None else reference[:, text]
         terms = self.objective.terms(out, self.whole, reference, stats, placed)
         terms.loss = terms.loss / cp

@@ -53,7 +53,7 @@ from torchneox.models.args import ModelArgs
 from torchneox.models.init import InitFn, init_function
 from torchneox.models.linear import Linear
 from torchneox.models.mixers.attention import AttentionBias, KVCache, valid_tokens
-from torchneox.models.mixers.state_passing import chunks_of, halo, incoming
+from torchneox.models.mixers.state_passing import chunks_of, halo, incoming, passes
 
 D_STATE = 16
 """The state's size per channel (GPT-NeoX's d_state)."""
@@ -206,7 +206,7 @@ class Mamba(nn.Module):
         bias: AttentionBias,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
-        if bias.gather is not None and cache is None:  # context parallelism: state passing
+        if passes(bias, cache):  # context parallelism: this rank's chunks, the state passed on
             return self._context_parallel(x_BTH, bias)
         t = x_BTH.shape[1]
         valid, docs = valid_tokens(bias, cache, t), bias.documents
@@ -252,17 +252,17 @@ class Mamba(nn.Module):
         before = halo(x, D_CONV - 1, chunks, bias)
         docs = chunks.documents
         convolved, keeps = [], []
+        if docs is not None:  # (the whole sequence's: each chunk takes its part)
+            keep, padded = _same_document(docs), F.pad(docs, (D_CONV - 1, 0), value=-1)
         for k, chunk in enumerate(chunks.mine):
             start, mine = chunks.starts(chunk), x[:, chunks.span(k)]
             if docs is None:
                 convolved.append(self._conv(mine, None, None, before[:, k]))
                 keeps.append(None)
                 continue
-            own = docs[:, start : start + chunks.size]
-            ahead = F.pad(docs, (D_CONV - 1, 0), value=-1)[:, start : start + D_CONV - 1]
+            own, ahead = docs[:, start : start + chunks.size], padded[:, start : start + D_CONV - 1]
             convolved.append(self._conv(mine, None, own, before[:, k], ahead))
-            keeps.append(_same_document(docs[:, max(start - 1, 0) : start + chunks.size]))
-            keeps[-1] = keeps[-1][:, -chunks.size :] if start else keeps[-1]
+            keeps.append(keep[:, start : start + chunks.size])
         x = torch.cat(convolved, 1)
         dt, B, C = self._dt_B_C(x)
         with torch.autocast(x.device.type, enabled=False):

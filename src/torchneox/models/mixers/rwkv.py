@@ -40,7 +40,7 @@ from torchneox.models.args import ModelArgs
 from torchneox.models.init import InitFn
 from torchneox.models.linear import Linear
 from torchneox.models.mixers.attention import valid_tokens
-from torchneox.models.mixers.state_passing import chunks_of, incoming, shifted
+from torchneox.models.mixers.state_passing import chunks_of, incoming, passes, shifted
 
 TIME_MIX_EXTRA_DIM = 32
 """The rank of each of the five token-shift mixes (W1: hidden x 5*32, W2: 5 x 32 x hidden)."""
@@ -153,7 +153,7 @@ def _ratios(args: ModelArgs, layer: int) -> tuple[float, float]:
 def _previous(x: torch.Tensor, state: dict, name: str, cache, bias) -> torch.Tensor:
     """x_{t-1} at every position: under context parallelism a chunk's first takes the last
     input of the chunk before, from the rank that holds it."""
-    if bias is not None and bias.gather is not None and cache is None:
+    if passes(bias, cache):
         return shifted(x, chunks_of(bias), bias)
     return _shifted(x, state, name, cache)
 
@@ -207,7 +207,7 @@ class TimeMix(nn.Module):
         n = r.shape[-1] // self.head_size  # the heads this rank holds (all of them unsplit)
         heads = [z.view(b, t, n, self.head_size).transpose(1, 2) for z in (r, k, v)]
         log_decay = -torch.exp(w.float()).view(b, t, n, self.head_size).transpose(1, 2)
-        if bias is not None and bias.gather is not None and cache is None:
+        if passes(bias, cache):
             y, final = self._passed(*heads, log_decay, bias)
         else:
             y, final = self._wkv(*heads, log_decay, state.get("wkv"))
@@ -235,7 +235,7 @@ class TimeMix(nn.Module):
         spans = [[z[:, :, chunks.span(c)] for z in (r, k, v, log_decay)] for c in (0, 1)]
         runs = [self._wkv(*part, None) for part in spans]
         upto = [part[3].cumsum(2) for part in spans]  # the log decay from the chunk's start
-        decay = [c[:, :, -1].exp()[..., None].expand_as(runs[0][1]) for c in upto]
+        decay = [c[:, :, -1].exp()[..., None] for c in upto]  # (per key channel)
         last = torch.stack([final for _, final in runs], 1)
         entering = incoming(last, torch.stack(decay, 1), chunks, bias)
         ys = []

@@ -60,6 +60,12 @@ class Chunks:
         return chunk * self.size
 
 
+def passes(bias: AttentionBias | None, cache) -> bool:
+    """Whether a recurrent mixer's forward runs its own chunks and passes its state on: a
+    context-parallel training forward (a cached decode never runs under context parallelism)."""
+    return bias is not None and bias.gather is not None and cache is None
+
+
 def chunks_of(bias: AttentionBias) -> Chunks:
     """The chunks of this rank under ``bias`` (a context-parallel forward's)."""
     assert bias.positions is not None and bias.gather is not None
@@ -105,12 +111,16 @@ def shifted(x_BTD: torch.Tensor, chunks: Chunks, bias: AttentionBias) -> torch.T
 def incoming(last: torch.Tensor, decay: torch.Tensor, chunks: Chunks, bias: AttentionBias):
     """[B, 2, ...] the state entering each of this rank's chunks: ``last`` [B, 2, ...] each of
     its chunks' last state run from a zero state, ``decay`` [B, 2, ...] each chunk's whole
-    decay (what it does to a state entering it)."""
-    both = _gathered(bias, torch.stack([last, decay], 2))  # [B, 2 x ranks, 2, ...]
-    state = torch.zeros_like(last[:, 0])
+    decay (what it does to a state entering it; any shape that broadcasts against a state's,
+    sent as it is: RWKV's per key channel, mamba's per channel and state)."""
+    b = last.shape[0]
+    flat = [last.reshape(b, 2, -1), decay.reshape(b, 2, -1)]
+    every = _gathered(bias, torch.cat(flat, -1))  # [B, 2 x ranks, both sizes], one gather
+    lasts, decays = every.split([flat[0].shape[-1], flat[1].shape[-1]], -1)
+    state, shape = torch.zeros_like(last[:, 0]), (b, *decay.shape[2:])
     entering = []
     for chunk in range(chunks.count):
         entering.append(state)
-        at = both[:, chunks.slot(chunk)]
-        state = at[:, 1] * state + at[:, 0]
+        at = chunks.slot(chunk)
+        state = decays[:, at].reshape(shape) * state + lasts[:, at].reshape(state.shape)
     return torch.stack([entering[chunk] for chunk in chunks.mine], 1)
